@@ -1,0 +1,98 @@
+"""Attention over the paged KV cache.
+
+`paged_attention` is the one entry point the model calls. It writes the new
+K/V rows into their slots, then attends. Today it runs the portable reference
+path (gather blocks through the block table, then
+`mx.fast.scaled_dot_product_attention`), which works on every MLX backend; a
+Metal kernel can replace `_decode_attention` / `_prefill_attention` behind the
+same signature.
+
+The flat token batch is ordered decodes first (one query token per sequence),
+then prefill chunks. Decodes are attended together as one padded-by-blocks
+batch with a length mask; each prefill chunk is attended on its own with a
+causal mask aligned to the end of its context (cached prefix + chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from macinfer.kv_cache import KVCache
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first row of this chunk in the flat batch
+    length: int  # tokens in this chunk
+    context_len: int  # tokens in cache after this chunk (prefix + chunk)
+    block_table: mx.array  # [num_blocks_for_context] int32
+
+
+@dataclass
+class AttentionMetadata:
+    kv_cache: KVCache
+    positions: mx.array  # [T] int32
+    slot_mapping: mx.array  # [T] int32
+    num_decodes: int = 0
+    decode_block_tables: mx.array | None = None  # [B, max_blocks] int32
+    decode_context_lens: mx.array | None = None  # [B] int32
+    decode_max_blocks: int = 0
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def _gather(pool: mx.array, block_table: mx.array) -> mx.array:
+    """[..., nb] block ids -> [..., kv_heads, nb * block_size, head_dim]."""
+    g = pool[block_table]  # [..., nb, bs, kvh, d]
+    *lead, nb, bs, kvh, d = g.shape
+    g = g.reshape(*lead, nb * bs, kvh, d)
+    return mx.swapaxes(g, -2, -3)
+
+
+def _decode_attention(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float
+) -> mx.array:
+    k = _gather(k_pool, meta.decode_block_tables)  # [B, kvh, L, d]
+    v = _gather(v_pool, meta.decode_block_tables)
+    L = k.shape[2]
+    mask = mx.arange(L)[None, :] < meta.decode_context_lens[:, None]  # [B, L]
+    out = mx.fast.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, scale=scale, mask=mask[:, None, None, :]
+    )
+    return out[:, :, 0, :]  # [B, H, d]
+
+
+def _prefill_attention(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, span: PrefillSpan, scale: float
+) -> mx.array:
+    k = _gather(k_pool, span.block_table)[None, :, : span.context_len]
+    v = _gather(v_pool, span.block_table)[None, :, : span.context_len]
+    # "causal" in MLX aligns the last query with the last key, which is exactly
+    # a chunk that continues a cached prefix.
+    out = mx.fast.scaled_dot_product_attention(
+        mx.swapaxes(q, 0, 1)[None], k, v, scale=scale, mask="causal"
+    )
+    return mx.swapaxes(out[0], 0, 1)  # [n, H, d]
+
+
+def paged_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    meta: AttentionMetadata,
+    layer: int,
+    scale: float,
+) -> mx.array:
+    """q: [T, H, d]; k, v: [T, kv_heads, d] for the new tokens. Returns [T, H, d]."""
+    cache = meta.kv_cache
+    cache.write(layer, meta.slot_mapping, k, v)
+    k_pool, v_pool = cache.blocks(layer)
+    outs = []
+    if meta.num_decodes:
+        outs.append(_decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale))
+    for span in meta.prefills:
+        qs = q[span.start : span.start + span.length]
+        outs.append(_prefill_attention(qs, k_pool, v_pool, span, scale))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return out.astype(q.dtype)

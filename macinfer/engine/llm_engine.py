@@ -1,0 +1,244 @@
+"""The engine: requests in, one scheduled forward pass per `step()`, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from macinfer.engine.block_manager import BlockManager
+from macinfer.engine.model_runner import ModelRunner
+from macinfer.engine.scheduler import Scheduler
+from macinfer.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from macinfer.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block
+from macinfer.loader import LoadedModel, load
+from macinfer.sampling_params import SamplingParams
+from macinfer.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("macinfer")
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # default: the model's context length
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_gb: float | None = None  # explicit KV budget in GiB
+    kv_cache_fraction: float = 0.3  # else: this share of free memory after weights
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str  # all text so far (stop strings removed)
+    token_ids: list[int]
+    delta_text: str  # new since the previous output of this request
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class _RequestState:
+    """Text-side state of one request: detokenizer and stop-string hold-back."""
+
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, prompt: str | None):
+        self.seq = seq
+        self.detok = detok
+        self.prompt = prompt
+        self.text = ""
+        self.emitted_chars = 0
+        self.emitted_tokens = 0
+        self.max_stop_len = max((len(s) for s in seq.params.stop), default=0)
+
+
+class LLMEngine:
+    def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.loaded = model if isinstance(model, LoadedModel) else load(model)
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        args = self.model.args
+        cfg = self.config
+        model_len = args.max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or model_len, model_len)
+
+        kv_dtype = self._kv_dtype()
+        per_block = bytes_per_block(
+            args.num_hidden_layers, args.num_key_value_heads, args.head_dim, cfg.block_size, kv_dtype
+        )
+        if cfg.kv_cache_gb is not None:
+            budget = int(cfg.kv_cache_gb * 2**30)
+        else:
+            weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+            budget = int(cfg.kv_cache_fraction * max(available_memory_bytes() - weights, 0))
+        # More blocks than every sequence at full length could use is waste.
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget {budget / 2**30:.3f} GiB is below one block "
+                f"({per_block / 2**20:.2f} MiB); raise --kv-cache-gb"
+            )
+        self.kv_cache = KVCache(
+            args.num_hidden_layers, num_blocks, cfg.block_size,
+            args.num_key_value_heads, args.head_dim, kv_dtype,
+        )
+        # A sequence must always fit the pool alone, so preemption can always make room.
+        self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.requests: dict[str, _RequestState] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        log.info(
+            "KV cache: %d blocks x %d tokens (%.2f GiB, %s); max_model_len %d; attention: reference",
+            num_blocks, cfg.block_size, self.kv_cache.nbytes / 2**30, kv_dtype, self.max_model_len,
+        )
+
+    def _kv_dtype(self) -> mx.Dtype:
+        """The dtype K/V come out of the projections in (what mlx-lm's cache would hold)."""
+        layer = self.model.layers[0]
+        h = layer.input_layernorm(self.model.model.embed_tokens(mx.array([0])))
+        return layer.self_attn.k_proj(h).dtype
+
+    # -- requests -----------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_text, ids = None, list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is {len(ids)} tokens; this engine's context is {self.max_model_len} "
+                "tokens and the prompt must leave room for at least one new token"
+            )
+        if params.n != 1:
+            raise ValueError("n > 1 is served by the API layer; the engine takes n=1")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        seq = Sequence(request_id, ids, params, seed, arrival_time=time.perf_counter())
+        self.requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer), prompt_text)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and not state.seq.is_finished:
+            self.scheduler.finish(state.seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the loop -----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and report what changed."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        for seq, n in sched.scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.stats["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+        seqs, sampled = self.runner.step(sched.scheduled)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+        now = time.perf_counter()
+        outputs = []
+        for i, (seq, token) in enumerate(zip(seqs, sampled.token_ids)):
+            seq.output_token_ids.append(token)
+            self.stats["generation_tokens"] += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if sampled.logprobs[i] is not None:
+                lp, top = sampled.logprobs[i]
+                seq.logprobs.append(TokenLogprob(token, lp, top))
+            outputs.append(self._process_token(seq, token))
+        return outputs
+
+    def _process_token(self, seq: Sequence, token: int) -> RequestOutput:
+        state = self.requests[seq.request_id]
+        p = seq.params
+        reason = None
+        stop_token = (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        checked = len(state.text)  # text before this token held no stop string
+        if not stop_token or not p.skip_special_tokens:
+            state.text += state.detok.add(token)
+        if stop_token:
+            reason = "stop"
+        elif p.stop and len(state.text) > checked:
+            search_from = max(0, checked - state.max_stop_len + 1)
+            hits = [i for s in p.stop if (i := state.text.find(s, search_from)) >= 0]
+            if hits:
+                state.text = state.text[: min(hits)]
+                reason = "stop"
+        if reason is None:
+            if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+                reason = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+        return self._output(state, finished=reason is not None)
+
+    def _output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        seq = state.seq
+        # Hold back text that could still become a stop string.
+        safe = len(state.text) if finished else max(state.emitted_chars, len(state.text) - max(state.max_stop_len - 1, 0))
+        delta = state.text[state.emitted_chars : safe]
+        state.emitted_chars = safe
+        delta_ids = seq.output_token_ids[state.emitted_tokens :]
+        state.emitted_tokens = seq.num_output_tokens
+        metrics = {}
+        if seq.first_token_time is not None:
+            metrics["ttft"] = seq.first_token_time - seq.arrival_time
+        if finished and seq.finish_time is not None:
+            metrics["e2e"] = seq.finish_time - seq.arrival_time
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=state.text[:safe],
+            token_ids=list(seq.output_token_ids),
+            delta_text=delta,
+            delta_token_ids=delta_ids,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            logprobs=list(seq.logprobs),
+            metrics=metrics,
+        )

@@ -1,0 +1,130 @@
+"""Batched sampling on the device.
+
+One call handles every row of a step: penalties, temperature, top-k, top-p,
+min-p, then a Gumbel-max draw. The noise comes from a counter-based hash of
+(seed, output position, token id), so a seeded request draws the same
+numbers whether it runs alone or in any batch, and after a preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from macinfer.engine.sequence import Sequence
+
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B
+
+
+def _mix32(x: mx.array) -> mx.array:
+    """lowbias32 integer hash (Chris Wellons): good avalanche, uint32 ops only."""
+    x = x ^ (x >> 16)
+    x = x * mx.array(_M1, dtype=mx.uint32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(_M2, dtype=mx.uint32)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: mx.array, steps: mx.array, vocab: int) -> mx.array:
+    """U(0,1) of shape [N, vocab], a pure function of (seed, step, token id)."""
+    ids = mx.arange(vocab, dtype=mx.uint32)[None, :]
+    key = _mix32(_mix32(seeds[:, None]) ^ steps[:, None])
+    bits = _mix32(key + ids * mx.array(0x9E3779B9, dtype=mx.uint32))
+    return ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: (sampled logprob, [(id, logprob), ...]) or None when not requested
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def _penalty_arrays(seqs: list[Sequence], vocab: int) -> tuple[mx.array, mx.array]:
+    """Output-token counts and prompt+output presence, [N, vocab] each."""
+    counts = np.zeros((len(seqs), vocab), dtype=np.float32)
+    seen = np.zeros((len(seqs), vocab), dtype=bool)
+    for i, s in enumerate(seqs):
+        if not s.params.uses_penalties:
+            continue
+        if s.output_token_ids:
+            counts[i] = np.bincount(s.output_token_ids, minlength=vocab)[:vocab]
+        seen[i, s.prompt_token_ids] = True
+        seen[i] |= counts[i] > 0
+    return mx.array(counts), mx.array(seen)
+
+
+def sample(logits: mx.array, seqs: list[Sequence]) -> SamplerOutput:
+    """logits: [N, vocab] for the N sequences that get a token this step."""
+    logits = logits.astype(mx.float32)
+    n, vocab = logits.shape
+    params = [s.params for s in seqs]
+
+    want_logprobs = [p.logprobs is not None for p in params]
+    raw_logprobs = None
+    if any(want_logprobs):
+        raw_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    if any(p.uses_penalties for p in params):
+        counts, seen = _penalty_arrays(seqs, vocab)
+        rep = mx.array([p.repetition_penalty for p in params])[:, None]
+        logits = mx.where(seen, mx.where(logits > 0, logits / rep, logits * rep), logits)
+        freq = mx.array([p.frequency_penalty for p in params])[:, None]
+        pres = mx.array([p.presence_penalty for p in params])[:, None]
+        logits = logits - freq * counts - pres * (counts > 0)
+
+    tokens = mx.argmax(logits, axis=-1)
+    if not all(p.greedy for p in params):
+        temps = mx.array([p.temperature if not p.greedy else 1.0 for p in params])
+        scaled = logits / temps[:, None]
+        seeds = mx.array([s.seed & 0xFFFFFFFF for s in seqs], dtype=mx.uint32)
+        steps = mx.array([s.num_output_tokens for s in seqs], dtype=mx.uint32)
+        gumbel = -mx.log(-mx.log(uniform_noise(seeds, steps, vocab)))
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            order = mx.argsort(-scaled, axis=-1)
+            sorted_logits = mx.take_along_axis(scaled, order, axis=-1)
+            probs = mx.softmax(sorted_logits, axis=-1)
+            rank = mx.arange(vocab)[None, :]
+            top_k = mx.array([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
+            top_p = mx.array([p.top_p for p in params])[:, None]
+            min_p = mx.array([p.min_p for p in params])[:, None]
+            # Keep a token if it is within top-k, the mass before it is < top_p,
+            # and its probability is >= min_p * the best one. Rank 0 always stays.
+            drop = (rank >= top_k) | ((mx.cumsum(probs, axis=-1) - probs) >= top_p)
+            drop = drop | (probs < min_p * probs[:, :1])
+            drop = drop & (rank > 0)
+            sorted_logits = mx.where(drop, -mx.inf, sorted_logits)
+            noise = mx.take_along_axis(gumbel, order, axis=-1)
+            choice = mx.argmax(sorted_logits + noise, axis=-1)
+            sampled = mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+        else:
+            sampled = mx.argmax(scaled + gumbel, axis=-1)
+        is_greedy = mx.array([p.greedy for p in params])
+        tokens = mx.where(is_greedy, tokens, sampled)
+
+    if raw_logprobs is None:
+        return SamplerOutput(tokens.tolist(), [None] * n)
+
+    k = max(p.logprobs or 0 for p in params)
+    chosen = mx.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    if k > 0:
+        top_ids = mx.argpartition(-raw_logprobs, kth=k - 1, axis=-1)[:, :k]
+        top_lp = mx.take_along_axis(raw_logprobs, top_ids, axis=-1)
+        mx.eval(tokens, chosen, top_ids, top_lp)
+        top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
+    else:
+        mx.eval(tokens, chosen)
+    out_lp: list[tuple[float, list[tuple[int, float]]] | None] = []
+    chosen_l = chosen.tolist()
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            out_lp.append(None)
+            continue
+        top: list[tuple[int, float]] = []
+        if p.logprobs > 0:
+            top = sorted(zip(top_ids_l[i], top_lp_l[i]), key=lambda t: -t[1])[: p.logprobs]
+        out_lp.append((chosen_l[i], top))
+    return SamplerOutput(tokens.tolist(), out_lp)

@@ -1,0 +1,116 @@
+"""Continuous-batching scheduler with chunked prefill and recompute preemption.
+
+Every step picks, under a token budget, how many new tokens each sequence
+computes: 1 for a decode, up to the rest of the prompt for a prefill (split
+across steps when the budget runs out). Running sequences go first, oldest
+first; waiting ones are admitted while the budget, `max_num_seqs` and free
+KV blocks allow. When a running sequence cannot get a block, the newest
+running sequence is preempted: its blocks are freed and it goes back to the
+front of the queue to be recomputed (prompt + tokens so far) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from macinfer.engine.block_manager import BlockManager
+from macinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # (sequence, number of new tokens to compute this step), decodes first
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. Running sequences, oldest first; preempt the newest on a block shortage.
+        kept: list[Sequence] = []
+        queue = deque(sorted(self.running, key=lambda s: s.arrival))
+        while queue and budget > 0:
+            seq = queue.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            out.scheduled.append((seq, n))
+            kept.append(seq)
+            budget -= n
+        kept.extend(queue)  # running but out of budget this step
+        self.running = kept
+
+        # 2. Admit waiting sequences (not in a step that had to preempt).
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+
+        out.scheduled.sort(key=lambda item: item[1] != 1)  # decodes first
+        return out
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence (finished or aborted) and free its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

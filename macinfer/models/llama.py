@@ -1,0 +1,130 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM) in plain MLX.
+
+One ragged batch per forward: `input_ids` is a flat [T] vector holding the
+decode tokens and prefill chunks of every scheduled sequence back to back,
+with no padding. Per-token positions drive RoPE; attention reads and writes
+the paged KV cache through `macinfer.attention.paged_attention`.
+Parameter names match Hugging Face / mlx-lm so the same weights load in both.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
+from macinfer.attention import AttentionMetadata, paged_attention
+from macinfer.models.base import ModelArgs
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        # Qwen2 has q/k/v biases but never an o_proj bias.
+        o_bias = bias and args.model_type not in ("qwen2", "qwen3")
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=o_bias)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            self.head_dim,
+            args.rope_theta,
+            args.rope_traditional,
+            args.rope_scaling,
+            args.max_position_embeddings,
+        )
+
+    def __call__(self, x: mx.array, meta: AttentionMetadata, layer: int) -> mx.array:
+        T = x.shape[0]
+        q = self.q_proj(x).reshape(T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        # Each token is its own RoPE "batch" row so it gets its own position.
+        q = self.rope(q[:, :, None, :], offset=meta.positions)[:, :, 0, :]
+        k = self.rope(k[:, :, None, :], offset=meta.positions)[:, :, 0, :]
+        out = paged_attention(q, k, v, meta, layer, self.scale)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, hidden, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(
+            args.hidden_size, eps=args.rms_norm_eps
+        )
+
+    def __call__(self, x: mx.array, meta: AttentionMetadata, layer: int) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), meta, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, meta, i)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:
+        """Hidden states [T, hidden] for a flat ragged batch of tokens."""
+        return self.model(input_ids, meta)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """LM head on the rows that need a next token only (not every prompt token)."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+            weights.pop("lm_head.scales", None)
+            weights.pop("lm_head.biases", None)
+        return weights
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers

@@ -1,0 +1,88 @@
+"""Per-request sampling parameters (OpenAI / vLLM semantics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token, and when to stop.
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k. A seed makes
+    sampling reproducible: the same seed gives the same text whether the
+    request runs alone or inside a batch (the random stream is keyed by
+    seed and output position, not by the batch).
+    """
+
+    n: int = 1
+    max_tokens: int | None = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives; 0 = sampled token only
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return InvalidSamplingParamsError(name, f"{name} {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+class InvalidSamplingParamsError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
