@@ -1,0 +1,147 @@
+"""`macinfer` command line: generate, chat, convert, serve."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import click
+
+from macinfer import __version__
+
+MODEL_HELP = "A .gguf file, an MLX model directory, a Hugging Face repo id, or 'smollm2' (the bundled test model)."
+
+
+def _engine_options(f):
+    f = click.option("--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV cache budget in GiB (default: a share of free memory).")(f)
+    f = click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True, help="Most sequences in one batch.")(f)
+    f = click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Cap the context length.")(f)
+    return f
+
+
+def _sampling_options(f):
+    f = click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")(f)
+    f = click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0: off).")(f)
+    f = click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")(f)
+    f = click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=256, show_default=True, help="Most tokens to generate.")(f)
+    f = click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy.")(f)
+    return f
+
+
+def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len):
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+
+    try:
+        return LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len))
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _params(temperature, max_tokens, top_p, top_k, seed):
+    from macinfer.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens, top_p=top_p, top_k=top_k, seed=seed)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _stream(engine, prompt, params) -> tuple[str, int, float, float]:
+    """Print tokens as they come; returns (text, tokens, ttft, total seconds)."""
+    from macinfer.engine.llm_engine import PromptTooLongError
+
+    start = time.perf_counter()
+    try:
+        rid = engine.add_request(prompt, params)
+    except (PromptTooLongError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    ttft, text, ntok = 0.0, "", 0
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                if not ttft:
+                    ttft = time.perf_counter() - start
+                click.echo(out.delta_text, nl=False)
+                text, ntok = out.text, len(out.token_ids)
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+        click.echo("\n[interrupted]", err=True)
+    click.echo()
+    return text, ntok, ttft, time.perf_counter() - start
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="macinfer")
+@click.option("-v", "--verbose", is_flag=True, help="Log engine details (KV budget, kernels).")
+def main(verbose: bool) -> None:
+    """macinfer: run open LLMs locally on Apple Silicon (MLX)."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.command(help="Generate a completion for one prompt, streamed to stdout.\n\nMODEL: " + MODEL_HELP)
+@click.argument("model")
+@click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads stdin).")
+@click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Wrap the prompt as a user message in the model's chat template.")
+@_sampling_options
+@_engine_options
+def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len):
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    params = _params(temperature, max_tokens, top_p, top_k, seed)
+    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len)
+    if chat_template and engine.tokenizer.chat_template:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    _, ntok, ttft, total = _stream(engine, prompt, params)
+    decode = (ntok - 1) / (total - ttft) if ntok > 1 and total > ttft else 0.0
+    click.echo(f"[{ntok} tokens, TTFT {ttft:.2f}s, decode {decode:.1f} tok/s]", err=True)
+
+
+@main.command(help="Interactive chat in the terminal (Ctrl-D or /exit quits, /reset clears).\n\nMODEL: " + MODEL_HELP)
+@click.argument("model")
+@click.option("--system", default=None, help="System prompt.")
+@_sampling_options
+@_engine_options
+def chat(model, system, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len):
+    params = _params(temperature, max_tokens, top_p, top_k, seed)
+    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len)
+    if not engine.tokenizer.chat_template:
+        raise click.ClickException("this model has no chat template; use `macinfer generate --no-chat-template`")
+    history = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo()
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            history = history[:1] if system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = engine.tokenizer.apply_chat_template(history)
+        text, *_ = _stream(engine, prompt, params)
+        history.append({"role": "assistant", "content": text})
+
+
+@main.command()
+@click.argument("gguf", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def convert(gguf, out_dir):
+    """Convert a GGUF file to an MLX model directory (loads in mlx-lm too)."""
+    from macinfer.convert import convert_gguf
+
+    try:
+        convert_gguf(gguf, out_dir)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

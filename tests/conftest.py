@@ -1,0 +1,37 @@
+import os
+
+import pytest
+
+from tests.helpers import tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    from macinfer.loader import bundled_test_model
+
+    return bundled_test_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_mlx_dir(smollm2_gguf, tmp_path_factory) -> str:
+    """The bundled GGUF converted to an MLX directory mlx-lm can load."""
+    from macinfer.convert import convert_gguf
+
+    return convert_gguf(smollm2_gguf, str(tmp_path_factory.mktemp("smollm2-mlx")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_gguf):
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+
+    return LLMEngine(smollm2_gguf, EngineConfig(kv_cache_gb=0.25, max_model_len=2048, max_num_seqs=16))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    path, _ = tiny_model_dir(tmp_path_factory.mktemp("tiny"), "llama")
+    return path
+
+
+def pytest_report_header(config):
+    return f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}"

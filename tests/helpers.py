@@ -1,0 +1,94 @@
+"""Tiny random-weight models, written the way mlx-community publishes them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+FAMILIES = {
+    "llama": {"model_type": "llama", "rope_theta": 10000.0},
+    "llama3": {
+        "model_type": "llama",
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        },
+    },
+    "mistral": {"model_type": "mistral", "rope_theta": 1000000.0},
+    "qwen2": {"model_type": "qwen2", "rope_theta": 1000000.0},
+    "qwen3": {"model_type": "qwen3", "rope_theta": 1000000.0, "head_dim": 16},
+}
+
+
+def tiny_config(family: str = "llama", tie: bool = True, **overrides) -> dict:
+    cfg = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 300,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": tie,
+        "eos_token_id": 2,
+    }
+    cfg.update(FAMILIES[family])
+    cfg.update(overrides)
+    return cfg
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level BPE with 256 byte tokens and 3 specials (ids 0-2), no merges."""
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(specials + sorted(byte_chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    return tok
+
+
+def make_mlx_lm_model(config: dict, seed: int = 0, quantize: dict | None = None) -> nn.Module:
+    """Random-weight model built with mlx-lm's own class for this family."""
+    mx.random.seed(seed)
+    from mlx_lm.utils import _get_classes  # honours mlx-lm's model_type remapping
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    # mlx-lm initialises norms to 1; jitter them so a norm mix-up shows in logits.
+    params = dict(tree_flatten(model.parameters()))
+    params = {k: (v + 0.1 * mx.random.normal(v.shape) if "norm" in k else v) for k, v in params.items()}
+    model.load_weights(list(params.items()))
+    if quantize:
+        nn.quantize(model, **quantize)
+    mx.eval(model.parameters())
+    return model
+
+
+def save_model_dir(path: str, config: dict, model: nn.Module, quantize: dict | None = None) -> str:
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(config)
+    if quantize:
+        cfg["quantization"] = dict(quantize)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    mx.save_safetensors(os.path.join(path, "model.safetensors"), dict(tree_flatten(model.parameters())))
+    byte_tokenizer().save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>",
+                   "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"}, f)
+    return path
+
+
+def tiny_model_dir(tmp_path, family: str = "llama", tie: bool = True, quantize: dict | None = None, seed: int = 0, **overrides):
+    config = tiny_config(family, tie, **overrides)
+    model = make_mlx_lm_model(config, seed, quantize)
+    return save_model_dir(str(tmp_path / f"{family}-{int(tie)}-{seed}"), config, model, quantize), model
