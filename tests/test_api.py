@@ -1,0 +1,75 @@
+"""The Python API on a tiny model: batching, streaming, stops, errors."""
+
+import pytest
+
+from macinfer import LLM, SamplingParams
+from macinfer.engine.llm_engine import PromptTooLongError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, kv_cache_gb=0.01, max_model_len=256, block_size=8)
+
+
+def test_generate_many_prompts_in_order(llm):
+    prompts = ["hello", "a much longer prompt than the first one", "x"]
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    batched = llm.generate(prompts, params)
+    single = [llm.generate(p, params)[0] for p in prompts]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in single]
+    assert all(len(o.token_ids) == 7 and o.finish_reason == "length" for o in batched)
+    assert batched[1].prompt_token_ids == llm.tokenizer.encode(prompts[1])
+
+
+def test_stream_deltas_add_up_to_the_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    chunks = list(llm.stream("stream me", params))
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert "".join(c.delta_text for c in chunks) == chunks[-1].text
+    assert sum(len(c.delta_token_ids) for c in chunks) == 12
+    assert chunks[-1].text == llm.generate("stream me", params)[0].text
+
+
+def test_stop_strings_and_stop_token_ids(llm):
+    base = llm.generate("abc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert len(base.text) > 6
+    stop = base.text[3:5]
+    out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == base.text[: base.text.index(stop)]
+    streamed = list(llm.stream("abc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])))
+    assert "".join(c.delta_text for c in streamed) == out.text  # stop text never leaks into the stream
+    tok = base.token_ids[4]
+    out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[tok]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
+
+
+def test_logprobs_in_outputs(llm):
+    out = llm.generate("lp", SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True))[0]
+    assert len(out.logprobs) == 3
+    for lp, tok in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == tok and lp.top[0][0] == tok and len(lp.top) == 2 and lp.logprob <= 0
+
+
+def test_chat_applies_the_template(llm):
+    msgs = [{"role": "user", "content": "hi"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert out.prompt_token_ids == llm.tokenizer.encode("<user>hi<assistant>")
+    assert len(llm.chat([msgs, msgs], SamplingParams(temperature=0, max_tokens=2))) == 2
+
+
+def test_generation_stops_at_the_context_length(llm):
+    out = llm.generate(list(range(5, 250)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 256 - 245
+
+
+def test_bad_input_is_a_clear_error(llm):
+    with pytest.raises(PromptTooLongError, match="300 tokens; this engine's context is 256"):
+        llm.generate([[5] * 300], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams())
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate([[1, 99999]], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate("x", SamplingParams(temperature=-0.5))
+    # A failed batch leaves nothing behind in the engine.
+    assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,38 @@
+"""The CLI on the real bundled model (few tokens) and its error paths."""
+
+import pytest
+from click.testing import CliRunner
+
+from macinfer.cli import main
+
+
+@pytest.mark.slow
+def test_generate_streams_text(smollm2_gguf):
+    r = CliRunner().invoke(main, ["generate", smollm2_gguf, "-p", "What is the capital of France?", "-n", "8", "--kv-cache-gb", "0.05", "--max-model-len", "512"])
+    assert r.exit_code == 0, r.output
+    assert "Paris" in r.stdout
+    assert "tokens, TTFT" in r.stderr
+
+
+def test_generate_missing_model_exits_nonzero():
+    r = CliRunner().invoke(main, ["generate", "./missing.gguf", "-p", "hi"])
+    assert r.exit_code == 1
+    assert "model path not found: ./missing.gguf" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_generate_rejects_bad_sampling_values():
+    r = CliRunner().invoke(main, ["generate", "smollm2", "-p", "hi", "--top-p", "0"])
+    assert r.exit_code == 2 and "top_p" in r.output
+
+
+def test_chat_reads_turns_until_eof(tiny_llama):
+    r = CliRunner().invoke(main, ["chat", tiny_llama, "-n", "3", "--kv-cache-gb", "0.01"], input="hello\n/reset\nagain\n")
+    assert r.exit_code == 0, r.output
+    assert r.output.count(">>> ") == 4
+
+
+def test_help_for_every_command():
+    for cmd in ([], ["generate"], ["chat"], ["convert"]):
+        r = CliRunner().invoke(main, cmd + ["--help"])
+        assert r.exit_code == 0 and "Usage:" in r.output

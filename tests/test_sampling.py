@@ -1,0 +1,124 @@
+"""Sampler: masks, penalties, logprobs, seeded reproducibility alone vs batched."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.engine.sampler import sample
+from macinfer.engine.sequence import Sequence
+from macinfer.sampling_params import SamplingParams
+
+V = 50
+
+
+def _logits(rows: int, seed: int = 0) -> mx.array:
+    return mx.array(np.random.default_rng(seed).normal(size=(rows, V)).astype(np.float32) * 3)
+
+
+def _seqs(params: SamplingParams, rows: int, seed0: int = 0, outputs: int = 0) -> list[Sequence]:
+    seqs = [Sequence(f"r{i}", [1, 2, 3], params, seed0 + i) for i in range(rows)]
+    for s in seqs:
+        s.output_token_ids = [4] * outputs
+    return seqs
+
+
+def _draws(logits: mx.array, params: SamplingParams, n: int = 300) -> np.ndarray:
+    """n draws per row, each with a different seed."""
+    rows = logits.shape[0]
+    return np.array([sample(logits, _seqs(params, rows, seed0=k * rows)).token_ids for k in range(n)])
+
+
+def test_greedy_is_argmax():
+    logits = _logits(4)
+    assert sample(logits, _seqs(SamplingParams(temperature=0), 4)).token_ids == np.argmax(np.array(logits), -1).tolist()
+
+
+def test_top_k_only_draws_from_the_k_best():
+    logits = _logits(3)
+    draws = _draws(logits, SamplingParams(temperature=1.5, top_k=3))
+    top3 = np.argsort(-np.array(logits), axis=-1)[:, :3]
+    for r in range(3):
+        assert set(draws[:, r]) <= set(top3[r])
+        assert len(set(draws[:, r])) == 3  # and not just the argmax
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = _logits(2, seed=3) / 3  # flat enough that several tokens make up 60%
+    draws = _draws(logits, SamplingParams(temperature=1.0, top_p=0.6))
+    probs = np.exp(np.array(logits)) / np.exp(np.array(logits)).sum(-1, keepdims=True)
+    for r in range(2):
+        order = np.argsort(-probs[r])
+        before = np.cumsum(probs[r][order]) - probs[r][order]
+        allowed = set(order[before < 0.6])
+        assert len(allowed) > 1
+        assert set(draws[:, r]) <= allowed
+        assert len(set(draws[:, r])) > 1
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = _logits(2, seed=5)
+    draws = _draws(logits, SamplingParams(temperature=1.0, min_p=0.2))
+    probs = np.exp(np.array(logits)) / np.exp(np.array(logits)).sum(-1, keepdims=True)
+    for r in range(2):
+        assert set(draws[:, r]) <= set(np.nonzero(probs[r] >= 0.2 * probs[r].max())[0])
+
+
+def test_sampling_follows_the_distribution():
+    logits = mx.array([[0.0, np.log(3.0), -30.0] + [-30.0] * (V - 3)])
+    draws = _draws(logits, SamplingParams(temperature=1.0), n=2000)[:, 0]
+    assert set(draws) <= {0, 1}
+    assert abs((draws == 1).mean() - 0.75) < 0.04
+
+
+def test_penalties_change_the_choice():
+    logits = mx.array([[5.0, 4.9] + [0.0] * (V - 2)])
+    seq = Sequence("r", [7], SamplingParams(temperature=0, frequency_penalty=0.5), 0)
+    seq.output_token_ids = [0]
+    assert sample(logits, [seq]).token_ids == [1]
+    rep = Sequence("r", [0], SamplingParams(temperature=0, repetition_penalty=1.5), 0)
+    assert sample(logits, [rep]).token_ids == [1]  # 5.0 / 1.5 < 4.9, prompt tokens count
+    plain = Sequence("r", [0], SamplingParams(temperature=0), 0)
+    assert sample(logits, [plain]).token_ids == [0]
+
+
+def test_logprobs_are_raw_log_softmax_top_k():
+    logits = _logits(2)
+    out = sample(logits, _seqs(SamplingParams(temperature=0, logprobs=3), 2))
+    ref = np.array(logits) - np.log(np.exp(np.array(logits)).sum(-1, keepdims=True))
+    for r in range(2):
+        lp, top = out.logprobs[r]
+        assert lp == pytest.approx(ref[r].max(), abs=1e-5)
+        assert [t for t, _ in top] == np.argsort(-ref[r])[:3].tolist()
+
+
+def test_invalid_values_are_rejected():
+    for kwargs in [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2),
+                   dict(max_tokens=0), dict(repetition_penalty=0), dict(presence_penalty=3), dict(n=0), dict(logprobs=50)]:
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            SamplingParams(**kwargs)
+
+
+def _generate(engine, prompts, params_list):
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    return [done[i] for i in ids]
+
+
+def test_seeded_request_is_reproducible_alone_and_in_a_batch(tiny_llama):
+    engine = LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01, block_size=4, max_num_batched_tokens=24))
+    target = [5, 6, 7, 8, 9, 10]
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = _generate(engine, [target], [params])[0]
+    again = _generate(engine, [target], [params])[0]
+    rng = np.random.default_rng(0)
+    others = [rng.integers(3, 300, size=n).tolist() for n in (3, 17, 30, 9)]
+    other_params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True) for m in (5, 30, 12, 20)]
+    batched = _generate(engine, others[:2] + [target] + others[2:], other_params[:2] + [params] + other_params[2:])[2]
+    different_seed = _generate(engine, [target], [SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=99, max_tokens=24, ignore_eos=True)])[0]
+    assert alone == again == batched
+    assert different_seed != alone
