@@ -143,5 +143,25 @@ def convert(gguf, out_dir):
     click.echo(f"wrote {out_dir}")
 
 
+@main.command(help="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).\n\nMODEL: " + MODEL_HELP)
+@click.argument("model")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--served-model-name", default=None, help="Model id clients send (default: MODEL).")
+@click.option("--api-key", default=None, envvar="MACINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
+@click.option("--cors-origin", "cors_origins", multiple=True, help="Allow browser requests from this origin (repeatable). No CORS unless given.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, help="Requests waiting beyond --max-num-seqs before answering 429.")
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="Largest request body accepted (413 beyond).")
+@_engine_options
+def serve(model, host, port, served_model_name, api_key, cors_origins, max_queue, max_body_mb, kv_cache_gb, max_num_seqs, max_model_len):
+    try:
+        from macinfer.server.app import run_server
+    except ImportError as e:
+        raise click.ClickException(f"the server needs its extra: pip install 'macinfer[server]' ({e.name} missing)") from None
+    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len)
+    run_server(engine, served_model_name or model, host, port, api_key=api_key, cors_origins=list(cors_origins),
+               max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20))
+
+
 if __name__ == "__main__":
     main()

@@ -30,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = sampled token only
     skip_special_tokens: bool = True
+    # OpenAI servers refuse prompt + max_tokens beyond the context; offline use
+    # (the default) just stops at the context length.
+    strict_max_tokens: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -45,10 +45,11 @@ class RequestOutput:
     delta_text: str  # new since the previous output of this request
     delta_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when finish_reason == "error"
 
 
 class _RequestState:
@@ -115,6 +116,30 @@ class LLMEngine:
         return layer.self_attn.k_proj(h).dtype
 
     # -- requests -----------------------------------------------------------
+    def validate_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Token ids for `prompt`, or a ValueError a user can act on. No state changes."""
+        params.validate()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.args.vocab_size
+        if any(not isinstance(i, int) or not 0 <= i < vocab for i in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is {len(ids)} tokens; this engine's context is {self.max_model_len} "
+                "tokens and the prompt must leave room for at least one new token"
+            )
+        if params.max_tokens is not None and params.strict_max_tokens:
+            if len(ids) + params.max_tokens > self.max_model_len:
+                raise PromptTooLongError(
+                    f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                    f"the context length ({self.max_model_len} tokens)"
+                )
+        if params.n != 1:
+            raise ValueError("n > 1 is served by the API layer; the engine takes n=1")
+        return ids
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -122,29 +147,13 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         params = params or SamplingParams()
-        params.validate()
-        if isinstance(prompt, str):
-            prompt_text: str | None = prompt
-            ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_text, ids = None, list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model.args.vocab_size
-        if any(not 0 <= i < vocab for i in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt is {len(ids)} tokens; this engine's context is {self.max_model_len} "
-                "tokens and the prompt must leave room for at least one new token"
-            )
-        if params.n != 1:
-            raise ValueError("n > 1 is served by the API layer; the engine takes n=1")
+        ids = self.validate_request(prompt, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         seq = Sequence(request_id, ids, params, seed, arrival_time=time.perf_counter())
+        prompt_text = prompt if isinstance(prompt, str) else None
         self.requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer), prompt_text)
         self.scheduler.add(seq)
         return request_id
@@ -167,28 +176,51 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample, and report what changed."""
+        """Schedule, run one forward pass, sample, and report what changed.
+
+        A failure that belongs to one request (its sampling, its detokenizing)
+        ends that request with finish_reason "error"; the others go on.
+        """
         sched = self.scheduler.schedule()
         if not sched:
             return []
         for seq, n in sched.scheduled:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.stats["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-        seqs, sampled = self.runner.step(sched.scheduled)
+        try:
+            seqs, sampled, errors = self.runner.step(sched.scheduled)
+        except Exception as e:  # the batch itself failed: no sequence's KV can be trusted
+            log.exception("forward pass failed; failing the %d scheduled requests", len(sched.scheduled))
+            return [self._fail(seq, e) for seq, _ in sched.scheduled]
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
         now = time.perf_counter()
-        outputs = []
+        outputs = [self._fail(seq, err) for seq, err in errors]
         for i, (seq, token) in enumerate(zip(seqs, sampled.token_ids)):
-            seq.output_token_ids.append(token)
-            self.stats["generation_tokens"] += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if sampled.logprobs[i] is not None:
-                lp, top = sampled.logprobs[i]
-                seq.logprobs.append(TokenLogprob(token, lp, top))
-            outputs.append(self._process_token(seq, token))
+            try:
+                seq.output_token_ids.append(token)
+                self.stats["generation_tokens"] += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if sampled.logprobs[i] is not None:
+                    lp, top = sampled.logprobs[i]
+                    seq.logprobs.append(TokenLogprob(token, lp, top))
+                outputs.append(self._process_token(seq, token))
+            except Exception as e:
+                log.exception("request %s failed", seq.request_id)
+                outputs.append(self._fail(seq, e))
         return outputs
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        state = self.requests.pop(seq.request_id, None)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        seq.finish_time = time.perf_counter()
+        if state is None:
+            state = _RequestState(seq, IncrementalDetokenizer(self.tokenizer), None)
+        out = self._output(state, finished=True)
+        out.error = f"{type(error).__name__}: {error}"
+        return out
 
     def _process_token(self, seq: Sequence, token: int) -> RequestOutput:
         state = self.requests[seq.request_id]

@@ -77,11 +77,30 @@ class ModelRunner:
         logits = self.model.logits(hidden[mx.array(rows)]) if rows else None
         return logits, seqs
 
-    def step(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput]:
+    def step(
+        self, scheduled: list[tuple[Sequence, int]]
+    ) -> tuple[list[Sequence], SamplerOutput, list[tuple[Sequence, Exception]]]:
+        """Forward + sample. Returns (sampled sequences, their tokens, per-sequence
+        failures). If the batched sampler fails, rows are retried one by one so
+        only the request that causes the failure is dropped."""
         logits, seqs = self.forward_logits(scheduled)
         if logits is None:
             mx.eval(self.kv_cache.state())
-            return [], SamplerOutput([], [])
-        out = sample(logits, seqs)
+            return [], SamplerOutput([], []), []
+        try:
+            out = sample(logits, seqs)
+        except Exception:
+            out, ok, errors = SamplerOutput([], []), [], []
+            for i, seq in enumerate(seqs):
+                try:
+                    row = sample(logits[i : i + 1], [seq])
+                except Exception as e:
+                    errors.append((seq, e))
+                    continue
+                ok.append(seq)
+                out.token_ids += row.token_ids
+                out.logprobs += row.logprobs
+            mx.eval(self.kv_cache.state())
+            return ok, out, errors
         mx.eval(self.kv_cache.state())
-        return seqs, out
+        return seqs, out, []

@@ -1,0 +1,166 @@
+"""One engine, stepped in one background thread, shared by every HTTP request.
+
+The event loop never touches the engine directly: it sends add/abort
+commands through a thread-safe queue, and the engine thread hands each
+output to the request's asyncio.Queue with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from macinfer.engine.llm_engine import LLMEngine, RequestOutput
+from macinfer.sampling_params import SamplingParams
+
+log = logging.getLogger("macinfer.server")
+
+
+class QueueFullError(RuntimeError):
+    """More requests in flight than the server accepts; the client should retry."""
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Pending:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class RequestStream:
+    """Outputs of one submitted request as (choice index, RequestOutput).
+
+    `close()` (idempotent) aborts unfinished choices so their KV blocks are
+    freed at once: call it when the client goes away.
+    """
+
+    def __init__(self, engine: "AsyncEngine", rids: list[str]):
+        self.engine = engine
+        self.rids = rids
+        self.index = {rid: i for i, rid in enumerate(rids)}
+        self.remaining = set(rids)
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self.remaining or self.closed:
+            self.close()
+            raise StopAsyncIteration
+        try:
+            rid, out = await self.queue.get()
+        except BaseException:
+            self.close()
+            raise
+        if out.finished:
+            self.remaining.discard(rid)
+        return self.index[rid], out
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.engine._release(self.rids, self.remaining)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_pending: int):
+        self.engine = engine
+        self.max_pending = max_pending  # requests admitted and not finished, all choices counted
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="macinfer-engine", daemon=True)
+        self._thread.start()
+
+    # -- event-loop side ---------------------------------------------------
+    @property
+    def num_pending(self) -> int:
+        return len(self._routes)
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Tokenize and check a request (raises ValueError); safe off the engine thread."""
+        return self.engine.validate_request(prompt, params)
+
+    def submit(
+        self, prompt_ids: list[int], params_list: list[SamplingParams], request_id: str
+    ) -> "RequestStream":
+        """Admit len(params_list) choices of one prompt, or raise QueueFullError now."""
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread has stopped")
+        stream = RequestStream(self, [f"{request_id}-{i}-{next(self._ids)}" for i in range(len(params_list))])
+        with self._lock:
+            if len(self._routes) + len(stream.rids) > self.max_pending:
+                raise QueueFullError(
+                    f"server is at capacity ({self.max_pending} requests in flight); retry shortly"
+                )
+            for rid in stream.rids:
+                self._routes[rid] = _Pending(stream.loop, stream.queue)
+        for rid, params in zip(stream.rids, params_list):
+            self._commands.put(("add", rid, prompt_ids, params))
+        return stream
+
+    def _release(self, rids: list[str], unfinished: set[str]) -> None:
+        for rid in unfinished:
+            self._commands.put(("abort", rid))
+        with self._lock:
+            for rid in rids:
+                self._routes.pop(rid, None)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=5)
+
+    # -- engine thread -------------------------------------------------------
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            route = self._routes.get(out.request_id)
+        if route is not None:
+            route.loop.call_soon_threadsafe(route.queue.put_nowait, (out.request_id, out))
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, ids, params = cmd
+            with self._lock:
+                if rid not in self._routes:  # aborted before it started
+                    return
+            try:
+                self.engine.add_request(ids, params, rid)
+            except Exception as e:  # validated already; anything left is this request's
+                log.exception("could not add request %s", rid)
+                self._deliver(RequestOutput(rid, ids, "", [], "", [], True, "error", error=str(e)))
+        elif kind == "abort":
+            self.engine.abort_request(cmd[1])
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            block = not self.engine.has_unfinished_requests()
+            try:
+                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                self._apply(cmd)
+                while True:
+                    self._apply(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # engine.step isolates request failures; this is a bug
+                log.exception("engine step failed")
+                continue
+            for out in outputs:
+                self._deliver(out)
