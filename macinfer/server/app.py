@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -71,12 +72,14 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     metrics = ServerMetrics(engine)
     async_engine = AsyncEngine(engine, max_pending=engine.config.max_num_seqs + max_queue)
     serving = OpenAIServing(async_engine, model_name, metrics)
-    app = FastAPI(title="macinfer", docs_url=None, redoc_url=None)
-    app.state.async_engine = async_engine
 
-    @app.on_event("shutdown")
-    async def _shutdown() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
         async_engine.shutdown()
+
+    app = FastAPI(title="macinfer", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.async_engine = async_engine
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):

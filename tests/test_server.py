@@ -1,0 +1,185 @@
+"""The real server process, driven with the official openai client and raw HTTP."""
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?", "Name a primary color.", "What is 2+2?", "Say hello.",
+    "Name a fruit.", "What color is the sky?", "Name a planet.", "What is water made of?",
+    "Name an ocean.", "What do bees make?", "Name a bird.", "What is ice?",
+    "Name a metal.", "What do cows drink?", "Name a continent.", "What is the sun?",
+]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf):
+    s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--kv-cache-gb", "0.1",
+                      "--max-model-len", "1024", "--max-num-seqs", "16", "--max-queue", "16")
+    yield s
+    out = s.stop()
+    assert "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                       temperature=0, max_tokens=12)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_with_usage_and_logprobs(client):
+    text_parts, usage, lps = [], None, []
+    stream = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}],
+        temperature=0, max_tokens=6, stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=2)
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text_parts.append(c.delta.content or "")
+            if c.logprobs and c.logprobs.content:
+                lps.extend(c.logprobs.content)
+    full = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                          temperature=0, max_tokens=6)
+    assert "".join(text_parts) == full.choices[0].message.content
+    assert usage.completion_tokens == full.usage.completion_tokens == len(lps)
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in lps)
+
+
+def test_completions_streaming_and_n(client):
+    r = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5, temperature=0, n=2, logprobs=1)
+    assert len(r.choices) == 2 and r.choices[0].text == r.choices[1].text
+    assert len(r.choices[0].logprobs.tokens) == 5
+    assert r.usage.completion_tokens == 10
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=5, temperature=0, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+    seeded = [client.completions.create(model="smollm2", prompt="Once", max_tokens=8, temperature=1.0, seed=7).choices[0].text
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_sixteen_concurrent_streams_match_solo_runs(server, client):
+    def solo(q):
+        r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=8)
+        return r.choices[0].message.content
+
+    expected = [solo(q) for q in QUESTIONS]
+
+    async def stream_one(aclient, q):
+        parts = []
+        stream = await aclient.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
+                                                       temperature=0, max_tokens=8, stream=True)
+        async for chunk in stream:
+            for c in chunk.choices:
+                parts.append(c.delta.content or "")
+        return "".join(parts)
+
+    async def all_at_once():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        return await asyncio.gather(*(stream_one(aclient, q) for q in QUESTIONS))
+
+    got = asyncio.run(all_at_once())
+    assert got == expected
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(server):
+    body = {"model": "smollm2", "prompt": "Count forever:", "max_tokens": 900, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert server.metrics()["macinfer_kv_blocks_used"] > 0
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["macinfer_kv_blocks_used"] == 0 and m["macinfer_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["macinfer_kv_blocks_used"] == 0 and m["macinfer_requests_running"] == 0
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ('{"messages": [', 400, None),
+    ('{"model": "smollm2"}', 400, "messages"),
+    ('{"messages": [{"role": "user", "content": 5}]}', 400, "messages.0.content.str"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, "temperature"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}', 400, "top_p"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400, "max_tokens"),
+    ('{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
+])
+def test_bad_input_gets_openai_errors(server, body, status, param):
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert "Traceback" not in r.text
+
+
+def test_prompt_beyond_context_is_400(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "word " * 1100, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def guarded(smollm2_gguf):
+    s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--kv-cache-gb", "0.05", "--max-model-len", "1024",
+                      "--api-key", "sekret", "--max-num-seqs", "2", "--max-queue", "1", "--max-body-mb", "0.01")
+    yield s
+    assert "Traceback" not in s.stop()
+
+
+def test_api_key_required_except_health(guarded):
+    assert httpx.get(f"{guarded.url}/health").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(f"{guarded.url}/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{guarded.url}/metrics").status_code == 401
+    ok = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="sekret", max_retries=0)
+    assert ok.models.list().data[0].id == "smollm2"
+
+
+def test_oversized_body_is_413(guarded):
+    r = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": "x" * 20000}, headers={"Authorization": "Bearer sekret"})
+    assert r.status_code == 413 and r.json()["error"]["message"]
+
+
+def test_backpressure_answers_429_with_retry_after(guarded):
+    auth = {"Authorization": "Bearer sekret"}
+    body = {"prompt": "Go on:", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60, headers=auth) as c:
+        streams = [c.stream("POST", f"{guarded.url}/v1/completions", json=body) for _ in range(3)]
+        responses = [s.__enter__() for s in streams]  # 2 running + 1 queued = the limit
+        try:
+            assert all(r.status_code == 200 for r in responses)
+            r = c.post(f"{guarded.url}/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+            assert r.status_code == 429
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    deadline = time.time() + 15
+    while time.time() < deadline and guarded.metrics(auth)["macinfer_kv_blocks_used"] > 0:
+        time.sleep(0.2)
+    r = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": "after", "max_tokens": 2}, headers=auth, timeout=60)
+    assert r.status_code == 200
