@@ -1,4 +1,4 @@
-"""Block manager invariants: no block owned twice, refcounts, nothing leaks."""
+"""Block manager: ownership, refcounts, prefix-cache sharing, LRU eviction, no leaks."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,8 +8,10 @@ from macinfer.engine.sequence import Sequence
 from macinfer.sampling_params import SamplingParams
 
 
-def _seq(n: int, name: str = "s") -> Sequence:
-    return Sequence(name, list(range(n)), SamplingParams(), 0)
+def _seq(tokens, name="s", salt=None) -> Sequence:
+    if isinstance(tokens, int):
+        tokens = list(range(tokens))
+    return Sequence(name, list(tokens), SamplingParams(), 0, cache_salt=salt)
 
 
 def _check(bm: BlockManager, live: list[Sequence]) -> None:
@@ -21,9 +23,18 @@ def _check(bm: BlockManager, live: list[Sequence]) -> None:
     for b in range(bm.num_blocks):
         assert bm.blocks[b].ref_count == owners.get(b, 0)
     free = set(bm.free_block_ids)
-    assert len(free) == len(bm.free_block_ids), "a block is on the free list twice"
     assert free.isdisjoint(owners), "a block is both free and owned"
     assert len(free) + len(owners) == bm.num_blocks
+    for h, b in bm.cached.items():
+        assert bm.blocks[b].block_hash == h
+
+
+def _admit(bm: BlockManager, seq: Sequence) -> int:
+    """What the scheduler does for a whole-prompt admission."""
+    cached = bm.match_prefix(seq)
+    bm.allocate(seq, seq.num_tokens)
+    bm.commit(seq, seq.num_tokens)
+    return cached
 
 
 def test_allocate_grows_by_blocks_and_slots_are_distinct():
@@ -32,59 +43,87 @@ def test_allocate_grows_by_blocks_and_slots_are_distinct():
     bm.allocate(a, 5)
     bm.allocate(b, 3)
     assert len(a.block_table) == 2 and len(b.block_table) == 1
-    bm.allocate(a, 8)  # still fits in 2 blocks
+    bm.allocate(a, 8)
     assert len(a.block_table) == 2
     bm.allocate(a, 9)
     assert len(a.block_table) == 3
     slots = [bm.slot(a, i) for i in range(9)] + [bm.slot(b, i) for i in range(3)]
     assert len(set(slots)) == len(slots)
     _check(bm, [a, b])
+    assert not bm.can_allocate(_seq(40), 40)
 
 
-def test_cannot_allocate_beyond_pool():
-    bm = BlockManager(2, 4)
-    s = _seq(9)
-    assert not bm.can_allocate(s, 9)
-    assert bm.can_allocate(s, 8)
+def test_shared_prefix_is_taken_by_reference():
+    bm = BlockManager(16, 4)
+    a = _seq(list(range(10)), "a")
+    assert _admit(bm, a) == 0
+    b = _seq(list(range(8)) + [99, 98, 97], "b")  # same first two blocks, then diverges
+    assert _admit(bm, b) == 8
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert all(bm.blocks[x].ref_count == 2 for x in a.block_table[:2])
+    _check(bm, [a, b])
+    # A prompt that is exactly cached keeps its last block to compute (logits need a token).
+    c = _seq(list(range(8)), "c")
+    assert _admit(bm, c) == 4
+    _check(bm, [a, b, c])
 
 
-def test_fork_shares_blocks_and_free_respects_refcounts():
-    bm = BlockManager(6, 4)
-    parent, child = _seq(8, "p"), _seq(8, "c")
-    bm.allocate(parent, 8)
-    bm.fork(parent, child)
-    assert all(bm.blocks[b].ref_count == 2 for b in parent.block_table)
-    _check(bm, [parent, child])
-    bm.free(parent)
-    assert bm.num_free_blocks == 4  # the child still holds both
-    _check(bm, [child])
-    bm.free(child)
-    assert bm.num_free_blocks == 6
+def test_salt_isolates_cache_entries():
+    bm = BlockManager(16, 4)
+    _admit(bm, _seq(list(range(9)), "a", salt="alice"))
+    assert _admit(bm, _seq(list(range(9)), "b", salt="bob")) == 0
+    assert _admit(bm, _seq(list(range(9)), "c")) == 0
+    assert _admit(bm, _seq(list(range(9)), "d", salt="alice")) == 8
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["new", "grow", "fork", "free"]), st.integers(0, 50), st.integers(1, 40)), max_size=80))
+def test_freed_blocks_stay_cached_and_are_evicted_lru():
+    bm = BlockManager(4, 4)
+    old, new = _seq([1] * 8, "old"), _seq([2] * 8, "new")
+    _admit(bm, old)
+    bm.free(old)
+    _admit(bm, new)
+    bm.free(new)
+    assert bm.num_cached_blocks == 4 and bm.num_free_blocks == 4
+    # Two fresh blocks are needed: the least recently freed ones ("old") are evicted.
+    x = _seq([3] * 4 + [9], "x")
+    _admit(bm, x)
+    assert bm.num_cached_blocks == 3  # new's two + x's full block
+    bm.free(x)
+    assert bm.match_prefix(_seq([1] * 8 + [5], "old2")) == 0
+    new2 = _seq([2] * 8 + [5], "new2")
+    assert bm.match_prefix(new2) == 8
+    _check(bm, [new2])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "grow", "free"]), st.integers(0, 50), st.integers(1, 30)), max_size=80))
 def test_random_interleavings_keep_invariants(ops):
     bm = BlockManager(24, 4)
+    prefixes = [list(range(100, 120)), list(range(200, 220))]  # shared prefixes -> cache hits
     live: list[Sequence] = []
     for op, pick, n in ops:
         if op == "new":
-            s = _seq(n, f"s{len(live)}")
-            if bm.can_allocate(s, n):
-                bm.allocate(s, n)
+            s = _seq(prefixes[pick % 2][: pick % 20] + [pick] * n, f"s{pick}")
+            cached = bm.match_prefix(s)
+            assert cached % 4 == 0 and cached < s.num_tokens
+            if bm.can_allocate(s, s.num_tokens):
+                bm.allocate(s, s.num_tokens)
+                bm.commit(s, s.num_tokens)
                 live.append(s)
+            else:
+                bm.free(s)
         elif op == "grow" and live:
             s = live[pick % len(live)]
-            target = len(s.block_table) * 4 + n
-            if bm.can_allocate(s, target):
-                bm.allocate(s, target)
-        elif op == "fork" and live:
-            c = _seq(1, "fork")
-            bm.fork(live[pick % len(live)], c)
-            live.append(c)
+            s.output_token_ids += [7] * n
+            if bm.can_allocate(s, s.num_tokens):
+                bm.allocate(s, s.num_tokens)
+                bm.commit(s, s.num_tokens)
+            else:
+                s.output_token_ids = s.output_token_ids[:-n]
         elif op == "free" and live:
             bm.free(live.pop(pick % len(live)))
         _check(bm, live)
     for s in live:
         bm.free(s)
     assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)

@@ -10,8 +10,8 @@ from macinfer.engine.sequence import Sequence, SequenceStatus
 from macinfer.sampling_params import SamplingParams
 
 
-def _seq(n, name):
-    return Sequence(name, list(range(3, 3 + n)), SamplingParams(), 0)
+def _seq(n, name, start=3):
+    return Sequence(name, list(range(start, start + n)), SamplingParams(), 0)
 
 
 def test_token_budget_chunks_prefill_and_puts_decodes_first():
@@ -31,7 +31,7 @@ def test_token_budget_chunks_prefill_and_puts_decodes_first():
     b.num_computed_tokens += 4
     a.output_token_ids.append(7)
     b.output_token_ids.append(7)
-    c = _seq(30, "c")
+    c = _seq(30, "c", start=100)  # no prefix in common with a
     sched.add(c)
     out = sched.schedule()
     assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 1), ("b", 1), ("c", 8)]

@@ -183,3 +183,18 @@ def test_backpressure_answers_429_with_retry_after(guarded):
         time.sleep(0.2)
     r = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": "after", "max_tokens": 2}, headers=auth, timeout=60)
     assert r.status_code == 200
+
+
+def test_usage_reports_cached_prompt_tokens(server, client):
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}
+    ask = lambda q, salt=None: client.chat.completions.create(  # noqa: E731
+        model="smollm2", messages=[system, {"role": "user", "content": q}], temperature=0, max_tokens=2,
+        extra_body={"cache_salt": salt} if salt else None)
+    first = ask("Name a tree.")
+    second = ask("Name a flower.")
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64
+    assert second.usage.prompt_tokens_details.cached_tokens <= second.usage.prompt_tokens - 1
+    assert first.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens_details.cached_tokens
+    assert ask("Name a flower.", salt="someone-else").usage.prompt_tokens_details.cached_tokens == 0
+    m = server.metrics()
+    assert m["macinfer_prefix_cache_hit_rate"] > 0 and m["macinfer_prefix_cache_blocks"] > 0

@@ -34,6 +34,7 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_gb: float | None = None  # explicit KV budget in GiB
     kv_cache_fraction: float = 0.3  # else: this share of free memory after weights
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -99,7 +100,7 @@ class LLMEngine:
         )
         # A sequence must always fit the pool alone, so preemption can always make room.
         self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.requests: dict[str, _RequestState] = {}
@@ -145,14 +146,17 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
+        """Queue a request. `cache_salt` keeps its prefix-cache entries private:
+        only requests with the same salt can reuse them."""
         params = params or SamplingParams()
         ids = self.validate_request(prompt, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         seed = params.seed if params.seed is not None else random.getrandbits(32)
-        seq = Sequence(request_id, ids, params, seed, arrival_time=time.perf_counter())
+        seq = Sequence(request_id, ids, params, seed, arrival_time=time.perf_counter(), cache_salt=cache_salt)
         prompt_text = prompt if isinstance(prompt, str) else None
         self.requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer), prompt_text)
         self.scheduler.add(seq)
@@ -272,5 +276,6 @@ class LLMEngine:
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             logprobs=list(seq.logprobs),
+            num_cached_tokens=seq.num_cached_tokens,
             metrics=metrics,
         )

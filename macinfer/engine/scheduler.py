@@ -81,6 +81,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue
             bm.allocate(seq, seq.num_computed_tokens + n)
+            bm.commit(seq, seq.num_computed_tokens + n)
             out.scheduled.append((seq, n))
             kept.append(seq)
             budget -= n
@@ -92,11 +93,18 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
+            cached = bm.match_prefix(seq)
+            seq.num_computed_tokens = cached
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                bm.free(seq)  # give the prefix hits back; they stay cached
+                seq.num_computed_tokens = 0
                 break
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached
             self.waiting.popleft()
             bm.allocate(seq, seq.num_computed_tokens + n)
+            bm.commit(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))

@@ -39,6 +39,9 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     # timing (time.perf_counter seconds)
     arrival_time: float = 0.0
     first_token_time: float | None = None

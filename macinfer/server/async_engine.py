@@ -94,7 +94,8 @@ class AsyncEngine:
         return self.engine.validate_request(prompt, params)
 
     def submit(
-        self, prompt_ids: list[int], params_list: list[SamplingParams], request_id: str
+        self, prompt_ids: list[int], params_list: list[SamplingParams], request_id: str,
+        cache_salt: str | None = None,
     ) -> "RequestStream":
         """Admit len(params_list) choices of one prompt, or raise QueueFullError now."""
         if not self._thread.is_alive():
@@ -108,7 +109,7 @@ class AsyncEngine:
             for rid in stream.rids:
                 self._routes[rid] = _Pending(stream.loop, stream.queue)
         for rid, params in zip(stream.rids, params_list):
-            self._commands.put(("add", rid, prompt_ids, params))
+            self._commands.put(("add", rid, prompt_ids, params, cache_salt))
         return stream
 
     def _release(self, rids: list[str], unfinished: set[str]) -> None:
@@ -133,12 +134,12 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params = cmd
+            _, rid, ids, params, salt = cmd
             with self._lock:
                 if rid not in self._routes:  # aborted before it started
                     return
             try:
-                self.engine.add_request(ids, params, rid)
+                self.engine.add_request(ids, params, rid, cache_salt=salt)
             except Exception as e:  # validated already; anything left is this request's
                 log.exception("could not add request %s", rid)
                 self._deliver(RequestOutput(rid, ids, "", [], "", [], True, "error", error=str(e)))

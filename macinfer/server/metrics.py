@@ -22,6 +22,11 @@ class _EngineCollector:
         yield GaugeMetricFamily("macinfer_kv_blocks_used", "KV cache blocks in use", value=bm.num_used_blocks)
         yield GaugeMetricFamily("macinfer_kv_blocks_free", "KV cache blocks free", value=bm.num_free_blocks)
         yield GaugeMetricFamily("macinfer_kv_blocks_total", "KV cache blocks in the pool", value=bm.num_blocks)
+        yield GaugeMetricFamily("macinfer_prefix_cache_blocks", "KV blocks holding cached prefixes", value=bm.num_cached_blocks)
+        yield CounterMetricFamily("macinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=bm.prefix_queries)
+        yield CounterMetricFamily("macinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache", value=bm.prefix_hits)
+        yield GaugeMetricFamily("macinfer_prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries",
+                                value=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0)
         yield CounterMetricFamily("macinfer_preemptions", "Sequences preempted for KV space", value=e.scheduler.num_preemptions)
         yield CounterMetricFamily("macinfer_prompt_tokens", "Prompt tokens prefilled", value=e.stats["prompt_tokens"])
         yield CounterMetricFamily("macinfer_generation_tokens", "Tokens generated", value=e.stats["generation_tokens"])

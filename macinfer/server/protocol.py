@@ -29,6 +29,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class StreamOptions(BaseModel):

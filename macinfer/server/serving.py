@@ -99,7 +99,7 @@ class OpenAIServing:
         params = sampling_params(req, max_tokens, logprobs)
         ids = self._validate(prompt, params)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        return rid, ids, self.engine.submit(ids, params, rid)
+        return rid, ids, self.engine.submit(ids, params, rid, cache_salt=req.cache_salt)
 
     async def complete(self, kind: str, req, rid: str, ids: list[int], gen, request) -> dict[str, Any]:
         """Non-streaming: wait for every choice; abort if the client goes away."""
@@ -141,14 +141,14 @@ class OpenAIServing:
         completion_tokens = sum(len(o.token_ids) for o in final.values())
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": now(), "model": self.model_name, "choices": choices,
-                "usage": usage(len(ids), completion_tokens)}
+                "usage": usage(len(ids), completion_tokens, final[min(final)].num_cached_tokens)}
 
     async def stream(self, kind: str, req, rid: str, ids: list[int], gen) -> AsyncIterator[str]:
         """SSE events; closing this generator (client gone) aborts the request."""
         created, obj = now(), "chat.completion.chunk" if kind == "chat" else "text_completion"
         sent_role: set[int] = set()
         text_pos: dict[int, int] = {}
-        completion_tokens = 0
+        completion_tokens, cached_tokens = 0, 0
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
@@ -178,13 +178,15 @@ class OpenAIServing:
                     text_pos[i] = text_pos.get(i, 0) + len(out.delta_text)
                 if out.finished:
                     completion_tokens += len(out.token_ids)
+                    if i == 0:
+                        cached_tokens = out.num_cached_tokens
                     self.metrics.observe(out)
                 if delta_nonempty(choice) or out.finished:
                     yield chunk(choice)
             else:
                 if req.stream_options and req.stream_options.include_usage:
                     yield event({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": [], "usage": usage(len(ids), completion_tokens)})
+                                 "choices": [], "usage": usage(len(ids), completion_tokens, cached_tokens)})
         finally:
             gen.close()
         yield "data: [DONE]\n\n"
