@@ -3,9 +3,10 @@
 `paged_attention` is the one entry point the model calls. It writes the new
 K/V rows into their slots, then attends. Today it runs the portable reference
 path (gather blocks through the block table, then
-`mx.fast.scaled_dot_product_attention`), which works on every MLX backend; a
-Metal kernel can replace `_decode_attention` / `_prefill_attention` behind the
-same signature.
+`mx.fast.scaled_dot_product_attention`) works on every MLX backend. Decodes
+go to the paged-attention Metal kernel when `macinfer.kernels.mode()` says so
+(on a Mac by default; `MACINFER_KERNELS` forces a choice). Prefill chunks use
+the gather + SDPA path on every backend for now.
 
 The flat token batch is ordered decodes first (one query token per sequence),
 then prefill chunks. Decodes are attended together as one padded-by-blocks
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from macinfer import kernels
+from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kv_cache import KVCache
 
 
@@ -39,6 +42,7 @@ class AttentionMetadata:
     decode_block_tables: mx.array | None = None  # [B, max_blocks] int32
     decode_context_lens: mx.array | None = None  # [B] int32
     decode_max_blocks: int = 0
+    decode_max_context: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -51,6 +55,26 @@ def _gather(pool: mx.array, block_table: mx.array) -> mx.array:
 
 
 def _decode_attention(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float
+) -> mx.array:
+    backend = kernels.mode()
+    if backend != "reference" and paged_kernels.supported(q.shape[-1], q.shape[1] // k_pool.shape[2]):
+        flat = k_pool.shape[0] * k_pool.shape[1]
+        k_rows = k_pool.reshape(flat, *k_pool.shape[2:])
+        v_rows = v_pool.reshape(flat, *v_pool.shape[2:])
+        calls = paged_kernels.decode_calls(
+            q, k_rows, v_rows, meta.decode_block_tables, meta.decode_context_lens, scale,
+            k_pool.shape[1], meta.decode_max_context,
+        )
+        if backend == "metal":
+            return paged_kernels.run_calls(calls)
+        from macinfer.kernels.emulator import emulate_calls
+
+        return mx.array(emulate_calls(calls)[0])
+    return _reference_decode_attention(q, k_pool, v_pool, meta, scale)
+
+
+def _reference_decode_attention(
     q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float
 ) -> mx.array:
     k = _gather(k_pool, meta.decode_block_tables)  # [B, kvh, L, d]

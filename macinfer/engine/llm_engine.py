@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from macinfer import kernels
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.model_runner import ModelRunner
 from macinfer.engine.scheduler import Scheduler
@@ -106,8 +107,8 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         log.info(
-            "KV cache: %d blocks x %d tokens (%.2f GiB, %s); max_model_len %d; attention: reference",
-            num_blocks, cfg.block_size, self.kv_cache.nbytes / 2**30, kv_dtype, self.max_model_len,
+            "KV cache: %d blocks x %d tokens (%.2f GiB, %s); max_model_len %d; decode attention: %s",
+            num_blocks, cfg.block_size, self.kv_cache.nbytes / 2**30, kv_dtype, self.max_model_len, kernels.mode(),
         )
 
     def _kv_dtype(self) -> mx.Dtype:

@@ -68,6 +68,7 @@ class ModelRunner:
             meta.decode_block_tables = mx.array(padded)
             meta.decode_context_lens = mx.array(decode_lens, dtype=mx.int32)
             meta.decode_max_blocks = width
+            meta.decode_max_context = max(decode_lens)
         return mx.array(ids, dtype=mx.int32), meta, sample_rows, sample_seqs
 
     def forward_logits(self, scheduled: list[tuple[Sequence, int]]) -> tuple[mx.array | None, list[Sequence]]:

@@ -1,0 +1,39 @@
+"""Custom Metal kernels and the switch that picks them.
+
+`MACINFER_KERNELS` = `auto` (default: Metal kernels when `mx.metal.is_available()`,
+else the reference MLX ops), `metal` (insist), `reference` (never use kernels),
+or `emulate` (run the exact generated Metal source through the CPU emulator in
+`macinfer.kernels.emulator`; slow, for verification on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import mlx.core as mx
+
+log = logging.getLogger("macinfer")
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "metal_kernels"
+MODES = ("auto", "metal", "reference", "emulate")
+
+
+def kernel_source(name: str) -> str:
+    path = KERNEL_DIR / f"{name}.metal"
+    if not path.exists():  # installed as a wheel: sources travel as package data
+        path = Path(__file__).resolve().parent / "metal" / f"{name}.metal"
+    return path.read_text()
+
+
+def mode() -> str:
+    """The attention backend in force: 'metal', 'reference' or 'emulate'."""
+    choice = os.environ.get("MACINFER_KERNELS", "auto").lower()
+    if choice not in MODES:
+        raise ValueError(f"MACINFER_KERNELS={choice!r}; expected one of {', '.join(MODES)}")
+    if choice == "auto":
+        return "metal" if mx.metal.is_available() else "reference"
+    if choice == "metal" and not mx.metal.is_available():
+        raise RuntimeError("MACINFER_KERNELS=metal but MLX has no Metal device here")
+    return choice
