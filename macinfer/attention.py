@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from macinfer import kernels
 from macinfer.kernels import paged_attention as paged_kernels
+from macinfer.kernels.call import launch
 from macinfer.kv_cache import KVCache
 
 
@@ -66,11 +67,7 @@ def _decode_attention(
             q, k_rows, v_rows, meta.decode_block_tables, meta.decode_context_lens, scale,
             k_pool.shape[1], meta.decode_max_context,
         )
-        if backend == "metal":
-            return paged_kernels.run_calls(calls)
-        from macinfer.kernels.emulator import emulate_calls
-
-        return mx.array(emulate_calls(calls)[0])
+        return launch(calls, emulate=backend == "emulate")
     return _reference_decode_attention(q, k_pool, v_pool, meta, scale)
 
 

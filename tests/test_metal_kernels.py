@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from macinfer.kernels.emulator import capture_source, emulate, emulate_calls
-from macinfer.kernels.paged_attention import decode_calls, run_calls
+from macinfer.kernels.call import launch
+from macinfer.kernels.paged_attention import decode_calls
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the CPU emulator needs g++")
 
@@ -139,5 +140,5 @@ def test_engine_output_with_emulated_kernels_equals_reference(tmp_path, monkeypa
 @pytest.mark.parametrize("B,KVH,GQA,D,lens,part", GRID)
 def test_metal_gpu_matches_reference(B, KVH, GQA, D, lens, part):
     case = make_case(B, KVH, GQA, D, lens)
-    out = np.array(run_calls(calls_for(case, part)))
+    out = np.array(launch(calls_for(case, part)))
     np.testing.assert_allclose(out, reference(*case), atol=2e-5, rtol=1e-4)

@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 import mlx.core as mx
 
 log = logging.getLogger("macinfer")
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "metal_kernels"
 MODES = ("auto", "metal", "reference", "emulate")
-
-
-def kernel_source(name: str) -> str:
-    path = KERNEL_DIR / f"{name}.metal"
-    if not path.exists():  # installed as a wheel: sources travel as package data
-        path = Path(__file__).resolve().parent / "metal" / f"{name}.metal"
-    return path.read_text()
 
 
 def mode() -> str:

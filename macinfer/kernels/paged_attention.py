@@ -7,13 +7,11 @@ CPU emulator, which compiles exactly the source MLX generates for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import mlx.core as mx
 
-from macinfer.kernels import kernel_source
+from macinfer.kernels.call import KernelCall, kernel_source, launch
 
 DECODE_INPUTS = ["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"]
 MERGE_INPUTS = ["tmp_out", "tmp_ml"]
@@ -44,24 +42,6 @@ def _merge_kernel():
     )
 
 
-@dataclass
-class KernelCall:
-    kernel: Any
-    inputs: list[mx.array]
-    template: list[tuple[str, Any]]
-    grid: tuple[int, int, int]
-    threadgroup: tuple[int, int, int]
-    output_shapes: list[tuple[int, ...]]
-    output_dtypes: list[mx.Dtype]
-    kernel_input_names: list[str]
-    kernel_output_names: list[str]
-
-    def __call__(self, verbose: bool = False) -> list[mx.array]:
-        return self.kernel(inputs=self.inputs, template=self.template, grid=self.grid,
-                           threadgroup=self.threadgroup, output_shapes=self.output_shapes,
-                           output_dtypes=self.output_dtypes, verbose=verbose)
-
-
 def num_simdgroups(head_dim: int, gqa: int) -> int:
     """Most simdgroups (<= 4) whose merge state fits in threadgroup memory."""
     for nsg in (4, 2, 1):
@@ -88,8 +68,8 @@ def decode_calls(
     """The launches for q [B, H, D] over pools [num_blocks * block_size, KVH, D].
 
     One launch when the longest context fits one partition; otherwise the
-    split-K launch plus a merge launch (its first input is the split output,
-    filled in by `run_calls`)."""
+    split-K launch plus a merge launch (its inputs are the split outputs,
+    filled in by `launch`)."""
     B, H, D = q.shape
     kvh = k_pool.shape[1]
     gqa = H // kvh
@@ -112,14 +92,5 @@ def decode_calls(
     return [split, merge]
 
 
-def run_calls(calls: list[KernelCall]) -> mx.array:
-    """Launch on Metal; the merge call consumes the split call's outputs."""
-    outs = calls[0]()
-    for call in calls[1:]:
-        call.inputs = list(outs)
-        outs = call()
-    return outs[0]
-
-
 def paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, block_size, max_context) -> mx.array:
-    return run_calls(decode_calls(q, k_pool, v_pool, block_tables, context_lens, scale, block_size, max_context))
+    return launch(decode_calls(q, k_pool, v_pool, block_tables, context_lens, scale, block_size, max_context))

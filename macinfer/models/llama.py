@@ -13,7 +13,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from macinfer import kernels
 from macinfer.attention import AttentionMetadata, paged_attention
+from macinfer.kernels import quantized as quantized_kernels
+from macinfer.kernels.call import launch
 from macinfer.models.base import ModelArgs
 
 
@@ -67,6 +70,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if quantized_kernels.enabled() and kernels.mode() != "reference" \
+                and quantized_kernels.supported(self.gate_proj, x.shape[0]):
+            call = quantized_kernels.qmv_call(x, self.gate_proj, self.up_proj)
+            return self.down_proj(launch([call], emulate=kernels.mode() == "emulate"))
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
