@@ -12,7 +12,7 @@ PROMPT ?= Write a haiku about the sea.
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: setup blas test test-fast generate chat serve bench clean
+.PHONY: setup blas test test-fast generate chat serve bench bench-serve bench-prefix mac-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,16 @@ serve: setup
 
 bench: setup
 	$(RUN)python scripts/bench_engine.py
+
+bench-serve: setup
+	$(RUN)python scripts/bench_serve.py
+
+bench-prefix: setup
+	$(RUN)python scripts/bench_prefix.py
+
+# Apple Silicon only: the Metal kernels on the GPU vs the reference, with GB/s.
+mac-check: setup
+	$(RUN)python scripts/mac_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench_results

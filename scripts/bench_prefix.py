@@ -80,11 +80,16 @@ async def shared_system(url, model, clients, max_tokens) -> dict:
     async with httpx.AsyncClient(timeout=600) as c:
         res = await asyncio.gather(*(chat_ttft(c, url, model, [{"role": "system", "content": SYSTEM * 4},
                                                                {"role": "user", "content": q}], max_tokens)
-                                     for q in (QUESTIONS * 4)[:clients]))
+                                     for q in (QUESTIONS * 4)[:clients]), return_exceptions=True)
+    failed = [r for r in res if isinstance(r, BaseException)]
+    res = [r for r in res if not isinstance(r, BaseException)]
+    if not res:
+        raise RuntimeError(f"all {clients} requests failed: {failed[0]!r}")
     ttfts = [r[0] for r in res]
     return {"ttft_p50": float(np.percentile(ttfts, 50)), "ttft_p95": float(np.percentile(ttfts, 95)),
             "ttft_p99": float(np.percentile(ttfts, 99)), "ttft_mean": statistics.fmean(ttfts),
-            "cached_tokens_mean": statistics.fmean(r[2] for r in res)}
+            "cached_tokens_mean": statistics.fmean(r[2] for r in res), "failed_requests": len(failed),
+            "failure": repr(failed[0]) if failed else None}
 
 
 def main() -> None:
@@ -139,6 +144,7 @@ def main() -> None:
              (f"shared-sys x{args.clients} TTFT p95 (s)", lambda r: r["shared_system"]["ttft_p95"]),
              (f"shared-sys x{args.clients} TTFT p99 (s)", lambda r: r["shared_system"]["ttft_p99"]),
              ("shared-sys cached tokens mean", lambda r: r["shared_system"]["cached_tokens_mean"]),
+             ("shared-sys failed requests", lambda r: r["shared_system"]["failed_requests"]),
              ("peak RSS (GB)", lambda r: r["peak_rss_gb"] or 0.0)]
     for label, get in rows:
         print(f"{label:<34}" + "".join(f"{get(results['servers'][n]):>18.3f}" for n in names))

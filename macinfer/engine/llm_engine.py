@@ -99,6 +99,10 @@ class LLMEngine:
             args.num_hidden_layers, num_blocks, cfg.block_size,
             args.num_key_value_heads, args.head_dim, kv_dtype,
         )
+        if mx.metal.is_available():
+            # Keep weights + KV resident (wired) up to what Metal recommends, as mlx-lm does.
+            weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+            mx.set_wired_limit(min(weights + self.kv_cache.nbytes, available_memory_bytes()))
         # A sequence must always fit the pool alone, so preemption can always make room.
         self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
