@@ -41,6 +41,13 @@ def hardware() -> dict:
     return info
 
 
+def save_results(results: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}")
+
+
 def peak_memory_gb() -> float:
     import resource
 
@@ -185,10 +192,7 @@ def main() -> None:
     print(f"model {ctx['model']} ({ctx['model_type']}, {ctx['quantization']}); macinfer {ctx['macinfer']}, "
           f"mlx {ctx['mlx']}, mlx-lm {ctx['mlx_lm']}; {ctx['hardware']['cpu']} x{ctx['hardware']['cores']}, "
           f"device {ctx['hardware']['mlx_device']}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    save_results(results, args.out)
 
 
 if __name__ == "__main__":

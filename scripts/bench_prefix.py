@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_engine import hardware  # noqa: E402
+from bench_engine import hardware, save_results  # noqa: E402
 from bench_serve import Server, free_port, peak_rss_gb  # noqa: E402
 
 SYSTEM = ("You are the support assistant of a hardware store. Be precise, friendly and brief. "
@@ -148,10 +148,7 @@ def main() -> None:
              ("peak RSS (GB)", lambda r: r["peak_rss_gb"] or 0.0)]
     for label, get in rows:
         print(f"{label:<34}" + "".join(f"{get(results['servers'][n]):>18.3f}" for n in names))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    save_results(results, args.out)
 
 
 if __name__ == "__main__":

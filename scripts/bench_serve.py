@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_engine import hardware  # noqa: E402
+from bench_engine import hardware, save_results  # noqa: E402
 
 PROMPTS = [
     "Once upon a time, in a village by the sea,", "The history of the Roman Empire begins",
@@ -200,10 +200,7 @@ def main() -> None:
             print(line)
     print(f"{'':<12}{'peak_rss_gb':<18}" + "".join(f"{results['servers'][n]['peak_rss_gb'] or 0:>12.2f}" for n in names))
     print("(ratio = macinfer / mlx-lm; latencies in seconds)")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    save_results(results, args.out)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,13 @@ def tiny_model_dir(tmp_path, family: str = "llama", tie: bool = True, quantize: 
     config = tiny_config(family, tie, **overrides)
     model = make_mlx_lm_model(config, seed, quantize)
     return save_model_dir(str(tmp_path / f"{family}-{int(tie)}-{seed}"), config, model, quantize), model
+
+
+def generate(engine, prompts, params) -> list:
+    """Run prompts (one SamplingParams or one per prompt) to completion; outputs in order."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]

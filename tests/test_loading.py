@@ -7,7 +7,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 
 from macinfer.loader import ModelNotFoundError, load
 from macinfer.models import UnsupportedArchitectureError

@@ -8,6 +8,7 @@ from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.engine.sampler import sample
 from macinfer.engine.sequence import Sequence
 from macinfer.sampling_params import SamplingParams
+from tests.helpers import generate
 
 V = 50
 
@@ -100,13 +101,7 @@ def test_invalid_values_are_rejected():
 
 
 def _generate(engine, prompts, params_list):
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.token_ids
-    return [done[i] for i in ids]
+    return [o.token_ids for o in generate(engine, prompts, params_list)]
 
 
 def test_seeded_request_is_reproducible_alone_and_in_a_batch(tiny_llama):

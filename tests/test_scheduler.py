@@ -8,6 +8,7 @@ from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, SequenceStatus
 from macinfer.sampling_params import SamplingParams
+from tests.helpers import generate
 
 
 def _seq(n, name, start=3):
@@ -63,13 +64,7 @@ def test_block_shortage_preempts_newest():
 
 
 def _run(engine: LLMEngine, prompts, params):
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return [done[i] for i in ids]
+    return [o.token_ids for o in generate(engine, prompts, params)]
 
 
 @pytest.mark.parametrize("sampled", [False, True])

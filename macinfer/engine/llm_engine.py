@@ -14,7 +14,7 @@ from macinfer import kernels
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.model_runner import ModelRunner
 from macinfer.engine.scheduler import Scheduler
-from macinfer.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import SamplingParams
