@@ -213,6 +213,7 @@ def emulate(call, sanitize: str | None = None, timeout: float = 300, source: str
     outputs = {n: (tuple(s), _NP_DTYPES[d]) for n, s, d in zip(out_names, call.output_shapes, call.output_dtypes)}
     bufs = [_buffer(p, call, outputs) for p in params]
     env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)  # sanitizer runtimes must load first; the kernel needs nothing else
     if sanitize == "thread":
         env["TSAN_OPTIONS"] = "halt_on_error=0 exitcode=0 report_signal_unsafe=0 " + env.get("TSAN_OPTIONS", "")
     if sanitize == "address":
