@@ -52,6 +52,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when finish_reason == "error"
+    prompt: str | None = None  # the prompt text, when the request was given as text
 
 
 class _RequestState:
@@ -283,4 +284,5 @@ class LLMEngine:
             logprobs=list(seq.logprobs),
             num_cached_tokens=seq.num_cached_tokens,
             metrics=metrics,
+            prompt=state.prompt,
         )

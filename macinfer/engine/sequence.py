@@ -25,7 +25,7 @@ class TokenLogprob:
 _counter = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: two requests may look alike
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -66,6 +66,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    def last_token(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
