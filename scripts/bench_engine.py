@@ -62,8 +62,11 @@ class Macinfer:
     def __init__(self, model: str, max_num_seqs: int, kv_cache_gb: float):
         from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
+        # Prefix caching off: repeats reuse prompts, and this measures raw compute
+        # (scripts/bench_prefix.py measures the cache).
         self.engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb,
-                                                    max_num_batched_tokens=2048, max_model_len=4096))
+                                                    max_num_batched_tokens=2048, max_model_len=4096,
+                                                    enable_prefix_caching=False))
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
         """Returns (ttft of the first request, total seconds)."""
