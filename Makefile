@@ -11,6 +11,7 @@ MODEL ?= smollm2
 PROMPT ?= Write a haiku about the sea.
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
+KV_GB ?= 1
 
 .PHONY: setup blas test test-fast generate chat serve bench bench-serve bench-prefix mac-check clean
 
@@ -39,13 +40,13 @@ test-fast: setup
 	$(RUN)python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 generate: setup
-	$(RUN)macinfer generate $(MODEL) --prompt "$(PROMPT)" --max-tokens 64
+	$(RUN)macinfer generate $(MODEL) --prompt "$(PROMPT)" --max-tokens 64 --kv-cache-gb $(KV_GB)
 
 chat: setup
-	$(RUN)macinfer chat $(MODEL)
+	$(RUN)macinfer chat $(MODEL) --kv-cache-gb $(KV_GB)
 
 serve: setup
-	$(RUN)macinfer serve $(MODEL) --host $(HOST) --port $(PORT)
+	$(RUN)macinfer serve $(MODEL) --host $(HOST) --port $(PORT) --kv-cache-gb $(KV_GB)
 
 bench: setup
 	$(RUN)python scripts/bench_engine.py
