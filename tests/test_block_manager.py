@@ -127,3 +127,11 @@ def test_random_interleavings_keep_invariants(ops):
         bm.free(s)
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_hash_chains_are_rooted_in_the_model():
+    a, b = BlockManager(8, 4, cache_key="model-a"), BlockManager(8, 4, cache_key="model-b")
+    sa, sb = _seq(list(range(9)), "a"), _seq(list(range(9)), "b")
+    _admit(a, sa)
+    _admit(b, sb)
+    assert sa.block_hashes and set(sa.block_hashes).isdisjoint(sb.block_hashes)

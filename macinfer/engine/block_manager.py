@@ -26,8 +26,8 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_hash(parent: bytes | None, tokens: list[int], salt: str | None) -> bytes:
-    h = hashlib.blake2b(parent or b"root", digest_size=16)
+def block_hash(parent: bytes, tokens: list[int], salt: str | None) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
     h.update(array("q", tokens).tobytes())
     if salt:
         h.update(b"\x00salt\x00" + salt.encode())
@@ -44,12 +44,16 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_key: str = ""):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Root of every hash chain: the model (and adapter, when there are any), so
+        # a cache can never be matched across weights.
+        self.root_hash = hashlib.blake2b(b"macinfer:" + cache_key.encode(), digest_size=16).digest()
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (least recently freed first).
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -82,7 +86,8 @@ class BlockManager:
         while len(hashes) < num_full_blocks:
             tokens = tokens or seq.token_ids
             i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], seq.cache_salt))
+            parent = hashes[-1] if hashes else self.root_hash
+            hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt))
         return hashes[:num_full_blocks]
 
     # -- allocation -------------------------------------------------------------

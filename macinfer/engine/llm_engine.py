@@ -106,7 +106,8 @@ class LLMEngine:
             mx.set_wired_limit(min(weights + self.kv_cache.nbytes, available_memory_bytes()))
         # A sequence must always fit the pool alone, so preemption can always make room.
         self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          cache_key=self.loaded.source)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.requests: dict[str, _RequestState] = {}
