@@ -73,6 +73,12 @@ def test_completions_streaming_and_n(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="smollm2", prompt="The capital of France is", max_tokens=5, temperature=0, stream=True) if c.choices)
     assert streamed == r.choices[0].text
+    by_choice = {0: "", 1: ""}
+    for c in client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5,
+                                       temperature=0, stream=True, n=2):
+        for ch in c.choices:
+            by_choice[ch.index] += ch.text
+    assert by_choice == {0: r.choices[0].text, 1: r.choices[1].text}
     seeded = [client.completions.create(model="smollm2", prompt="Once", max_tokens=8, temperature=1.0, seed=7).choices[0].text
               for _ in range(2)]
     assert seeded[0] == seeded[1]
