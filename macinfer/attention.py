@@ -1,9 +1,9 @@
 """Attention over the paged KV cache.
 
 `paged_attention` is the one entry point the model calls. It writes the new
-K/V rows into their slots, then attends. Today it runs the portable reference
-path (gather blocks through the block table, then
-`mx.fast.scaled_dot_product_attention`) works on every MLX backend. Decodes
+K/V rows into their slots, then attends. The portable reference path (gather
+blocks through the block table, then `mx.fast.scaled_dot_product_attention`)
+works on every MLX backend. Decodes
 go to the paged-attention Metal kernel when `macinfer.kernels.mode()` says so
 (on a Mac by default; `MACINFER_KERNELS` forces a choice). Prefill chunks use
 the gather + SDPA path on every backend for now.
@@ -42,7 +42,6 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_block_tables: mx.array | None = None  # [B, max_blocks] int32
     decode_context_lens: mx.array | None = None  # [B] int32
-    decode_max_blocks: int = 0
     decode_max_context: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
 

@@ -67,7 +67,6 @@ class ModelRunner:
                 padded[i, : len(t)] = t
             meta.decode_block_tables = mx.array(padded)
             meta.decode_context_lens = mx.array(decode_lens, dtype=mx.int32)
-            meta.decode_max_blocks = width
             meta.decode_max_context = max(decode_lens)
         return mx.array(ids, dtype=mx.int32), meta, sample_rows, sample_seqs
 
