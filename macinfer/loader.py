@@ -183,6 +183,7 @@ def load(ref: str) -> LoadedModel:
     if should_dequantize(model):
         n = _dequantize_modules(model)
         log.info("CPU backend: %d quantized layers expanded to float32 for BLAS matmuls", n)
+    model.fuse_projections()
     mx.eval(model.parameters())
     model.eval()
     return LoadedModel(model, tokenizer, config, path, ref)

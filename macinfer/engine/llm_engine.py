@@ -121,7 +121,7 @@ class LLMEngine:
         """The dtype K/V come out of the projections in (what mlx-lm's cache would hold)."""
         layer = self.model.layers[0]
         h = layer.input_layernorm(self.model.model.embed_tokens(mx.array([0])))
-        return layer.self_attn.k_proj(h).dtype
+        return layer.self_attn.project(h)[1].dtype
 
     # -- requests -----------------------------------------------------------
     def validate_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:

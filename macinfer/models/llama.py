@@ -20,6 +20,23 @@ from macinfer.kernels.call import launch
 from macinfer.models.base import ModelArgs
 
 
+def fuse_linears(linears: list[nn.Module]) -> nn.Linear | None:
+    """One Linear whose output is the concatenation of `linears`' outputs, or None
+    when they are not all plain (unquantized) Linear layers. Fewer, larger matmuls:
+    on the CPU backend decode is bound by per-op overhead."""
+    if not all(type(lin) is nn.Linear for lin in linears):
+        return None
+    has_bias = ["bias" in lin for lin in linears]
+    if any(has_bias) and not all(has_bias):
+        return None
+    weight = mx.concatenate([lin.weight for lin in linears], axis=0)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=all(has_bias))
+    fused.weight = weight
+    if all(has_bias):
+        fused.bias = mx.concatenate([lin.bias for lin in linears], axis=0)
+    return fused
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -46,11 +63,26 @@ class Attention(nn.Module):
             args.max_position_embeddings,
         )
 
+    def fuse(self) -> None:
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj = fused
+            del self["q_proj"], self["k_proj"], self["v_proj"]
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v as flat rows [T, heads * head_dim]."""
+        if "qkv_proj" in self:
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = mx.split(self.qkv_proj(x), [nq, nq + nkv], axis=-1)
+            return q, k, v
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def __call__(self, x: mx.array, meta: AttentionMetadata, layer: int) -> mx.array:
         T = x.shape[0]
-        q = self.q_proj(x).reshape(T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.reshape(T, self.n_heads, self.head_dim)
+        k = k.reshape(T, self.n_kv_heads, self.head_dim)
+        v = v.reshape(T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -69,7 +101,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
+    def fuse(self) -> None:
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self["gate_proj"], self["up_proj"]
+
     def __call__(self, x: mx.array) -> mx.array:
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+            return self.down_proj(nn.silu(gate) * up)
         if quantized_kernels.enabled() and kernels.mode() != "reference" \
                 and quantized_kernels.supported(self.gate_proj, x.shape[0]):
             call = quantized_kernels.qmv_call(x, self.gate_proj, self.up_proj)
@@ -131,6 +172,13 @@ class Model(nn.Module):
             weights.pop("lm_head.scales", None)
             weights.pop("lm_head.biases", None)
         return weights
+
+    def fuse_projections(self) -> None:
+        """After loading: merge q/k/v and gate/up into single matmuls where the
+        layers are plain Linear (the CPU path); quantized layers stay separate."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @property
     def layers(self) -> list[TransformerBlock]:
