@@ -147,30 +147,20 @@ enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_te
 inline void threadgroup_barrier(mem_flags) { msl_cpu::self->group->rendezvous->arrive_and_wait(); }
 inline void simdgroup_barrier(mem_flags) { msl_cpu::self->simd->rendezvous->arrive_and_wait(); }
 
-template <typename T>
-T simd_sum(T v) {
-  return msl_cpu::simd_collective(v, [](msl_cpu::Simdgroup* s) {
+template <typename T, typename Op>
+T simd_reduce(T v, Op op) {
+  return msl_cpu::simd_collective(v, [&](msl_cpu::Simdgroup* s) {
     T acc = msl_cpu::lane_value<T>(s, 0);
-    for (unsigned i = 1; i < s->width; i++) acc = T(acc + msl_cpu::lane_value<T>(s, i));
+    for (unsigned i = 1; i < s->width; i++) acc = op(acc, msl_cpu::lane_value<T>(s, i));
     return acc;
   });
 }
 template <typename T>
-T simd_max(T v) {
-  return msl_cpu::simd_collective(v, [](msl_cpu::Simdgroup* s) {
-    T acc = msl_cpu::lane_value<T>(s, 0);
-    for (unsigned i = 1; i < s->width; i++) acc = std::max(acc, msl_cpu::lane_value<T>(s, i));
-    return acc;
-  });
-}
+T simd_sum(T v) { return simd_reduce(v, [](T a, T b) { return T(a + b); }); }
 template <typename T>
-T simd_min(T v) {
-  return msl_cpu::simd_collective(v, [](msl_cpu::Simdgroup* s) {
-    T acc = msl_cpu::lane_value<T>(s, 0);
-    for (unsigned i = 1; i < s->width; i++) acc = std::min(acc, msl_cpu::lane_value<T>(s, i));
-    return acc;
-  });
-}
+T simd_max(T v) { return simd_reduce(v, [](T a, T b) { return std::max(a, b); }); }
+template <typename T>
+T simd_min(T v) { return simd_reduce(v, [](T a, T b) { return std::min(a, b); }); }
 template <typename T>
 T simd_shuffle(T v, ushort lane) {
   return msl_cpu::simd_collective(v, [&](msl_cpu::Simdgroup* s) {
