@@ -46,48 +46,36 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
-def _gather(pool: mx.array, block_table: mx.array) -> mx.array:
-    """[..., nb] block ids -> [..., kv_heads, nb * block_size, head_dim]."""
-    g = pool[block_table]  # [..., nb, bs, kvh, d]
-    *lead, nb, bs, kvh, d = g.shape
-    g = g.reshape(*lead, nb * bs, kvh, d)
-    return mx.swapaxes(g, -2, -3)
-
-
-def _decode_attention(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float
-) -> mx.array:
+def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: float) -> mx.array:
+    cache = meta.kv_cache
     backend = kernels.mode()
-    if backend != "reference" and paged_kernels.supported(q.shape[-1], q.shape[1] // k_pool.shape[2]):
-        flat = k_pool.shape[0] * k_pool.shape[1]
-        k_rows = k_pool.reshape(flat, *k_pool.shape[2:])
-        v_rows = v_pool.reshape(flat, *v_pool.shape[2:])
+    if (backend != "reference" and not cache.quantized
+            and paged_kernels.supported(q.shape[-1], q.shape[1] // cache.num_kv_heads)):
+        k_rows, v_rows = cache.pools(layer)
         calls = paged_kernels.decode_calls(
             q, k_rows, v_rows, meta.decode_block_tables, meta.decode_context_lens, scale,
-            k_pool.shape[1], meta.decode_max_context,
+            cache.block_size, meta.decode_max_context,
         )
         return launch(calls, emulate=backend == "emulate")
-    return _reference_decode_attention(q, k_pool, v_pool, meta, scale)
+    k, v = cache.gather(layer, meta.decode_block_tables)  # [B, kvh, L, d]
+    return reference_decode_attention(q, k, v, meta.decode_context_lens, scale)
 
 
-def _reference_decode_attention(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float
+def reference_decode_attention(
+    q: mx.array, k: mx.array, v: mx.array, context_lens: mx.array, scale: float
 ) -> mx.array:
-    k = _gather(k_pool, meta.decode_block_tables)  # [B, kvh, L, d]
-    v = _gather(v_pool, meta.decode_block_tables)
+    """q [B, H, d] against gathered k, v [B, kvh, L, d], keys past each length masked."""
     L = k.shape[2]
-    mask = mx.arange(L)[None, :] < meta.decode_context_lens[:, None]  # [B, L]
+    mask = mx.arange(L)[None, :] < context_lens[:, None]  # [B, L]
     out = mx.fast.scaled_dot_product_attention(
         q[:, :, None, :], k, v, scale=scale, mask=mask[:, None, None, :]
     )
     return out[:, :, 0, :]  # [B, H, d]
 
 
-def _prefill_attention(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, span: PrefillSpan, scale: float
-) -> mx.array:
-    k = _gather(k_pool, span.block_table)[None, :, : span.context_len]
-    v = _gather(v_pool, span.block_table)[None, :, : span.context_len]
+def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: PrefillSpan, scale: float) -> mx.array:
+    k, v = meta.kv_cache.gather(layer, span.block_table)
+    k, v = k[None, :, : span.context_len], v[None, :, : span.context_len]
     # "causal" in MLX aligns the last query with the last key, which is exactly
     # a chunk that continues a cached prefix.
     out = mx.fast.scaled_dot_product_attention(
@@ -105,14 +93,12 @@ def paged_attention(
     scale: float,
 ) -> mx.array:
     """q: [T, H, d]; k, v: [T, kv_heads, d] for the new tokens. Returns [T, H, d]."""
-    cache = meta.kv_cache
-    cache.write(layer, meta.slot_mapping, k, v)
-    k_pool, v_pool = cache.blocks(layer)
+    meta.kv_cache.write(layer, meta.slot_mapping, k, v)
     outs = []
     if meta.num_decodes:
-        outs.append(_decode_attention(q[: meta.num_decodes], k_pool, v_pool, meta, scale))
+        outs.append(_decode_attention(q[: meta.num_decodes], meta, layer, scale))
     for span in meta.prefills:
         qs = q[span.start : span.start + span.length]
-        outs.append(_prefill_attention(qs, k_pool, v_pool, span, scale))
+        outs.append(_prefill_attention(qs, meta, layer, span, scale))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out.astype(q.dtype)

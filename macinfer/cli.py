@@ -14,6 +14,7 @@ MODEL_HELP = "A .gguf file, an MLX model directory, a Hugging Face repo id, or '
 
 
 def _engine_options(f):
+    f = click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8"]), default="auto", show_default=True, help="int8: 8-bit affine KV cache (about half the memory of fp16).")(f)
     f = click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True, help="Reuse KV blocks of repeated prompt prefixes.")(f)
     f = click.option("--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV cache budget in GiB (default: a share of free memory).")(f)
     f = click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True, help="Most sequences in one batch.")(f)
@@ -30,12 +31,12 @@ def _sampling_options(f):
     return f
 
 
-def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching=True):
+def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching=True, kv_cache_dtype="auto"):
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
     try:
         return LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
-                                             enable_prefix_caching=prefix_caching))
+                                             enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype))
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None
 
@@ -89,11 +90,11 @@ def main(verbose: bool) -> None:
 @click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Wrap the prompt as a user message in the model's chat template.")
 @_sampling_options
 @_engine_options
-def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching):
+def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
     if prompt == "-":
         prompt = sys.stdin.read()
     params = _params(temperature, max_tokens, top_p, top_k, seed)
-    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching)
+    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype)
     if chat_template and engine.tokenizer.chat_template:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     _, ntok, ttft, total = _stream(engine, prompt, params)
@@ -106,9 +107,9 @@ def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k
 @click.option("--system", default=None, help="System prompt.")
 @_sampling_options
 @_engine_options
-def chat(model, system, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching):
+def chat(model, system, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
     params = _params(temperature, max_tokens, top_p, top_k, seed)
-    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching)
+    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype)
     if not engine.tokenizer.chat_template:
         raise click.ClickException("this model has no chat template; use `macinfer generate --no-chat-template`")
     history = [{"role": "system", "content": system}] if system else []
@@ -155,12 +156,12 @@ def convert(gguf, out_dir):
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, help="Requests waiting beyond --max-num-seqs before answering 429.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="Largest request body accepted (413 beyond).")
 @_engine_options
-def serve(model, host, port, served_model_name, api_key, cors_origins, max_queue, max_body_mb, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching):
+def serve(model, host, port, served_model_name, api_key, cors_origins, max_queue, max_body_mb, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
     try:
         from macinfer.server.app import run_server
     except ImportError as e:
         raise click.ClickException(f"the server needs its extra: pip install 'macinfer[server]' ({e.name} missing)") from None
-    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching)
+    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype)
     run_server(engine, served_model_name or model, host, port, api_key=api_key, cors_origins=list(cors_origins),
                max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20))
 

@@ -18,10 +18,30 @@ import mlx.core as mx
 DEFAULT_BLOCK_SIZE = 16
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+KV_QUANT_BITS = 8
+
+
+def kv_group_size(head_dim: int) -> int:
+    return 64 if head_dim % 64 == 0 else 32
+
+
 def bytes_per_block(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: mx.Dtype
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: mx.Dtype,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.size
+    per_head = head_dim * dtype.size
+    if kv_cache_dtype == "int8":  # 1 byte a value + a scale and a bias per group
+        per_head = head_dim + 2 * (head_dim // kv_group_size(head_dim)) * dtype.size
+    return 2 * num_layers * block_size * num_kv_heads * per_head
+
+
+def gather_blocks(pool: mx.array, block_table: mx.array, block_size: int) -> mx.array:
+    """Rows of `pool` ([slots, kv_heads, X]) for the blocks in `block_table`
+    ([..., nb]), as [..., kv_heads, nb * block_size, X]."""
+    g = pool.reshape(-1, block_size, *pool.shape[1:])[block_table]  # [..., nb, bs, kvh, X]
+    *lead, nb, bs, kvh, x = g.shape
+    return mx.swapaxes(g.reshape(*lead, nb * bs, kvh, x), -2, -3)
 
 
 def available_memory_bytes() -> int:
@@ -44,6 +64,10 @@ def available_memory_bytes() -> int:
 
 
 class KVCache:
+    """Per-layer K and V pools; with kv_cache_dtype="int8", each row is stored
+    MLX-affine-quantized (8 bits, group-wise scale and bias) and dequantized on
+    read, which halves (fp16) or quarters (fp32) the KV memory."""
+
     def __init__(
         self,
         num_layers: int,
@@ -52,33 +76,71 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: mx.Dtype,
+        kv_cache_dtype: str = "auto",
     ):
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        mx.eval(self.k, self.v)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.quantized = kv_cache_dtype == "int8"
+        self.group_size = kv_group_size(head_dim)
+        slots = num_blocks * block_size
+
+        def pool() -> list[mx.array]:
+            if not self.quantized:
+                return [mx.zeros((slots, num_kv_heads, head_dim), dtype=dtype)]
+            groups = head_dim // self.group_size
+            return [mx.zeros((slots, num_kv_heads, head_dim * KV_QUANT_BITS // 32), dtype=mx.uint32),
+                    mx.zeros((slots, num_kv_heads, groups), dtype=dtype),
+                    mx.zeros((slots, num_kv_heads, groups), dtype=dtype)]
+
+        # k[layer] / v[layer]: [values] or [packed values, scales, biases]
+        self.k = [pool() for _ in range(num_layers)]
+        self.v = [pool() for _ in range(num_layers)]
+        mx.eval(self.state())
 
     @property
     def nbytes(self) -> int:
         return bytes_per_block(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
+            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
+            self.kv_cache_dtype,
         ) * self.num_blocks
+
+    def _encode(self, x: mx.array) -> list[mx.array]:
+        if not self.quantized:
+            return [x.astype(self.dtype)]
+        T = x.shape[0]
+        w, scales, biases = mx.quantize(x.reshape(T * self.num_kv_heads, self.head_dim).astype(self.dtype),
+                                        group_size=self.group_size, bits=KV_QUANT_BITS)
+        return [a.reshape(T, self.num_kv_heads, -1) for a in (w, scales, biases)]
 
     def write(self, layer: int, slot_mapping: mx.array, k: mx.array, v: mx.array) -> None:
         """Scatter new K/V rows ([T, kv_heads, head_dim]) into their slots."""
-        self.k[layer][slot_mapping] = k.astype(self.dtype)
-        self.v[layer][slot_mapping] = v.astype(self.dtype)
+        for pools, x in ((self.k[layer], k), (self.v[layer], v)):
+            for pool, rows in zip(pools, self._encode(x)):
+                pool[slot_mapping] = rows
 
-    def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
-        """K and V pools of one layer viewed as [num_blocks, block_size, kvh, d]."""
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return self.k[layer].reshape(shape), self.v[layer].reshape(shape)
+    def _decode(self, parts: list[mx.array]) -> mx.array:
+        if not self.quantized:
+            return parts[0]
+        return mx.dequantize(*parts, group_size=self.group_size, bits=KV_QUANT_BITS)
+
+    def gather(self, layer: int, block_table: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V of the blocks in `block_table` ([..., nb]) as [..., kvh, nb*bs, d]."""
+        return tuple(
+            self._decode([gather_blocks(p, block_table, self.block_size) for p in pools])
+            for pools in (self.k[layer], self.v[layer])
+        )
+
+    def pools(self, layer: int) -> tuple[mx.array, mx.array]:
+        """Raw K and V rows [slots, kvh, d] of one layer (unquantized caches only)."""
+        assert not self.quantized
+        return self.k[layer][0], self.v[layer][0]
 
     def state(self) -> list[mx.array]:
-        return self.k + self.v
+        return [a for pools in self.k + self.v for a in pools]

@@ -46,7 +46,8 @@ def timeit(fn, repeats: int = 20) -> float:
 
 
 def check_attention(peak: float | None) -> bool:
-    from macinfer.attention import AttentionMetadata, _reference_decode_attention
+    from macinfer.attention import reference_decode_attention
+    from macinfer.kv_cache import gather_blocks
     from macinfer.kernels.call import launch
     from macinfer.kernels.paged_attention import decode_calls
 
@@ -64,10 +65,8 @@ def check_attention(peak: float | None) -> bool:
         lens = mx.array(np.full(batch, ctx, np.int32))
         scale = d**-0.5
         kernel = lambda: launch(decode_calls(q, k, v, tables, lens, scale, bs, ctx))  # noqa: E731
-        meta = AttentionMetadata(kv_cache=None, positions=None, slot_mapping=None, num_decodes=batch,
-                                 decode_block_tables=tables, decode_context_lens=lens)
-        shape = (nblk, bs, kvh, d)
-        reference = lambda: _reference_decode_attention(q, k.reshape(shape), v.reshape(shape), meta, scale)  # noqa: E731
+        reference = lambda: reference_decode_attention(  # noqa: E731
+            q, gather_blocks(k, tables, bs), gather_blocks(v, tables, bs), lens, scale)
         err = float(mx.abs(kernel().astype(mx.float32) - reference().astype(mx.float32)).max())
         t_k, t_r = timeit(kernel), timeit(reference)
         gbps = 2 * batch * ctx * kvh * d * 2 / t_k / 1e9

@@ -72,11 +72,11 @@ def test_f32_llama_gguf_matches_mlx_lm(tmp_path, tie):
     path = str(tmp_path / "tiny.gguf")
     _write_llama_gguf(path, config, ref)
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-    from tests.test_model_parity import _our_logits, _reference_logits
+    from tests.test_model_parity import _reference_logits
 
     engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
     tokens = list(range(5, 35))
-    ours = _our_logits(engine, [tokens], [30])[0]
+    ours = engine.score([tokens], [30])[0]
     np.testing.assert_allclose(ours, _reference_logits(ref, tokens, [30]), atol=1e-4, rtol=1e-4)
     # SentencePiece-kind tokenizer from the GGUF: bytes fall back to <0xNN> pieces.
     tok = engine.tokenizer

@@ -112,7 +112,6 @@ def test_engine_output_with_emulated_kernels_equals_reference(tmp_path, monkeypa
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
     from macinfer.sampling_params import SamplingParams
     from tests.helpers import tiny_model_dir
-    from tests.test_model_parity import _our_logits
 
     path, _ = tiny_model_dir(tmp_path, "llama", hidden_size=128, num_attention_heads=4,
                              num_key_value_heads=2, intermediate_size=256)
@@ -122,7 +121,7 @@ def test_engine_output_with_emulated_kernels_equals_reference(tmp_path, monkeypa
     def run(mode):
         monkeypatch.setenv("MACINFER_KERNELS", mode)
         engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
-        logits = _our_logits(engine, [list(range(30, 70)), list(range(3, 43))], [21, 12, 1, 1, 1])
+        logits = engine.score([list(range(30, 70)), list(range(3, 43))], [21, 12, 1, 1, 1])
         ids = [engine.add_request(p, params) for p in prompts]
         done = {}
         while engine.has_unfinished_requests():

@@ -6,8 +6,6 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-from macinfer.engine.sequence import Sequence
-from macinfer.sampling_params import SamplingParams
 from tests.helpers import tiny_model_dir
 
 CASES = [
@@ -32,29 +30,6 @@ def _reference_logits(model, tokens: list[int], chunks: list[int]) -> np.ndarray
     return np.array(mx.concatenate(outs, axis=0).astype(mx.float32))
 
 
-def _our_logits(engine: LLMEngine, seqs_tokens: list[list[int]], chunks: list[int]) -> list[np.ndarray]:
-    """Run several sequences together, each in the same chunk schedule, logits for every row."""
-    seqs = [Sequence(f"s{i}", t, SamplingParams(temperature=0), 0) for i, t in enumerate(seqs_tokens)]
-    per_seq: list[list[np.ndarray]] = [[] for _ in seqs]
-    for n in chunks:
-        scheduled = []
-        for s in seqs:
-            engine.block_manager.allocate(s, s.num_computed_tokens + n)
-            scheduled.append((s, n))
-        scheduled.sort(key=lambda it: it[1] != 1)
-        ids, meta, _, _ = engine.runner.prepare(scheduled)
-        logits = engine.model.logits(engine.model(ids, meta)).astype(mx.float32)
-        mx.eval(logits, engine.kv_cache.state())
-        row = 0
-        for s, k in scheduled:
-            per_seq[seqs.index(s)].append(np.array(logits[row : row + k]))
-            s.num_computed_tokens += k
-            row += k
-    for s in seqs:
-        engine.block_manager.free(s)
-    return [np.concatenate(p) for p in per_seq]
-
-
 @pytest.mark.parametrize("family,tie,quant", CASES, ids=[f"{f}-tie{int(t)}-{q['bits'] if q else 'f32'}" for f, t, q in CASES])
 def test_logits_match_mlx_lm(tmp_path, family, tie, quant):
     path, ref_model = tiny_model_dir(tmp_path, family, tie, quant)
@@ -64,7 +39,7 @@ def test_logits_match_mlx_lm(tmp_path, family, tie, quant):
     b = rng.integers(3, 300, size=40).tolist()
     # A prefill that ends mid-block, a second chunk, then single-token decodes.
     chunks = [21, 12, 1, 1, 1, 1, 1, 1, 1]
-    ours_a, ours_b = _our_logits(engine, [a, b], chunks)
+    ours_a, ours_b = engine.score([a, b], chunks)
     ref_a = _reference_logits(ref_model, a, chunks)
     ref_b = _reference_logits(ref_model, b, chunks)
     tol = 1e-4 if quant is None else 1e-3

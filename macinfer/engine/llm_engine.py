@@ -8,6 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from macinfer import kernels
@@ -36,6 +37,7 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # explicit KV budget in GiB
     kv_cache_fraction: float = 0.3  # else: this share of free memory after weights
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": 8-bit affine
 
 
 @dataclass
@@ -81,7 +83,8 @@ class LLMEngine:
 
         kv_dtype = self._kv_dtype()
         per_block = bytes_per_block(
-            args.num_hidden_layers, args.num_key_value_heads, args.head_dim, cfg.block_size, kv_dtype
+            args.num_hidden_layers, args.num_key_value_heads, args.head_dim, cfg.block_size, kv_dtype,
+            cfg.kv_cache_dtype,
         )
         if cfg.kv_cache_gb is not None:
             budget = int(cfg.kv_cache_gb * 2**30)
@@ -98,7 +101,7 @@ class LLMEngine:
             )
         self.kv_cache = KVCache(
             args.num_hidden_layers, num_blocks, cfg.block_size,
-            args.num_key_value_heads, args.head_dim, kv_dtype,
+            args.num_key_value_heads, args.head_dim, kv_dtype, cfg.kv_cache_dtype,
         )
         if mx.metal.is_available():
             # Keep weights + KV resident (wired) up to what Metal recommends, as mlx-lm does.
@@ -113,8 +116,10 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         log.info(
-            "KV cache: %d blocks x %d tokens (%.2f GiB, %s); max_model_len %d; decode attention: %s",
-            num_blocks, cfg.block_size, self.kv_cache.nbytes / 2**30, kv_dtype, self.max_model_len, kernels.mode(),
+            "KV cache: %d blocks x %d tokens (%.2f GiB, %s%s); max_model_len %d; decode attention: %s",
+            num_blocks, cfg.block_size, self.kv_cache.nbytes / 2**30, kv_dtype,
+            " as int8" if self.kv_cache.quantized else "", self.max_model_len,
+            "reference (int8 KV)" if self.kv_cache.quantized else kernels.mode(),
         )
 
     def _kv_dtype(self) -> mx.Dtype:
@@ -184,6 +189,38 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def score(self, token_lists: list[list[int]], chunks: list[int]) -> list[np.ndarray]:
+        """Logits at every position of each token list (float32 numpy, [len, vocab]).
+
+        The sequences run together, each fed in the given chunk sizes (a chunk of 1
+        takes the decode path), through the same paged cache and attention as
+        serving. For parity and quality checks; it bypasses the scheduler, so call
+        it on an idle engine.
+        """
+        if any(len(t) < sum(chunks) for t in token_lists):
+            raise ValueError("every token list needs at least sum(chunks) tokens")
+        seqs = [Sequence(f"score-{i}", t, SamplingParams(temperature=0), 0) for i, t in enumerate(token_lists)]
+        per_seq: list[list[np.ndarray]] = [[] for _ in seqs]
+        try:
+            for n in chunks:
+                scheduled = []
+                for s in seqs:
+                    self.block_manager.allocate(s, s.num_computed_tokens + n)
+                    scheduled.append((s, n))
+                scheduled.sort(key=lambda it: it[1] != 1)  # decodes first, as the scheduler does
+                ids, meta, _, _ = self.runner.prepare(scheduled)
+                logits = self.model.logits(self.model(ids, meta)).astype(mx.float32)
+                mx.eval(logits, self.kv_cache.state())
+                row = 0
+                for s, k in scheduled:
+                    per_seq[seqs.index(s)].append(np.array(logits[row : row + k]))
+                    s.num_computed_tokens += k
+                    row += k
+        finally:
+            for s in seqs:
+                self.block_manager.free(s)
+        return [np.concatenate(p) for p in per_seq]
 
     # -- the loop -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:

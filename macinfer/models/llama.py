@@ -86,9 +86,10 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q = self.q_norm(q)
             k = self.k_norm(k)
-        # Each token is its own RoPE "batch" row so it gets its own position.
-        q = self.rope(q[:, :, None, :], offset=meta.positions)[:, :, 0, :]
-        k = self.rope(k[:, :, None, :], offset=meta.positions)[:, :, 0, :]
+        # Each token is its own RoPE "batch" row so it gets its own position;
+        # q and k share one call (one op fewer per layer).
+        qk = self.rope(mx.concatenate([q, k], axis=1)[:, :, None, :], offset=meta.positions)[:, :, 0, :]
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         out = paged_attention(q, k, v, meta, layer, self.scale)
         return self.o_proj(out.reshape(T, -1))
 
