@@ -89,3 +89,11 @@ def _tight_engine(path, num_blocks):
     probe = LLMEngine(path, EngineConfig(kv_cache_gb=0.001, block_size=4))
     per_block = bytes_per_block(2, 2, 16, 4, probe.kv_cache.dtype)
     return LLMEngine(probe.loaded, EngineConfig(kv_cache_gb=num_blocks * per_block / 2**30, block_size=4, max_num_batched_tokens=16))
+
+
+def test_token_slice_equals_slicing_the_full_token_list():
+    seq = Sequence("a", [1, 2, 3], SamplingParams(), 0)
+    seq.output_token_ids = [4, 5]
+    for start in range(6):
+        for end in range(start, 6):
+            assert seq.token_slice(start, end) == seq.token_ids[start:end]

@@ -37,7 +37,7 @@ class ModelRunner:
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             row = len(ids)
-            ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.token_slice(start, start + n))
             pos = np.arange(start, start + n)
             positions.extend(pos.tolist())
             table = np.asarray(seq.block_table, dtype=np.int64)
