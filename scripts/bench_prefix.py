@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_engine import hardware, save_results  # noqa: E402
-from bench_serve import Server, free_port, peak_rss_gb  # noqa: E402
+from bench_serve import Server, free_port, peak_rss_gb, sse_events  # noqa: E402
 
 SYSTEM = ("You are the support assistant of a hardware store. Be precise, friendly and brief. "
           "Policies: returns within 30 days with receipt; no returns on cut lumber or mixed paint; "
@@ -42,18 +41,13 @@ async def chat_ttft(client, url, model, messages, max_tokens) -> tuple[float, st
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start, ttft, text, cached = time.perf_counter(), None, [], 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            usage = data.get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or cached
-            for c in data.get("choices", []):
-                if c.get("delta", {}).get("content"):
-                    ttft = ttft or time.perf_counter() - start
-                    text.append(c["delta"]["content"])
+    async for data in sse_events(client, f"{url}/v1/chat/completions", body):
+        usage = data.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or cached
+        for c in data.get("choices", []):
+            if c.get("delta", {}).get("content"):
+                ttft = ttft or time.perf_counter() - start
+                text.append(c["delta"]["content"])
     return ttft or time.perf_counter() - start, "".join(text), cached
 
 

@@ -83,23 +83,27 @@ class Server:
             self.proc.kill()
 
 
+async def sse_events(client: httpx.AsyncClient, url: str, body: dict):
+    """The JSON payloads of one streaming request's server-sent events."""
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, tokens, chunks = None, 0, 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                tokens = data["usage"]["completion_tokens"]
-            if data.get("choices") and data["choices"][0].get("text"):
-                chunks += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - start
+    async for data in sse_events(client, f"{url}/v1/completions", body):
+        if data.get("usage"):
+            tokens = data["usage"]["completion_tokens"]
+        if data.get("choices") and data["choices"][0].get("text"):
+            chunks += 1
+            if ttft is None:
+                ttft = time.perf_counter() - start
     e2e = time.perf_counter() - start
     tokens = tokens or chunks
     return {"ttft": ttft or e2e, "e2e": e2e, "tokens": tokens,

@@ -8,12 +8,9 @@ or `emulate` (run the exact generated Metal source through the CPU emulator in
 
 from __future__ import annotations
 
-import logging
 import os
 
 import mlx.core as mx
-
-log = logging.getLogger("macinfer")
 
 MODES = ("auto", "metal", "reference", "emulate")
 

@@ -13,7 +13,14 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "metal_kernels"
 
 def kernel_source(name: str) -> str:
     """Body of metal_kernels/NAME.metal (the repository's kernel sources)."""
-    return (KERNEL_DIR / f"{name}.metal").read_text()
+    path = KERNEL_DIR / f"{name}.metal"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: the Metal kernel sources live in the repository's metal_kernels/ "
+            "and are found from an editable install (pip install -e .); set MACINFER_KERNELS=reference "
+            "to run without them"
+        )
+    return path.read_text()
 
 
 @dataclass
