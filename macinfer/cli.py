@@ -96,7 +96,10 @@ def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k
     params = _params(temperature, max_tokens, top_p, top_k, seed)
     engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype)
     if chat_template and engine.tokenizer.chat_template:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        try:
+            prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
     _, ntok, ttft, total = _stream(engine, prompt, params)
     decode = (ntok - 1) / (total - ttft) if ntok > 1 and total > ttft else 0.0
     click.echo(f"[{ntok} tokens, TTFT {ttft:.2f}s, decode {decode:.1f} tok/s]", err=True)
@@ -127,7 +130,12 @@ def chat(model, system, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        prompt = engine.tokenizer.apply_chat_template(history)
+        try:
+            prompt = engine.tokenizer.encode_chat(history)
+        except ValueError as e:
+            click.echo(f"error: {e}", err=True)
+            history.pop()
+            continue
         text, *_ = _stream(engine, prompt, params)
         history.append({"role": "assistant", "content": text})
 

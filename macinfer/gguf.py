@@ -1,20 +1,42 @@
-"""Read a GGUF file into an HF-style config, MLX weights and a tokenizer.
+"""Read a GGUF file into an HF-style config and MLX weights.
 
-`mx.load` does the tensor decoding: Q4_0 / Q4_1 / Q8_0 come back as MLX
-affine-quantized triples (`weight`, `scales`, `biases`, group size 32), F16 and
-F32 as plain arrays. This module maps llama.cpp names and metadata onto the
-Hugging Face names the model files use.
+Files whose tensors are all F32 / F16 / Q4_0 / Q4_1 / Q8_0 go through `mx.load`,
+which returns the block formats as MLX affine-quantized triples (`weight`,
+`scales`, `biases`, group size 32) exactly. Anything else (K-quants, Q5_0/1,
+IQ types, BF16) is dequantized tensor by tensor with llama.cpp's own `gguf`
+package and re-quantized to MLX affine at the bits that fit the source type,
+so memory stays near the file size. This module also maps llama.cpp names and
+metadata (RoPE scaling included) onto the Hugging Face names the models use.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
+import logging
+
 import mlx.core as mx
+import numpy as np
+
+from macinfer.gguf_file import GGUFFile, ModelLoadError
+
+log = logging.getLogger("macinfer")
 
 GGUF_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_GROUP_SIZE = 32  # every block format mx.load decodes uses 32-element blocks
+_MX_LOAD_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # mx.load decodes these exactly
+# Re-quantization bits per source type: the affine grid that holds the source's
+# values (Q4_K / Q5_K sub-blocks of 32 are affine 4/5-bit exactly; Q6_K's 16-wide
+# sub-blocks get a 6-bit grid per 32; 2-3 bit types get 4 bits).
+_REQUANT_BITS = {
+    "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4,
+    "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "Q8_K": 8,
+    "Q2_K": 4, "Q3_K": 4, "IQ2_XXS": 4, "IQ2_XS": 4, "IQ2_S": 4, "IQ3_XXS": 4, "IQ3_S": 4,
+    "IQ1_S": 4, "IQ1_M": 4, "TQ1_0": 4, "TQ2_0": 4,
+}
+_FLOAT_TYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float32}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -95,9 +117,31 @@ def gguf_config(meta: dict[str, Any]) -> dict[str, Any]:
         "max_position_embeddings": int(get("context_length", 4096)),
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
     }
-    if get("rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    config.update(_rope_config(get))
     return config
+
+
+def _rope_config(get) -> dict[str, Any]:
+    """HF `rope_scaling` from llama.cpp's rope.scaling.* keys; unknown kinds refused."""
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return {}
+    factor = float(get("rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return {"rope_scaling": {"type": "linear", "factor": factor}}
+    if kind == "yarn":
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": factor}
+        orig = get("rope.scaling.original_context_length")
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if (v := get(f"rope.scaling.{gguf_key}")) is not None:
+                scaling[hf_key] = float(v)
+        return {"rope_scaling": scaling}
+    raise ModelLoadError(
+        f"unsupported RoPE scaling {kind!r} in GGUF metadata (rope.scaling.type); supported: none, linear, yarn, "
+        "and llama3 frequency factors (rope_freqs)"
+    )
 
 
 def _quant_bits(weights: dict[str, mx.array], prefix: str) -> int:
@@ -106,15 +150,61 @@ def _quant_bits(weights: dict[str, mx.array], prefix: str) -> int:
     return w.shape[-1] * 32 // in_features
 
 
+def _requantize(f: GGUFFile) -> dict[str, mx.array]:
+    """Every tensor via the gguf package: quantized ones to MLX affine (group 32)."""
+    out: dict[str, mx.array] = {}
+    counts: dict[str, int] = {}
+    for name, t in f.tensors.items():
+        kind = t.type_name
+        if kind in _FLOAT_TYPES:
+            out[name] = mx.array(f.dequantize(name)).astype(_FLOAT_TYPES[kind])
+        elif kind in _REQUANT_BITS and len(t.shape) == 2 and t.shape[-1] % GGUF_GROUP_SIZE == 0:
+            w = mx.array(f.dequantize(name)).astype(mx.float16)
+            q = mx.quantize(w, group_size=GGUF_GROUP_SIZE, bits=_REQUANT_BITS[kind])
+            mx.eval(*q)  # one tensor at a time: the float copy is freed before the next
+            base = name.rsplit(".", 1)[0]
+            out[name], out[f"{base}.scales"], out[f"{base}.biases"] = q
+            counts[kind] = counts.get(kind, 0) + 1
+        elif kind in _REQUANT_BITS:
+            out[name] = mx.array(f.dequantize(name)).astype(mx.float16)
+        else:
+            raise ModelLoadError(f"{f.path}: tensor {name} uses quantization type {kind}, which macinfer cannot read")
+    total = sum(v.nbytes for v in out.values())
+    log.warning(
+        "%s: re-quantized %s to MLX affine group %d (%s); %.2f GiB in memory for a %.2f GiB file",
+        os.path.basename(f.path), ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), GGUF_GROUP_SIZE,
+        ", ".join(f"{k}->{_REQUANT_BITS[k]}-bit" for k in sorted(counts)), total / 2**30,
+        os.path.getsize(f.path) / 2**30,
+    )
+    return out
+
+
 def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
-    """Returns (HF-style config, HF-named weights, raw GGUF metadata)."""
-    raw, meta = mx.load(path, return_metadata=True)
+    """Returns (HF-style config, HF-named weights, raw GGUF metadata).
+    Raises ModelLoadError (one line, naming the file) for broken files."""
+    f = GGUFFile(path)
+    meta = f.metadata
     config = gguf_config(meta)
+    unknown = f.types() - set(_FLOAT_TYPES) - set(_REQUANT_BITS)
+    if unknown:
+        raise ModelLoadError(
+            f"{os.path.basename(path)}: unsupported quantization type(s) {', '.join(sorted(unknown))}"
+        )
+    if f.types() <= _MX_LOAD_TYPES:
+        try:
+            raw = mx.load(path)
+        except Exception as e:
+            raise ModelLoadError(f"{os.path.basename(path)}: could not read tensors ({e})") from None
+    else:
+        raw = _requantize(f)
     weights: dict[str, mx.array] = {}
     for name, value in raw.items():
         hf = _hf_name(name)
         if hf is not None:
             weights[hf] = value
+    if "rope_freqs.weight" in f.tensors:
+        # llama3-style scaling baked into per-pair period factors (Llama 3.1+ files).
+        config["rope_freq_factors"] = f.dequantize("rope_freqs.weight").astype(np.float32).ravel().tolist()
 
     # llama.cpp permutes Q/K for interleaved RoPE only for the llama arch.
     if meta.get("general.architecture") in ("llama", "mistral"):

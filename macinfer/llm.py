@@ -62,19 +62,23 @@ class LLM:
         finally:
             self.engine.abort_request(rid)
 
-    def apply_chat_template(self, messages: list[Message]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def apply_chat_template(self, messages: list[Message], **chat_options: Any) -> list[int]:
+        """Prompt token ids for a conversation (see `TokenizerWrapper.encode_chat` for the options:
+        tools, documents, continue_final_message, chat_template_kwargs)."""
+        return self.tokenizer.encode_chat(messages, **chat_options)
 
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
         params: SamplingParams | None = None,
+        **chat_options: Any,
     ) -> RequestOutput | list[RequestOutput]:
         """One conversation -> one output; a list of conversations -> a list."""
         batch = bool(messages) and isinstance(messages[0], list)
         convs = messages if batch else [messages]
-        outs = self.generate([self.apply_chat_template(c) for c in convs], params)  # type: ignore[arg-type]
+        outs = self.generate([self.apply_chat_template(c, **chat_options) for c in convs], params)  # type: ignore[arg-type]
         return outs if batch else outs[0]
 
-    def chat_stream(self, messages: list[Message], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        return self.stream(self.apply_chat_template(messages), params)
+    def chat_stream(self, messages: list[Message], params: SamplingParams | None = None,
+                    **chat_options: Any) -> Iterator[RequestOutput]:
+        return self.stream(self.apply_chat_template(messages, **chat_options), params)

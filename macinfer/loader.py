@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import re
 import json
 import logging
 import os
@@ -12,7 +13,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from macinfer.models import build_model
+from macinfer.gguf_file import ModelLoadError
+from macinfer.models import UnsupportedArchitectureError, build_model
 from macinfer.tokenizer import TokenizerWrapper
 
 log = logging.getLogger("macinfer")
@@ -20,6 +22,9 @@ log = logging.getLogger("macinfer")
 
 class ModelNotFoundError(FileNotFoundError):
     pass
+
+
+__all__ = ["LoadedModel", "ModelLoadError", "ModelNotFoundError", "UnsupportedArchitectureError", "load", "resolve"]
 
 
 @dataclass
@@ -52,27 +57,79 @@ def _looks_like_repo_id(ref: str) -> bool:
     return len(parts) == 2 and all(parts) and not ref.startswith((".", "/", "~"))
 
 
+def _hub_error(ref: str, e: Exception) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"could not fetch model {ref!r} from the Hugging Face Hub "
+        f"(not a local path, and the download failed: {type(e).__name__}). "
+        "Pass a local GGUF file or MLX model directory instead."
+    )
+
+
+def _pick_gguf(files: list[str], quant: str) -> str | None:
+    """The file of a GGUF repo for a quant tag such as Q4_K_M (case-insensitive,
+    delimited by - . _ or /). Split (multi-part) files are not supported."""
+    tag = re.compile(rf"(^|[-._/]){re.escape(quant)}([-._]|$)", re.IGNORECASE)
+    hits = sorted(f for f in files if f.endswith(".gguf") and tag.search(f[: -len(".gguf")])
+                  and "mmproj" not in f.lower())
+    whole = [f for f in hits if not re.search(r"-\d{5}-of-\d{5}", f)]
+    if hits and not whole:
+        raise ModelLoadError(f"{hits[0]} is split into parts; merge them with llama-gguf-split --merge first")
+    return whole[0] if whole else None
+
+
+def _resolve_hub_gguf(ref: str) -> str | None:
+    """`org/repo:QUANT` or `org/repo/path/file.gguf` (llama-server's -hf convention):
+    download just that file. None when `ref` is neither form."""
+    if ref.startswith((".", "/", "~")):
+        return None
+    if ":" in ref and _looks_like_repo_id(ref.split(":", 1)[0]):
+        repo, quant = ref.split(":", 1)
+        filename = None
+    elif ref.endswith(".gguf") and ref.count("/") >= 2:
+        org, name, filename = ref.split("/", 2)
+        repo, quant = f"{org}/{name}", None
+    else:
+        return None
+    try:
+        import huggingface_hub as hub
+
+        if filename is None:
+            files = hub.list_repo_files(repo)
+            filename = _pick_gguf(files, quant)
+            if filename is None:
+                quants = sorted({m.group(1).upper() for f in files
+                                 if (m := re.search(r"[-._]((?:I?Q\d\w*?|F16|BF16|F32))\.gguf$", f, re.I))})
+                raise ModelNotFoundError(f"{repo} has no GGUF file for {quant!r}; it has: {', '.join(quants) or 'none'}")
+        return hub.hf_hub_download(repo, filename)
+    except (ModelNotFoundError, ModelLoadError):
+        raise
+    except Exception as e:  # offline, unknown repo, auth
+        raise _hub_error(ref, e) from None
+
+
 def resolve(ref: str) -> str:
-    """Local path for a model reference; downloads HF repos only when asked by id."""
+    """Local path for a model reference; downloads from the Hub only when asked by id."""
     if ref in ("smollm2", "bundled"):
         return bundled_test_model()
     path = os.path.expanduser(ref)
     if os.path.exists(path):
         return path
+    hub_file = _resolve_hub_gguf(ref)
+    if hub_file is not None:
+        return hub_file
     if not _looks_like_repo_id(ref):
         raise ModelNotFoundError(f"model path not found: {ref}")
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(
+        path = snapshot_download(
             ref, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
         )
     except Exception as e:  # offline, unknown repo, auth: one clear message
-        raise ModelNotFoundError(
-            f"could not fetch model {ref!r} from the Hugging Face Hub "
-            f"(not a local path, and the download failed: {type(e).__name__}). "
-            "Pass a local GGUF file or MLX model directory instead."
-        ) from None
+        raise _hub_error(ref, e) from None
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ModelNotFoundError(f"{ref} has no MLX/safetensors model; for a GGUF repo name the file: {ref}:Q4_K_M")
+    return path
 
 
 def _quantize_like_weights(model: nn.Module, config: dict[str, Any], weights: dict) -> None:
@@ -101,14 +158,20 @@ def _load_mlx_dir(path: str) -> tuple[dict[str, Any], dict[str, mx.array], Token
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ModelNotFoundError(f"{path} is not an MLX model directory (no config.json)")
-    with open(cfg_path) as f:
-        config = json.load(f)
+    try:
+        with open(cfg_path) as f:
+            config = json.load(f)
+    except ValueError as e:
+        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {path}")
     weights: dict[str, mx.array] = {}
     for fp in files:
-        weights.update(mx.load(fp))
+        try:
+            weights.update(mx.load(fp))
+        except Exception as e:
+            raise ModelLoadError(f"{fp}: truncated or corrupt safetensors file ({e})") from None
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
         raise ModelNotFoundError(f"no tokenizer.json in {path}")
     return config, weights, TokenizerWrapper.from_dir(path, config)
@@ -165,8 +228,19 @@ def should_dequantize(model: nn.Module) -> bool:
 
 
 def load(ref: str) -> LoadedModel:
-    """Load weights and tokenizer; raises ModelNotFoundError / UnsupportedArchitectureError."""
+    """Load weights and tokenizer. Raises ModelNotFoundError, UnsupportedArchitectureError
+    or ModelLoadError, each with a one-line message naming the file and the problem."""
     path = resolve(ref)
+    try:
+        return _load_path(ref, path)
+    except (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError):
+        raise
+    except (ValueError, KeyError, OSError, RuntimeError) as e:  # shapes/names that do not fit the architecture
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelLoadError(f"{os.path.basename(path.rstrip('/'))}: cannot load this model: {msg}") from None
+
+
+def _load_path(ref: str, path: str) -> LoadedModel:
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelNotFoundError(f"{path}: expected a .gguf file or a model directory")

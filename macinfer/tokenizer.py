@@ -1,184 +1,109 @@
-"""Tokenizer: the `tokenizers` library, built from GGUF metadata or tokenizer.json.
+"""Tokenizer: Hugging Face fast tokenizers, built from GGUF metadata or loaded
+from a model directory the way mlx-lm loads it (transformers' AutoTokenizer).
 
-Also owns the chat template (Jinja, rendered the way transformers does) and
-the incremental detokenizer used for streaming.
+Chat prompts are rendered *and tokenized* by transformers'
+`apply_chat_template(..., tokenize=True, sanitize_control_tokens=True)`:
+the rendered text gets no extra special tokens (no double BOS), and special
+token strings inside message content, tools or documents are encoded as plain
+text, so a user cannot forge `<|im_start|>system`. The template's own markers
+stay control tokens. Plain prompts (completions) are encoded with the model's
+special tokens, as every OpenAI-compatible server does.
+
+Hot paths (prompt encode, streaming decode) use a private copy of the Rust
+tokenizer: transformers flips flags on its own copy while encoding chats.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
-from datetime import datetime
+import threading
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer
 
-# llama.cpp's `tokenizer.ggml.pre` -> pre-tokenizer split regex (None: GPT-2's).
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_REGEX = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}
+from macinfer.gguf_tokenizer import tokenizer_from_gguf
 
-_CONTROL, _USER_DEFINED = 3, 4  # GGUF token types that are special tokens
+Message = dict[str, Any]
 
 
-def _byte_level_bpe(meta: dict[str, Any]) -> Tokenizer:
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _PRE_REGEX)
-    if pre in _PRE_REGEX:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_PRE_REGEX[pre]), behavior="isolated"), byte_level]
-        )
-    elif pre == "smollm":
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    return tok
+class ChatTemplateError(ValueError):
+    """The template refused the conversation, or a chat option is invalid."""
 
 
-def _sentencepiece_bpe(meta: dict[str, Any]) -> Tokenizer:
-    """SentencePiece BPE (`llama` kind): merges recovered from piece scores."""
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    scores = meta.get("tokenizer.ggml.scores")
-    scores = scores.tolist() if scores is not None else [-i for i in range(len(tokens))]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = []
-    for piece, pid in vocab.items():
-        for i in range(1, len(piece)):
-            left, right = piece[:i], piece[i:]
-            if left in vocab and right in vocab:
-                merges.append((scores[pid], vocab[left], vocab[right], left, right))
-    merges.sort(key=lambda m: (-m[0], m[1], m[2]))
-    unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
-    tok = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=[(m[3], m[4]) for m in merges],
-            unk_token=tokens[unk_id],
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
-    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    norms = [normalizers.Prepend("▁")] if add_prefix else []
-    tok.normalizer = normalizers.Sequence(norms + [normalizers.Replace(" ", "▁")])
-    decs = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix:
-        decs.append(decoders.Strip(" ", 1, 0))
-    tok.decoder = decoders.Sequence(decs)
-    return tok
+def _transformers():
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
+    import transformers
+
+    return transformers
 
 
-def _as_int(v: Any) -> int | None:
-    if v is None:
-        return None
-    return int(v.item() if hasattr(v, "item") else v)
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _ids(value: Any) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int)}
+    return set()
 
 
 class TokenizerWrapper:
-    """Encode/decode, special ids and chat template for one model."""
+    """Encode/decode, special ids and the chat template for one model."""
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        bos_token_id: int | None,
-        eos_token_ids: set[int],
-        add_bos: bool,
-        chat_template: str | None,
-    ):
-        self.tokenizer = tokenizer
-        self.bos_token_id = bos_token_id
+    def __init__(self, hf: Any, eos_token_ids: set[int]):
+        self.hf = hf  # transformers tokenizer: chat rendering and saving
+        self.tokenizer: Tokenizer = Tokenizer.from_str(hf.backend_tokenizer.to_str())
+        self.bos_token_id: int | None = hf.bos_token_id
+        if hf.eos_token_id is not None:
+            eos_token_ids = eos_token_ids | {hf.eos_token_id}
         self.eos_token_ids = eos_token_ids
-        self.add_bos = add_bos
-        self.chat_template = chat_template
-        self._template = None
+        self._lock = threading.Lock()  # transformers' tokenizer is not safe to share across threads
+        self._chat_params = set(inspect.signature(hf.apply_chat_template).parameters)
 
     # -- construction -----------------------------------------------------
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> "TokenizerWrapper":
-        kind = meta.get("tokenizer.ggml.model")
-        if kind == "gpt2":
-            tok = _byte_level_bpe(meta)
-        elif kind == "llama":
-            tok = _sentencepiece_bpe(meta)
-        else:
-            raise ValueError(f"unsupported GGUF tokenizer kind {kind!r}; supported: gpt2, llama")
-        tokens = meta["tokenizer.ggml.tokens"]
-        types = meta.get("tokenizer.ggml.token_type")
-        if types is not None:
-            special = [
-                AddedToken(tokens[i], special=True, normalized=False)
-                for i, t in enumerate(types.tolist())
-                if t in (_CONTROL, _USER_DEFINED)
-            ]
-            tok.add_special_tokens(special)
-        bos = _as_int(meta.get("tokenizer.ggml.bos_token_id"))
-        eos = _as_int(meta.get("tokenizer.ggml.eos_token_id"))
-        eot = _as_int(meta.get("tokenizer.ggml.eot_token_id"))
-        add_bos = meta.get("tokenizer.ggml.add_bos_token")
-        add_bos = bool(add_bos.item()) if add_bos is not None else kind == "llama"
-        return cls(
-            tok,
-            bos,
-            {i for i in (eos, eot) if i is not None},
-            add_bos,
-            meta.get("tokenizer.chat_template"),
-        )
+        tok, facts = tokenizer_from_gguf(meta)
+        special = {k: facts[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if facts[k]}
+        hf = _transformers().PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **special)
+        hf.chat_template = facts["chat_template"]
+        return cls(hf, facts["eos_token_ids"])
 
     @classmethod
     def from_dir(cls, path: str, config: dict[str, Any]) -> "TokenizerWrapper":
-        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        tcfg: dict[str, Any] = {}
-        tcfg_path = os.path.join(path, "tokenizer_config.json")
-        if os.path.exists(tcfg_path):
-            with open(tcfg_path) as f:
-                tcfg = json.load(f)
-
-        def token_id(value: Any) -> int | None:
-            if isinstance(value, dict):
-                value = value.get("content")
-            return tok.token_to_id(value) if isinstance(value, str) else None
-
-        bos = token_id(tcfg.get("bos_token"))
-        eos_ids: set[int] = set()
-        eos_cfg = config.get("eos_token_id")
-        if isinstance(eos_cfg, int):
-            eos_ids.add(eos_cfg)
-        elif isinstance(eos_cfg, list):
-            eos_ids.update(eos_cfg)
-        if (e := token_id(tcfg.get("eos_token"))) is not None:
-            eos_ids.add(e)
-        template = tcfg.get("chat_template")
-        jinja_path = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.exists(jinja_path):
-            with open(jinja_path) as f:
-                template = f.read()
-        # tokenizer.json's post-processor adds BOS itself when the model wants it.
-        return cls(tok, bos, eos_ids, False, template)
+        """As mlx-lm loads it: AutoTokenizer on the directory; EOS ids from
+        config.json, generation_config.json and the tokenizer config."""
+        tf = _transformers()
+        try:
+            hf = tf.AutoTokenizer.from_pretrained(path)
+        except Exception:  # a tokenizer class we cannot import: the tokenizer.json itself
+            tcfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+            special = {k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                       if isinstance(v := tcfg.get(k), str)}
+            hf = tf.PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"), **special)
+            if hf.chat_template is None:
+                hf.chat_template = tcfg.get("chat_template")
+        gen = _read_json(os.path.join(path, "generation_config.json"))
+        return cls(hf, _ids(config.get("eos_token_id")) | _ids(gen.get("eos_token_id")))
 
     # -- encode / decode --------------------------------------------------
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
+    @property
+    def chat_template(self) -> str | dict | None:
+        return self.hf.chat_template
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id] + ids
-        return ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -187,49 +112,55 @@ class TokenizerWrapper:
         return self.tokenizer.id_to_token(i)
 
     # -- chat ------------------------------------------------------------
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
+    def _chat(self, messages: list[Message], tokenize: bool, add_generation_prompt: bool,
+              continue_final_message: bool, tools: list | None, documents: list | None,
+              chat_template_kwargs: dict[str, Any] | None) -> Any:
         if not self.chat_template:
-            raise ValueError("this model has no chat template; use a plain prompt")
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            raise ChatTemplateError("this model has no chat template; use a plain prompt")
+        kwargs = dict(chat_template_kwargs or {})
+        clash = sorted((set(kwargs) & self._chat_params) | ({"messages"} & set(kwargs)))
+        if clash:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+            raise ChatTemplateError("continue_final_message needs a final assistant message")
+        extra = {"sanitize_control_tokens": True, "return_dict": False} if tokenize else {}
+        try:
+            with self._lock:
+                return self.hf.apply_chat_template(
+                    messages, tools=tools, documents=documents, tokenize=tokenize,
+                    add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    continue_final_message=continue_final_message, **extra, **kwargs,
+                )
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # jinja's TemplateError, raise_exception(...) in the template, bad shapes
+            raise ChatTemplateError(f"the chat template refused this conversation: {e}") from None
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, tools: list | None = None,
+                    documents: list | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of the rendered chat, as `apply_chat_template(tokenize=True)` gives them,
+        with special-token strings from the caller's content encoded as text."""
+        return list(self._chat(messages, True, add_generation_prompt, continue_final_message,
+                               tools, documents, chat_template_kwargs))
 
-            def raise_exception(message: str) -> None:
-                raise ValueError(message)
-
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
-                x, indent=indent, ensure_ascii=False
-            )
-            self._template = env.from_string(self.chat_template)
-        special = {
-            "bos_token": self._token_text(self.bos_token_id),
-            "eos_token": self._token_text(min(self.eos_token_ids) if self.eos_token_ids else None),
-        }
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs
-        )
-
-    def _token_text(self, i: int | None) -> str:
-        return (self.tokenizer.id_to_token(i) or "") if i is not None else ""
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, tools: list | None = None,
+                            documents: list | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """The rendered chat text (for display; feed `encode_chat`'s ids to the engine)."""
+        return self._chat(messages, False, add_generation_prompt, continue_final_message,
+                          tools, documents, chat_template_kwargs)
 
     def save(self, out_dir: str) -> None:
-        """Write tokenizer.json + tokenizer_config.json (HF layout, mlx-lm loads it)."""
-        self.tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-        cfg = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": self._token_text(self.bos_token_id) or None,
-            "eos_token": self._token_text(min(self.eos_token_ids)) if self.eos_token_ids else None,
-            "add_bos_token": self.add_bos,
-            "chat_template": self.chat_template,
-            "clean_up_tokenization_spaces": False,
-        }
-        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
+        """Write the HF tokenizer files (tokenizer.json, tokenizer_config.json, chat
+        template) and generation_config.json's EOS ids; mlx-lm and transformers load them."""
+        self.hf.save_pretrained(out_dir)
+        eos = sorted(self.eos_token_ids)
+        gen = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
+        if self.bos_token_id is not None:
+            gen["bos_token_id"] = self.bos_token_id
+        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+            json.dump(gen, f, indent=2)
 
 
 class IncrementalDetokenizer:

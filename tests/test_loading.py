@@ -88,14 +88,16 @@ def test_f32_llama_gguf_matches_mlx_lm(tmp_path, tie):
 
 def test_smollm2_gguf_tokenizer(smollm2_engine):
     tok = smollm2_engine.tokenizer
-    assert tok.eos_token_ids == {2} and tok.bos_token_id == 1
+    # <|im_end|> is the GGUF's EOS; <|endoftext|> is a control token llama.cpp also ends on.
+    assert tok.eos_token_ids == {0, 2} and tok.bos_token_id == 1
     text = "Hello, world! 123 — ünïcode 日本語 🙂"
     ids = tok.encode(text)
     assert tok.decode(ids) == text
     assert tok.encode("12") == [tok.tokenizer.token_to_id("1"), tok.tokenizer.token_to_id("2")]  # digits split
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat.endswith("<|im_start|>assistant\n")
-    chat_ids = tok.encode(chat)
+    chat_ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert chat_ids == tok.encode(chat, add_special_tokens=False)
     assert chat_ids.count(1) == 3  # <|im_start|> is one special token, three times
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from macinfer.models import llama
 from macinfer.models.base import ModelArgs
+from macinfer.models.rope import check_rope
 
 # model_type -> (module, overrides applied to the config)
 ARCHITECTURES: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -28,6 +29,10 @@ def build_model(config: dict[str, Any]):
             f"unsupported architecture {model_type!r}; supported: "
             + ", ".join(sorted(ARCHITECTURES))
         )
+    try:
+        check_rope(config)
+    except ValueError as e:
+        raise UnsupportedArchitectureError(str(e)) from None
     module, overrides = ARCHITECTURES[model_type]
     args = ModelArgs.from_dict({**config, **overrides})
     return module.Model(args)

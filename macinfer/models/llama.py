@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.rope_utils import initialize_rope
 
 from macinfer import kernels
 from macinfer.attention import AttentionMetadata, paged_attention
 from macinfer.kernels import quantized as quantized_kernels
 from macinfer.kernels.call import launch
 from macinfer.models.base import ModelArgs
+from macinfer.models.rope import make_rope
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Linear | None:
@@ -55,12 +55,13 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(
+        self.rope = make_rope(
             self.head_dim,
             args.rope_theta,
             args.rope_traditional,
             args.rope_scaling,
             args.max_position_embeddings,
+            args.extra.get("rope_freq_factors"),
         )
 
     def fuse(self) -> None:

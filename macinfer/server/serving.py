@@ -72,12 +72,18 @@ class OpenAIServing:
             raise APIError(400, str(e), param=param, code="context_length_exceeded" if "context" in str(e) else None) from None
 
     # -- chat -------------------------------------------------------------------
-    def chat_prompt(self, req: ChatCompletionRequest) -> str:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """Prompt ids: the chat template rendered and tokenized as transformers does,
+        with special-token strings in message content kept as plain text."""
+        messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # a template that refuses the conversation (roles, order)
-            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+            return self.tokenizer.encode_chat(
+                messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, documents=req.documents,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+        except ValueError as e:  # a template that refuses the conversation (roles, order), bad kwargs
+            raise APIError(400, str(e), param="messages") from None
 
     def _logprob_entry(self, lp) -> dict[str, Any]:
         text = _token_text(self.tokenizer, lp.token_id)
