@@ -27,14 +27,40 @@ log = logging.getLogger("macinfer")
 GGUF_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_GROUP_SIZE = 32  # every block format mx.load decodes uses 32-element blocks
 _MX_LOAD_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # mx.load decodes these exactly
-# Re-quantization bits per source type: the affine grid that holds the source's
-# values (Q4_K / Q5_K sub-blocks of 32 are affine 4/5-bit exactly; Q6_K's 16-wide
-# sub-blocks get a 6-bit grid per 32; 2-3 bit types get 4 bits).
+# Re-quantization bits per source type. Types whose blocks are affine grids over
+# 32 elements (Q4_0/1, Q5_0/1, Q8_0, and Q4_K/Q5_K sub-blocks) keep their own
+# scale and offset per group of 32, so the values are unchanged up to float16
+# (`_BLOCK_GRIDS`). Q6_K (16-wide sub-blocks) gets 8 bits; the 2-3 bit and IQ
+# types get 4 bits from each group's min and max (an approximation, logged).
 _REQUANT_BITS = {
     "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4,
-    "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "Q8_K": 8,
+    "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 8, "Q8_0": 8, "Q8_K": 8,
     "Q2_K": 4, "Q3_K": 4, "IQ2_XXS": 4, "IQ2_XS": 4, "IQ2_S": 4, "IQ3_XXS": 4, "IQ3_S": 4,
     "IQ1_S": 4, "IQ1_M": 4, "TQ1_0": 4, "TQ2_0": 4,
+}
+
+
+def _f16(raw: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(raw[..., at : at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _kquant_scale_min(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: per-32 (scale, min) from the 6-bit packed table (llama.cpp's get_scale_min_k4)."""
+    d, dmin, q = _f16(raw, 0), _f16(raw, 2), raw[..., 4:16].astype(np.uint16)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    return d[..., None] * sc, -dmin[..., None] * mn
+
+
+# type -> raw blocks [rows, blocks, bytes] -> (scale, bias) per group of 32 elements.
+_BLOCK_GRIDS = {
+    "Q4_0": lambda r: (_f16(r, 0)[..., None], -8 * _f16(r, 0)[..., None]),
+    "Q4_1": lambda r: (_f16(r, 0)[..., None], _f16(r, 2)[..., None]),
+    "Q5_0": lambda r: (_f16(r, 0)[..., None], -16 * _f16(r, 0)[..., None]),
+    "Q5_1": lambda r: (_f16(r, 0)[..., None], _f16(r, 2)[..., None]),
+    "Q8_0": lambda r: (_f16(r, 0)[..., None], -128 * _f16(r, 0)[..., None]),
+    "Q4_K": _kquant_scale_min,
+    "Q5_K": _kquant_scale_min,
 }
 _FLOAT_TYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float32}
 
@@ -150,6 +176,46 @@ def _quant_bits(weights: dict[str, mx.array], prefix: str) -> int:
     return w.shape[-1] * 32 // in_features
 
 
+def affine_quantize(w: np.ndarray, bits: int, grid: tuple[np.ndarray, np.ndarray] | None = None,
+                    group_size: int = GGUF_GROUP_SIZE) -> tuple[mx.array, mx.array, mx.array]:
+    """Affine quantization in MLX's layout (LSB-first bit stream in uint32, float16
+    scales and biases per group). `grid` gives each group's (scale, bias) when the
+    source format has them; otherwise the group's min and max are grid points."""
+    rows, cols = w.shape
+    levels = 2**bits - 1
+    g = np.asarray(w, dtype=np.float32).reshape(rows, cols // group_size, group_size)
+    if grid is None:
+        lo, hi = g.min(-1), g.max(-1)
+        grid = (np.where(hi > lo, (hi - lo) / levels, 1.0), lo)
+    s16 = np.where(grid[0] != 0, grid[0], 1.0).reshape(rows, -1).astype(np.float16)
+    b16 = grid[1].reshape(rows, -1).astype(np.float16)
+    q = np.rint((g - b16[..., None].astype(np.float32)) / s16[..., None].astype(np.float32))
+    q = np.clip(q, 0, levels).astype(np.uint8).reshape(rows, cols)
+    bit_planes = (q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1
+    stream = np.packbits(bit_planes.reshape(rows, cols * bits), axis=-1, bitorder="little")
+    return mx.array(stream.view(np.uint32)), mx.array(s16), mx.array(b16)
+
+
+def _requantize_tensor(f: GGUFFile, name: str, kind: str, rows_per_chunk: int = 1024):
+    """One quantized tensor to MLX affine, a chunk of rows at a time (bounded temporaries)."""
+    t = f.tensors[name]
+    rows, cols = t.shape
+    raw = f.raw(name).reshape(rows, -1)
+    w_all = f.dequantize(name)
+    parts = []
+    for r in range(0, rows, rows_per_chunk):
+        chunk = raw[r : r + rows_per_chunk]
+        grid = None
+        if kind in _BLOCK_GRIDS:
+            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+            type_size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+            grid = _BLOCK_GRIDS[kind](chunk.reshape(chunk.shape[0], -1, type_size))
+        parts.append(affine_quantize(w_all[r : r + rows_per_chunk], _REQUANT_BITS[kind], grid))
+        mx.eval(*parts[-1])
+    return tuple(mx.concatenate([p[i] for p in parts]) for i in range(3))
+
+
 def _requantize(f: GGUFFile) -> dict[str, mx.array]:
     """Every tensor via the gguf package: quantized ones to MLX affine (group 32)."""
     out: dict[str, mx.array] = {}
@@ -159,10 +225,9 @@ def _requantize(f: GGUFFile) -> dict[str, mx.array]:
         if kind in _FLOAT_TYPES:
             out[name] = mx.array(f.dequantize(name)).astype(_FLOAT_TYPES[kind])
         elif kind in _REQUANT_BITS and len(t.shape) == 2 and t.shape[-1] % GGUF_GROUP_SIZE == 0:
-            w = mx.array(f.dequantize(name)).astype(mx.float16)
-            q = mx.quantize(w, group_size=GGUF_GROUP_SIZE, bits=_REQUANT_BITS[kind])
-            mx.eval(*q)  # one tensor at a time: the float copy is freed before the next
             base = name.rsplit(".", 1)[0]
+            q = _requantize_tensor(f, name, kind)
+            mx.eval(*q)
             out[name], out[f"{base}.scales"], out[f"{base}.biases"] = q
             counts[kind] = counts.get(kind, 0) + 1
         elif kind in _REQUANT_BITS:

@@ -1,0 +1,236 @@
+"""GGUF files as llama.cpp writes them: RoPE scaling, K-quants, broken files,
+tokenizer metadata, Hub references."""
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf import GGMLQuantizationType as Q
+from mlx.utils import tree_flatten
+
+from macinfer.cli import main
+from macinfer.convert import llama3_factors
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.loader import ModelLoadError, ModelNotFoundError, load, resolve
+from macinfer.models import UnsupportedArchitectureError
+from tests.gguf_writer import dequantized, llama_tensors, random_kquant, write_gguf
+from tests.helpers import make_mlx_lm_model, save_model_dir, tiny_config
+from tests.test_model_parity import _reference_logits
+
+TOKENS = list(range(5, 45))
+
+
+def _engine(path: str) -> LLMEngine:
+    return LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
+
+
+def _assert_logits_match(path: str, ref, atol=1e-4):
+    ours = _engine(path).score([TOKENS], [24, 16])[0]
+    want = _reference_logits(ref, TOKENS, [24, 16])
+    np.testing.assert_allclose(ours, want, atol=atol, rtol=atol)
+
+
+def test_rope_freqs_are_applied(tmp_path):
+    """Llama 3.1+ GGUF files carry llama3 scaling as `rope_freqs.weight` only."""
+    config = tiny_config("llama3", tie=False)
+    ref = make_mlx_lm_model(config, seed=5)
+    tensors = llama_tensors(config, ref)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    tensors["rope_freqs.weight"] = np.array(llama3_factors(head_dim, config["rope_theta"], config["rope_scaling"]),
+                                            dtype=np.float32)
+    path = str(tmp_path / "llama31.gguf")
+    write_gguf(path, config, tensors)
+    assert load(path).config["rope_freq_factors"][-1] == 8.0
+    _assert_logits_match(path, ref)
+    # Without the factors the positions rotate differently: the test can fail.
+    del tensors["rope_freqs.weight"]
+    write_gguf(str(tmp_path / "plain.gguf"), config, tensors)
+    with pytest.raises(AssertionError):
+        _assert_logits_match(str(tmp_path / "plain.gguf"), ref)
+
+
+def test_convert_turns_rope_freqs_into_llama3_scaling(tmp_path):
+    config = tiny_config("llama3", tie=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}, rope_theta=500000.0, hidden_size=256, num_attention_heads=2)
+    ref = make_mlx_lm_model(config, seed=1)
+    tensors = llama_tensors(config, ref)
+    tensors["rope_freqs.weight"] = np.array(llama3_factors(128, 500000.0, config["rope_scaling"]), dtype=np.float32)
+    write_gguf(str(tmp_path / "m.gguf"), config, tensors)
+    from macinfer.convert import convert_gguf
+
+    out = load(convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "mlx")))
+    assert out.config["rope_scaling"]["rope_type"] == "llama3" and "rope_freq_factors" not in out.config
+
+
+def test_yarn_metadata_is_applied(tmp_path):
+    config = tiny_config("llama", tie=True)
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    ref = make_mlx_lm_model(config, seed=2)
+    path = str(tmp_path / "yarn.gguf")
+    write_gguf(path, config, llama_tensors(config, ref), extra_meta={
+        "llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 512})
+    assert load(path).config["rope_scaling"]["rope_type"] == "yarn"
+    _assert_logits_match(path, ref)
+
+
+def test_unknown_rope_kinds_are_refused_at_load(tmp_path):
+    config = tiny_config("llama")
+    ref = make_mlx_lm_model(config)
+    path = str(tmp_path / "odd.gguf")
+    write_gguf(path, config, llama_tensors(config, ref), extra_meta={"llama.rope.scaling.type": "longrope-x"})
+    with pytest.raises(ModelLoadError, match="unsupported RoPE scaling 'longrope-x'"):
+        load(path)
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    save_model_dir(str(tmp_path / "dyn"), config, ref)
+    with pytest.raises(UnsupportedArchitectureError, match="unsupported RoPE scaling 'dynamic'"):
+        load(str(tmp_path / "dyn"))
+
+
+KQ_CONFIG = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=512, tie_word_embeddings=False)
+
+
+# Q4_K and Q5_K keep their own per-32 grids (exact up to float16); Q6_K goes to
+# 8 bits; Q2_K / Q3_K (16-wide sub-blocks) are approximated with 4 bits per 32.
+@pytest.mark.parametrize("types,tol", [({"default": Q.Q4_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}, 0.02),
+                                       ({"default": Q.Q5_K, "ffn_down": Q.Q3_K, "output": Q.Q2_K}, 0.15)],
+                         ids=["Q4_K_M-like", "Q5_K-Q3_K-Q2_K"])
+def test_kquant_gguf_requantized_near_file_size(tmp_path, monkeypatch, types, tol):
+    monkeypatch.setenv("MACINFER_CPU_WEIGHTS", "quantized")  # keep the weights as loaded
+    config = tiny_config("llama", tie=False, **KQ_CONFIG)
+    base = make_mlx_lm_model(config, seed=4)
+    tensors, quant = llama_tensors(config, base), {}
+    rng = np.random.default_rng(0)
+    for name, t in list(tensors.items()):
+        if t.ndim == 2:
+            kind = next((q for k, q in types.items() if k in name), types["default"])
+            tensors[name], quant[name] = random_kquant(kind, *t.shape, rng), kind
+    path = str(tmp_path / "kq.gguf")
+    write_gguf(path, config, tensors, quant=quant)
+
+    # Reference: mlx-lm's class with the blocks dequantized by llama.cpp's gguf package (float32).
+    ref_weights = {}
+    from tests.gguf_writer import GGUF_NAMES, permute_qk
+
+    inv = {v: k for k, v in GGUF_NAMES.items()}
+    for name, t in tensors.items():
+        w = dequantized(t, quant[name]) if name in quant else t
+        if name.startswith("blk."):
+            _, i, part, kind = name.split(".")
+            hf = f"model.layers.{i}.{inv[part]}.{kind}"
+            if part in ("attn_q", "attn_k"):  # undo the converter's permutation
+                n = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
+                w = w.reshape(n, w.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+        else:
+            hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}[name]
+        ref_weights[hf] = mx.array(w)
+    base.load_weights(list(ref_weights.items()))
+    assert permute_qk  # (the writer's permutation, inverted above)
+
+    loaded = load(path)
+    param_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
+    ratio = param_bytes / os.path.getsize(path)
+    assert ratio < 1.3, f"in memory {param_bytes} bytes for a {os.path.getsize(path)}-byte file"
+    assert any("scales" in k for k, _ in tree_flatten(loaded.model.parameters()))
+    ours = _engine(path).score([TOKENS], [40])[0]
+    want = _reference_logits(base, TOKENS, [40])
+    err = np.abs(ours - want).max() / np.abs(want).max()
+    print(f"K-quant logits: max abs error {np.abs(ours - want).max():.2e}, relative to max |logit| {err:.2e}, "
+          f"memory/file {ratio:.3f}")
+    assert err < tol
+
+
+def _truncated_copy(src: str, dst: str, fraction: float) -> str:
+    with open(src, "rb") as f, open(dst, "wb") as g:
+        g.write(f.read(int(os.path.getsize(src) * fraction)))
+    return dst
+
+
+def test_broken_gguf_files_are_one_line_errors(tmp_path, smollm2_gguf):
+    half = _truncated_copy(smollm2_gguf, str(tmp_path / "half.gguf"), 0.5)
+    header = _truncated_copy(smollm2_gguf, str(tmp_path / "header.gguf"), 0.001)
+    notgguf = str(tmp_path / "text.gguf")
+    with open(notgguf, "w") as f:
+        f.write("<html>404 Not Found</html>" * 10)
+    for path, msg in ((half, "truncated GGUF file"), (header, "truncated or corrupt GGUF header"),
+                      (notgguf, "not a GGUF file")):
+        with pytest.raises(ModelLoadError, match=msg) as e:
+            load(path)
+        assert os.path.basename(path) in str(e.value) and "\n" not in str(e.value)
+    # Every CLI entry point: one line, exit 1, no traceback.
+    for args in (["generate", half, "-p", "hi"], ["chat", half], ["serve", half, "--port", "0"],
+                 ["convert", half, str(tmp_path / "out")]):
+        r = CliRunner().invoke(main, args, input="")
+        assert r.exit_code == 1, (args, r.output)
+        assert "truncated GGUF file" in r.output and "Traceback" not in r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
+    # The Python API raises the same one-line error.
+    from macinfer import LLM
+
+    with pytest.raises(ModelLoadError, match="half.gguf: truncated GGUF file"):
+        LLM(half)
+
+
+def test_unknown_pre_tokenizer_is_refused(tmp_path):
+    config = tiny_config("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [chr(0x100 + i) for i in range(config["vocab_size"] - 3)]
+    write_gguf(str(tmp_path / "pre.gguf"), config, llama_tensors(config, make_mlx_lm_model(config)),
+               tokenizer={"model": "gpt2", "pre": "mystery-bpe",
+                          "vocab": (tokens, [0.0] * len(tokens), [3, 3, 3] + [1] * (len(tokens) - 3))})
+    with pytest.raises(ValueError, match="unsupported GGUF pre-tokenizer 'mystery-bpe'"):
+        load(str(tmp_path / "pre.gguf"))
+
+
+def test_user_defined_tokens_decode_as_text(smollm2_engine):
+    """GGUF USER_DEFINED tokens (Qwen3's <think>) are text; CONTROL ones are skipped."""
+    from macinfer.gguf_tokenizer import tokenizer_from_gguf
+
+    tokens = ["<unk>", "<|im_end|>", "<think>", "</think>"] + list("abcdefghijklmnopqrstuvwxyz ")
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [2, 3, 4, 4] + [1] * 27,
+            "tokenizer.ggml.eos_token_id": 1}
+    tok, facts = tokenizer_from_gguf(meta)
+    ids = tok.encode("<think>x</think><|im_end|>").ids
+    assert ids == [2, tokens.index("x"), 3, 1]
+    assert tok.decode(ids, skip_special_tokens=True) == "<think>x</think>"
+    assert facts["eos_token_ids"] == {1}
+
+
+def test_hub_gguf_references(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    files = ["README.md", "Model-Q4_K_M.gguf", "Model-Q8_0.gguf", "Model-f16.gguf", "mmproj-Model-Q4_K_M.gguf"]
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo: files)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo, filename: fetched.append((repo, filename)) or str(tmp_path / filename))
+    assert resolve("org/Model-GGUF:Q4_K_M") == str(tmp_path / "Model-Q4_K_M.gguf")
+    assert resolve("org/Model-GGUF:q8_0").endswith("Model-Q8_0.gguf")
+    assert resolve("org/Model-GGUF/sub/Model-f16.gguf").endswith("Model-f16.gguf")
+    assert fetched[-1] == ("org/Model-GGUF", "sub/Model-f16.gguf")
+    with pytest.raises(ModelNotFoundError, match="no GGUF file for 'Q5_K_S'; it has: F16, Q4_K_M, Q8_0"):
+        resolve("org/Model-GGUF:Q5_K_S")
+
+
+def test_hub_gguf_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError, match="could not fetch model 'no-org/no-model-GGUF:Q4_K_M'"):
+        resolve("no-org/no-model-GGUF:Q4_K_M")
+
+
+@pytest.mark.slow
+def test_gguf_and_converted_dir_give_the_same_tokens(smollm2_engine, smollm2_mlx_dir):
+    from macinfer.sampling_params import SamplingParams
+    from tests.helpers import generate
+
+    conv = LLMEngine(smollm2_mlx_dir, EngineConfig(kv_cache_gb=0.05, max_model_len=512))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colors."}]
+    a, b = smollm2_engine.tokenizer.encode_chat(msgs), conv.tokenizer.encode_chat(msgs)
+    assert a == b
+    p = SamplingParams(temperature=0, max_tokens=12)
+    assert generate(smollm2_engine, [a], p)[0].token_ids == generate(conv, [b], p)[0].token_ids
