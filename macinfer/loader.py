@@ -93,6 +93,8 @@ def _resolve_hub_gguf(ref: str) -> str | None:
     try:
         import huggingface_hub as hub
 
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            raise ConnectionError("HF_HUB_OFFLINE is set")
         if filename is None:
             files = hub.list_repo_files(repo)
             filename = _pick_gguf(files, quant)
