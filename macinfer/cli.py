@@ -13,6 +13,27 @@ from macinfer import __version__
 MODEL_HELP = "A .gguf file, an MLX model directory, a Hugging Face repo id, or 'smollm2' (the bundled test model)."
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True)
+
+
+def _log_options(f):
+    """-v / --log-level on every command too, so they work after the subcommand."""
+    def set_level(ctx, _param, value):
+        if value:
+            _setup_logging("info" if value is True else value)
+        return value
+
+    f = click.option("-v", "--verbose", is_flag=True, expose_value=False, callback=set_level,
+                     help="Log engine details and, for serve, every request.")(f)
+    f = click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None, expose_value=False,
+                     callback=set_level, help="Logging level.")(f)
+    return f
+
+
 def _engine_options(f):
     f = click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8"]), default="auto", show_default=True, help="int8: 8-bit affine KV cache (about half the memory of fp16).")(f)
     f = click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True, help="Reuse KV blocks of repeated prompt prefixes.")(f)
@@ -34,11 +55,15 @@ def _sampling_options(f):
 def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching=True, kv_cache_dtype="auto"):
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
+    start = time.perf_counter()
+    click.echo(f"loading {model} ...", err=True)
     try:
-        return LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
-                                             enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype))
-    except (FileNotFoundError, ValueError) as e:
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
+                                               enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype))
+    except (FileNotFoundError, ValueError, MemoryError) as e:
         raise click.ClickException(str(e)) from None
+    click.echo(f"loaded {model} in {time.perf_counter() - start:.1f}s", err=True)
+    return engine
 
 
 def _params(temperature, max_tokens, top_p, top_k, seed):
@@ -79,9 +104,10 @@ def _stream(engine, prompt, params) -> tuple[str, int, float, float]:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="macinfer")
 @click.option("-v", "--verbose", is_flag=True, help="Log engine details (KV budget, kernels).")
-def main(verbose: bool) -> None:
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None, help="Logging level.")
+def main(verbose: bool, log_level: str | None) -> None:
     """macinfer: run open LLMs locally on Apple Silicon (MLX)."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _setup_logging(log_level or ("info" if verbose else "warning"))
 
 
 @main.command(help="Generate a completion for one prompt, streamed to stdout.\n\nMODEL: " + MODEL_HELP)
@@ -90,6 +116,7 @@ def main(verbose: bool) -> None:
 @click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Wrap the prompt as a user message in the model's chat template.")
 @_sampling_options
 @_engine_options
+@_log_options
 def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -105,44 +132,26 @@ def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k
     click.echo(f"[{ntok} tokens, TTFT {ttft:.2f}s, decode {decode:.1f} tok/s]", err=True)
 
 
-@main.command(help="Interactive chat in the terminal (Ctrl-D or /exit quits, /reset clears).\n\nMODEL: " + MODEL_HELP)
+@main.command(help="Interactive chat in the terminal (line editing and history; /help lists the commands).\n\nMODEL: " + MODEL_HELP)
 @click.argument("model")
 @click.option("--system", default=None, help="System prompt.")
 @_sampling_options
 @_engine_options
+@_log_options
 def chat(model, system, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
+    from macinfer.repl import ChatREPL
+
     params = _params(temperature, max_tokens, top_p, top_k, seed)
     engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype)
     if not engine.tokenizer.chat_template:
         raise click.ClickException("this model has no chat template; use `macinfer generate --no-chat-template`")
-    history = [{"role": "system", "content": system}] if system else []
-    while True:
-        try:
-            line = input(">>> ")
-        except (EOFError, KeyboardInterrupt):
-            click.echo()
-            return
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            history = history[:1] if system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        try:
-            prompt = engine.tokenizer.encode_chat(history)
-        except ValueError as e:
-            click.echo(f"error: {e}", err=True)
-            history.pop()
-            continue
-        text, *_ = _stream(engine, prompt, params)
-        history.append({"role": "assistant", "content": text})
+    ChatREPL(engine, params, system, lambda prompt: _stream(engine, prompt, params)[0]).run()
 
 
 @main.command()
 @click.argument("gguf", type=click.Path(exists=True, dir_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
+@_log_options
 def convert(gguf, out_dir):
     """Convert a GGUF file to an MLX model directory (loads in mlx-lm too)."""
     from macinfer.convert import convert_gguf
@@ -158,20 +167,39 @@ def convert(gguf, out_dir):
 @click.argument("model")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--served-model-name", default=None, help="Model id clients send (default: MODEL).")
-@click.option("--api-key", default=None, envvar="MACINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
+@click.option("--served-model-name", default=None, help="Model id clients send (default: MODEL's file or directory name).")
+@click.option("--api-key", "api_keys", multiple=True, envvar="MACINFER_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key') on every endpoint but /health. Repeatable: one key per client.")
+@click.option("--cache-isolation", type=click.Choice(["key-and-user", "key", "none"]), default="key-and-user", show_default=True, help="Which requests may share prefix-cache entries: same API key and same `user` field (default), same key, or all.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, help="Extra Host header names to accept when listening on loopback (repeatable).")
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow browser requests from this origin (repeatable). No CORS unless given.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, help="Requests waiting beyond --max-num-seqs before answering 429.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="Largest request body accepted (413 beyond).")
+@click.option("--max-connections", type=click.IntRange(min=1), default=None, help="Open connections held at once (503 beyond; default: from the open-file limit, at most 1024).")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds a connection may take to send a request head.")
 @_engine_options
-def serve(model, host, port, served_model_name, api_key, cors_origins, max_queue, max_body_mb, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
+@_log_options
+def serve(model, host, port, served_model_name, api_keys, cache_isolation, allowed_hosts, cors_origins, max_queue, max_body_mb,
+          max_connections, header_timeout, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
+    import os
+
     try:
         from macinfer.server.app import run_server
+        from macinfer.server.middleware import LOOPBACK_HOSTS, is_loopback
+        from macinfer.server.net import bind_socket
     except ImportError as e:
         raise click.ClickException(f"the server needs its extra: pip install 'macinfer[server]' ({e.name} missing)") from None
+    try:
+        sock = bind_socket(host, port)  # before the model loads: a busy port fails in a second
+    except OSError as e:
+        raise click.ClickException(str(e)) from None
     engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype)
-    run_server(engine, served_model_name or model, host, port, api_key=api_key, cors_origins=list(cors_origins),
-               max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20))
+    name = served_model_name or os.path.basename(model.rstrip("/")).removesuffix(".gguf")
+    hosts = ({*LOOPBACK_HOSTS, *(h.lower() for h in allowed_hosts)} if is_loopback(host) else None)
+    code = run_server(engine, name, sock, header_timeout=header_timeout, max_connections=max_connections,
+                      log_requests=logging.getLogger().level <= logging.INFO, api_keys=list(api_keys),
+                      cors_origins=list(cors_origins), max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20),
+                      allowed_hosts=hosts, cache_isolation=cache_isolation, model_aliases=(model,))
+    sys.exit(code)
 
 
 if __name__ == "__main__":

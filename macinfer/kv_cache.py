@@ -100,8 +100,15 @@ class KVCache:
                     mx.zeros((slots, num_kv_heads, groups), dtype=dtype)]
 
         # k[layer] / v[layer]: [values] or [packed values, scales, biases]
-        self.k = [pool() for _ in range(num_layers)]
-        self.v = [pool() for _ in range(num_layers)]
+        self._pool = pool
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh zeroed pools. After a failed step the old ones cannot be trusted:
+        MLX marks an array whose evaluation raised as evaluated, so a pool written
+        by the failed graph reads back as whatever its buffer held."""
+        self.k = [self._pool() for _ in range(self.num_layers)]
+        self.v = [self._pool() for _ in range(self.num_layers)]
         mx.eval(self.state())
 
     @property

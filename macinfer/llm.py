@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,15 +18,66 @@ class LLM:
     >>> llm = LLM("smollm2")                      # the bundled test model
     >>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     >>> out[0].text
+
+    Safe to share between threads: the engine lives on one worker thread of its
+    own (MLX streams belong to the thread that made them); calls from several
+    threads are batched together, each step's outputs routed to their caller. A
+    call interrupted by Ctrl-C (or any exception) aborts its requests, so the
+    next call starts clean.
     """
 
     def __init__(self, model: str, **engine_kwargs: Any):
-        self.engine = LLMEngine(model, EngineConfig(**engine_kwargs))
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="macinfer-llm")
+        self._live: set[str] = set()  # requests some caller is waiting on (worker thread only)
+        self._pending: dict[str, list[RequestOutput]] = {}  # their outputs not yet collected
+        self.engine: LLMEngine = self._call(LLMEngine, model, EngineConfig(**engine_kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def __repr__(self) -> str:
+        e = self.engine
+        return (f"LLM(model={e.loaded.name!r}, architecture={e.model.args.model_type!r}, "
+                f"max_model_len={e.max_model_len}, kv_blocks={e.kv_cache.num_blocks}x{e.kv_cache.block_size})")
+
+    def _call(self, fn, *args: Any) -> Any:
+        return self._worker.submit(fn, *args).result()
+
+    def _add(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        self._live.update(ids)
+        return ids
+
+    def _abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.engine.abort_request(rid)
+            self._live.discard(rid)
+            self._pending.pop(rid, None)
+
+    def _pump(self, rids: set[str]) -> list[RequestOutput]:
+        """Outputs for `rids`: buffered ones, else one engine step (others' outputs buffered)."""
+        mine = [o for r in rids for o in self._pending.pop(r, [])]
+        if not mine and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.request_id in rids:
+                    mine.append(out)
+                elif out.request_id in self._live:
+                    self._pending.setdefault(out.request_id, []).append(out)
+        elif not mine:
+            raise RuntimeError(f"requests {sorted(rids)} are no longer in the engine")
+        for out in mine:
+            if out.finished:
+                self._live.discard(out.request_id)
+        return mine
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | list[str] | list[int] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; results in prompt order."""
@@ -34,33 +86,28 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, p))
-        except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
+        ids = self._call(self._add, prompts, params_list)
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            while len(final) < len(ids):
+                for out in self._call(self._pump, set(ids) - set(final)):
+                    if out.finished:
+                        final[out.request_id] = out
+        finally:
+            self._call(self._abort, [rid for rid in ids if rid not in final])
         return [final[rid] for rid in ids]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield outputs as tokens arrive; each carries `delta_text`."""
-        rid = self.engine.add_request(prompt, params)
+        [rid] = self._call(self._add, [prompt], [params or SamplingParams()])
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+                for out in self._call(self._pump, {rid}):
+                    yield out
+                    if out.finished:
+                        return
         finally:
-            self.engine.abort_request(rid)
+            self._call(self._abort, [rid])
 
     def apply_chat_template(self, messages: list[Message], **chat_options: Any) -> list[int]:
         """Prompt token ids for a conversation (see `TokenizerWrapper.encode_chat` for the options:

@@ -41,6 +41,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if 0.0 < self.temperature < _MIN_TEMPERATURE:  # below float precision of the logits: greedy
+            self.temperature = 0.0
         self.validate()
 
     def validate(self) -> None:
@@ -55,8 +57,8 @@ class SamplingParams:
             raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise bad("top_k", f"must be -1, 0 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty <= 10.0:
@@ -71,6 +73,14 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        # Every stop string is searched in every new token's text, and text that
+        # could still become one is held back from streams: keep both bounded.
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise bad("stop", f"strings may be at most {MAX_STOP_LENGTH} characters")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS * 4:
+            raise bad("stop_token_ids", f"takes at most {MAX_STOP_STRINGS * 4} ids")
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +93,12 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+_MIN_TEMPERATURE = 1e-5  # as vLLM: smaller temperatures only overflow the scaled logits
+MAX_TOP_K = 1 << 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
 
 
 class InvalidSamplingParamsError(ValueError):

@@ -40,7 +40,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": 8-bit affine
 
 
-@dataclass
+@dataclass(repr=False)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -53,8 +53,16 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None  # set when finish_reason == "error"
+    error: str | None = None  # set when finish_reason == "error" (the exception, for logs and the Python API)
+    client_error: str | None = None  # a message safe to show a remote client, when there is one
     prompt: str | None = None  # the prompt text, when the request was given as text
+
+    def __repr__(self) -> str:
+        text = self.text if len(self.text) <= 60 else self.text[:57] + "..."
+        state = f"finish_reason={self.finish_reason!r}" if self.finished else "running"
+        err = f", error={self.error!r}" if self.error else ""
+        return (f"RequestOutput({self.request_id!r}, {state}, prompt_tokens={len(self.prompt_token_ids)}, "
+                f"tokens={len(self.token_ids)}, text={text!r}{err})")
 
 
 class _RequestState:
@@ -239,7 +247,10 @@ class LLMEngine:
             seqs, sampled, errors = self.runner.step(sched.scheduled)
         except Exception as e:  # the batch itself failed: no sequence's KV can be trusted
             log.exception("forward pass failed; failing the %d scheduled requests", len(sched.scheduled))
-            return [self._fail(seq, e) for seq, _ in sched.scheduled]
+            outputs = [self._fail(seq, e) for seq, _ in sched.scheduled]
+            self._recover_after_failed_step()
+            return outputs
+        self.block_manager.confirm()
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
         now = time.perf_counter()
@@ -258,6 +269,18 @@ class LLMEngine:
                 log.exception("request %s failed", seq.request_id)
                 outputs.append(self._fail(seq, e))
         return outputs
+
+    def _recover_after_failed_step(self) -> None:
+        """A failed forward (e.g. out of memory inside lazy evaluation) may leave any
+        slot of the K/V pools unwritten: withdraw every prefix-cache entry, reset the
+        pools, and recompute the other running sequences from their tokens."""
+        self.block_manager.rollback()
+        self.block_manager.drop_cache()
+        self.kv_cache.reset()
+        for seq in list(self.scheduler.running):
+            self.scheduler.preempt(seq)
+        log.warning("KV cache reset after a failed step; %d running requests will be recomputed",
+                    len(self.scheduler.waiting))
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         state = self.requests.pop(seq.request_id, None)

@@ -53,6 +53,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it is recomputed when readmitted."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0

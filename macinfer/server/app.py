@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import secrets
 import time
 
 from fastapi import FastAPI, Request
@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from macinfer.server.metrics import ServerMetrics
+from macinfer.server.middleware import Guard
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest
 from macinfer.server.serving import APIError, OpenAIServing
 
@@ -32,46 +33,18 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
                                  param, code).body(), status_code=status, headers=headers)
 
 
-class _BodyLimit:
-    """Pure ASGI middleware: 413 for bodies over the limit, declared or streamed."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        too_big = _error(413, f"request body is larger than {self.max_bytes} bytes")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await too_big(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _BodyTooLarge()
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await too_big(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
 def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                cors_origins: list[str] | None = None, max_queue: int = 64,
-               max_body_bytes: int = 4 * 2**20) -> FastAPI:
+               max_body_bytes: int = 4 * 2**20, allowed_hosts: set[str] | None = None,
+               on_dead=None, model_aliases: tuple[str, ...] = (), api_keys: list[str] | None = None,
+               cache_isolation: str = "key-and-user") -> FastAPI:
+    """The ASGI app. `allowed_hosts`: Host header names accepted (None: any);
+    `on_dead`: called from the engine thread if the engine cannot recover;
+    `cache_isolation`: which requests may share prefix-cache entries."""
+    api_keys = list(api_keys or []) + ([api_key] if api_key else [])
     metrics = ServerMetrics(engine)
-    async_engine = AsyncEngine(engine, max_pending=engine.config.max_num_seqs + max_queue)
-    serving = OpenAIServing(async_engine, model_name, metrics)
+    async_engine = AsyncEngine(engine, max_pending=engine.config.max_num_seqs + max_queue, on_dead=on_dead)
+    serving = OpenAIServing(async_engine, model_name, metrics, aliases=model_aliases, cache_isolation=cache_isolation)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -81,21 +54,12 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     app = FastAPI(title="macinfer", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.async_engine = async_engine
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path != "/health" and request.method != "OPTIONS":
-            got = request.headers.get("authorization", "")
-            if not (got.startswith("Bearer ") and secrets.compare_digest(got[7:], api_key)):
-                return _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                              code="invalid_api_key")
-        return await call_next(request)
-
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
-    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(Guard, api_keys=api_keys, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -121,6 +85,9 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
+        problem = async_engine.dead or async_engine.draining
+        if problem:
+            return JSONResponse({"status": "error", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -134,8 +101,11 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     async def _run(kind: str, req, prompt, max_tokens, logprobs, request: Request):
         serving.check_model(req.model)
+        # Tokenizing a large prompt takes seconds: never on the event loop.
+        ids, params = await asyncio.to_thread(serving.prepare, req, prompt, max_tokens, logprobs)
         try:
-            rid, ids, stream = serving.start(req, prompt, max_tokens, logprobs, kind)
+            client = (getattr(request.state, "api_key_index", None), req.user)
+            rid, stream = serving.submit(req, ids, params, kind, client)
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="server_busy",
                            headers={"Retry-After": "1"}) from None
@@ -150,7 +120,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        prompt = serving.chat_prompt(req)
+        prompt = await asyncio.to_thread(serving.chat_prompt, req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await _run("chat", req, prompt, req.max_completion_tokens or req.max_tokens, logprobs, request)
 
@@ -166,12 +136,48 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     return app
 
 
-def run_server(engine: LLMEngine, model_name: str, host: str, port: int, **kwargs) -> None:
+def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: float = 10.0,
+               max_connections: int | None = None, log_requests: bool = False, **kwargs) -> int:
+    """Serve on an already bound socket until SIGINT/SIGTERM or an engine that cannot
+    recover. Returns the process exit code: 0 after a clean shutdown, 1 if the engine died."""
     import uvicorn
 
-    app = create_app(engine, model_name, **kwargs)
+    from macinfer.server.net import RateLimitFilter, max_connections_for, protocol_with_header_timeout, raise_fd_limit
+
+    holder: dict = {}
+
+    def on_dead(reason: str) -> None:
+        server = holder.get("server")
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(engine, model_name, on_dead=on_dead, **kwargs)
+    async_engine: AsyncEngine = app.state.async_engine
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # Before uvicorn waits for open requests: end them with an error event / 503.
+            async_engine.drain("the server is shutting down")
+            super().handle_exit(sig, frame)
+
+    fd_limit = raise_fd_limit()
+    config = uvicorn.Config(
+        app, log_level="info" if log_requests else "warning", access_log=log_requests,
+        timeout_graceful_shutdown=3, timeout_keep_alive=5,
+        limit_concurrency=max_connections or max_connections_for(fd_limit),
+        http=protocol_with_header_timeout(header_timeout),
+    )
+    server = holder["server"] = Server(config)
+    for name in ("uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).addFilter(RateLimitFilter())
+    host, port = sock.getsockname()[:2]
     kv = engine.kv_cache
     print(f"macinfer serving {model_name} on http://{host}:{port}/v1  "
           f"(KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens = {kv.nbytes / 2**30:.2f} GiB; "
           f"max_model_len {engine.max_model_len}; max_num_seqs {engine.config.max_num_seqs})", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+    server.run(sockets=[sock])
+    async_engine.shutdown()
+    if async_engine.dead:
+        print(f"macinfer: {async_engine.dead}", flush=True)
+        return 1
+    return 0

@@ -73,9 +73,17 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_pending: int):
+    """Runs the engine in a supervised thread. An iteration that raises is retried;
+    `max_failures` in a row mean the engine cannot recover: every open request
+    gets an error, `dead` says why, and `on_dead` is called (the server exits)."""
+
+    def __init__(self, engine: LLMEngine, max_pending: int, on_dead=None, max_failures: int = 3):
         self.engine = engine
         self.max_pending = max_pending  # requests admitted and not finished, all choices counted
+        self.on_dead = on_dead
+        self.max_failures = max_failures
+        self.dead: str | None = None  # why the engine stopped for good
+        self.draining: str | None = None  # why no new requests are taken (shutdown)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[str, _Pending] = {}
         self._lock = threading.Lock()
@@ -98,8 +106,8 @@ class AsyncEngine:
         cache_salt: str | None = None,
     ) -> "RequestStream":
         """Admit len(params_list) choices of one prompt, or raise QueueFullError now."""
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine thread has stopped")
+        if self.dead or self.draining or not self._thread.is_alive():
+            raise EngineDeadError(self.dead or self.draining or "the engine thread has stopped")
         stream = RequestStream(self, [f"{request_id}-{i}-{next(self._ids)}" for i in range(len(params_list))])
         with self._lock:
             if len(self._routes) + len(stream.rids) > self.max_pending:
@@ -118,6 +126,24 @@ class AsyncEngine:
         with self._lock:
             for rid in rids:
                 self._routes.pop(rid, None)
+
+    def fail_all(self, message: str) -> None:
+        """End every open request with `message` (safe to show clients); any thread."""
+        with self._lock:
+            routes = list(self._routes.items())
+        for rid, route in routes:
+            out = RequestOutput(rid, [], "", [], "", [], True, "error", error=message, client_error=message)
+            try:
+                route.loop.call_soon_threadsafe(route.queue.put_nowait, (rid, out))
+            except RuntimeError:  # its event loop is closed
+                pass
+            self._commands.put(("abort", rid))
+
+    def drain(self, message: str = "the server is shutting down") -> None:
+        """Stop taking requests and end the open ones with an error (graceful shutdown)."""
+        if self.draining is None:
+            self.draining = message
+            self.fail_all(message)
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -147,21 +173,36 @@ class AsyncEngine:
             self.engine.abort_request(cmd[1])
 
     def _run(self) -> None:
+        failures = 0
         while not self._stopped.is_set():
-            block = not self.engine.has_unfinished_requests()
             try:
-                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-                self._apply(cmd)
-                while True:
-                    self._apply(self._commands.get_nowait())
-            except queue.Empty:
-                pass
-            if not self.engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception:  # engine.step isolates request failures; this is a bug
-                log.exception("engine step failed")
-                continue
-            for out in outputs:
-                self._deliver(out)
+                self._iteration()
+                failures = 0
+            except Exception as e:
+                failures += 1
+                log.exception("engine loop failed (%d in a row)", failures)
+                if failures >= self.max_failures:
+                    self._die(f"the engine stopped after {failures} failed steps ({type(e).__name__}); "
+                              "the server is restarting or needs a restart")
+                    return
+
+    def _die(self, reason: str) -> None:
+        self.dead = reason
+        log.critical("%s", reason)
+        self.fail_all(reason)
+        if self.on_dead is not None:
+            self.on_dead(reason)
+
+    def _iteration(self) -> None:
+        block = not self.engine.has_unfinished_requests()
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            self._apply(cmd)
+            while True:
+                self._apply(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        if not self.engine.has_unfinished_requests():
+            return
+        for out in self.engine.step():
+            self._deliver(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,6 +16,8 @@ from macinfer.server.async_engine import AsyncEngine, RequestStream
 from macinfer.server.metrics import ServerMetrics
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, now, usage
 from macinfer.tokenizer import TokenizerWrapper
+
+log = logging.getLogger("macinfer.server")
 
 
 class APIError(Exception):
@@ -52,15 +55,31 @@ def _token_text(tok: TokenizerWrapper, token_id: int) -> str:
     return tok.decode([token_id], skip_special_tokens=False)
 
 
+_MAX_CHARS_PER_TOKEN = 32
+
+
+def _generation_error(out: RequestOutput) -> APIError:
+    """What a client learns of a failed request: a message meant for it (shutdown,
+    engine stopped: 503), or a generic 500. Exception text and paths stay in the log."""
+    if out.client_error:
+        return APIError(503, out.client_error, type="server_error", code="service_unavailable")
+    log.error("request %s failed: %s", out.request_id, out.error)
+    return APIError(500, "generation failed with an internal error (details are in the server log)",
+                    type="server_error")
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
+                 aliases: tuple[str, ...] = (), cache_isolation: str = "key-and-user"):
         self.engine = engine
         self.model_name = model_name
+        self.aliases = {model_name, *aliases}
+        self.cache_isolation = cache_isolation
         self.tokenizer = engine.engine.tokenizer
         self.metrics = metrics
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.aliases:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
@@ -75,6 +94,9 @@ class OpenAIServing:
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """Prompt ids: the chat template rendered and tokenized as transformers does,
         with special-token strings in message content kept as plain text."""
+        if sum(len(m.text()) for m in req.messages) > _MAX_CHARS_PER_TOKEN * self.engine.engine.max_model_len:
+            raise APIError(400, f"messages are far beyond this model's context of {self.engine.engine.max_model_len} "
+                           "tokens", param="messages", code="context_length_exceeded")
         messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages]
         try:
             return self.tokenizer.encode_chat(
@@ -101,11 +123,29 @@ class OpenAIServing:
                 "top_logprobs": [{_token_text(self.tokenizer, i): v for i, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
-    def start(self, req, prompt: str | list[int], max_tokens, logprobs, kind: str) -> tuple[str, list[int], RequestStream]:
+    def prepare(self, req, prompt: str | list[int], max_tokens, logprobs) -> tuple[list[int], list[SamplingParams]]:
+        """Sampling params and validated prompt ids. Tokenizes: call it off the event loop."""
         params = sampling_params(req, max_tokens, logprobs)
-        ids = self._validate(prompt, params)
+        if isinstance(prompt, str) and len(prompt) > _MAX_CHARS_PER_TOKEN * self.engine.engine.max_model_len:
+            # Refuse before tokenizing: no tokenizer packs this many characters into a token.
+            raise APIError(400, f"prompt is {len(prompt):,} characters, far beyond this model's context of "
+                           f"{self.engine.engine.max_model_len} tokens", param="prompt", code="context_length_exceeded")
+        return self._validate(prompt, params), params
+
+    def submit(self, req, ids: list[int], params: list[SamplingParams], kind: str,
+               client: tuple[int | None, str | None]) -> tuple[str, RequestStream]:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        return rid, ids, self.engine.submit(ids, params, rid, cache_salt=req.cache_salt)
+        return rid, self.engine.submit(ids, params, rid, cache_salt=self.cache_salt(req.cache_salt, *client))
+
+    def cache_salt(self, salt: str | None, key_index: int | None, user: str | None) -> str | None:
+        """Requests share prefix-cache entries only within the isolation scope: a
+        request's own `cache_salt`, plus its API key and/or `user` field."""
+        parts = [salt or ""]
+        if self.cache_isolation in ("key", "key-and-user"):
+            parts.append(f"key{key_index}" if key_index is not None else "")
+        if self.cache_isolation == "key-and-user":
+            parts.append(user or "")
+        return "\x00".join(parts) if any(parts) else None
 
     async def complete(self, kind: str, req, rid: str, ids: list[int], gen, request) -> dict[str, Any]:
         """Non-streaming: wait for every choice; abort if the client goes away."""
@@ -128,9 +168,9 @@ class OpenAIServing:
                     await task
                 raise APIError(499, "client disconnected")
         task.result()
-        errors = [o.error for o in final.values() if o.finish_reason == "error"]
-        if errors:
-            raise APIError(500, f"generation failed: {errors[0]}", type="server_error")
+        failed = [o for o in final.values() if o.finish_reason == "error"]
+        if failed:
+            raise _generation_error(failed[0])
         choices = []
         for i in sorted(final):
             out = final[i]
@@ -165,8 +205,7 @@ class OpenAIServing:
         try:
             async for i, out in gen:
                 if out.finish_reason == "error":
-                    err = APIError(500, f"generation failed: {out.error}", type="server_error")
-                    yield event(err.body())
+                    yield event(_generation_error(out).body())
                     break
                 new_lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs else []
                 if kind == "chat":
