@@ -1,5 +1,6 @@
 # One-command set-up and runs. `make test` and `make serve` work on a fresh machine.
-PYTHON ?= python3
+# The first Python >= 3.10 on PATH (macOS's own python3 is 3.9); override with PYTHON=...
+PYTHON ?= $(shell sh scripts/find_python.sh)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
@@ -16,6 +17,10 @@ KV_GB ?= 1
 .PHONY: setup blas test test-fast generate chat serve bench bench-serve bench-prefix mac-check clean
 
 $(STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { sh scripts/find_python.sh >/dev/null; exit 1; }
+	@# A venv left by an older Python (a failed first try with macOS's 3.9) is replaced, not reused.
+	@if [ -x $(BIN)/python ] && ! $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then \
+		echo "removing $(VENV): it was made by $$($(BIN)/python --version 2>&1)"; rm -rf $(VENV); fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[test,server]"

@@ -1,5 +1,10 @@
 """macinfer: LLM inference on Apple Silicon with MLX."""
 
+import sys
+
+if sys.version_info < (3, 10):  # before any import that would fail less clearly
+    raise ImportError(f"macinfer needs Python 3.10 or newer; this is {sys.version.split()[0]}")
+
 __version__ = "0.1.0"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import concurrent.futures
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +29,9 @@ class LLM:
 
     def __init__(self, model: str, **engine_kwargs: Any):
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="macinfer-llm")
+        # Join the worker before interpreter teardown: MLX's per-thread state must not
+        # outlive the interpreter (else "terminate called without an active exception").
+        threading._register_atexit(self._worker.shutdown)
         self._live: set[str] = set()  # requests some caller is waiting on (worker thread only)
         self._pending: dict[str, list[RequestOutput]] = {}  # their outputs not yet collected
         self.engine: LLMEngine = self._call(LLMEngine, model, EngineConfig(**engine_kwargs))

@@ -24,6 +24,9 @@ from macinfer.tokenizer import IncrementalDetokenizer
 log = logging.getLogger("macinfer")
 
 
+DEFAULT_TOKENS_PER_SEQ = 512  # default KV budget: max_num_seqs x this, or one full context
+
+
 class PromptTooLongError(ValueError):
     pass
 
@@ -89,16 +92,29 @@ class LLMEngine:
         model_len = args.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
 
+        from macinfer.kernels.selfcheck import self_check
+
+        kernels.configure(self_check(kernels.requested_mode()))
         kv_dtype = self._kv_dtype()
         per_block = bytes_per_block(
             args.num_hidden_layers, args.num_key_value_heads, args.head_dim, cfg.block_size, kv_dtype,
             cfg.kv_cache_dtype,
         )
+        available = available_memory_bytes()
         if cfg.kv_cache_gb is not None:
             budget = int(cfg.kv_cache_gb * 2**30)
+            if budget > available:
+                raise ValueError(
+                    f"--kv-cache-gb {cfg.kv_cache_gb:g} is more memory than this machine can give "
+                    f"({available / 2**30:.1f} GiB available now); lower it"
+                )
         else:
+            # What the configuration needs (one full context, or max_num_seqs typical
+            # conversations), but never more than a share of the free memory.
             weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-            budget = int(cfg.kv_cache_fraction * max(available_memory_bytes() - weights, 0))
+            wanted = max(self.max_model_len, cfg.max_num_seqs * DEFAULT_TOKENS_PER_SEQ)
+            budget = min(int(cfg.kv_cache_fraction * max(available - weights, 0)),
+                         -(-wanted // cfg.block_size) * per_block)
         # More blocks than every sequence at full length could use is waste.
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         num_blocks = min(budget // per_block, useful)

@@ -84,8 +84,11 @@ class ModelRunner:
         failures). If the batched sampler fails, rows are retried one by one so
         only the request that causes the failure is dropped."""
         logits, seqs = self.forward_logits(scheduled)
+        # Evaluate the forward pass on its own: an error here (e.g. out of memory
+        # inside the graph) is the batch's, and must not reach the per-row retry
+        # below, where MLX would hand back the failed arrays as if evaluated.
+        mx.eval(*([] if logits is None else [logits]), *self.kv_cache.state())
         if logits is None:
-            mx.eval(self.kv_cache.state())
             return [], SamplerOutput([], []), []
         try:
             out = sample(logits, seqs)
@@ -100,7 +103,5 @@ class ModelRunner:
                 ok.append(seq)
                 out.token_ids += row.token_ids
                 out.logprobs += row.logprobs
-            mx.eval(self.kv_cache.state())
             return ok, out, errors
-        mx.eval(self.kv_cache.state())
         return seqs, out, []

@@ -15,8 +15,23 @@ import mlx.core as mx
 MODES = ("auto", "metal", "reference", "emulate")
 
 
+_configured: str | None = None
+
+
+def configure(backend: str | None) -> None:
+    """Fix the backend for this process (the engine does it once at load, after
+    its self-check); None goes back to reading MACINFER_KERNELS."""
+    global _configured
+    _configured = backend
+
+
 def mode() -> str:
     """The attention backend in force: 'metal', 'reference' or 'emulate'."""
+    return _configured or requested_mode()
+
+
+def requested_mode() -> str:
+    """What MACINFER_KERNELS asks for, resolved against this machine."""
     choice = os.environ.get("MACINFER_KERNELS", "auto").lower()
     if choice not in MODES:
         raise ValueError(f"MACINFER_KERNELS={choice!r}; expected one of {', '.join(MODES)}")

@@ -168,8 +168,7 @@ def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: floa
         http=protocol_with_header_timeout(header_timeout),
     )
     server = holder["server"] = Server(config)
-    for name in ("uvicorn.error", "uvicorn.access"):
-        logging.getLogger(name).addFilter(RateLimitFilter())
+    logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())  # connection errors, not the access log
     host, port = sock.getsockname()[:2]
     kv = engine.kv_cache
     print(f"macinfer serving {model_name} on http://{host}:{port}/v1  "

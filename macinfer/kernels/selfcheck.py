@@ -1,0 +1,72 @@
+"""Start-up self-check: each custom kernel against the reference MLX path on
+small shapes, before any request runs. A kernel that fails or disagrees is
+not used: the engine falls back to the reference path with a warning, so a
+kernel that never ran on this chip cannot make a Mac silently wrong."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from macinfer.kernels import paged_attention as paged_kernels
+from macinfer.kernels import quantized as quantized_kernels
+from macinfer.kernels.call import launch
+
+log = logging.getLogger("macinfer")
+
+BLOCK = 16
+TOLERANCE = 2e-3  # float32 inputs; a wrong kernel is off by O(1)
+
+
+def _check_decode_attention(emulate: bool) -> float:
+    from macinfer.attention import reference_decode_attention
+    from macinfer.kv_cache import gather_blocks
+
+    rng = np.random.default_rng(0)
+    kvh, gqa, d, lens = 2, 2, 64, [5, 37]
+    blocks = sum(-(-n // BLOCK) for n in lens) + 1
+    q = mx.array(rng.normal(size=(len(lens), kvh * gqa, d)).astype(np.float32))
+    k = mx.array(rng.normal(size=(blocks * BLOCK, kvh, d)).astype(np.float32))
+    v = mx.array(rng.normal(size=(blocks * BLOCK, kvh, d)).astype(np.float32))
+    tables = mx.array(np.array([[3, 0, 0], [1, 4, 2]], dtype=np.int32))
+    context = mx.array(np.array(lens, dtype=np.int32))
+    scale = d**-0.5
+    got = launch(paged_kernels.decode_calls(q, k, v, tables, context, scale, BLOCK, max(lens)), emulate=emulate)
+    want = reference_decode_attention(q, gather_blocks(k, tables, BLOCK), gather_blocks(v, tables, BLOCK),
+                                      context, scale)
+    return float(mx.abs(got - want).max())
+
+
+def _check_qmv(emulate: bool) -> float:
+    mx.random.seed(0)
+    gate, up = nn.QuantizedLinear(128, 64, bias=False, bits=4), nn.QuantizedLinear(128, 64, bias=False, bits=4)
+    x = mx.random.normal((3, 128))
+    got = launch([quantized_kernels.qmv_call(x, gate, up)], emulate=emulate)
+    return float(mx.abs(got - nn.silu(gate(x)) * up(x)).max())
+
+
+def self_check(backend: str) -> str:
+    """The backend to use: `backend` if every kernel it would run agrees with the
+    reference, else "reference"."""
+    if backend == "reference":
+        return backend
+    emulate = backend == "emulate"
+    checks = {"paged decode attention": _check_decode_attention}
+    if quantized_kernels.enabled():
+        checks["batched quantized matmul"] = _check_qmv
+    for name, check in checks.items():
+        try:
+            err = check(emulate)
+        except Exception as e:  # a kernel that does not compile or launch on this machine
+            log.warning("kernel self-check: %s failed (%s: %s); using the reference MLX path",
+                        name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return "reference"
+        if not err <= TOLERANCE:
+            log.warning("kernel self-check: %s differs from the reference by %.3g; using the reference MLX path",
+                        name, err)
+            return "reference"
+    log.info("kernel self-check passed (%s): %s", backend, ", ".join(checks))
+    return backend
