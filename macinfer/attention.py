@@ -46,10 +46,12 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
-def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: float) -> mx.array:
+def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
+                      window: int | None = None, sinks: mx.array | None = None,
+                      softcap: float | None = None) -> mx.array:
     cache = meta.kv_cache
     backend = kernels.mode()
-    if (backend != "reference" and not cache.quantized
+    if (backend != "reference" and not cache.quantized and window is None and sinks is None and softcap is None
             and paged_kernels.supported(q.shape[-1], q.shape[1] // cache.num_kv_heads)):
         k_rows, v_rows = cache.pools(layer)
         calls = paged_kernels.decode_calls(
@@ -58,30 +60,74 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
         )
         return launch(calls, emulate=backend == "emulate")
     k, v = cache.gather(layer, meta.decode_block_tables)  # [B, kvh, L, d]
-    return reference_decode_attention(q, k, v, meta.decode_context_lens, scale)
+    return reference_decode_attention(q, k, v, meta.decode_context_lens, scale, window, sinks, softcap)
+
+
+def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, sinks: mx.array | None,
+          softcap: float | None) -> mx.array:
+    """q [B, H, Lq, d], k/v [B, kvh, Lk, d]. Logit soft-capping (Gemma 2) is not in
+    MLX's fused SDPA, so it takes the explicit form (GQA by reshaping queries)."""
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    B, H, Lq, d = q.shape
+    kvh = k.shape[1]
+    qg = (q * scale).reshape(B, kvh, H // kvh, Lq, d)
+    scores = qg @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, kvh, g, Lq, Lk]
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, str):  # "causal", aligned to the end
+        Lk = k.shape[2]
+        mask = mx.arange(Lk)[None, :] <= mx.arange(Lk - Lq, Lk)[:, None]
+    if mask is not None:
+        mask = mask.reshape(*mask.shape[:-3], 1, *mask.shape[-3:]) if mask.ndim >= 3 else mask
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ mx.expand_dims(v, 2)).reshape(B, H, Lq, d)
 
 
 def reference_decode_attention(
-    q: mx.array, k: mx.array, v: mx.array, context_lens: mx.array, scale: float
+    q: mx.array, k: mx.array, v: mx.array, context_lens: mx.array, scale: float,
+    window: int | None = None, sinks: mx.array | None = None, softcap: float | None = None,
 ) -> mx.array:
-    """q [B, H, d] against gathered k, v [B, kvh, L, d], keys past each length masked."""
+    """q [B, H, d] against gathered k, v [B, kvh, L, d], keys past each length masked
+    (and, for a sliding-window layer, keys older than the window)."""
     L = k.shape[2]
-    mask = mx.arange(L)[None, :] < context_lens[:, None]  # [B, L]
-    out = mx.fast.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, scale=scale, mask=mask[:, None, None, :]
-    )
+    pos = mx.arange(L)[None, :]
+    mask = pos < context_lens[:, None]  # [B, L]
+    if window is not None:
+        mask = mask & (pos >= context_lens[:, None] - window)
+    out = _sdpa(q[:, :, None, :], k, v, scale, mask[:, None, None, :], sinks, softcap)
     return out[:, :, 0, :]  # [B, H, d]
 
 
-def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: PrefillSpan, scale: float) -> mx.array:
+def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: PrefillSpan, scale: float,
+                       window: int | None = None, sinks: mx.array | None = None,
+                       softcap: float | None = None) -> mx.array:
     k, v = meta.kv_cache.gather(layer, span.block_table)
     k, v = k[None, :, : span.context_len], v[None, :, : span.context_len]
+    mask = "causal"
     # "causal" in MLX aligns the last query with the last key, which is exactly
     # a chunk that continues a cached prefix.
-    out = mx.fast.scaled_dot_product_attention(
-        mx.swapaxes(q, 0, 1)[None], k, v, scale=scale, mask="causal"
-    )
+    if window is not None and span.context_len > window:
+        qpos = mx.arange(span.context_len - span.length, span.context_len)[:, None]
+        kpos = mx.arange(span.context_len)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - window)
+    out = _sdpa(mx.swapaxes(q, 0, 1)[None], k, v, scale, mask, sinks, softcap)
     return mx.swapaxes(out[0], 0, 1)  # [n, H, d]
+
+
+def attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
+           window: int | None = None, sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
+    """q: [T, H, d] against the paged cache (this step's K/V already written).
+    `window`: a sliding-window layer's span; `sinks`: per-head attention-sink logits;
+    `softcap`: attention logit soft-capping."""
+    outs = []
+    if meta.num_decodes:
+        outs.append(_decode_attention(q[: meta.num_decodes], meta, layer, scale, window, sinks, softcap))
+    for span in meta.prefills:
+        qs = q[span.start : span.start + span.length]
+        outs.append(_prefill_attention(qs, meta, layer, span, scale, window, sinks, softcap))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return out.astype(q.dtype)
 
 
 def paged_attention(
@@ -94,11 +140,4 @@ def paged_attention(
 ) -> mx.array:
     """q: [T, H, d]; k, v: [T, kv_heads, d] for the new tokens. Returns [T, H, d]."""
     meta.kv_cache.write(layer, meta.slot_mapping, k, v)
-    outs = []
-    if meta.num_decodes:
-        outs.append(_decode_attention(q[: meta.num_decodes], meta, layer, scale))
-    for span in meta.prefills:
-        qs = q[span.start : span.start + span.length]
-        outs.append(_prefill_attention(qs, meta, layer, span, scale))
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-    return out.astype(q.dtype)
+    return attend(q, meta, layer, scale)

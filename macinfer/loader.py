@@ -138,6 +138,7 @@ def _quantize_like_weights(model: nn.Module, config: dict[str, Any], weights: di
     quant = config.get("quantization") or config.get("quantization_config")
     if not quant:
         return
+    model = getattr(model, "lm", model)  # mlx-lm's module tree carries the weights' names
 
     def predicate(path: str, module: nn.Module):
         if f"{path}.scales" not in weights:
@@ -229,12 +230,12 @@ def should_dequantize(model: nn.Module) -> bool:
     return f32_bytes < available_memory_bytes() // 4
 
 
-def load(ref: str) -> LoadedModel:
+def load(ref: str, impl: str = "auto") -> LoadedModel:
     """Load weights and tokenizer. Raises ModelNotFoundError, UnsupportedArchitectureError
     or ModelLoadError, each with a one-line message naming the file and the problem."""
     path = resolve(ref)
     try:
-        return _load_path(ref, path)
+        return _load_path(ref, path, impl)
     except (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError):
         raise
     except (ValueError, KeyError, OSError, RuntimeError) as e:  # shapes/names that do not fit the architecture
@@ -242,7 +243,7 @@ def load(ref: str) -> LoadedModel:
         raise ModelLoadError(f"{os.path.basename(path.rstrip('/'))}: cannot load this model: {msg}") from None
 
 
-def _load_path(ref: str, path: str) -> LoadedModel:
+def _load_path(ref: str, path: str, impl: str = "auto") -> LoadedModel:
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelNotFoundError(f"{path}: expected a .gguf file or a model directory")
@@ -252,7 +253,7 @@ def _load_path(ref: str, path: str) -> LoadedModel:
         tokenizer = TokenizerWrapper.from_gguf_metadata(meta)
     else:
         config, weights, tokenizer = _load_mlx_dir(path)
-    model = build_model(config)
+    model = build_model(config, impl)
     weights = model.sanitize(weights)
     _quantize_like_weights(model, config, weights)
     model.load_weights(list(weights.items()), strict=True)

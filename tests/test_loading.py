@@ -85,7 +85,7 @@ def test_unsupported_architecture_dir(tmp_path):
     cfg["model_type"] = "gpt2"
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(UnsupportedArchitectureError, match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedArchitectureError, match="unsupported architecture 'gpt2'; supported: .*llama.*qwen3"):
         load(path)
 
 

@@ -41,6 +41,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.3  # else: this share of free memory after weights
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": 8-bit affine
+    model_impl: str = "auto"  # "mlx-lm": run even the Llama family through mlx-lm's classes
 
 
 @dataclass(repr=False)
@@ -84,7 +85,7 @@ class _RequestState:
 class LLMEngine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
-        self.loaded = model if isinstance(model, LoadedModel) else load(model)
+        self.loaded = model if isinstance(model, LoadedModel) else load(model, self.config.model_impl)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         args = self.model.args
@@ -148,6 +149,8 @@ class LLMEngine:
 
     def _kv_dtype(self) -> mx.Dtype:
         """The dtype K/V come out of the projections in (what mlx-lm's cache would hold)."""
+        if hasattr(self.model, "kv_dtype"):
+            return self.model.kv_dtype()
         layer = self.model.layers[0]
         h = layer.input_layernorm(self.model.model.embed_tokens(mx.array([0])))
         return layer.self_attn.project(h)[1].dtype
