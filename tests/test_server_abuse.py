@@ -230,3 +230,31 @@ def test_server_starts_under_a_low_fd_limit(tiny_llama):
         p.terminate()
         out, _ = p.communicate(timeout=30)
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"frobnicate": 1}, "frobnicate"),
+])
+def test_unimplemented_fields_are_refused_by_name(server, extra, field):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "not supported" in r.json()["error"]["message"]
+
+
+def test_no_op_values_and_bookkeeping_fields_are_accepted(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [], "tool_choice": "none",
+        "response_format": {"type": "text"}, "logit_bias": {}, "store": False, "metadata": {"a": "b"}})
+    assert r.status_code == 200, r.text
+
+
+def test_image_parts_get_a_clear_400(server):
+    msg = {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                       {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [msg]})
+    assert r.status_code == 400 and "no vision input" in r.json()["error"]["message"]
+    assert "pydantic" not in r.text and "literal_error" not in r.text

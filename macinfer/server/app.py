@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import contextlib
 import logging
 import time
@@ -72,7 +73,11 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             return _error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', 'invalid JSON')}")
         loc = [str(p) for p in err.get("loc", []) if p != "body"]
         field = ".".join(loc) or None
-        return _error(400, f"{field or 'body'}: {err.get('msg')}", param=field)
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        if field is None and (named := re.match(r"`(\w+)`", msg)):  # a whole-request check naming its field
+            field = named.group(1)
+            return _error(400, msg, param=field)
+        return _error(400, f"{field or 'body'}: {msg}", param=field)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, e: StarletteHTTPException):

@@ -10,9 +10,20 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 _INT64 = 2**63
 
 
+# Fields that would change what a response means, refused (400 naming the field) unless
+# given their no-op value: never silently ignored.
+_NOOP_VALUES: dict[str, tuple] = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "reasoning_effort": (None,), "top_logprobs_per_token": (None,),
+}
+# Accepted and without effect on the output: bookkeeping and routing hints.
+_HARMLESS = {"store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
+
+
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # checked in _refuse_unsupported
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -55,6 +66,17 @@ class _Request(BaseModel):
         walk(data, "")
         return data
 
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in _HARMLESS:
+                continue
+            if name in _NOOP_VALUES and value in _NOOP_VALUES[name]:
+                continue
+            raise ValueError(f"`{name}` is not supported by this server" +
+                             (f" (only {_NOOP_VALUES[name][1:]!r} or null)" if len(_NOOP_VALUES.get(name, ())) > 1 else ""))
+        return self
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -65,12 +87,28 @@ class TextPart(BaseModel):
     text: str
 
 
+_NO_INPUT = {"image_url": "vision", "input_image": "vision", "image": "vision", "input_audio": "audio",
+             "audio": "audio", "file": "file", "input_file": "file"}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            for i, part in enumerate(data["content"]):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _NO_INPUT:
+                    raise ValueError(f"content[{i}] is a {kind} part: this model has no {_NO_INPUT[kind]} input")
+                if kind != "text":
+                    raise ValueError(f"content[{i}]: unsupported content part type {kind!r} (only 'text')")
+        return data
 
     def text(self) -> str:
         if self.content is None:
