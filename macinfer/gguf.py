@@ -12,7 +12,6 @@ metadata (RoPE scaling included) onto the Hugging Face names the models use.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import logging
@@ -20,11 +19,11 @@ import logging
 import mlx.core as mx
 import numpy as np
 
+from macinfer import gguf_arch
 from macinfer.gguf_file import GGUFFile, ModelLoadError
 
 log = logging.getLogger("macinfer")
 
-GGUF_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_GROUP_SIZE = 32  # every block format mx.load decodes uses 32-element blocks
 _MX_LOAD_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # mx.load decodes these exactly
 # Re-quantization bits per source type. Types whose blocks are affine grids over
@@ -64,41 +63,8 @@ _BLOCK_GRIDS = {
 }
 _FLOAT_TYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float32}
 
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-
 def _scalar(v: Any) -> Any:
     return v.item() if isinstance(v, mx.array) else v
-
-
-def _hf_name(name: str) -> str | None:
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)", name)
-    if m:
-        layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
-            return None
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-    m = re.fullmatch(r"(\w+)\.(weight|bias|scales|biases)", name)
-    if m and m.group(1) in _TOP_NAMES:
-        return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
-    return None
 
 
 def _unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
@@ -116,33 +82,11 @@ def _unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
 
 
 def gguf_config(meta: dict[str, Any]) -> dict[str, Any]:
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCH_TO_MODEL_TYPE:
-        from macinfer.models import UnsupportedArchitectureError
-
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture {arch!r} in GGUF; supported: "
-            + ", ".join(sorted(GGUF_ARCH_TO_MODEL_TYPE))
-        )
+    arch, config = gguf_arch.config_for(meta, _scalar)
 
     def get(key: str, default: Any = None) -> Any:
         return _scalar(meta.get(f"{arch}.{key}", default))
 
-    n_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    config = {
-        "model_type": GGUF_ARCH_TO_MODEL_TYPE[arch],
-        "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
-        "head_dim": int(get("attention.key_length", hidden // n_heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 4096)),
-        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
-    }
     config.update(_rope_config(get))
     return config
 
@@ -199,9 +143,10 @@ def affine_quantize(w: np.ndarray, bits: int, grid: tuple[np.ndarray, np.ndarray
 def _requantize_tensor(f: GGUFFile, name: str, kind: str, rows_per_chunk: int = 1024):
     """One quantized tensor to MLX affine, a chunk of rows at a time (bounded temporaries)."""
     t = f.tensors[name]
-    rows, cols = t.shape
+    cols = t.shape[-1]
+    rows = int(np.prod(t.shape[:-1]))  # MoE experts [E, out, in] are quantized row by row too
     raw = f.raw(name).reshape(rows, -1)
-    w_all = f.dequantize(name)
+    w_all = f.dequantize(name).reshape(rows, cols)
     parts = []
     for r in range(0, rows, rows_per_chunk):
         chunk = raw[r : r + rows_per_chunk]
@@ -213,7 +158,7 @@ def _requantize_tensor(f: GGUFFile, name: str, kind: str, rows_per_chunk: int = 
             grid = _BLOCK_GRIDS[kind](chunk.reshape(chunk.shape[0], -1, type_size))
         parts.append(affine_quantize(w_all[r : r + rows_per_chunk], _REQUANT_BITS[kind], grid))
         mx.eval(*parts[-1])
-    return tuple(mx.concatenate([p[i] for p in parts]) for i in range(3))
+    return tuple(mx.concatenate([p[i] for p in parts]).reshape(*t.shape[:-1], -1) for i in range(3))
 
 
 def _requantize(f: GGUFFile) -> dict[str, mx.array]:
@@ -224,7 +169,7 @@ def _requantize(f: GGUFFile) -> dict[str, mx.array]:
         kind = t.type_name
         if kind in _FLOAT_TYPES:
             out[name] = mx.array(f.dequantize(name)).astype(_FLOAT_TYPES[kind])
-        elif kind in _REQUANT_BITS and len(t.shape) == 2 and t.shape[-1] % GGUF_GROUP_SIZE == 0:
+        elif kind in _REQUANT_BITS and len(t.shape) in (2, 3) and t.shape[-1] % GGUF_GROUP_SIZE == 0:
             base = name.rsplit(".", 1)[0]
             q = _requantize_tensor(f, name, kind)
             mx.eval(*q)
@@ -250,6 +195,8 @@ def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, mx.array], dict[str,
     f = GGUFFile(path)
     meta = f.metadata
     config = gguf_config(meta)
+    if any(n.startswith("rope_factors_") for n in f.tensors):
+        raise ModelLoadError(f"{os.path.basename(path)}: LongRoPE factors (rope_factors_long/short) are not supported")
     unknown = f.types() - set(_FLOAT_TYPES) - set(_REQUANT_BITS)
     if unknown:
         raise ModelLoadError(
@@ -262,17 +209,19 @@ def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, mx.array], dict[str,
             raise ModelLoadError(f"{os.path.basename(path)}: could not read tensors ({e})") from None
     else:
         raw = _requantize(f)
+    arch = gguf_arch.arch_of(meta)
     weights: dict[str, mx.array] = {}
     for name, value in raw.items():
-        hf = _hf_name(name)
+        hf = gguf_arch.hf_name(arch, name)
         if hf is not None:
             weights[hf] = value
     if "rope_freqs.weight" in f.tensors:
         # llama3-style scaling baked into per-pair period factors (Llama 3.1+ files).
         config["rope_freq_factors"] = f.dequantize("rope_freqs.weight").astype(np.float32).ravel().tolist()
-
-    # llama.cpp permutes Q/K for interleaved RoPE only for the llama arch.
-    if meta.get("general.architecture") in ("llama", "mistral"):
+    if gguf_arch.norms_stored_plus_one(arch):  # llama.cpp stores Gemma's RMSNorm weights as 1 + w
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = weights[name] - 1
+    if gguf_arch.qk_permuted(arch):  # llama.cpp permutes Q/K rows for interleaved RoPE
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
         for name in list(weights):
             for proj, n in heads.items():

@@ -60,6 +60,22 @@ def llama_tensors(config: dict, model) -> dict[str, np.ndarray]:
     return tensors
 
 
+def arch_tensors(arch: str, config: dict, model) -> dict[str, np.ndarray]:
+    """GGUF-named float32 tensors of an mlx-lm model, named by llama.cpp's own
+    tensor map (gguf.get_tensor_name_map), with Gemma norms stored as 1 + w."""
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    out = {}
+    for name, w in tree_flatten(model.parameters()):
+        base, kind = name.rsplit(".", 1)
+        gname = tmap.get_name(base.replace("switch_mlp", "experts"))
+        assert gname is not None, f"no GGUF name for {name}"
+        w = np.array(w.astype(mx.float32), dtype=np.float32)
+        if arch.startswith("gemma") and base.endswith("norm"):
+            w = w + 1
+        out[f"{gname}.{kind}"] = w
+    return out
+
+
 def spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
     tokens = ["<unk>", "<s>", "</s>"] + byte_tokens + ["▁"] + [f"▁tok{i}" for i in range(vocab_size - 260)]
@@ -69,17 +85,20 @@ def spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
 
 
 def write_gguf(path: str, config: dict, tensors: dict[str, np.ndarray], quant: dict[str, Q] | None = None,
-               extra_meta: dict | None = None, tokenizer: dict | None = None) -> None:
-    """A llama-arch GGUF. `tensors` are float32 (or raw block bytes for names in `quant`)."""
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_uint32("llama.embedding_length", config["hidden_size"])
-    w.add_uint32("llama.block_count", config["num_hidden_layers"])
-    w.add_uint32("llama.feed_forward_length", config["intermediate_size"])
-    w.add_uint32("llama.attention.head_count", config["num_attention_heads"])
-    w.add_uint32("llama.attention.head_count_kv", config["num_key_value_heads"])
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
-    w.add_float32("llama.rope.freq_base", config["rope_theta"])
-    w.add_uint32("llama.context_length", config["max_position_embeddings"])
+               extra_meta: dict | None = None, tokenizer: dict | None = None, arch: str = "llama") -> None:
+    """A GGUF of `arch`. `tensors` are float32 (or raw block bytes for names in `quant`)."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_uint32(f"{arch}.embedding_length", config["hidden_size"])
+    w.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
+    w.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
+    w.add_uint32(f"{arch}.attention.head_count", config["num_attention_heads"])
+    w.add_uint32(f"{arch}.attention.head_count_kv", config["num_key_value_heads"])
+    if "head_dim" in config:
+        w.add_uint32(f"{arch}.attention.key_length", config["head_dim"])
+        w.add_uint32(f"{arch}.attention.value_length", config["head_dim"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    w.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
+    w.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
     for key, value in (extra_meta or {}).items():
         if isinstance(value, str):
             w.add_string(key, value)

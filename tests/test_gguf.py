@@ -235,3 +235,37 @@ def test_gguf_and_converted_dir_give_the_same_tokens(smollm2_engine, smollm2_mlx
     assert a == b
     p = SamplingParams(temperature=0, max_tokens=12)
     assert generate(smollm2_engine, [a], p)[0].token_ids == generate(conv, [b], p)[0].token_ids
+
+
+# llama.cpp architecture -> (mlx-lm config overrides, extra GGUF metadata)
+GGUF_ARCHS = {
+    "qwen2": ({"model_type": "qwen2", "tie_word_embeddings": True}, {}),
+    "qwen3": ({"model_type": "qwen3"}, {}),
+    "qwen3moe": ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "moe_intermediate_size": 32, "norm_topk_prob": True},
+                 {"qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2,
+                  "qwen3moe.expert_feed_forward_length": 32}),
+    "gemma2": ({"model_type": "gemma2", "query_pre_attn_scalar": 16.0, "attn_logit_softcapping": 5.0,
+                "final_logit_softcapping": 3.0},
+               {"gemma2.attn_logit_softcapping": 5.0, "gemma2.final_logit_softcapping": 3.0}),
+    "gemma3": ({"model_type": "gemma3_text", "query_pre_attn_scalar": 16.0, "sliding_window": 8, "num_hidden_layers": 6,
+                "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0},
+               {"gemma3.attention.sliding_window": 8}),
+    "phi3": ({"model_type": "phi3", "partial_rotary_factor": 0.5}, {"phi3.rope.dimension_count": 8}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCHS))
+def test_gguf_architectures_match_mlx_lm(tmp_path, arch):
+    """GGUFs named by llama.cpp's own tensor map load onto mlx-lm's classes."""
+    from tests.gguf_writer import arch_tensors
+    from tests.test_architectures import BASE
+
+    overrides, meta = GGUF_ARCHS[arch]
+    config = {**BASE, **overrides}
+    ref = make_mlx_lm_model(config, seed=11)
+    path = str(tmp_path / f"{arch}.gguf")
+    write_gguf(path, config, arch_tensors(arch, config, ref), extra_meta=meta, arch=arch)
+    loaded = load(path)
+    assert loaded.config["model_type"] == overrides["model_type"]
+    _assert_logits_match(path, ref, atol=2e-4)

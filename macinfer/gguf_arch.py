@@ -1,0 +1,134 @@
+"""llama.cpp's architectures in GGUF -> Hugging Face / mlx-lm configs and tensor names.
+
+Each architecture maps its `{arch}.*` metadata onto the config fields the
+model class reads, and its `blk.N.*` tensor names onto mlx-lm's parameter
+names. Conversions llama.cpp's converter applied are undone here: Q/K rows
+permuted for the llama arch (see `gguf.py`), and Gemma's norm weights stored
+as (1 + w).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from macinfer.gguf_file import ModelLoadError
+
+# llama.cpp block tensor name -> HF/mlx-lm name under model.layers.N
+_COMMON = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GEMMA = {**_COMMON, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+          "post_ffw_norm": "post_feedforward_layernorm"}
+_MOE = {**_COMMON, "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+        "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj"}
+_PHI3 = {**_COMMON, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _base(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length", 0)),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "head_dim": int(get("attention.key_length", hidden // n_heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+    }
+
+
+def _qwen3moe(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+    moe = int(get("expert_feed_forward_length"))
+    return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": moe, "intermediate_size": int(get("feed_forward_length", 0)) or moe,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+
+
+def _gemma2(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+    # GGUF does not store query_pre_attn_scalar; llama.cpp scales by 1/sqrt(head_dim) as this does.
+    return {"query_pre_attn_scalar": float(int(get("attention.key_length"))),
+            "attn_logit_softcapping": float(get("attn_logit_softcapping", 50.0)),
+            "final_logit_softcapping": float(get("final_logit_softcapping", 30.0))}
+
+
+def _gemma3(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp fixes Gemma 3's pattern (every 6th layer global) and local RoPE base (10k).
+    return {"query_pre_attn_scalar": float(int(get("attention.key_length"))),
+            "sliding_window": int(get("attention.sliding_window", 512)), "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0}
+
+
+def _phi3(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+    head_dim = int(get("attention.key_length", int(get("embedding_length")) // int(get("attention.head_count"))))
+    rot = int(get("rope.dimension_count", head_dim))
+    return {"partial_rotary_factor": rot / head_dim}
+
+
+# arch -> (model_type, tensor names, extra config, norms stored as 1 + w, Q/K rows permuted)
+ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
+    "llama": ("llama", _COMMON, None, False, True),
+    "mistral": ("llama", _COMMON, None, False, True),
+    "qwen2": ("qwen2", _COMMON, None, False, False),
+    "qwen3": ("qwen3", _COMMON, None, False, False),
+    "qwen3moe": ("qwen3_moe", _MOE, _qwen3moe, False, False),
+    "gemma2": ("gemma2", _GEMMA, _gemma2, True, False),
+    "gemma3": ("gemma3_text", _GEMMA, _gemma3, True, False),
+    "phi3": ("phi3", _PHI3, _phi3, False, False),
+}
+
+
+def arch_of(meta: dict[str, Any]) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHS:
+        from macinfer.models import UnsupportedArchitectureError
+
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {arch!r} in GGUF; supported: " + ", ".join(sorted(ARCHS)))
+    return arch
+
+
+def config_for(meta: dict[str, Any], scalar: Callable[[Any], Any]) -> tuple[str, dict[str, Any]]:
+    """(arch, HF-style config) from GGUF metadata."""
+    arch = arch_of(meta)
+
+    def get(key: str, default: Any = None) -> Any:
+        value = scalar(meta.get(f"{arch}.{key}", default))
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    model_type, _, extra, _, _ = ARCHS[arch]
+    config = {"model_type": model_type, **_base(get, meta)}
+    if extra is not None:
+        config.update(extra(get, meta))
+    return arch, config
+
+
+def hf_name(arch: str, name: str) -> str | None:
+    """mlx-lm's name for a GGUF tensor (None: not a model weight, e.g. rope_freqs)."""
+    names = ARCHS[arch][1]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)", name)
+    if m:
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
+    m = re.fullmatch(r"(\w+)\.(weight|bias|scales|biases)", name)
+    if m and m.group(1) in _TOP:
+        return f"{_TOP[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def norms_stored_plus_one(arch: str) -> bool:
+    return ARCHS[arch][3]
+
+
+def qk_permuted(arch: str) -> bool:
+    return ARCHS[arch][4]
