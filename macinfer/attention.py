@@ -51,12 +51,12 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
                       softcap: float | None = None) -> mx.array:
     cache = meta.kv_cache
     backend = kernels.mode()
-    if (backend != "reference" and not cache.quantized and window is None and sinks is None and softcap is None
+    if (backend != "reference" and not cache.quantized and sinks is None and softcap is None
             and paged_kernels.supported(q.shape[-1], q.shape[1] // cache.num_kv_heads)):
         k_rows, v_rows = cache.pools(layer)
         calls = paged_kernels.decode_calls(
             q, k_rows, v_rows, meta.decode_block_tables, meta.decode_context_lens, scale,
-            cache.block_size, meta.decode_max_context,
+            cache.block_size, meta.decode_max_context, window=window,
         )
         return launch(calls, emulate=backend == "emulate")
     k, v = cache.gather(layer, meta.decode_block_tables)  # [B, kvh, L, d]

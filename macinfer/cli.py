@@ -10,7 +10,14 @@ import click
 
 from macinfer import __version__
 
-MODEL_HELP = "A .gguf file, an MLX model directory, a Hugging Face repo id, or 'smollm2' (the bundled test model)."
+def _model_help() -> str:
+    from macinfer.models import ARCHITECTURES
+
+    return ("A .gguf file, an MLX model directory, a Hugging Face repo id (org/Model, org/Model-GGUF:Q4_K_M), "
+            "or 'smollm2' (the bundled test model). Architectures: " + ", ".join(ARCHITECTURES) + ".")
+
+
+MODEL_HELP = _model_help()
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

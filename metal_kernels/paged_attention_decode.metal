@@ -9,7 +9,7 @@
 //
 // Templates: T (q/kv/out dtype), D (head dim, multiple of 32), BS (block size),
 // GQA (query heads per kv head), NSG (simdgroups), PART (tokens per partition,
-// a multiple of BS). MACINFER_PARTITIONED selects the split-K variant, which
+// a multiple of BS), WINDOW (sliding-window span; 0 for full attention). MACINFER_PARTITIONED selects the split-K variant, which
 // writes unnormalised partials (tmp_out, tmp_ml) for paged_attention_merge.metal.
 // Inputs: q [B, H, D], k_pool / v_pool [num_blocks * BS, KVH, D],
 // block_tables [B, max_blocks] int32, context_lens [B] int32, scale [1] float32.
@@ -23,8 +23,10 @@ const int num_kv_heads = k_pool_shape[1];
 const int num_heads = q_shape[1];
 const int max_blocks = block_tables_shape[1];
 const int ctx = context_lens[seq];
-const int start = part * PART;
-const int end = min(ctx, start + PART);
+const int part_start = part * PART;
+const int end = min(ctx, part_start + PART);
+// A sliding-window layer attends to its last WINDOW keys only (WINDOW 0: every key).
+const int start = WINDOW > 0 ? max(part_start, ctx - WINDOW) : part_start;
 
 float qv[GQA][DPL];
 float m[GQA];

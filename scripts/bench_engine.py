@@ -66,7 +66,8 @@ class Macinfer:
         # (scripts/bench_prefix.py measures the cache).
         self.engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb,
                                                     max_num_batched_tokens=2048, max_model_len=4096,
-                                                    enable_prefix_caching=False))
+                                                    enable_prefix_caching=False,
+                                                    model_impl=os.environ.get("MACINFER_MODEL_IMPL", "auto")))
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
         """Returns (ttft of the first request, total seconds)."""

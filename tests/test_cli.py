@@ -36,3 +36,10 @@ def test_help_for_every_command():
     for cmd in ([], ["generate"], ["chat"], ["convert"]):
         r = CliRunner().invoke(main, cmd + ["--help"])
         assert r.exit_code == 0 and "Usage:" in r.output
+
+
+def test_serve_help_lists_the_registry():
+    from macinfer.models import ARCHITECTURES
+
+    r = CliRunner().invoke(main, ["serve", "--help"], terminal_width=400)
+    assert r.exit_code == 0 and all(a in r.output for a in ARCHITECTURES)

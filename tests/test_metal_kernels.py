@@ -39,12 +39,13 @@ def make_case(B, KVH, GQA, D, lens, dtype=np.float32, seed=0):
     return q, kp, vp, tables, np.array(lens, np.int32)
 
 
-def reference(q, kp, vp, tables, lens):
+def reference(q, kp, vp, tables, lens, window=None):
     B, H, D = q.shape
     gqa = H // kp.shape[1]
     out = np.zeros((B, H, D))
     for b in range(B):
-        rows = [tables[b][t // BS] * BS + t % BS for t in range(lens[b])]
+        first = max(0, lens[b] - window) if window else 0  # a sliding window keeps the last `window` keys
+        rows = [tables[b][t // BS] * BS + t % BS for t in range(first, lens[b])]
         for h in range(H):
             k = kp[rows, h // gqa].astype(np.float64)
             v = vp[rows, h // gqa].astype(np.float64)
@@ -54,10 +55,10 @@ def reference(q, kp, vp, tables, lens):
     return out
 
 
-def calls_for(case, partition_size):
+def calls_for(case, partition_size, window=None):
     q, kp, vp, tables, lens = case
     return decode_calls(mx.array(q), mx.array(kp), mx.array(vp), mx.array(tables), mx.array(lens),
-                        q.shape[-1] ** -0.5, BS, int(lens.max()), partition_size=partition_size)
+                        q.shape[-1] ** -0.5, BS, int(lens.max()), partition_size=partition_size, window=window)
 
 
 GRID = [
@@ -80,6 +81,23 @@ def test_decode_kernel_matches_float64(B, KVH, GQA, D, lens, part):
     out, _ = emulate_calls(calls)
     assert not np.isnan(out).any(), "an output element was never written"
     np.testing.assert_allclose(out, reference(*case), atol=2e-5, rtol=1e-4)
+
+
+# Sliding-window layers: the start bound, within one partition and across split-K partitions
+# (whole partitions before the window contribute nothing).
+WINDOWED = [
+    (2, 2, 2, 64, [5, 70], 512, 16),
+    (2, 1, 4, 64, [40, 300], 64, 100),
+    (1, 2, 1, 128, [257], 32, 33),
+]
+
+
+@pytest.mark.parametrize("B,KVH,GQA,D,lens,part,window", WINDOWED)
+def test_decode_kernel_sliding_window(B, KVH, GQA, D, lens, part, window):
+    case = make_case(B, KVH, GQA, D, lens)
+    out, _ = emulate_calls(calls_for(case, part, window))
+    np.testing.assert_allclose(out, reference(*case, window=window), atol=2e-5, rtol=1e-4)
+    assert not np.allclose(out, reference(*case))  # the window changed the answer
 
 
 def test_decode_kernel_float16():
@@ -136,8 +154,8 @@ def test_engine_output_with_emulated_kernels_equals_reference(tmp_path, monkeypa
 
 
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal GPU (the emulated twin above runs everywhere)")
-@pytest.mark.parametrize("B,KVH,GQA,D,lens,part", GRID)
-def test_metal_gpu_matches_reference(B, KVH, GQA, D, lens, part):
+@pytest.mark.parametrize("B,KVH,GQA,D,lens,part,window", [(*g, None) for g in GRID] + WINDOWED)
+def test_metal_gpu_matches_reference(B, KVH, GQA, D, lens, part, window):
     case = make_case(B, KVH, GQA, D, lens)
-    out = np.array(launch(calls_for(case, part)))
-    np.testing.assert_allclose(out, reference(*case), atol=2e-5, rtol=1e-4)
+    out = np.array(launch(calls_for(case, part, window)))
+    np.testing.assert_allclose(out, reference(*case, window=window), atol=2e-5, rtol=1e-4)

@@ -64,6 +64,7 @@ def decode_calls(
     block_size: int,
     max_context: int,
     partition_size: int = PARTITION_SIZE,
+    window: int | None = None,
 ) -> list[KernelCall]:
     """The launches for q [B, H, D] over pools [num_blocks * block_size, KVH, D].
 
@@ -76,7 +77,8 @@ def decode_calls(
     nsg = num_simdgroups(D, gqa)
     assert partition_size % block_size == 0
     parts = max(1, -(-max_context // partition_size))
-    template = [("T", q.dtype), ("D", D), ("BS", block_size), ("GQA", gqa), ("NSG", nsg), ("PART", partition_size)]
+    template = [("T", q.dtype), ("D", D), ("BS", block_size), ("GQA", gqa), ("NSG", nsg), ("PART", partition_size),
+                ("WINDOW", window or 0)]
     inputs = [q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32),
               mx.array([scale], dtype=mx.float32)]
     grid = (32 * nsg * kvh, B, parts)
