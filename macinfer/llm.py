@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import threading
 import concurrent.futures
+import queue
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,31 @@ from macinfer.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from macinfer.sampling_params import SamplingParams
 
 Message = dict[str, Any]
+
+
+class _Worker:
+    """One daemon thread that runs every engine call. It parks on its queue for the
+    life of the process and is never joined: an MLX thread that exits while the
+    interpreter tears down races MLX's static destructors (seen as "terminate called
+    without an active exception")."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="macinfer-llm", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, args, future = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # handed to the caller
+                    future.set_exception(e)
+
+    def submit(self, fn, *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, args, future))
+        return future
 
 
 class LLM:
@@ -28,10 +54,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_kwargs: Any):
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="macinfer-llm")
-        # Join the worker before interpreter teardown: MLX's per-thread state must not
-        # outlive the interpreter (else "terminate called without an active exception").
-        threading._register_atexit(self._worker.shutdown)
+        self._worker = _Worker()
         self._live: set[str] = set()  # requests some caller is waiting on (worker thread only)
         self._pending: dict[str, list[RequestOutput]] = {}  # their outputs not yet collected
         self.engine: LLMEngine = self._call(LLMEngine, model, EngineConfig(**engine_kwargs))

@@ -89,6 +89,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._stopped = threading.Event()
+        self._parked = threading.Event()  # the thread has left its loop for good
         self._thread = threading.Thread(target=self._run, name="macinfer-engine", daemon=True)
         self._thread.start()
 
@@ -106,7 +107,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
     ) -> "RequestStream":
         """Admit len(params_list) choices of one prompt, or raise QueueFullError now."""
-        if self.dead or self.draining or not self._thread.is_alive():
+        if self.dead or self.draining or not self.running:
             raise EngineDeadError(self.dead or self.draining or "the engine thread has stopped")
         stream = RequestStream(self, [f"{request_id}-{i}-{next(self._ids)}" for i in range(len(params_list))])
         with self._lock:
@@ -148,7 +149,11 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stopped.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout=5)
+        self._parked.wait(timeout=5)
+
+    @property
+    def running(self) -> bool:
+        return not self._parked.is_set()
 
     # -- engine thread -------------------------------------------------------
     def _deliver(self, out: RequestOutput) -> None:
@@ -173,6 +178,15 @@ class AsyncEngine:
             self.engine.abort_request(cmd[1])
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # Park instead of exiting: an MLX thread that exits while the interpreter
+            # tears down races MLX's static destructors (an abort at exit).
+            self._parked.set()
+            threading.Event().wait()
+
+    def _loop(self) -> None:
         failures = 0
         while not self._stopped.is_set():
             try:
