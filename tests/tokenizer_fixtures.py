@@ -57,7 +57,7 @@ QWEN3_TEMPLATE = """{%- if tools %}
 {%- elif m.role == 'assistant' %}
 {%- set content = m.content or '' %}
 {%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}
-{{- '<|im_start|>assistant\\n' + content }}
+{{- '<|im_start|>assistant\\n' }}{% generation %}{{- content }}{% endgeneration %}
 {%- for tc in m.tool_calls or [] %}{{- '\\n<tool_call>\\n{"name": "' + tc.function.name + '", "arguments": ' + (tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson) + '}\\n</tool_call>' }}{%- endfor %}
 {%- if not loop.last %}{{- '<|im_end|>\\n' }}{%- endif %}
 {%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}

@@ -128,6 +128,12 @@ class LLMEngine:
             args.num_hidden_layers, num_blocks, cfg.block_size,
             args.num_key_value_heads, args.head_dim, kv_dtype, cfg.kv_cache_dtype,
         )
+        if mx.default_device() == mx.cpu:
+            # MLX's CPU buffer cache defaults to 32 MiB: a step's attention temporaries
+            # (gathered K/V, about the size of the KV in use) would be page-faulted in
+            # fresh every step. Measured at 16 sequences x 1k context on SmolLM2:
+            # 289k -> 10k page faults per decode step.
+            mx.set_cache_limit(max(256 << 20, min(self.kv_cache.nbytes, available // 4)))
         if mx.metal.is_available():
             # Keep weights + KV resident (wired) up to what Metal recommends, as mlx-lm does.
             weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
