@@ -25,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI semantics)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -79,6 +80,10 @@ class SamplingParams:
             raise bad("stop", f"takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(len(s) > MAX_STOP_LENGTH for s in self.stop):
             raise bad("stop", f"strings may be at most {MAX_STOP_LENGTH} characters")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+                    not isinstance(k, int) or k < 0 or not -100 <= v <= 100 for k, v in self.logit_bias.items()):
+                raise bad("logit_bias", f"maps at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to values in [-100, 100]")
         if len(self.stop_token_ids) > MAX_STOP_STRINGS * 4:
             raise bad("stop_token_ids", f"takes at most {MAX_STOP_STRINGS * 4} ids")
 
@@ -99,6 +104,7 @@ _MIN_TEMPERATURE = 1e-5  # as vLLM: smaller temperatures only overflow the scale
 MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_LOGIT_BIAS = 1024
 
 
 class InvalidSamplingParamsError(ValueError):

@@ -117,3 +117,18 @@ def test_seeded_request_is_reproducible_alone_and_in_a_batch(tiny_llama):
     different_seed = _generate(engine, [target], [SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=99, max_tokens=24, ignore_eos=True)])[0]
     assert alone == again == batched
     assert different_seed != alone
+
+
+def test_logit_bias_moves_one_row_only():
+    import mlx.core as mx
+
+    from macinfer.engine.sampler import sample
+    from macinfer.engine.sequence import Sequence
+    from macinfer.sampling_params import SamplingParams
+
+    logits = mx.zeros((2, 10)).at[:, 3].add(1.0)  # token 3 is the greedy choice
+    seqs = [Sequence("a", [1], SamplingParams(temperature=0, logit_bias={7: 5.0}), 0),
+            Sequence("b", [1], SamplingParams(temperature=0), 0)]
+    assert sample(logits, seqs).token_ids == [7, 3]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 500.0})

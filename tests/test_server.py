@@ -222,3 +222,15 @@ def test_chat_template_options_and_role_injection(server, client, smollm2_engine
         "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": False}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
     assert "tokenize" in bad.json()["error"]["message"]
+
+
+def test_logit_bias_changes_the_greedy_token(client, smollm2_engine):
+    ask = dict(model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+               temperature=0, max_tokens=1)
+    plain = client.chat.completions.create(**ask)
+    target = smollm2_engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    biased = client.chat.completions.create(**ask, logit_bias={str(target): 100})
+    assert biased.choices[0].message.content != plain.choices[0].message.content
+    assert biased.choices[0].message.content == smollm2_engine.tokenizer.decode([target])
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.chat.completions.create(**ask, logit_bias={"999999": 5})

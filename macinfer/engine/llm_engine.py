@@ -18,7 +18,7 @@ from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block
 from macinfer.loader import LoadedModel, load
-from macinfer.sampling_params import SamplingParams
+from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("macinfer")
@@ -171,6 +171,8 @@ class LLMEngine:
         vocab = self.model.args.vocab_size
         if any(not isinstance(i, int) or not 0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidSamplingParamsError("logit_bias", f"logit_bias token ids must be below {vocab}")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt is {len(ids)} tokens; this engine's context is {self.max_model_len} "

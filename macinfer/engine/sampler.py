@@ -76,6 +76,15 @@ def sample(logits: mx.array, seqs: list[Sequence]) -> SamplerOutput:
         pres = mx.array([p.presence_penalty for p in params])[:, None]
         logits = logits - freq * counts - pres * (counts > 0)
 
+    if any(p.logit_bias for p in params):
+        rows, cols, vals = [], [], []
+        for i, p in enumerate(params):
+            for tok, bias in (p.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(tok)
+                vals.append(bias)
+        logits = logits.at[mx.array(rows), mx.array(cols)].add(mx.array(vals, dtype=mx.float32))
+
     tokens = mx.argmax(logits, axis=-1)
     if not all(p.greedy for p in params):
         temps = mx.array([p.temperature if not p.greedy else 1.0 for p in params])

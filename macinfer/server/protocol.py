@@ -14,7 +14,7 @@ _INT64 = 2**63
 # given their no-op value: never silently ignored.
 _NOOP_VALUES: dict[str, tuple] = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "reasoning_effort": (None,), "top_logprobs_per_token": (None,),
 }
@@ -37,6 +37,7 @@ class _Request(BaseModel):
     seed: int | None = Field(default=None, ge=-_INT64, lt=2 * _INT64)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None

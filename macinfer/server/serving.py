@@ -35,6 +35,10 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
                     logprobs: int | None) -> list[SamplingParams]:
     """One SamplingParams per choice; choices of a seeded request get seed, seed+1, ..."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()} or None
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
     out = []
     for i in range(req.n):
         try:
@@ -44,7 +48,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                 seed=None if req.seed is None else req.seed + i, stop=stop,
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-                logprobs=logprobs, strict_max_tokens=max_tokens is not None,
+                logprobs=logprobs, strict_max_tokens=max_tokens is not None, logit_bias=bias,
             ))
         except InvalidSamplingParamsError as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -87,7 +91,8 @@ class OpenAIServing:
         try:
             return self.engine.validate(prompt, params[0])
         except ValueError as e:
-            param = "max_tokens" if "max_tokens" in str(e) else "prompt" if "prompt" in str(e) else None
+            param = getattr(e, "param", None) or (
+                "max_tokens" if "max_tokens" in str(e) else "prompt" if "prompt" in str(e) else None)
             raise APIError(400, str(e), param=param, code="context_length_exceeded" if "context" in str(e) else None) from None
 
     # -- chat -------------------------------------------------------------------
