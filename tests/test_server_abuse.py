@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 def server(tiny_llama):
     s = ServerProcess(tiny_llama, "--served-model-name", "tiny", "--kv-cache-gb", "0.05", "--max-connections", "64",
                       "--header-timeout", "1", "-v")
+    httpx.get(f"{s.url}/v1/models")  # one request the access log must show
     yield s
     out = s.stop()
     assert "Traceback" not in out, out
