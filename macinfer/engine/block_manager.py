@@ -150,7 +150,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = num_computed_tokens // self.block_size
-        for i, h in enumerate(self._hashes(seq, full)):
+        start = seq.num_committed_blocks  # only new full blocks: host work per step stays flat
+        if full <= start:
+            return
+        self._hashes(seq, full)
+        hashes = seq.block_hashes  # memoised, at least `full` long now (no slice copy)
+        seq.num_committed_blocks = full
+        for i in range(start, full):
+            h = hashes[i]
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 block.block_hash = h
@@ -191,6 +198,7 @@ class BlockManager:
                 else:
                     self.free_blocks[bid] = None
         seq.block_table = []
+        seq.num_committed_blocks = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

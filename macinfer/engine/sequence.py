@@ -42,6 +42,7 @@ class Sequence:
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    num_committed_blocks: int = 0  # leading blocks of block_table already published to the prefix cache
     # timing (time.perf_counter seconds)
     arrival_time: float = 0.0
     first_token_time: float | None = None
