@@ -15,6 +15,7 @@ from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.models import ARCHITECTURES, UnsupportedArchitectureError, build_model
 from macinfer.sampling_params import SamplingParams
 from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+from tests.test_model_parity import _reference_logits
 
 BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, rms_norm_eps=1e-5, vocab_size=300, max_position_embeddings=2048, rope_theta=10000.0,
@@ -59,15 +60,6 @@ def family(request, tmp_path_factory):
 
 def _engine(path, **kw) -> LLMEngine:
     return LLMEngine(path, EngineConfig(kv_cache_gb=0.01, model_impl="mlx-lm", **kw))
-
-
-def _reference_logits(model, tokens, chunks):
-    cache = make_prompt_cache(model)
-    outs, pos = [], 0
-    for n in chunks:
-        outs.append(model(mx.array([tokens[pos : pos + n]]), cache=cache)[0])
-        pos += n
-    return np.array(mx.concatenate(outs, axis=0).astype(mx.float32))
 
 
 def _reference_greedy(model, prompt, n):
