@@ -197,7 +197,7 @@ class AsyncEngine:
                 log.exception("engine loop failed (%d in a row)", failures)
                 if failures >= self.max_failures:
                     self._die(f"the engine stopped after {failures} failed steps ({type(e).__name__}); "
-                              "the server is restarting or needs a restart")
+                              "the server is exiting")
                     return
 
     def _die(self, reason: str) -> None:
