@@ -269,3 +269,26 @@ def test_gguf_architectures_match_mlx_lm(tmp_path, arch):
     loaded = load(path)
     assert loaded.config["model_type"] == overrides["model_type"]
     _assert_logits_match(path, ref, atol=2e-4)
+
+
+def test_unknown_tensor_type_and_corrupt_header_are_one_line_errors(tmp_path):
+    import struct
+
+    config = tiny_config("llama")
+    path = str(tmp_path / "ok.gguf")
+    write_gguf(path, config, llama_tensors(config, make_mlx_lm_model(config)))
+    data = bytearray(open(path, "rb").read())
+    name = b"token_embd.weight"
+    at = data.find(name) + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    bad_type = bytearray(data)
+    struct.pack_into("<I", bad_type, type_at, 99)
+    (tmp_path / "type.gguf").write_bytes(bad_type)
+    with pytest.raises(ModelLoadError, match="type.gguf: tensor token_embd.weight has unknown GGML type 99"):
+        load(str(tmp_path / "type.gguf"))
+    garbled = bytearray(data)
+    struct.pack_into("<Q", garbled, 16, 2**40)  # a metadata count no file could hold
+    (tmp_path / "garbled.gguf").write_bytes(garbled)
+    with pytest.raises(ModelLoadError, match="garbled.gguf: truncated or corrupt GGUF header"):
+        load(str(tmp_path / "garbled.gguf"))
