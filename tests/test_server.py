@@ -234,3 +234,17 @@ def test_logit_bias_changes_the_greedy_token(client, smollm2_engine):
     assert biased.choices[0].message.content == smollm2_engine.tokenizer.decode([target])
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.chat.completions.create(**ask, logit_bias={"999999": 5})
+
+
+def test_echo_in_every_mode(client, smollm2_engine):
+    prompt = "The capital of France is"
+    plain = client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0)
+    echoed = client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=3, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text
+    ids = client.completions.create(model="smollm2", prompt=[504, 3458, 282], max_tokens=2, temperature=0, echo=True)
+    prompt_text = smollm2_engine.tokenizer.decode([504, 3458, 282], skip_special_tokens=False)
+    assert prompt_text and ids.choices[0].text.startswith(prompt_text)
+    assert len(ids.choices[0].text) > len(prompt_text)

@@ -185,7 +185,7 @@ class OpenAIServing:
                           "logprobs": {"content": [self._logprob_entry(lp) for lp in out.logprobs]} if req.logprobs else None,
                           "finish_reason": out.finish_reason}
             else:
-                text = (req.prompt if req.echo and isinstance(req.prompt, str) else "") + out.text
+                text = self._echo(req, ids) + out.text
                 choice = {"index": i, "text": text, "finish_reason": out.finish_reason,
                           "logprobs": self._completion_logprobs(out.logprobs, 0) if req.logprobs is not None else None}
             choices.append(choice)
@@ -193,6 +193,14 @@ class OpenAIServing:
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": now(), "model": self.model_name, "choices": choices,
                 "usage": usage(len(ids), completion_tokens, final[min(final)].num_cached_tokens)}
+
+    def _echo(self, req, ids: list[int]) -> str:
+        """The prompt as text when a completion asks for `echo` (token-id prompts decoded)."""
+        if not getattr(req, "echo", False):
+            return ""
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) \
+            else req.prompt
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
 
     async def stream(self, kind: str, req, rid: str, ids: list[int], gen) -> AsyncIterator[str]:
         """SSE events; closing this generator (client gone) aborts the request."""
@@ -207,6 +215,9 @@ class OpenAIServing:
         def chunk(choice: dict) -> str:
             return event({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]})
 
+        if kind == "completion" and (echoed := self._echo(req, ids)):
+            for i in range(req.n):  # each choice starts with the prompt
+                yield chunk({"index": i, "text": echoed, "finish_reason": None, "logprobs": None})
         try:
             async for i, out in gen:
                 if out.finish_reason == "error":
