@@ -80,6 +80,8 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an option we do not implement is a 400, not ignored
+
     include_usage: bool = False
 
 
