@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from macinfer import pooling as pooling_mod
 from macinfer.gguf_file import ModelLoadError
 from macinfer.models import UnsupportedArchitectureError, build_model
 from macinfer.tokenizer import TokenizerWrapper
@@ -34,6 +35,7 @@ class LoadedModel:
     config: dict[str, Any]
     source: str  # resolved local path
     name: str  # what the user asked for
+    pooling: Any = None  # macinfer.pooling.Pooling when the model publishes embedding use
 
 
 def bundled_test_model() -> str:
@@ -251,8 +253,10 @@ def _load_path(ref: str, path: str, impl: str = "auto") -> LoadedModel:
 
         config, weights, meta = load_gguf(path)
         tokenizer = TokenizerWrapper.from_gguf_metadata(meta)
+        pooling = pooling_mod.from_gguf(meta)
     else:
         config, weights, tokenizer = _load_mlx_dir(path)
+        pooling = pooling_mod.from_dir(path)
     model = build_model(config, impl)
     weights = model.sanitize(weights)
     _quantize_like_weights(model, config, weights)
@@ -263,4 +267,4 @@ def _load_path(ref: str, path: str, impl: str = "auto") -> LoadedModel:
     model.fuse_projections()
     mx.eval(model.parameters())
     model.eval()
-    return LoadedModel(model, tokenizer, config, path, ref)
+    return LoadedModel(model, tokenizer, config, path, ref, pooling)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 import contextlib
 import logging
@@ -19,7 +20,7 @@ from macinfer.engine.llm_engine import LLMEngine
 from macinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from macinfer.server.metrics import ServerMetrics
 from macinfer.server.middleware import Guard
-from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from macinfer.server.serving import APIError, OpenAIServing
 
 log = logging.getLogger("macinfer.server")
@@ -137,6 +138,39 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                 raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
             prompt = prompt[0]
         return await _run("completion", req, prompt, req.max_tokens or 16, req.logprobs, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest):
+        serving.check_model(req.model)
+        if engine.loaded.pooling is None:
+            raise APIError(400, "this model does not publish embedding use (no sentence-transformers pooling "
+                           "config, no GGUF pooling_type): it has no embeddings endpoint", param="model",
+                           code="model_not_supported")
+        inputs = req.input
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        tok = engine.tokenizer
+        ids = await asyncio.to_thread(lambda: [tok.encode(x) if isinstance(x, str) else list(x) for x in inputs])
+        vocab = engine.model.args.vocab_size
+        for i, x in enumerate(ids):
+            if not x or len(x) > engine.max_model_len:
+                raise APIError(400, f"input {i} has {len(x)} tokens; 1 to {engine.max_model_len} fit", param="input")
+            if any(not 0 <= t < vocab for t in x):
+                raise APIError(400, f"input {i}: token ids must be in [0, {vocab})", param="input")
+        try:
+            vectors = await async_engine.call(engine.embed, ids)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error") from None
+        except RuntimeError as e:
+            raise APIError(503, str(e), type="server_error", headers={"Retry-After": "1"}) from None
+        data = []
+        for i, v in enumerate(vectors):
+            emb = (base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
+                   else v.astype(float).tolist())
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        n = sum(len(x) for x in ids)
+        return {"object": "list", "data": data, "model": model_name,
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
 
     return app
 

@@ -8,6 +8,7 @@ output to the request's asyncio.Queue with `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -121,6 +122,14 @@ class AsyncEngine:
             self._commands.put(("add", rid, prompt_ids, params, cache_salt))
         return stream
 
+    async def call(self, fn, *args):
+        """Run fn(*args) on the engine thread between steps (e.g. engine.embed)."""
+        if self.dead or self.draining or not self.running:
+            raise EngineDeadError(self.dead or self.draining or "the engine thread has stopped")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, args, future))
+        return await asyncio.wrap_future(future)
+
     def _release(self, rids: list[str], unfinished: set[str]) -> None:
         for rid in unfinished:
             self._commands.put(("abort", rid))
@@ -176,6 +185,13 @@ class AsyncEngine:
                 self._deliver(RequestOutput(rid, ids, "", [], "", [], True, "error", error=str(e)))
         elif kind == "abort":
             self.engine.abort_request(cmd[1])
+        elif kind == "call":
+            _, fn, args, future = cmd
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except Exception as e:  # the caller's error, not the engine's
+                    future.set_exception(e)
 
     def _run(self) -> None:
         try:

@@ -139,6 +139,16 @@ class CompletionRequest(_Request):
     echo: bool = False
 
 
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: None = None  # models here have one size; a value is refused
+    user: str | None = None
+
+
 _Request.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
