@@ -323,11 +323,13 @@ class LLMEngine:
             state.text += state.detok.add(token)
         if stop_token:
             reason = "stop"
+            state.stop_reason = token if token in p.stop_token_ids else None  # None: end of sequence
         elif p.stop and len(state.text) > checked:
             search_from = max(0, checked - state.max_stop_len + 1)
-            hits = [i for s in p.stop if (i := state.text.find(s, search_from)) >= 0]
+            hits = [(i, s) for s in p.stop if (i := state.text.find(s, search_from)) >= 0]
             if hits:
-                state.text = state.text[: min(hits)]
+                at, state.stop_reason = min(hits)
+                state.text = state.text[:at]
                 reason = "stop"
         if reason is None:
             if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
@@ -366,4 +368,5 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             metrics=metrics,
             prompt=state.prompt,
+            stop_reason=state.stop_reason if finished else None,
         )

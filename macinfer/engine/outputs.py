@@ -25,6 +25,7 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason == "error" (the exception, for logs and the Python API)
     client_error: str | None = None  # a message safe to show a remote client, when there is one
     prompt: str | None = None  # the prompt text, when the request was given as text
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
 
     def __repr__(self) -> str:
         text = self.text if len(self.text) <= 60 else self.text[:57] + "..."
@@ -44,4 +45,5 @@ class _RequestState:
         self.text = ""
         self.emitted_chars = 0
         self.emitted_tokens = 0
+        self.stop_reason: str | int | None = None
         self.max_stop_len = max((len(s) for s in seq.params.stop), default=0)

@@ -20,6 +20,7 @@ from macinfer.engine.llm_engine import LLMEngine
 from macinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from macinfer.server.metrics import ServerMetrics
 from macinfer.server.middleware import Guard
+from macinfer.server import anthropic
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from macinfer.server.serving import APIError, OpenAIServing
 
@@ -30,7 +31,9 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404:
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           type: str | None = None, headers: dict | None = None) -> JSONResponse:
+           type: str | None = None, headers: dict | None = None, path: str = "") -> JSONResponse:
+    if path.startswith("/v1/messages"):  # Anthropic clients read Anthropic-shaped errors
+        return JSONResponse(anthropic.error_body(status, message), status_code=status, headers=headers)
     return JSONResponse(APIError(status, message, type or _STATUS_TYPES.get(status, "server_error"),
                                  param, code).body(), status_code=status, headers=headers)
 
@@ -64,30 +67,31 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     app.add_middleware(Guard, api_keys=api_keys, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts)
 
     @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    async def _api_error(request: Request, e: APIError):
+        return _error(e.status, e.message, e.param, e.code, e.type, e.headers, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_, e: RequestValidationError):
+    async def _validation_error(request: Request, e: RequestValidationError):
+        path = request.url.path
         err = e.errors()[0]
         if err.get("type") == "json_invalid":
-            return _error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', 'invalid JSON')}")
+            return _error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', 'invalid JSON')}", path=path)
         loc = [str(p) for p in err.get("loc", []) if p != "body"]
         field = ".".join(loc) or None
         msg = str(err.get("msg", "")).removeprefix("Value error, ")
         if field is None and (named := re.match(r"`(\w+)`", msg)):  # a whole-request check naming its field
             field = named.group(1)
-            return _error(400, msg, param=field)
-        return _error(400, f"{field or 'body'}: {msg}", param=field)
+            return _error(400, msg, param=field, path=path)
+        return _error(400, f"{field or 'body'}: {msg}", param=field, path=path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_, e: StarletteHTTPException):
-        return _error(e.status_code, str(e.detail))
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return _error(e.status_code, str(e.detail), path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_, e: Exception):
+    async def _unexpected(request: Request, e: Exception):
         log.exception("unhandled error")
-        return _error(500, "internal server error", type="server_error")
+        return _error(500, "internal server error", type="server_error", path=request.url.path)
 
     @app.get("/health")
     async def health():
@@ -138,6 +142,26 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                 raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
             prompt = prompt[0]
         return await _run("completion", req, prompt, req.max_tokens or 16, req.logprobs, request)
+
+    @app.post("/v1/messages")
+    async def messages(req: anthropic.MessagesRequest, request: Request):
+        chat = req.to_chat()
+        serving.check_model(chat.model)
+        prompt = await asyncio.to_thread(serving.chat_prompt, chat)
+        ids, params = await asyncio.to_thread(serving.prepare, chat, prompt, chat.max_tokens, None)
+        try:
+            rid, stream = serving.submit(chat, ids, params, "chat", (getattr(request.state, "api_key_index", None),
+                                                                   chat.user))
+        except QueueFullError as e:
+            raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+        if req.stream:
+            return StreamingResponse(anthropic.events(model_name, len(ids), stream), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(stream.close))
+        final = await serving.wait_final(stream, request)
+        metrics.observe(final[0])
+        return anthropic.message(req, model_name, final[0], len(ids))
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest):

@@ -23,8 +23,13 @@ def is_loopback(host: str) -> bool:
 
 
 async def send_error(send: Send, status: int, message: str, type_: str, code: str | None = None,
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+                     headers: list[tuple[bytes, bytes]] | None = None, path: str = "") -> None:
+    if path.startswith("/v1/messages"):  # Anthropic's error shape for Anthropic clients
+        from macinfer.server.anthropic import error_body
+
+        body = json.dumps(error_body(status, message)).encode()
+    else:
+        body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *(headers or [])]})
@@ -57,7 +62,8 @@ class Guard:
         headers = dict(scope.get("headers") or [])
         if self.allowed_hosts is not None and _host_name(headers.get(b"host", b"")) not in self.allowed_hosts:
             return await send_error(send, 400, "invalid Host header (this server only answers to its own address; "
-                                    "add names with --allowed-host)", "invalid_request_error", "invalid_host")
+                                    "add names with --allowed-host)", "invalid_request_error", "invalid_host",
+                                    path=scope["path"])
         if self.keys and scope["path"] not in self.open_paths and scope["method"] != "OPTIONS":
             auth = headers.get(b"authorization", b"")
             given = auth[7:] if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
@@ -65,11 +71,12 @@ class Guard:
             matched = [i for i, k in enumerate(self.keys) if secrets.compare_digest(given, k)]
             if not matched:
                 return await send_error(send, 401, "missing or invalid API key (send 'Authorization: Bearer <key>' "
-                                        "or 'x-api-key: <key>')", "authentication_error", "invalid_api_key")
+                                        "or 'x-api-key: <key>')", "authentication_error", "invalid_api_key",
+                                        path=scope["path"])
             scope.setdefault("state", {})["api_key_index"] = matched[0]  # for prefix-cache isolation
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            return await self._too_large(send)
+            return await self._too_large(send, scope["path"])
         chunks, size = [], 0
         if scope["method"] in ("POST", "PUT", "PATCH"):
             while True:
@@ -79,7 +86,7 @@ class Guard:
                 chunks.append(message.get("body", b""))
                 size += len(chunks[-1])
                 if size > self.max_body:
-                    return await self._too_large(send)
+                    return await self._too_large(send, scope["path"])
                 if not message.get("more_body", False):
                     break
         replayed = False
@@ -93,6 +100,6 @@ class Guard:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, send: Send, path: str) -> None:
         await send_error(send, 413, f"request body is larger than {self.max_body} bytes", "invalid_request_error",
-                         headers=[(b"connection", b"close")])
+                         headers=[(b"connection", b"close")], path=path)

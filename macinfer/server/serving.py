@@ -152,8 +152,9 @@ class OpenAIServing:
             parts.append(user or "")
         return "\x00".join(parts) if any(parts) else None
 
-    async def complete(self, kind: str, req, rid: str, ids: list[int], gen, request) -> dict[str, Any]:
-        """Non-streaming: wait for every choice; abort if the client goes away."""
+    async def wait_final(self, gen, request) -> dict[int, RequestOutput]:
+        """Every choice's final output; aborts (499) if the client goes away, raises the
+        request's generation error."""
         final: dict[int, RequestOutput] = {}
 
         async def collect():
@@ -176,6 +177,11 @@ class OpenAIServing:
         failed = [o for o in final.values() if o.finish_reason == "error"]
         if failed:
             raise _generation_error(failed[0])
+        return final
+
+    async def complete(self, kind: str, req, rid: str, ids: list[int], gen, request) -> dict[str, Any]:
+        """Non-streaming: wait for every choice; abort if the client goes away."""
+        final = await self.wait_final(gen, request)
         choices = []
         for i in sorted(final):
             out = final[i]

@@ -1,0 +1,75 @@
+"""POST /v1/messages with the official anthropic client, on the bundled SmolLM2."""
+
+import anthropic
+import httpx
+import pytest
+
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf):
+    s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--kv-cache-gb", "0.1",
+                      "--max-model-len", "1024", "--api-key", "sekret")
+    yield s
+    out = s.stop()
+    assert "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="sekret", max_retries=0)
+
+
+def test_message(client):
+    m = client.messages.create(model="smollm2", max_tokens=12, messages=ASK, extra_body={"temperature": 0},
+                               system="You are a helpful assistant.")
+    assert m.type == "message" and m.role == "assistant" and "Paris" in m.content[0].text
+    assert m.stop_reason == "end_turn" and m.usage.input_tokens > 0 and m.usage.output_tokens > 0
+    short = client.messages.create(model="smollm2", max_tokens=2, messages=ASK, extra_body={"temperature": 0})
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 2
+    stopped = client.messages.create(model="smollm2", max_tokens=20, messages=ASK, extra_body={"temperature": 0},
+                                     stop_sequences=["Paris"])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "Paris"
+    assert "Paris" not in stopped.content[0].text
+
+
+def test_multi_turn_and_prefill(client):
+    turns = ASK + [{"role": "assistant", "content": "The capital of France is Paris."},
+                   {"role": "user", "content": [{"type": "text", "text": "And of Italy?"}]}]
+    m = client.messages.create(model="smollm2", max_tokens=12, messages=turns, extra_body={"temperature": 0})
+    assert m.content[0].text
+    prefill = ASK + [{"role": "assistant", "content": "The capital of France is"}]
+    p = client.messages.create(model="smollm2", max_tokens=3, messages=prefill, extra_body={"temperature": 0})
+    assert "Paris" in p.content[0].text  # the assistant turn is continued
+
+
+def test_streaming_events_in_order(client):
+    kinds, text = [], ""
+    with client.messages.stream(model="smollm2", max_tokens=12, messages=ASK, extra_body={"temperature": 0}) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "content_block_delta":
+                text += event.delta.text
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[1] == "content_block_start"
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert "Paris" in text and final.content[0].text == text and final.stop_reason == "end_turn"
+
+
+def test_errors_are_anthropic_shaped(server, client):
+    with pytest.raises(anthropic.BadRequestError, match="tools"):
+        client.messages.create(model="smollm2", max_tokens=5, messages=ASK,
+                               tools=[{"name": "f", "description": "d", "input_schema": {"type": "object"}}])
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-other", max_tokens=5, messages=ASK)
+    r = httpx.post(f"{server.url}/v1/messages", json={"model": "smollm2", "max_tokens": 5, "messages": ASK})
+    assert r.status_code == 401 and r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": "sekret"},
+                   json={"model": "smollm2", "messages": ASK})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in r.json()["error"]["message"]
