@@ -248,3 +248,23 @@ def test_echo_in_every_mode(client, smollm2_engine):
     prompt_text = smollm2_engine.tokenizer.decode([504, 3458, 282], skip_special_tokens=False)
     assert prompt_text and ids.choices[0].text.startswith(prompt_text)
     assert len(ids.choices[0].text) > len(prompt_text)
+
+
+def test_responses_api(client):
+    ask = dict(model="smollm2", input="What is the capital of France?", max_output_tokens=48, temperature=0)
+    r = client.responses.create(**ask)
+    assert r.status == "completed" and "Paris" in r.output_text and r.usage.input_tokens > 0
+    told = client.responses.create(**{**ask, "max_output_tokens": 1}, instructions="Answer in French.")
+    assert told.usage.input_tokens > r.usage.input_tokens  # instructions reach the prompt as the system message
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "What is the capital of France?"}]}]
+    short = client.responses.create(model="smollm2", input=items, max_output_tokens=2, temperature=0)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    kinds, text = [], ""
+    for event in client.responses.create(**ask, stream=True):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.done" in kinds and text == r.output_text
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="smollm2", input="hi", previous_response_id="resp_123")

@@ -20,7 +20,7 @@ from macinfer.engine.llm_engine import LLMEngine
 from macinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from macinfer.server.metrics import ServerMetrics
 from macinfer.server.middleware import Guard
-from macinfer.server import anthropic
+from macinfer.server import anthropic, responses
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from macinfer.server.serving import APIError, OpenAIServing
 
@@ -162,6 +162,30 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         final = await serving.wait_final(stream, request)
         metrics.observe(final[0])
         return anthropic.message(req, model_name, final[0], len(ids))
+
+    @app.post("/v1/responses")
+    async def responses_create(req: responses.ResponsesRequest, request: Request):
+        try:
+            chat = req.to_chat()
+        except ValueError as e:
+            raise APIError(400, str(e), param="input") from None
+        serving.check_model(chat.model)
+        prompt = await asyncio.to_thread(serving.chat_prompt, chat)
+        ids, params = await asyncio.to_thread(serving.prepare, chat, prompt, chat.max_tokens, None)
+        try:
+            rid, stream = serving.submit(chat, ids, params, "chat", (getattr(request.state, "api_key_index", None),
+                                                                   chat.user))
+        except QueueFullError as e:
+            raise APIError(429, str(e), type="rate_limit_error", headers={"Retry-After": "1"}) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error") from None
+        if req.stream:
+            return StreamingResponse(responses.events(req, model_name, len(ids), stream),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(stream.close))
+        final = await serving.wait_final(stream, request)
+        metrics.observe(final[0])
+        return responses.response(req, model_name, final[0], len(ids))
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest):
