@@ -109,9 +109,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def _run(kind: str, req, prompt, max_tokens, logprobs, request: Request):
+    async def _start(kind: str, req, prompt, max_tokens, logprobs, request: Request):
+        """Validate, tokenize (never on the event loop: a large prompt takes seconds) and
+        admit a request; returns (request id, prompt ids, output stream)."""
         serving.check_model(req.model)
-        # Tokenizing a large prompt takes seconds: never on the event loop.
         ids, params = await asyncio.to_thread(serving.prepare, req, prompt, max_tokens, logprobs)
         try:
             client = (getattr(request.state, "api_key_index", None), req.user)
@@ -121,12 +122,29 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                            headers={"Retry-After": "1"}) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), type="server_error") from None
+        return rid, ids, stream
+
+    def _sse(events, stream) -> StreamingResponse:
+        # The background task runs even if the client left before the body started.
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                 background=BackgroundTask(stream.close))
+
+    async def _run(kind: str, req, prompt, max_tokens, logprobs, request: Request):
+        rid, ids, stream = await _start(kind, req, prompt, max_tokens, logprobs, request)
         if req.stream:
-            # The background task runs even if the client left before the body started.
-            return StreamingResponse(serving.stream(kind, req, rid, ids, stream), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(stream.close))
+            return _sse(serving.stream(kind, req, rid, ids, stream), stream)
         return await serving.complete(kind, req, rid, ids, stream, request)
+
+    async def _chat_translated(chat: ChatCompletionRequest, request: Request):
+        """Start a chat translated from another API; (prompt ids, stream, final output or None)."""
+        prompt = await asyncio.to_thread(serving.chat_prompt, chat)
+        _, ids, stream = await _start("chat", chat, prompt, chat.max_tokens, None, request)
+        if chat.stream:
+            return ids, stream, None
+        final = (await serving.wait_final(stream, request))[0]
+        metrics.observe(final)
+        return ids, stream, final
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -145,23 +163,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/messages")
     async def messages(req: anthropic.MessagesRequest, request: Request):
-        chat = req.to_chat()
-        serving.check_model(chat.model)
-        prompt = await asyncio.to_thread(serving.chat_prompt, chat)
-        ids, params = await asyncio.to_thread(serving.prepare, chat, prompt, chat.max_tokens, None)
-        try:
-            rid, stream = serving.submit(chat, ids, params, "chat", (getattr(request.state, "api_key_index", None),
-                                                                   chat.user))
-        except QueueFullError as e:
-            raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e)) from None
-        if req.stream:
-            return StreamingResponse(anthropic.events(model_name, len(ids), stream), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(stream.close))
-        final = await serving.wait_final(stream, request)
-        metrics.observe(final[0])
-        return anthropic.message(req, model_name, final[0], len(ids))
+        ids, stream, final = await _chat_translated(req.to_chat(), request)
+        if final is None:
+            return _sse(anthropic.events(model_name, len(ids), stream), stream)
+        return anthropic.message(req, model_name, final, len(ids))
 
     @app.post("/v1/responses")
     async def responses_create(req: responses.ResponsesRequest, request: Request):
@@ -169,23 +174,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             chat = req.to_chat()
         except ValueError as e:
             raise APIError(400, str(e), param="input") from None
-        serving.check_model(chat.model)
-        prompt = await asyncio.to_thread(serving.chat_prompt, chat)
-        ids, params = await asyncio.to_thread(serving.prepare, chat, prompt, chat.max_tokens, None)
-        try:
-            rid, stream = serving.submit(chat, ids, params, "chat", (getattr(request.state, "api_key_index", None),
-                                                                   chat.user))
-        except QueueFullError as e:
-            raise APIError(429, str(e), type="rate_limit_error", headers={"Retry-After": "1"}) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type="server_error") from None
-        if req.stream:
-            return StreamingResponse(responses.events(req, model_name, len(ids), stream),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(stream.close))
-        final = await serving.wait_final(stream, request)
-        metrics.observe(final[0])
-        return responses.response(req, model_name, final[0], len(ids))
+        ids, stream, final = await _chat_translated(chat, request)
+        if final is None:
+            return _sse(responses.events(req, model_name, len(ids), stream), stream)
+        return responses.response(req, model_name, final, len(ids))
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest):
