@@ -64,12 +64,19 @@ def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len, prefix_ca
 
     start = time.perf_counter()
     click.echo(f"loading {model} ...", err=True)
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:
+        if tty and total > 1:  # a live line on a terminal only; logs and pipes get the two lines
+            click.echo(f"\rloading {model}: {100 * done // total}% ({done}/{total})", err=True, nl=False)
+
     try:
         engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
-                                               enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype))
+                                               enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype),
+                           progress=progress)
     except (FileNotFoundError, ValueError, MemoryError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"loaded {model} in {time.perf_counter() - start:.1f}s", err=True)
+    click.echo(f"{chr(13) if tty else ''}loaded {model} in {time.perf_counter() - start:.1f}s" + " " * 20, err=True)
     return engine
 
 

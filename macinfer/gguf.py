@@ -12,7 +12,7 @@ metadata (RoPE scaling included) onto the Hugging Face names the models use.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import logging
 
@@ -23,6 +23,7 @@ from macinfer import gguf_arch
 from macinfer.gguf_file import GGUFFile, ModelLoadError
 
 log = logging.getLogger("macinfer")
+Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
 
 GGUF_GROUP_SIZE = 32  # every block format mx.load decodes uses 32-element blocks
 _MX_LOAD_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # mx.load decodes these exactly
@@ -161,11 +162,13 @@ def _requantize_tensor(f: GGUFFile, name: str, kind: str, rows_per_chunk: int = 
     return tuple(mx.concatenate([p[i] for p in parts]).reshape(*t.shape[:-1], -1) for i in range(3))
 
 
-def _requantize(f: GGUFFile) -> dict[str, mx.array]:
+def _requantize(f: GGUFFile, progress: Progress | None = None) -> dict[str, mx.array]:
     """Every tensor via the gguf package: quantized ones to MLX affine (group 32)."""
     out: dict[str, mx.array] = {}
     counts: dict[str, int] = {}
-    for name, t in f.tensors.items():
+    for done, (name, t) in enumerate(f.tensors.items()):
+        if progress is not None:
+            progress(done, len(f.tensors))
         kind = t.type_name
         if kind in _FLOAT_TYPES:
             out[name] = mx.array(f.dequantize(name)).astype(_FLOAT_TYPES[kind])
@@ -189,7 +192,7 @@ def _requantize(f: GGUFFile) -> dict[str, mx.array]:
     return out
 
 
-def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
+def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
     """Returns (HF-style config, HF-named weights, raw GGUF metadata).
     Raises ModelLoadError (one line, naming the file) for broken files."""
     f = GGUFFile(path)
@@ -208,7 +211,7 @@ def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, mx.array], dict[str,
         except Exception as e:
             raise ModelLoadError(f"{os.path.basename(path)}: could not read tensors ({e})") from None
     else:
-        raw = _requantize(f)
+        raw = _requantize(f, progress)
     arch = gguf_arch.arch_of(meta)
     weights: dict[str, mx.array] = {}
     for name, value in raw.items():

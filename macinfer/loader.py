@@ -8,7 +8,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -159,7 +159,7 @@ def _quantize_like_weights(model: nn.Module, config: dict[str, Any], weights: di
     )
 
 
-def _load_mlx_dir(path: str) -> tuple[dict[str, Any], dict[str, mx.array], TokenizerWrapper]:
+def _load_mlx_dir(path: str, progress=None) -> tuple[dict[str, Any], dict[str, mx.array], TokenizerWrapper]:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ModelNotFoundError(f"{path} is not an MLX model directory (no config.json)")
@@ -172,7 +172,9 @@ def _load_mlx_dir(path: str) -> tuple[dict[str, Any], dict[str, mx.array], Token
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {path}")
     weights: dict[str, mx.array] = {}
-    for fp in files:
+    for i, fp in enumerate(files):
+        if progress is not None:
+            progress(i, len(files))
         try:
             weights.update(mx.load(fp))
         except Exception as e:
@@ -232,12 +234,12 @@ def should_dequantize(model: nn.Module) -> bool:
     return f32_bytes < available_memory_bytes() // 4
 
 
-def load(ref: str, impl: str = "auto") -> LoadedModel:
+def load(ref: str, impl: str = "auto", progress: Callable[[int, int], None] | None = None) -> LoadedModel:
     """Load weights and tokenizer. Raises ModelNotFoundError, UnsupportedArchitectureError
     or ModelLoadError, each with a one-line message naming the file and the problem."""
     path = resolve(ref)
     try:
-        return _load_path(ref, path, impl)
+        return _load_path(ref, path, impl, progress)
     except (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError):
         raise
     except (ValueError, KeyError, OSError, RuntimeError) as e:  # shapes/names that do not fit the architecture
@@ -245,17 +247,17 @@ def load(ref: str, impl: str = "auto") -> LoadedModel:
         raise ModelLoadError(f"{os.path.basename(path.rstrip('/'))}: cannot load this model: {msg}") from None
 
 
-def _load_path(ref: str, path: str, impl: str = "auto") -> LoadedModel:
+def _load_path(ref: str, path: str, impl: str = "auto", progress=None) -> LoadedModel:
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelNotFoundError(f"{path}: expected a .gguf file or a model directory")
         from macinfer.gguf import load_gguf
 
-        config, weights, meta = load_gguf(path)
+        config, weights, meta = load_gguf(path, progress)
         tokenizer = TokenizerWrapper.from_gguf_metadata(meta)
         pooling = pooling_mod.from_gguf(meta)
     else:
-        config, weights, tokenizer = _load_mlx_dir(path)
+        config, weights, tokenizer = _load_mlx_dir(path, progress)
         pooling = pooling_mod.from_dir(path)
     model = build_model(config, impl)
     weights = model.sanitize(weights)

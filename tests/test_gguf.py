@@ -132,7 +132,9 @@ def test_kquant_gguf_requantized_near_file_size(tmp_path, monkeypatch, types, to
     base.load_weights(list(ref_weights.items()))
     assert permute_qk  # (the writer's permutation, inverted above)
 
-    loaded = load(path)
+    calls = []
+    loaded = load(path, progress=lambda done, total: calls.append((done, total)))
+    assert calls and calls[0] == (0, len(tensors)) and calls[-1] == (len(tensors) - 1, len(tensors))  # per tensor
     param_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
     ratio = param_bytes / os.path.getsize(path)
     assert ratio < 1.3, f"in memory {param_bytes} bytes for a {os.path.getsize(path)}-byte file"

@@ -47,9 +47,10 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, progress=None):
+        """`progress(done, total)` is called while weights load (files or tensors)."""
         self.config = config or EngineConfig()
-        self.loaded = model if isinstance(model, LoadedModel) else load(model, self.config.model_impl)
+        self.loaded = model if isinstance(model, LoadedModel) else load(model, self.config.model_impl, progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         args = self.model.args
