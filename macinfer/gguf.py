@@ -11,10 +11,9 @@ metadata (RoPE scaling included) onto the Hugging Face names the models use.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Callable
-
-import logging
 
 import mlx.core as mx
 import numpy as np
@@ -142,22 +141,21 @@ def affine_quantize(w: np.ndarray, bits: int, grid: tuple[np.ndarray, np.ndarray
 
 
 def _requantize_tensor(f: GGUFFile, name: str, kind: str, rows_per_chunk: int = 1024):
-    """One quantized tensor to MLX affine, a chunk of rows at a time (bounded temporaries)."""
+    """One quantized tensor to MLX affine, a chunk of rows at a time: only one chunk is
+    ever held as float32 (a 128k-row embedding would otherwise be GBs)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
     t = f.tensors[name]
-    cols = t.shape[-1]
+    qtype = GGMLQuantizationType[kind]
+    type_size = GGML_QUANT_SIZES[qtype][1]
     rows = int(np.prod(t.shape[:-1]))  # MoE experts [E, out, in] are quantized row by row too
     raw = f.raw(name).reshape(rows, -1)
-    w_all = f.dequantize(name).reshape(rows, cols)
     parts = []
     for r in range(0, rows, rows_per_chunk):
         chunk = raw[r : r + rows_per_chunk]
-        grid = None
-        if kind in _BLOCK_GRIDS:
-            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-            type_size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
-            grid = _BLOCK_GRIDS[kind](chunk.reshape(chunk.shape[0], -1, type_size))
-        parts.append(affine_quantize(w_all[r : r + rows_per_chunk], _REQUANT_BITS[kind], grid))
+        grid = _BLOCK_GRIDS[kind](chunk.reshape(chunk.shape[0], -1, type_size)) if kind in _BLOCK_GRIDS else None
+        parts.append(affine_quantize(dequantize(chunk, qtype), _REQUANT_BITS[kind], grid))
         mx.eval(*parts[-1])
     return tuple(mx.concatenate([p[i] for p in parts]).reshape(*t.shape[:-1], -1) for i in range(3))
 

@@ -38,9 +38,25 @@ def test_make_picks_a_new_enough_python(tmp_path):
     assert p.returncode == 0 and p.stdout.strip() == str(tmp_path / "python3.12")
 
 
-def test_makefile_replaces_a_venv_from_an_old_python():
-    text = (ROOT / "Makefile").read_text()
-    assert "scripts/find_python.sh" in text and "rm -rf $(VENV)" in text
+def test_makefile_replaces_a_venv_from_an_old_python(tmp_path):
+    """The set-up rule, run on a copy of the Makefile: a .venv whose python is 3.9 is removed
+    before the new one is made (the fake `python -m venv` then stops the run)."""
+    import shutil
+
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").write_text("")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'Python 3.9.6' && exit 0\nexit 1\n")
+    (bin_dir / "python").chmod(0o755)
+    new_python = tmp_path / "py312"
+    new_python.write_text("#!/bin/sh\necho \"venv made by 3.12: $*\"\nexit 3\n")
+    new_python.chmod(0o755)
+    p = subprocess.run(["make", "-C", str(tmp_path), ".venv/.installed", f"PYTHON={new_python}"],
+                       capture_output=True, text=True)
+    assert "removing .venv: it was made by Python 3.9.6" in p.stdout
+    assert "venv made by 3.12: -m venv .venv" in p.stdout
+    assert not (bin_dir / "python").exists()
 
 
 def test_default_kv_budget_is_sized_to_the_configuration(tiny_llama):

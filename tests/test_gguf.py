@@ -294,3 +294,12 @@ def test_unknown_tensor_type_and_corrupt_header_are_one_line_errors(tmp_path):
     (tmp_path / "garbled.gguf").write_bytes(garbled)
     with pytest.raises(ModelLoadError, match="garbled.gguf: truncated or corrupt GGUF header"):
         load(str(tmp_path / "garbled.gguf"))
+
+
+def test_rope_freqs_are_refused_where_they_would_be_ignored(tmp_path):
+    config = tiny_config("llama3", tie=True)
+    tensors = llama_tensors(config, make_mlx_lm_model(config))
+    tensors["rope_freqs.weight"] = np.ones(8, dtype=np.float32)
+    write_gguf(str(tmp_path / "f.gguf"), config, tensors)
+    with pytest.raises(UnsupportedArchitectureError, match="rope_freqs"):
+        load(str(tmp_path / "f.gguf"), impl="mlx-lm")

@@ -58,7 +58,6 @@ class BlockManager:
         # Free blocks in eviction order (least recently freed first).
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
-        self._uncommitted: list[int] = []  # blocks published this step, KV not yet written
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found in the cache
 
@@ -144,9 +143,8 @@ class BlockManager:
         """Publish the hashes of blocks that are full once `num_computed_tokens`
         tokens are in the cache. Called at schedule time: any sequence that
         matches them reads them in the same forward pass or later, after the
-        batch's K/V writes, so they are complete by then. The publication is
-        provisional until `confirm()` (the step's K/V were written) and is
-        withdrawn by `rollback()` if the step fails."""
+        batch's K/V writes, so they are complete by then. If that forward pass
+        fails, the engine withdraws every published hash (`drop_cache`)."""
         if not self.enable_prefix_caching:
             return
         full = num_computed_tokens // self.block_size
@@ -161,29 +159,14 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 block.block_hash = h
-                if self.cached.setdefault(h, block.block_id) == block.block_id:
-                    self._uncommitted.append(block.block_id)
-
-    def confirm(self) -> None:
-        """The step's forward pass wrote its K/V: its published blocks are real."""
-        self._uncommitted.clear()
-
-    def rollback(self) -> None:
-        """The step failed: withdraw the hashes it published, so no later request
-        reuses blocks whose K/V were never written."""
-        for bid in self._uncommitted:
-            block = self.blocks[bid]
-            if block.block_hash is not None and self.cached.get(block.block_hash) == bid:
-                del self.cached[block.block_hash]
-            block.block_hash = None
-        self._uncommitted.clear()
+                self.cached.setdefault(h, block.block_id)
 
     def drop_cache(self) -> None:
-        """Forget every cached block (the K/V pools were reset)."""
+        """Forget every cached block: after a failed step the K/V pools are reset, so
+        no hash, published in that step or earlier, names real K/V any more."""
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
-        self._uncommitted.clear()
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so they are evicted before the shared-prefix heads.

@@ -271,7 +271,6 @@ class LLMEngine:
             outputs = [self._fail(seq, e) for seq, _ in sched.scheduled]
             self._recover_after_failed_step()
             return outputs
-        self.block_manager.confirm()
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
         now = time.perf_counter()
@@ -295,7 +294,6 @@ class LLMEngine:
         """A failed forward (e.g. out of memory inside lazy evaluation) may leave any
         slot of the K/V pools unwritten: withdraw every prefix-cache entry, reset the
         pools, and recompute the other running sequences from their tokens."""
-        self.block_manager.rollback()
         self.block_manager.drop_cache()
         self.kv_cache.reset()
         for seq in list(self.scheduler.running):

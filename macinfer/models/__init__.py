@@ -61,6 +61,10 @@ def build_model(config: dict[str, Any], impl: str = "auto"):
     if impl == "auto" and model_type in HAND_WRITTEN and not _sliding_window(config):
         module, overrides = HAND_WRITTEN[model_type]
         return module.Model(ModelArgs.from_dict({**config, **overrides}))
+    if "rope_freq_factors" in config:  # GGUF rope_freqs: mlx-lm's classes would silently ignore them
+        raise UnsupportedArchitectureError(
+            "per-pair RoPE factors (GGUF rope_freqs) run on the hand-written Llama path only; "
+            "load this model with the default model_impl")
     try:
         return mlx_lm_adapter.build(config)
     except mlx_lm_adapter.UnsupportedModelError as e:

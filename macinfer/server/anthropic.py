@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from macinfer.server.protocol import ChatCompletionRequest
+from macinfer.server.protocol import ChatCompletionRequest, check_text_parts
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -42,12 +42,7 @@ class Message(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("content"), list):
-            for i, block in enumerate(data["content"]):
-                kind = block.get("type") if isinstance(block, dict) else None
-                if kind != "text":
-                    raise ValueError(f"content[{i}]: {kind!r} blocks are not supported (only text)")
-        return data
+        return check_text_parts(data)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)

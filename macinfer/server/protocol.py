@@ -94,6 +94,19 @@ _NO_INPUT = {"image_url": "vision", "input_image": "vision", "image": "vision", 
              "audio": "audio", "file": "file", "input_file": "file"}
 
 
+def check_text_parts(data: Any) -> Any:
+    """A message dict whose content, if a list of parts, holds text parts only
+    (image, audio and file parts get a message saying the model cannot take them)."""
+    if isinstance(data, dict) and isinstance(data.get("content"), list):
+        for i, part in enumerate(data["content"]):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _NO_INPUT:
+                raise ValueError(f"content[{i}] is a {kind} part: this model has no {_NO_INPUT[kind]} input")
+            if kind != "text":
+                raise ValueError(f"content[{i}]: unsupported content part type {kind!r} (only 'text')")
+    return data
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -104,14 +117,7 @@ class ChatMessage(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _text_parts_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("content"), list):
-            for i, part in enumerate(data["content"]):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind in _NO_INPUT:
-                    raise ValueError(f"content[{i}] is a {kind} part: this model has no {_NO_INPUT[kind]} input")
-                if kind != "text":
-                    raise ValueError(f"content[{i}]: unsupported content part type {kind!r} (only 'text')")
-        return data
+        return check_text_parts(data)
 
     def text(self) -> str:
         if self.content is None:
