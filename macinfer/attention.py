@@ -44,6 +44,14 @@ class AttentionMetadata:
     decode_context_lens: mx.array | None = None  # [B] int32
     decode_max_context: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # The sliding-window layers' pool: its own slots and block tables, which start
+    # at the first block the window can reach, so lengths here count from there.
+    window_group: "AttentionMetadata | None" = None
+
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        if self.window_group is not None and layer in self.kv_cache.window_layers:
+            return self.window_group
+        return self
 
 
 def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
@@ -120,6 +128,7 @@ def attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
     """q: [T, H, d] against the paged cache (this step's K/V already written).
     `window`: a sliding-window layer's span; `sinks`: per-head attention-sink logits;
     `softcap`: attention logit soft-capping."""
+    meta = meta.for_layer(layer)
     outs = []
     if meta.num_decodes:
         outs.append(_decode_attention(q[: meta.num_decodes], meta, layer, scale, window, sinks, softcap))
@@ -139,5 +148,5 @@ def paged_attention(
     scale: float,
 ) -> mx.array:
     """q: [T, H, d]; k, v: [T, kv_heads, d] for the new tokens. Returns [T, H, d]."""
-    meta.kv_cache.write(layer, meta.slot_mapping, k, v)
+    meta.kv_cache.write(layer, meta.for_layer(layer).slot_mapping, k, v)
     return attend(q, meta, layer, scale)

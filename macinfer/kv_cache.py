@@ -44,6 +44,25 @@ def gather_blocks(pool: mx.array, block_table: mx.array, block_size: int) -> mx.
     return mx.swapaxes(g.reshape(*lead, nb * bs, kvh, x), -2, -3)
 
 
+def plan_blocks(budget_bytes: int, per_layer_block: int, num_layers: int, num_window_layers: int,
+                window_cap: int) -> tuple[int, int]:
+    """(full-attention blocks, window blocks) that fit `budget_bytes`.
+
+    Window layers never need more blocks than the full-attention layers hold, nor
+    more than `window_cap` (every running sequence's window plus a step's tokens),
+    so once the window pool reaches its cap the rest of the budget buys
+    full-attention blocks only. The window pool has one more block: the null block.
+    """
+    units = budget_bytes // per_layer_block  # layer-blocks the budget buys
+    if num_window_layers in (0, num_layers):
+        return units // num_layers, 0
+    full = (units - num_window_layers) // num_layers  # while the window pool follows the full one
+    if full > window_cap:
+        full = (units - num_window_layers * (window_cap + 1)) // (num_layers - num_window_layers)
+    full = max(full, 0)
+    return full, min(full, window_cap) + 1
+
+
 def available_memory_bytes() -> int:
     """What the machine can give the KV cache before model weights are counted.
 
@@ -66,7 +85,10 @@ def available_memory_bytes() -> int:
 class KVCache:
     """Per-layer K and V pools; with kv_cache_dtype="int8", each row is stored
     MLX-affine-quantized (8 bits, group-wise scale and bias) and dequantized on
-    read, which halves (fp16) or quarters (fp32) the KV memory."""
+    read, which halves (fp16) or quarters (fp32) the KV memory.
+
+    Sliding-window layers (`window_layers`) get pools of `num_window_blocks`
+    blocks, addressed by the window block tables (see `BlockManager`)."""
 
     def __init__(
         self,
@@ -77,6 +99,8 @@ class KVCache:
         head_dim: int,
         dtype: mx.Dtype,
         kv_cache_dtype: str = "auto",
+        window_layers: frozenset[int] = frozenset(),
+        num_window_blocks: int = 0,
     ):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
@@ -89,9 +113,10 @@ class KVCache:
         self.kv_cache_dtype = kv_cache_dtype
         self.quantized = kv_cache_dtype == "int8"
         self.group_size = kv_group_size(head_dim)
-        slots = num_blocks * block_size
+        self.window_layers = frozenset(window_layers)
+        self.num_window_blocks = num_window_blocks
 
-        def pool() -> list[mx.array]:
+        def pool(slots: int) -> list[mx.array]:
             if not self.quantized:
                 return [mx.zeros((slots, num_kv_heads, head_dim), dtype=dtype)]
             groups = head_dim // self.group_size
@@ -107,16 +132,18 @@ class KVCache:
         """Fresh zeroed pools. After a failed step the old ones cannot be trusted:
         MLX marks an array whose evaluation raised as evaluated, so a pool written
         by the failed graph reads back as whatever its buffer held."""
-        self.k = [self._pool() for _ in range(self.num_layers)]
-        self.v = [self._pool() for _ in range(self.num_layers)]
+        slots = [(self.num_window_blocks if i in self.window_layers else self.num_blocks) * self.block_size
+                 for i in range(self.num_layers)]
+        self.k = [self._pool(n) for n in slots]
+        self.v = [self._pool(n) for n in slots]
         mx.eval(self.state())
 
     @property
     def nbytes(self) -> int:
-        return bytes_per_block(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
-            self.kv_cache_dtype,
-        ) * self.num_blocks
+        per_layer_block = bytes_per_block(
+            1, self.num_kv_heads, self.head_dim, self.block_size, self.dtype, self.kv_cache_dtype)
+        n_window = len(self.window_layers)
+        return per_layer_block * ((self.num_layers - n_window) * self.num_blocks + n_window * self.num_window_blocks)
 
     def _encode(self, x: mx.array) -> list[mx.array]:
         if not self.quantized:

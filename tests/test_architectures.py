@@ -111,9 +111,7 @@ def test_prefix_cache_and_preemption_give_the_same_tokens(family):
     name, ref, path = family
     want = _reference_greedy(ref, TOKENS[0], 12)
     # 6 blocks of 16 tokens for 3 requests of 52 tokens each: they preempt each other.
-    engine = _engine(path)
-    per_block = engine.kv_cache.nbytes / engine.block_manager.num_blocks
-    tight = LLMEngine(path, EngineConfig(kv_cache_gb=6 * per_block / 2**30, model_impl="mlx-lm", max_num_seqs=3))
+    tight = LLMEngine(path, EngineConfig(num_kv_blocks=6, model_impl="mlx-lm", max_num_seqs=3))
     outs = generate(tight, [TOKENS[0]] * 3, GREEDY)
     assert all(o.token_ids == want for o in outs), name
     assert tight.scheduler.num_preemptions > 0

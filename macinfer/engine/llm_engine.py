@@ -18,7 +18,7 @@ from macinfer.engine.model_runner import ModelRunner
 from macinfer.engine.outputs import RequestOutput, _RequestState
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
-from macinfer.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block
+from macinfer.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block, plan_blocks
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer
@@ -41,6 +41,7 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_gb: float | None = None  # explicit KV budget in GiB
     kv_cache_fraction: float = 0.3  # else: this share of free memory after weights
+    num_kv_blocks: int | None = None  # else: exactly this many full-attention blocks (tests, tuning)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": 8-bit affine
     model_impl: str = "auto"  # "mlx-lm": run even the Llama family through mlx-lm's classes
@@ -62,10 +63,23 @@ class LLMEngine:
 
         kernels.configure(self_check(kernels.requested_mode()))
         kv_dtype = self._kv_dtype()
-        per_block = bytes_per_block(
-            args.num_hidden_layers, args.num_key_value_heads, args.head_dim, cfg.block_size, kv_dtype,
-            cfg.kv_cache_dtype,
-        )
+        layers = args.num_hidden_layers
+        windows = list(getattr(self.model, "windows", None) or [None] * layers)
+        window_layers = frozenset(i for i, w in enumerate(windows) if w is not None)
+        if len(window_layers) == layers:  # no full-attention layer to anchor the tables: one pool
+            window_layers = frozenset()
+        window = max((windows[i] for i in window_layers), default=None)
+        bs = cfg.block_size
+        # Window blocks every running sequence can hold at once, plus one step's tokens.
+        window_cap = cfg.max_num_seqs * (-(-(window - 1) // bs) + 2) + -(-cfg.max_num_batched_tokens // bs) \
+            if window else 0
+        per_layer_block = bytes_per_block(1, args.num_key_value_heads, args.head_dim, bs, kv_dtype,
+                                          cfg.kv_cache_dtype)
+
+        def pool_bytes(full: int) -> int:
+            n_win = len(window_layers)
+            return per_layer_block * ((layers - n_win) * full + (n_win * (min(full, window_cap) + 1) if n_win else 0))
+
         available = available_memory_bytes()
         if cfg.kv_cache_gb is not None:
             budget = int(cfg.kv_cache_gb * 2**30)
@@ -79,19 +93,21 @@ class LLMEngine:
             # conversations), but never more than a share of the free memory.
             weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
             wanted = max(self.max_model_len, cfg.max_num_seqs * DEFAULT_TOKENS_PER_SEQ)
-            budget = min(int(cfg.kv_cache_fraction * max(available - weights, 0)),
-                         -(-wanted // cfg.block_size) * per_block)
+            budget = min(int(cfg.kv_cache_fraction * max(available - weights, 0)), pool_bytes(-(-wanted // bs)))
+        num_blocks, _ = plan_blocks(budget, per_layer_block, layers, len(window_layers), window_cap)
         # More blocks than every sequence at full length could use is waste.
-        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        num_blocks = min(budget // per_block, useful)
+        num_blocks = min(num_blocks, cfg.max_num_seqs * -(-self.max_model_len // bs))
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget {budget / 2**30:.3f} GiB is below one block "
-                f"({per_block / 2**20:.2f} MiB); raise --kv-cache-gb"
+                f"({pool_bytes(1) / 2**20:.2f} MiB); raise --kv-cache-gb"
             )
+        num_window_blocks = min(num_blocks, window_cap) + 1 if window_layers else 0
         self.kv_cache = KVCache(
-            args.num_hidden_layers, num_blocks, cfg.block_size,
-            args.num_key_value_heads, args.head_dim, kv_dtype, cfg.kv_cache_dtype,
+            layers, num_blocks, bs, args.num_key_value_heads, args.head_dim, kv_dtype, cfg.kv_cache_dtype,
+            window_layers, num_window_blocks,
         )
         if mx.default_device() == mx.cpu:
             # MLX's CPU buffer cache defaults to 32 MiB: a step's attention temporaries
@@ -105,17 +121,20 @@ class LLMEngine:
             mx.set_wired_limit(min(weights + self.kv_cache.nbytes, available_memory_bytes()))
         # A sequence must always fit the pool alone, so preemption can always make room.
         self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                          cache_key=self.loaded.source)
+        self.block_manager = BlockManager(num_blocks, bs, cfg.enable_prefix_caching, cache_key=self.loaded.source,
+                                          window=window if window_layers else None,
+                                          num_window_blocks=num_window_blocks)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager)
         self.requests: dict[str, _RequestState] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         log.info(
-            "KV cache: %d blocks x %d tokens (%.2f GiB, %s%s); max_model_len %d; decode attention: %s",
-            num_blocks, cfg.block_size, self.kv_cache.nbytes / 2**30, kv_dtype,
-            " as int8" if self.kv_cache.quantized else "", self.max_model_len,
-            "reference (int8 KV)" if self.kv_cache.quantized else kernels.mode(),
+            "KV cache: %d blocks x %d tokens (%.2f GiB, %s%s)%s; max_model_len %d; decode attention: %s",
+            num_blocks, bs, self.kv_cache.nbytes / 2**30, kv_dtype,
+            " as int8" if self.kv_cache.quantized else "",
+            f"; {len(window_layers)} sliding-window layers (window {window}) in {num_window_blocks} blocks"
+            if window_layers else "",
+            self.max_model_len, "reference (int8 KV)" if self.kv_cache.quantized else kernels.mode(),
         )
 
     def _kv_dtype(self) -> mx.Dtype:

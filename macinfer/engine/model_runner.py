@@ -7,32 +7,75 @@ import mlx.nn as nn
 import numpy as np
 
 from macinfer.attention import AttentionMetadata, PrefillSpan
-from macinfer.engine.block_manager import cdiv
+from macinfer.engine.block_manager import BlockManager, cdiv
 from macinfer.engine.sampler import SamplerOutput, sample
 from macinfer.engine.sequence import Sequence
 from macinfer.kv_cache import KVCache
 
 
+class _GroupTables:
+    """Slots and block tables of one KV pool for a step, as they are gathered."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.slots: list[int] = []
+        self.decode_tables: list[list[int]] = []
+        self.decode_lens: list[int] = []
+        self.prefills: list[PrefillSpan] = []
+
+    def add(self, table: list[int], pos: np.ndarray, row: int, first_block: int = 0) -> None:
+        """One scheduled sequence: new tokens at `pos`, rows from `row`. Its tables
+        start at `first_block` (a window layer reads nothing before it)."""
+        bs = self.bs
+        t = np.asarray(table, dtype=np.int64)
+        self.slots.extend((t[pos // bs] * bs + pos % bs).tolist())
+        context = int(pos[-1]) + 1
+        blocks = table[first_block : cdiv(context, bs)]
+        length = context - first_block * bs  # context counted from the table's first block
+        if len(pos) == 1:
+            self.decode_tables.append(blocks)
+            self.decode_lens.append(length)
+        else:
+            self.prefills.append(PrefillSpan(row, len(pos), length, mx.array(blocks, dtype=mx.int32)))
+
+    def metadata(self, kv_cache: KVCache, positions: mx.array) -> AttentionMetadata:
+        meta = AttentionMetadata(
+            kv_cache=kv_cache,
+            positions=positions,
+            slot_mapping=mx.array(self.slots, dtype=mx.int32),
+            num_decodes=len(self.decode_tables),
+            prefills=self.prefills,
+        )
+        if self.decode_tables:
+            width = max(len(t) for t in self.decode_tables)
+            padded = np.zeros((len(self.decode_tables), width), dtype=np.int32)
+            for i, t in enumerate(self.decode_tables):
+                padded[i, : len(t)] = t
+            meta.decode_block_tables = mx.array(padded)
+            meta.decode_context_lens = mx.array(self.decode_lens, dtype=mx.int32)
+            meta.decode_max_context = max(self.decode_lens)
+        return meta
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: KVCache):
+    def __init__(self, model: nn.Module, kv_cache: KVCache, block_manager: BlockManager | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        # The window group's tables (models with sliding-window layers only).
+        self.block_manager = block_manager if block_manager is not None and block_manager.window else None
 
     def prepare(
         self, scheduled: list[tuple[Sequence, int]]
     ) -> tuple[mx.array, AttentionMetadata, list[int], list[Sequence]]:
         """Flat inputs for `scheduled` (decodes first). Returns
         (input_ids, metadata, rows to sample, sequences those rows belong to)."""
-        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
+        full = _GroupTables(self.block_size)
+        window = _GroupTables(self.block_size) if self.block_manager is not None else None
 
         for seq, n in scheduled:
             start = seq.num_computed_tokens
@@ -40,34 +83,17 @@ class ModelRunner:
             ids.extend(seq.token_slice(start, start + n))
             pos = np.arange(start, start + n)
             positions.extend(pos.tolist())
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            slots.extend((table[pos // bs] * bs + pos % bs).tolist())
-            context = start + n
-            blocks = seq.block_table[: cdiv(context, bs)]
-            if n == 1:
-                decode_tables.append(blocks)
-                decode_lens.append(context)
-            else:
-                prefills.append(PrefillSpan(row, n, context, mx.array(blocks, dtype=mx.int32)))
-            if context == seq.num_tokens:
+            full.add(seq.block_table, pos, row)
+            if window is not None:
+                window.add(seq.window_block_table, pos, row, self.block_manager.first_window_block(start))
+            if start + n == seq.num_tokens:
                 sample_rows.append(row + n - 1)
                 sample_seqs.append(seq)
 
-        meta = AttentionMetadata(
-            kv_cache=self.kv_cache,
-            positions=mx.array(positions, dtype=mx.int32),
-            slot_mapping=mx.array(slots, dtype=mx.int32),
-            num_decodes=len(decode_tables),
-            prefills=prefills,
-        )
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = np.zeros((len(decode_tables), width), dtype=np.int32)
-            for i, t in enumerate(decode_tables):
-                padded[i, : len(t)] = t
-            meta.decode_block_tables = mx.array(padded)
-            meta.decode_context_lens = mx.array(decode_lens, dtype=mx.int32)
-            meta.decode_max_context = max(decode_lens)
+        pos_arr = mx.array(positions, dtype=mx.int32)
+        meta = full.metadata(self.kv_cache, pos_arr)
+        if window is not None:
+            meta.window_group = window.metadata(self.kv_cache, pos_arr)
         return mx.array(ids, dtype=mx.int32), meta, sample_rows, sample_seqs
 
     def forward_logits(self, scheduled: list[tuple[Sequence, int]]) -> tuple[mx.array | None, list[Sequence]]:

@@ -43,6 +43,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_committed_blocks: int = 0  # leading blocks of block_table already published to the prefix cache
+    window_block_table: list[int] = field(default_factory=list)  # sliding-window layers' pool (NULL_BLOCK: released)
+    num_released_window_blocks: int = 0  # leading window-table entries already given back
     # timing (time.perf_counter seconds)
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -1,0 +1,165 @@
+"""Sliding-window layers keep only their window in the KV cache.
+
+Their blocks live in a second pool; blocks that end before the window of the
+next query are given back while the sequence runs, prefix hits need the
+window's tail, and the memory budget buys more full-attention blocks."""
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import make_prompt_cache
+
+from macinfer.engine.block_manager import NULL_BLOCK, BlockManager, cdiv
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.engine.sequence import Sequence
+from macinfer.kv_cache import bytes_per_block, plan_blocks
+from macinfer.sampling_params import SamplingParams
+from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+
+W, BS = 8, 4
+
+
+def _seq(tokens, name="s") -> Sequence:
+    return Sequence(name, list(tokens), SamplingParams(), 0)
+
+
+def _check(bm: BlockManager, live: list[Sequence], step_tokens: dict) -> None:
+    """Reference counts equal owners in both pools; the null block is never owned or free;
+    nothing a query can still read was released."""
+    for pool, tables in ((bm.pool, [s.block_table for s in live]),
+                         (bm.window_pool, [s.window_block_table for s in live])):
+        owners: dict[int, int] = {}
+        for t in tables:
+            for b in t:
+                if pool is bm.window_pool and b == NULL_BLOCK:
+                    continue
+                owners[b] = owners.get(b, 0) + 1
+        for block in pool.blocks:
+            assert block.ref_count == owners.get(block.block_id, 0)
+        assert set(pool.free_blocks).isdisjoint(owners)
+        assert len(pool.free_blocks) + len(owners) == pool.num_usable
+    assert NULL_BLOCK not in bm.window_pool.free_blocks
+    for s in live:
+        first = bm.first_window_block(s.num_computed_tokens)
+        live_entries = s.window_block_table[first:]
+        assert NULL_BLOCK not in live_entries, "a block the window still reads was released"
+        held = sum(b != NULL_BLOCK for b in s.window_block_table)
+        # Released at schedule time: a window plus the last step's tokens stay.
+        assert held <= cdiv(W - 1 + step_tokens[s.request_id], BS) + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(0, 2)), min_size=1, max_size=40))
+def test_window_pool_invariants_under_random_schedules(ops):
+    bm = BlockManager(64, BS, window=W, num_window_blocks=40)
+    live: list[Sequence] = []
+    step_tokens: dict[str, int] = {}
+    for n, (op, length, prefix) in enumerate(ops):
+        if op == 0 or not live:  # admit: a prompt sharing one of three prefixes
+            seq = _seq([prefix] * 12 + list(range(100 + n, 100 + n + length)), f"s{n}")
+            seq.num_computed_tokens = bm.match_prefix(seq)
+            if not bm.can_allocate(seq, seq.num_tokens):
+                bm.free(seq)
+                continue
+            bm.allocate(seq, seq.num_tokens)
+            bm.commit(seq, seq.num_tokens)
+            step_tokens[seq.request_id] = seq.num_tokens - seq.num_computed_tokens
+            seq.num_computed_tokens = seq.num_tokens
+            live.append(seq)
+        elif op in (1, 2):  # decode a few tokens
+            seq = live[length % len(live)]
+            for _ in range(op * 3):
+                seq.output_token_ids.append(7)
+                if not bm.can_allocate(seq, seq.num_tokens):
+                    break
+                bm.allocate(seq, seq.num_tokens)
+                bm.commit(seq, seq.num_tokens)
+                step_tokens[seq.request_id] = 1
+                seq.num_computed_tokens = seq.num_tokens
+        else:
+            bm.free(live.pop(length % len(live)))
+        _check(bm, live, step_tokens)
+    for s in live:
+        bm.free(s)
+    assert bm.num_used_blocks == 0 and bm.num_used_window_blocks == 0
+
+
+def test_prefix_hit_needs_the_window_tail():
+    bm = BlockManager(32, BS, window=W, num_window_blocks=32)
+    a = _seq(range(30), "a")
+    bm.allocate(a, 30)
+    bm.commit(a, 30)
+    a.num_computed_tokens = 30
+    bm.free(a)
+    b = _seq(range(30), "b")
+    assert bm.match_prefix(b) == 28  # 7 full blocks; the last W tokens' blocks are cached
+    assert b.window_block_table[:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in b.window_block_table[5:]
+    bm.free(b)
+    # Evict the window block holding tokens 24..27: the hit falls back to where a tail is cached.
+    victim = bm.window_pool.cached[b.block_hashes[6]]
+    bm.window_pool.free_blocks.move_to_end(victim, last=False)  # next in LRU order
+    assert bm.window_pool.take() == victim
+    c = _seq(range(30), "c")
+    assert bm.match_prefix(c) == 24
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    config = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5, vocab_size=300,
+                  max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=2,
+                  query_pre_attn_scalar=32.0, sliding_window=W, sliding_window_pattern=4,
+                  rope_local_base_freq=10000.0)
+    ref = make_mlx_lm_model(config, seed=3)
+    return config, ref, save_model_dir(str(tmp_path_factory.mktemp("gemma3")), config, ref)
+
+
+def _reference_greedy(model, prompt, n):
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache)[0, -1]
+    return out
+
+
+@pytest.mark.parametrize("kernels", ["reference", "emulate"])
+def test_window_blocks_are_released_and_tokens_match_mlx_lm(gemma3, kernels, monkeypatch):
+    monkeypatch.setenv("MACINFER_KERNELS", kernels)
+    _, ref, path = gemma3
+    prompts = [list(range(3, 53)), list(range(60, 90))]
+    want = [_reference_greedy(ref, p, 30) for p in prompts]
+    engine = LLMEngine(path, EngineConfig(block_size=BS, kv_cache_gb=0.01, max_num_batched_tokens=16))
+    bm = engine.block_manager
+    assert engine.kv_cache.window_layers == {0, 1, 2} and bm.window == W
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done, peak_window = {}, 0
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        peak_window = max(peak_window, bm.num_used_window_blocks)
+        if engine.num_running == 2 and not engine.num_waiting:
+            # Two sequences of up to 80 tokens hold ~40 full-attention blocks but
+            # only their windows (plus a step's tokens) in the window pool.
+            assert bm.num_used_window_blocks <= 2 * (cdiv(W - 1, BS) + 2) + cdiv(16, BS)
+    assert [done[i].token_ids for i in ids] == want
+    assert peak_window < cdiv(80 + 60, BS) / 2
+    assert bm.num_used_blocks == 0 and bm.num_used_window_blocks == 0
+    again = generate(engine, [prompts[0]], params)[0]
+    assert again.token_ids == want[0] and again.num_cached_tokens == 48
+
+
+def test_budget_buys_full_attention_blocks(gemma3):
+    _, _, path = gemma3
+    budget = 0.004
+    engine = LLMEngine(path, EngineConfig(block_size=BS, kv_cache_gb=budget, max_num_seqs=4))
+    kv = engine.kv_cache
+    per_layer_block = bytes_per_block(1, 2, 32, BS, kv.dtype)
+    without_windows, _ = plan_blocks(int(budget * 2**30), per_layer_block, 4, 0, 0)
+    assert kv.nbytes <= budget * 2**30
+    assert kv.num_window_blocks == 4 * (cdiv(W - 1, BS) + 2) + cdiv(512, BS) + 1
+    # One full-attention layer of four: once the window pool is paid for, the
+    # same bytes hold about 4x the tokens.
+    assert engine.block_manager.num_blocks > 3 * without_windows
