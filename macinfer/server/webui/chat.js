@@ -1,0 +1,256 @@
+// The chat page: conversations kept in this browser (localStorage), replies
+// streamed from /v1/chat/completions, the server's model and KV usage from /status.
+(function () {
+  "use strict";
+  const $ = (id) => document.getElementById(id);
+  const store = {
+    get: (k, d) => { try { return JSON.parse(localStorage.getItem("macinfer." + k)) ?? d; } catch { return d; } },
+    set: (k, v) => localStorage.setItem("macinfer." + k, JSON.stringify(v)),
+    del: (k) => localStorage.removeItem("macinfer." + k),
+  };
+  let conversations = store.get("conversations", []);
+  let current = store.get("current", null);
+  let model = null;
+  let controller = null; // the AbortController of the reply in flight
+
+  // -- the API -------------------------------------------------------------
+  function headers() {
+    const h = { "Content-Type": "application/json" };
+    const key = store.get("apiKey", "");
+    if (key) h["Authorization"] = "Bearer " + key;
+    return h;
+  }
+
+  function askForKey() {
+    const dialog = $("key-dialog");
+    if (!dialog.open) dialog.showModal();
+  }
+
+  async function api(path, init) {
+    const r = await fetch(path, { ...init, headers: headers() });
+    if (r.status === 401) { askForKey(); throw new Error("this server needs an API key"); }
+    if (!r.ok) {
+      let message = r.status + " " + r.statusText;
+      try { message = (await r.json()).error.message || message; } catch { /* not JSON */ }
+      throw new Error(message);
+    }
+    return r;
+  }
+
+  async function loadModel() {
+    const data = await (await api("/v1/models")).json();
+    model = data.data[0].id;
+    $("model-name").textContent = model + " · context " + data.data[0].max_model_len;
+  }
+
+  async function pollStatus() {
+    try {
+      const s = await (await api("/status")).json();
+      $("kv-usage").textContent = `KV ${Math.round(100 * s.kv.usage)}% (${s.kv.blocks_used}/${s.kv.blocks_total} blocks)` +
+        ` · ${s.requests.running} running, ${s.requests.waiting} waiting`;
+    } catch { /* shown on the next send */ }
+  }
+
+  // -- conversations ---------------------------------------------------------
+  const conversation = () => conversations.find((c) => c.id === current);
+
+  function save() { store.set("conversations", conversations); store.set("current", current); }
+
+  function newConversation() {
+    const c = { id: Date.now().toString(36) + Math.random().toString(36).slice(2, 6), title: "New chat", messages: [] };
+    conversations.unshift(c);
+    current = c.id;
+    save(); renderAll();
+  }
+
+  function renderList() {
+    const ul = $("conversations");
+    ul.replaceChildren();
+    for (const c of conversations) {
+      const li = document.createElement("li");
+      li.className = c.id === current ? "active" : "";
+      const open = document.createElement("button");
+      open.className = "open"; open.type = "button"; open.textContent = c.title;
+      open.onclick = () => { if (!controller) { current = c.id; save(); renderAll(); } };
+      const del = document.createElement("button");
+      del.className = "delete"; del.type = "button"; del.textContent = "×"; del.title = "Delete";
+      del.onclick = () => {
+        if (controller) return;
+        conversations = conversations.filter((x) => x.id !== c.id);
+        if (current === c.id) current = conversations[0]?.id ?? null;
+        if (!current) newConversation(); else { save(); renderAll(); }
+      };
+      li.append(open, del);
+      ul.append(li);
+    }
+  }
+
+  // Reasoning arrives as `reasoning_content` deltas, or inline as <think>...</think>.
+  function splitThink(text) {
+    const m = text.match(/^\s*<think>([\s\S]*?)(<\/think>|$)([\s\S]*)$/);
+    return m ? { reasoning: m[1], content: m[3] } : { reasoning: "", content: text };
+  }
+
+  function messageNode(msg) {
+    const div = document.createElement("div");
+    div.className = "msg " + msg.role;
+    if (msg.role === "user") { div.textContent = msg.content; return div; }
+    const { reasoning, content } = splitThink(msg.content || "");
+    const thoughts = (msg.reasoning || "") + reasoning;
+    if (thoughts) {
+      const d = document.createElement("details");
+      d.className = "reasoning";
+      const s = document.createElement("summary");
+      s.textContent = "Reasoning";
+      d.append(s, document.createTextNode(thoughts));
+      div.append(d);
+    }
+    const body = document.createElement("div");
+    body.className = "content";
+    body.innerHTML = window.renderMarkdown(content); // renderMarkdown escapes all text
+    div.append(body);
+    if (msg.meta) {
+      const meta = document.createElement("div");
+      meta.className = "meta"; meta.textContent = msg.meta;
+      div.append(meta);
+    }
+    return div;
+  }
+
+  function renderMessages() {
+    const box = $("messages");
+    box.replaceChildren(...(conversation()?.messages ?? []).map(messageNode));
+    box.scrollTop = box.scrollHeight;
+  }
+
+  function renderAll() { renderList(); renderMessages(); }
+
+  function showError(text) {
+    const e = $("error");
+    e.textContent = text; e.hidden = !text;
+  }
+
+  // -- sending -----------------------------------------------------------------
+  function requestBody(c) {
+    const system = $("system-prompt").value.trim();
+    const messages = c.messages.filter((m) => !m.error).map((m) => ({ role: m.role, content: splitThink(m.content).content }));
+    if (system) messages.unshift({ role: "system", content: system });
+    return {
+      model, messages, stream: true, stream_options: { include_usage: true },
+      temperature: Number($("temperature").value), top_p: Number($("top-p").value),
+      max_tokens: Number($("max-tokens").value),
+    };
+  }
+
+  async function send(text) {
+    const c = conversation();
+    c.messages.push({ role: "user", content: text });
+    if (c.title === "New chat") c.title = text.slice(0, 40);
+    const reply = { role: "assistant", content: "", reasoning: "" };
+    const body = requestBody(c);
+    c.messages.push(reply);
+    save(); renderAll();
+    let node = $("messages").lastElementChild;
+    setBusy(true); showError("");
+    const start = performance.now();
+    let first = null, chunks = 0, usage = null, finish = null;
+    controller = new AbortController();
+    try {
+      const r = await api("/v1/chat/completions", { method: "POST", body: JSON.stringify(body), signal: controller.signal });
+      const reader = r.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += decoder.decode(value, { stream: true });
+        const events = buffer.split("\n\n");
+        buffer = events.pop();
+        for (const event of events) {
+          const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
+          if (!data || data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.error) throw new Error(chunk.error.message);
+          if (chunk.usage) usage = chunk.usage;
+          const choice = chunk.choices?.[0];
+          if (!choice) continue;
+          const delta = choice.delta || {};
+          if (delta.content || delta.reasoning_content) {
+            first ??= performance.now();
+            chunks++;
+            reply.content += delta.content || "";
+            reply.reasoning += delta.reasoning_content || "";
+          }
+          if (choice.finish_reason) finish = choice.finish_reason;
+        }
+        const fresh = messageNode(reply);
+        node.replaceWith(fresh);
+        node = fresh;
+        $("messages").scrollTop = $("messages").scrollHeight;
+        updateSpeed(start, first, usage ? usage.completion_tokens : chunks);
+      }
+      reply.meta = stats(start, first, usage ? usage.completion_tokens : chunks) + (finish === "length" ? " · cut at max tokens" : "");
+    } catch (e) {
+      if (e.name === "AbortError") reply.meta = stats(start, first, chunks) + " · stopped";
+      else { reply.error = true; reply.meta = "error: " + e.message; showError(e.message); }
+    } finally {
+      controller = null;
+      setBusy(false);
+      save(); renderAll(); pollStatus();
+    }
+  }
+
+  function stats(start, first, tokens) {
+    if (first === null) return "no tokens";
+    const ttft = (first - start) / 1000;
+    const secs = (performance.now() - first) / 1000;
+    const rate = tokens > 1 && secs > 0 ? ((tokens - 1) / secs).toFixed(1) : "–";
+    return `${tokens} tokens · TTFT ${ttft.toFixed(2)} s · ${rate} tok/s`;
+  }
+
+  function updateSpeed(start, first, tokens) { $("speed").textContent = stats(start, first, tokens); }
+
+  function setBusy(busy) {
+    $("send").hidden = busy; $("stop").hidden = !busy;
+    $("prompt").disabled = busy;
+  }
+
+  // -- wiring --------------------------------------------------------------------
+  function bindSetting(id, key) {
+    const el = $(id);
+    const saved = store.get("settings", {})[key];
+    if (saved !== undefined) el.value = saved;
+    el.addEventListener("change", () => { store.set("settings", { ...store.get("settings", {}), [key]: el.value }); });
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    bindSetting("system-prompt", "system"); bindSetting("temperature", "temperature");
+    bindSetting("top-p", "top_p"); bindSetting("max-tokens", "max_tokens");
+    $("new-chat").onclick = () => { if (!controller) newConversation(); };
+    $("stop").onclick = () => controller?.abort();
+    $("forget-key").onclick = () => { store.del("apiKey"); askForKey(); };
+    $("composer").addEventListener("submit", (e) => {
+      e.preventDefault();
+      const text = $("prompt").value.trim();
+      if (!text || controller) return;
+      if (!model) { init(); showError("not connected to the server yet"); return; }
+      $("prompt").value = "";
+      send(text);
+    });
+    $("prompt").addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
+    });
+    $("key-form").addEventListener("submit", () => {
+      store.set("apiKey", $("api-key").value.trim());
+      $("api-key").value = "";
+      init();
+    });
+    if (!conversation()) newConversation(); else renderAll();
+    init();
+    setInterval(pollStatus, 3000);
+  });
+
+  async function init() {
+    try { await loadModel(); showError(""); pollStatus(); } catch (e) { showError(e.message); }
+  }
+})();
