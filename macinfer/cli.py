@@ -217,6 +217,15 @@ def serve(model, host, port, served_model_name, api_keys, cache_isolation, allow
     sys.exit(code)
 
 
+def _add_bench() -> None:
+    from macinfer.bench.cli import bench
+
+    main.add_command(bench)
+
+
+_add_bench()
+
+
 @main.group()
 def models():
     """Models in the Hugging Face cache: list, info, pull, rm."""

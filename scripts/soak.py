@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
 import statistics
 import sys
@@ -26,9 +25,8 @@ import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_engine import hardware, save_results  # noqa: E402
-from bench_serve import Server, free_port, peak_rss_gb  # noqa: E402
+from macinfer.bench.common import hardware, save_json
+from macinfer.bench.targets import start
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence. " * 4
 QUESTIONS = ["What is the capital of France?", "Name a color.", "What is 2+2?", "Say hello.", "Name a planet."]
@@ -108,10 +106,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results/soak.json")
     args = ap.parse_args()
 
-    port = free_port()
-    server = Server("macinfer", [sys.executable, "-m", "macinfer.cli", "serve", args.model, "--port", str(port),
-                                 "--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", "16",
-                                 "--max-model-len", "2048"], port)
+    server = start("macinfer", args.model, None, ["--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", "16",
+                                                  "--max-model-len", "2048"])
     stats: collections.Counter = collections.Counter()
     latencies: list[float] = []
     start = time.time()
@@ -136,13 +132,13 @@ def main() -> None:
             "health_after": httpx.get(f"{server.url}/health").status_code,
             "latency_p50_s": statistics.median(latencies) if latencies else None,
             "latency_p95_s": statistics.quantiles(latencies, n=20)[-1] if len(latencies) > 20 else None,
-            "server_peak_rss_gb": peak_rss_gb(server.proc.pid),
+            "server_peak_rss_gb": server.memory.peak_gb,
             "wall_s": time.time() - start,
         }
     finally:
         server.stop()
     print(json.dumps(result, indent=2))
-    save_results(result, args.out)
+    save_json(result, args.out)
     ok = result["server_errors_5xx"] == 0 and not result["running_after"] and not result["kv_blocks_used_after"] \
         and result["health_after"] == 200
     sys.exit(0 if ok else 1)

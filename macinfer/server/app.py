@@ -117,7 +117,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         bm = engine.block_manager
         kv = {"blocks_total": bm.num_blocks, "blocks_used": bm.num_used_blocks, "block_size": bm.block_size,
               "usage": bm.num_used_blocks / bm.num_blocks, "bytes": engine.kv_cache.nbytes,
-              "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0}
+              "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+              "prefix_queried_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits}
         return {"model": model_name, "max_model_len": engine.max_model_len, "kv": kv,
                 "requests": {"running": engine.num_running, "waiting": engine.num_waiting},
                 "tokens": dict(engine.stats)}

@@ -1,0 +1,189 @@
+"""`macinfer bench engine|serve|prefix`: run a benchmark, print a table, write JSON and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import click
+
+VS_HELP = ("Compare with: 'mlx-lm' (given the same weights macinfer runs), "
+           "'macinfer-nocache' (prefix caching off), or the URL of any OpenAI-compatible server "
+           "(llama-server, mlx_lm.server, vLLM...). Repeatable.")
+
+
+def _finish(results: dict, out_dir: str, plots: bool, table: str) -> None:
+    from macinfer.bench.common import save_json
+
+    os.makedirs(out_dir, exist_ok=True)
+    click.echo("\n" + table)
+    ctx = results["context"]
+    hw = ctx["hardware"]
+    click.echo(f"macinfer {ctx['macinfer']}, mlx {ctx['mlx']}, mlx-lm {ctx['mlx_lm']}; {hw['chip']} x{hw['cores']}, "
+               f"{hw.get('memory_gb')} GB, device {hw['mlx_device']}; energy: {ctx['energy']['why']}")
+    path = save_json(results, os.path.join(out_dir, f"bench_{results['mode']}.json"))
+    click.echo(f"wrote {path}")
+    if plots:
+        try:
+            from macinfer.bench.plots import write
+        except ImportError:
+            raise click.ClickException("plots need matplotlib: pip install 'macinfer[bench]' (or pass --no-plots)")
+        for p in write(results, out_dir):
+            click.echo(f"wrote {p}")
+
+
+def _progress(total: int, desc: str, unit: str = "req"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
+
+
+def _check_plots(plots: bool) -> None:
+    if plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.ClickException("plots need matplotlib: pip install 'macinfer[bench]' (or pass --no-plots)")
+
+
+def _targets(vs: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
+    for v in vs:
+        if not v.startswith(("http://", "https://")) and v not in allowed:
+            raise click.BadParameter(f"{v!r}: expected {', '.join(allowed)} or an http(s) URL", param_hint="--vs")
+    return list(vs)
+
+
+_common = [
+    click.argument("model", default="smollm2"),
+    click.option("--vs", "vs", multiple=True, help=VS_HELP),
+    click.option("--out", "out_dir", default="bench_results", show_default=True, help="Directory for JSON and plots."),
+    click.option("--no-plots", is_flag=True, help="JSON and table only."),
+]
+
+
+def common(f):
+    for opt in reversed(_common):
+        f = opt(f)
+    return f
+
+
+@click.group(help="Benchmarks with the full context (model, quantization, versions, flags, hardware, workload), "
+                  "written as JSON plus PNG plots. MODEL defaults to the bundled SmolLM2.")
+def bench():
+    pass
+
+
+@bench.command(help="Offline engine: single-stream decode, prefill, throughput by concurrency.")
+@common
+@click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--gen-len", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--prefill-len", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--concurrency", "-c", type=click.IntRange(min=1), multiple=True, default=(1, 8, 32), show_default=True)
+@click.option("--batch-gen-len", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+def engine(model, vs, out_dir, no_plots, prompt_len, gen_len, prefill_len, concurrency, batch_gen_len, repeats):
+    from macinfer.bench import engine as mod
+
+    _check_plots(not no_plots)
+    vs = _targets(vs, ("mlx-lm",))
+    if any(v.startswith("http") for v in vs):
+        raise click.BadParameter("engine mode compares in-process engines (mlx-lm); use `bench serve` for a URL",
+                                 param_hint="--vs")
+    steps = (1 + len(vs)) * (2 + len(concurrency))
+    with _progress(steps, "engine", "measurement") as bar:
+        results = mod.run(model, vs, prompt_len, gen_len, prefill_len, tuple(sorted(concurrency)), batch_gen_len,
+                          repeats, tick=lambda label: (bar.set_postfix_str(label), bar.update()))
+    _finish(results, out_dir, not no_plots, mod.table(results))
+
+
+def _start_targets(model: str, vs: list[str], first: str, macinfer_args: list[str]):
+    from macinfer.bench import targets
+    from macinfer.bench.common import same_weights_dir
+
+    mlx_dir = weights = None
+    if "mlx-lm" in vs:
+        mlx_dir, weights = same_weights_dir(model)
+    started = []
+    try:
+        for spec in [first, *vs]:
+            click.echo(f"starting {spec}...", err=True)
+            started.append(targets.start(spec, model, mlx_dir, macinfer_args))
+    except Exception:
+        for t in started:
+            t.stop()
+        raise
+    if weights:
+        next(t for t in started if t.name == "mlx-lm").info["weights"] = weights
+    return started
+
+
+@bench.command(help="Online serving: streaming requests at fixed concurrency and with Poisson arrivals; "
+                    "TTFT, TPOT, inter-token latency, end-to-end (p50/p95/p99), tok/s, req/s, memory, KV hit rate.")
+@common
+@click.option("--concurrency", "-c", type=click.IntRange(min=1), multiple=True, default=(1, 4, 16), show_default=True)
+@click.option("--requests", type=click.IntRange(min=1), default=None, help="Per level (default: 2 x concurrency, at least 4).")
+@click.option("--rate", type=click.FloatRange(min=0), default=2.0, show_default=True, help="Poisson arrivals per second (0: skip).")
+@click.option("--input-len", type=click.IntRange(min=8), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--kv-cache-gb", type=float, default=1.0, show_default=True, help="For the macinfer server started here.")
+def serve(model, vs, out_dir, no_plots, concurrency, requests, rate, input_len, output_len, kv_cache_gb):
+    from macinfer.bench import serve as mod
+
+    _check_plots(not no_plots)
+    vs = _targets(vs, ("mlx-lm", "macinfer-nocache"))
+    tokenizer = _tokenizer(model)
+    conc = tuple(sorted(concurrency))
+    args = ["--kv-cache-gb", str(kv_cache_gb), "--max-num-seqs", str(max(32, max(conc))), "--max-queue", "1024"]
+    started = _start_targets(model, vs, "macinfer", args)
+    try:
+        per_target = sum(requests or max(4, 2 * c) for c in conc) + ((requests or 16) if rate else 0)
+        with _progress(per_target * len(started), "serve") as bar:
+            results = mod.run(started, tokenizer, input_len, output_len, conc, requests, rate or None, bar.update)
+    finally:
+        for t in started:
+            t.stop()
+    for t in started:  # samples end with the server
+        if t.memory is not None:
+            results["servers"][t.name]["memory_gb_over_time"] = list(t.memory.samples)
+            results["servers"][t.name]["peak_rss_gb"] = t.memory.peak_gb
+    results["context"]["model"] = model
+    results["context"]["macinfer_flags"] = args
+    _finish(results, out_dir, not no_plots, mod.table(results))
+
+
+@bench.command(help="Prefix caching: multi-turn TTFT per turn, and many clients sharing a system prompt.")
+@common
+@click.option("--turns", type=click.IntRange(min=2), default=5, show_default=True)
+@click.option("--clients", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+def prefix(model, vs, out_dir, no_plots, turns, clients, max_tokens):
+    from macinfer.bench import prefix as mod
+
+    _check_plots(not no_plots)
+    vs = _targets(vs, ("mlx-lm", "macinfer-nocache"))
+    args = ["--kv-cache-gb", "0.5", "--max-num-seqs", str(max(32, clients))]
+    started = _start_targets(model, vs, "macinfer", args)
+    try:
+        with _progress((turns + clients) * len(started), "prefix") as bar:
+            results = mod.run(started, turns, clients, max_tokens, bar.update)
+    finally:
+        for t in started:
+            t.stop()
+    results["context"]["model"] = model
+    results["context"]["macinfer_flags"] = args
+    _finish(results, out_dir, not no_plots, mod.table(results))
+
+
+def _tokenizer(model: str):
+    """The model's tokenizer alone (no weights), to size prompts in tokens."""
+    from macinfer.loader import resolve
+    from macinfer.tokenizer import TokenizerWrapper
+
+    path = resolve(model)
+    if path.endswith(".gguf"):
+        from macinfer.gguf_file import GGUFFile
+
+        return TokenizerWrapper.from_gguf_metadata(GGUFFile(path).metadata)
+    with open(os.path.join(path, "config.json")) as f:
+        return TokenizerWrapper.from_dir(path, json.load(f))
+

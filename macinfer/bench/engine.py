@@ -1,0 +1,146 @@
+"""Offline engine benchmark: macinfer's engine against mlx-lm's own generation on
+the same weights, in one process, one run. Random-token prompts (fixed seed),
+greedy, EOS ignored, so both do exactly the same work. Medians over repeats."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from macinfer.bench.common import energy, hardware, same_weights_dir, versions
+
+
+def _peak_rss_gb() -> float:
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if platform.system() == "Linux" else rss / 2**30
+
+
+class MacinferRunner:
+    name = "macinfer"
+
+    def __init__(self, model: str, max_num_seqs: int, kv_cache_gb: float, max_model_len: int):
+        from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+
+        # Prefix caching off: repeats reuse prompts; this measures compute (`bench prefix` measures the cache).
+        self.config = EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_num_batched_tokens=2048,
+                                   max_model_len=max_model_len, enable_prefix_caching=False)
+        self.engine = LLMEngine(model, self.config)
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+        """(time to the first token of any request, total seconds)."""
+        from macinfer.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        for p in prompts:
+            self.engine.add_request(p, params)
+        ttft = None
+        while self.engine.has_unfinished_requests():
+            outs = self.engine.step()
+            if ttft is None and outs:
+                ttft = time.perf_counter() - start
+        return ttft, time.perf_counter() - start
+
+
+class MlxLmRunner:
+    name = "mlx-lm"
+
+    def __init__(self, model_dir: str):
+        from mlx_lm import load
+
+        self.model, _ = load(model_dir)
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+        from mlx_lm.generate import BatchGenerator, generate_step
+
+        start = time.perf_counter()
+        ttft = None
+        if len(prompts) == 1:  # mlx-lm's own single-stream path
+            for _ in generate_step(mx.array(prompts[0]), self.model, max_tokens=max_tokens,
+                                   sampler=lambda x: mx.argmax(x, axis=-1)):
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+            return ttft, time.perf_counter() - start
+        gen = BatchGenerator(self.model, stop_tokens=[])
+        gen.insert(prompts, [max_tokens] * len(prompts))
+        while responses := gen.next_generated():
+            if ttft is None and responses:
+                ttft = time.perf_counter() - start
+        gen.close()
+        return ttft, time.perf_counter() - start
+
+
+def run(model: str, vs: list[str], prompt_len: int = 32, gen_len: int = 64, prefill_len: int = 512,
+        concurrency: tuple[int, ...] = (1, 8, 32), batch_gen_len: int = 32, repeats: int = 3,
+        kv_cache_gb: float = 1.0, tick: Callable[[str], None] = lambda _: None) -> dict:
+    """Results for macinfer and each of `vs` ("mlx-lm"); `tick(label)` after each measurement."""
+    from macinfer.loader import resolve
+
+    runners: list = [MacinferRunner(model, max(concurrency), kv_cache_gb, max(4096, prefill_len + gen_len + 8))]
+    weights = None
+    if "mlx-lm" in vs:
+        model_dir, weights = same_weights_dir(model)
+        runners.append(MlxLmRunner(model_dir))
+    loaded = runners[0].engine.loaded
+    vocab = runners[0].engine.model.args.vocab_size
+    rng = np.random.default_rng(0)
+
+    def prompt(n: int) -> list[int]:
+        return rng.integers(100, vocab - 100, size=n).tolist()
+
+    cfg = runners[0].config
+    results: dict = {"mode": "engine", "context": {
+        "model": os.path.basename(resolve(model).rstrip("/")), "model_type": loaded.config.get("model_type"),
+        "quantization": loaded.config.get("quantization"), "mlx_lm_weights": weights, **versions(),
+        "macinfer_flags": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                           "kv_cache_gb": cfg.kv_cache_gb, "prefix_caching": False},
+        "hardware": hardware(), "energy": energy(),
+        "workload": {"prompt_len": prompt_len, "gen_len": gen_len, "prefill_len": prefill_len,
+                     "batch_gen_len": batch_gen_len, "concurrency": list(concurrency), "repeats": repeats,
+                     "prompts": "random token ids (fixed seed)", "sampling": "greedy, EOS ignored"},
+    }, "engines": {}}
+
+    def measure(r, prompts, max_tokens, label) -> tuple[float, float]:
+        runs = [r.run(prompts, max_tokens) for _ in range(repeats)]
+        tick(f"{r.name} {label}")
+        return statistics.median(x[0] for x in runs), statistics.median(x[1] for x in runs)
+
+    for r in runners:
+        out: dict = {}
+        r.run([prompt(8)], 4)  # warm-up
+        ttft, total = measure(r, [prompt(prompt_len)], gen_len, "decode")
+        out["decode_tok_s"] = (gen_len - 1) / (total - ttft)
+        out["tpot_ms"] = 1000 * (total - ttft) / (gen_len - 1)
+        ttft, _ = measure(r, [prompt(prefill_len)], 1, "prefill")
+        out["prefill_tok_s"] = prefill_len / ttft
+        out["ttft_s"] = ttft
+        out["throughput"] = {}
+        for c in concurrency:
+            _, total = measure(r, [prompt(prompt_len) for _ in range(c)], batch_gen_len, f"c={c}")
+            out["throughput"][str(c)] = c * batch_gen_len / total
+        out["peak_rss_gb_process"] = _peak_rss_gb()
+        results["engines"][r.name] = out
+    return results
+
+
+def table(results: dict) -> str:
+    names = list(results["engines"])
+    rows = [("decode tok/s", lambda e: e["decode_tok_s"]), ("TPOT ms", lambda e: e["tpot_ms"]),
+            (f"prefill tok/s ({results['context']['workload']['prefill_len']})", lambda e: e["prefill_tok_s"])]
+    rows += [(f"throughput c={c} tok/s", lambda e, c=c: e["throughput"][c]) for c in results["engines"][names[0]]["throughput"]]
+    lines = [f"{'metric':<28}" + "".join(f"{n:>12}" for n in names) + ("   ratio" if len(names) == 2 else "")]
+    for label, get in rows:
+        vals = [get(results["engines"][n]) for n in names]
+        line = f"{label:<28}" + "".join(f"{v:>12.2f}" for v in vals)
+        if len(vals) == 2 and vals[1]:
+            line += f"{vals[0] / vals[1]:>8.2f}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""Online serving benchmark: streaming /v1/completions at fixed concurrency levels
+(closed loop) and with Poisson arrivals (open loop), against macinfer and any
+other server. Per request: TTFT, every inter-token gap, end-to-end time and
+tokens; per level: p50/p95/p99 of each, tok/s, req/s, and macinfer's prefix-cache
+hit rate. Each local server's memory is sampled for the whole run."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Callable
+
+import httpx
+
+from macinfer.bench.common import energy, hardware, percentiles, versions
+from macinfer.bench.targets import Target, sse_events
+
+WORDS = ("river stone market lantern winter garden harbor signal copper meadow violin thunder orchard "
+         "compass ember glacier canyon velvet pepper anchor falcon quarry saddle lattice").split()
+
+
+def make_prompts(tokenizer, n: int, input_len: int, seed: int = 0) -> list[str]:
+    """n distinct prompts of about `input_len` tokens (the served model's tokenizer)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        words = [f"Request {i}:"]
+        while len(tokenizer.encode(" ".join(words))) < input_len:
+            words.append(rng.choice(WORDS))
+        prompts.append(" ".join(words) + "\nContinue the story:")
+    return prompts
+
+
+async def _one(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int) -> dict:
+    body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last, ttft, itls, tokens, chunks = start, None, [], 0, 0
+    async for data in sse_events(client, f"{target.url}/v1/completions", body):
+        if data.get("usage"):
+            tokens = data["usage"]["completion_tokens"]
+        if data.get("choices") and data["choices"][0].get("text"):
+            now = time.perf_counter()
+            chunks += 1
+            if ttft is None:
+                ttft = now - start
+            else:
+                itls.append(now - last)
+            last = now
+    e2e = time.perf_counter() - start
+    tokens = tokens or chunks
+    return {"ttft": ttft if ttft is not None else e2e, "e2e": e2e, "tokens": tokens, "itl": itls,
+            "tpot": (e2e - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None}
+
+
+async def run_level(target: Target, prompts: list[str], max_tokens: int, concurrency: int | None,
+                    rate: float | None, tick: Callable[[], None]) -> dict:
+    rng = random.Random(1)
+    sem = asyncio.Semaphore(concurrency or len(prompts))
+    before = target.status()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
+                                 limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
+        async def request(prompt: str, delay: float) -> dict:
+            await asyncio.sleep(delay)
+            async with sem:
+                try:
+                    return await _one(client, target, prompt, max_tokens)
+                except (httpx.HTTPError, RuntimeError) as e:
+                    return {"error": str(e)}
+                finally:
+                    tick()
+
+        delays, t = [], 0.0
+        for _ in prompts:
+            delays.append(t)
+            if rate:
+                t += rng.expovariate(rate)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(request(p, d) for p, d in zip(prompts, delays)))
+        wall = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r]
+    out: dict = {"requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
+                 "output_tokens": sum(r["tokens"] for r in ok)}
+    if any("error" in r for r in results):
+        out["first_error"] = next(r["error"] for r in results if "error" in r)
+    out["throughput_tok_s"] = out["output_tokens"] / wall
+    out["requests_per_s"] = len(ok) / wall
+    for key in ("ttft", "tpot", "e2e"):
+        out.update(percentiles([r[key] for r in ok], key))
+    out.update(percentiles([g for r in ok for g in r["itl"]], "itl"))
+    out["ttft_samples"] = [r["ttft"] for r in ok]
+    out["itl_samples"] = [g for r in ok for g in r["itl"]]
+    after = target.status()
+    if before and after:
+        q = after["kv"]["prefix_queried_tokens"] - before["kv"]["prefix_queried_tokens"]
+        hits = after["kv"]["prefix_hit_tokens"] - before["kv"]["prefix_hit_tokens"]
+        out["kv_hit_rate"] = hits / q if q else 0.0
+        out["kv_usage_end"] = after["kv"]["usage"]
+    return out
+
+
+def run(targets: list[Target], tokenizer, input_len: int, output_len: int, concurrency: tuple[int, ...],
+        requests: int | None, rate: float | None, tick: Callable[[], None]) -> dict:
+    levels = [(f"c{c}", c, None, requests or max(4, 2 * c)) for c in concurrency]
+    if rate:
+        levels.append((f"poisson{rate:g}", None, rate, requests or 16))
+    results: dict = {"mode": "serve", "context": {
+        **versions(), "hardware": hardware(), "energy": energy(),
+        "workload": {"input_len": input_len, "output_len": output_len, "concurrency": list(concurrency),
+                     "poisson_rate": rate, "requests_per_level": {name: n for name, _, _, n in levels},
+                     "prompts": "distinct word-salad prompts of about input_len tokens (the served model's "
+                                "tokenizer), streaming /v1/completions, greedy, EOS honoured",
+                     "shared_prefixes": "none (see `macinfer bench prefix`)",
+                     "structured_output": "none"},
+        "targets": {t.name: {"url": t.url, "model": t.model, **t.info} for t in targets},
+    }, "levels": [name for name, *_ in levels], "servers": {}}
+    for t in targets:
+        asyncio.run(run_level(t, make_prompts(tokenizer, 1, 8, seed=99), 4, 1, None, lambda: None))  # warm-up
+        per: dict = {}
+        for i, (name, conc, r, n) in enumerate(levels):
+            prompts = make_prompts(tokenizer, n, input_len, seed=i)
+            per[name] = asyncio.run(run_level(t, prompts, output_len, conc, r, tick))
+        if t.memory is not None:
+            per["memory_gb_over_time"] = list(t.memory.samples)
+            per["peak_rss_gb"] = t.memory.peak_gb
+        results["servers"][t.name] = per
+    return results
+
+
+def table(results: dict) -> str:
+    names = list(results["servers"])
+    lines = [f"{'level':<14}{'metric':<18}" + "".join(f"{n[:16]:>18}" for n in names)
+             + ("   ratio" if len(names) == 2 else "")]
+    keys = ("throughput_tok_s", "requests_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "itl_p95",
+            "itl_p99", "e2e_p50", "e2e_p99", "kv_hit_rate", "failed")
+    for level in results["levels"]:
+        for k in keys:
+            vals = [results["servers"][n][level].get(k) for n in names]
+            if all(v is None for v in vals):
+                continue
+            line = f"{level:<14}{k:<18}" + "".join(f"{v:>18.3f}" if v is not None else f"{'-':>18}" for v in vals)
+            if len(vals) == 2 and None not in vals and vals[1]:
+                line += f"{vals[0] / vals[1]:>8.2f}"
+            lines.append(line)
+    peaks = [results["servers"][n].get("peak_rss_gb") for n in names]
+    lines.append(f"{'':<14}{'peak_rss_gb':<18}" + "".join(f"{p:>18.2f}" if p else f"{'-':>18}" for p in peaks))
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""`macinfer bench`: every mode runs end to end on a tiny model and writes JSON with
+the full context plus its plots. (Numbers are not checked: benchmarks are not tests.)"""
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from macinfer.cli import main
+from tests.server_process import ServerProcess
+
+pytest.importorskip("matplotlib")
+
+
+def _run(args: list[str]) -> None:
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    return r.output
+
+
+def test_engine_mode_against_mlx_lm_on_the_same_weights(tiny_llama, tmp_path):
+    out = _run(["bench", "engine", tiny_llama, "--vs", "mlx-lm", "-c", "1", "-c", "2", "--gen-len", "4",
+                "--prefill-len", "16", "--batch-gen-len", "3", "--repeats", "1", "--out", str(tmp_path)])
+    assert "ratio" in out and "throughput c=2" in out
+    res = json.load(open(tmp_path / "bench_engine.json"))
+    ctx = res["context"]
+    assert {"macinfer", "mlx", "mlx_lm", "hardware", "energy", "workload", "model_type"} <= set(ctx)
+    assert {"chip", "cores", "memory_gb", "mlx_device"} <= set(ctx["hardware"])
+    assert ctx["mlx_lm_weights"]  # says which weights mlx-lm was given
+    assert set(res["engines"]) == {"macinfer", "mlx-lm"}
+    for e in res["engines"].values():
+        assert e["decode_tok_s"] > 0 and set(e["throughput"]) == {"1", "2"}
+    assert os.path.getsize(tmp_path / "engine_throughput_vs_concurrency.png") > 1000
+
+
+def test_serve_mode_against_a_url(tiny_llama, tmp_path):
+    other = ServerProcess(tiny_llama, "--kv-cache-gb", "0.01", "--served-model-name", "other")
+    try:
+        _run(["bench", "serve", tiny_llama, "--vs", other.url + "/v1", "-c", "1", "-c", "2", "--requests", "3",
+              "--rate", "4", "--input-len", "16", "--output-len", "4", "--kv-cache-gb", "0.01", "--out", str(tmp_path)])
+    finally:
+        other.stop()
+    res = json.load(open(tmp_path / "bench_serve.json"))
+    assert res["levels"] == ["c1", "c2", "poisson4"]
+    assert set(res["servers"]) == {"macinfer", other.url + "/v1"}
+    assert res["context"]["targets"][other.url + "/v1"]["model"] == "other"
+    ours = res["servers"]["macinfer"]
+    for level in res["levels"]:
+        lv = ours[level]
+        assert lv["failed"] == 0 and lv["requests"] == 3
+        assert {"ttft_p50", "ttft_p95", "ttft_p99", "itl_p99", "e2e_p99", "throughput_tok_s", "requests_per_s",
+                "kv_hit_rate"} <= set(lv)
+    assert ours["peak_rss_gb"] > 0 and ours["memory_gb_over_time"]
+    assert "peak_rss_gb" not in res["servers"][other.url + "/v1"]  # not our process: not measured
+    for name in ("throughput_vs_concurrency", "latency_cdf", "memory"):
+        assert os.path.getsize(tmp_path / f"serve_{name}.png") > 1000
+
+
+def test_prefix_mode_shows_the_cache(tiny_llama, tmp_path):
+    _run(["bench", "prefix", tiny_llama, "--vs", "macinfer-nocache", "--turns", "2", "--clients", "3",
+          "--max-tokens", "2", "--out", str(tmp_path)])
+    res = json.load(open(tmp_path / "bench_prefix.json"))
+    cached = {n: r["shared_system"]["cached_tokens_mean"] for n, r in res["servers"].items()}
+    assert cached["macinfer"] > 0 and cached["macinfer-nocache"] == 0
+    assert os.path.getsize(tmp_path / "prefix_ttft.png") > 1000
+
+
+def test_bad_target_is_a_usage_error():
+    r = CliRunner().invoke(main, ["bench", "serve", "--vs", "llama.cpp"])
+    assert r.exit_code == 2 and "expected mlx-lm, macinfer-nocache or an http(s) URL" in r.output
