@@ -9,6 +9,7 @@ import time
 import click
 
 from macinfer import __version__
+from macinfer.tool_parsers import FORMATS
 
 def _model_help() -> str:
     from macinfer.models import ARCHITECTURES
@@ -186,6 +187,8 @@ def convert(gguf, out_dir):
 @click.option("--cache-isolation", type=click.Choice(["key-and-user", "key", "none"]), default="key-and-user", show_default=True, help="Which requests may share prefix-cache entries: same API key and same `user` field (default), same key, or all.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, help="Extra Host header names to accept when listening on loopback (repeatable).")
 @click.option("--no-webui", is_flag=True, help="Do not serve the chat page at /.")
+@click.option("--tool-call-parser", type=click.Choice(sorted(FORMATS)), default=None,
+              help="Tool-call format for tool_choice 'auto' (default: the one the chat template teaches).")
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow browser requests from this origin (repeatable). No CORS unless given.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, help="Requests waiting beyond --max-num-seqs before answering 429.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="Largest request body accepted (413 beyond).")
@@ -193,7 +196,7 @@ def convert(gguf, out_dir):
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds a connection may take to send a request head.")
 @_engine_options
 @_log_options
-def serve(model, host, port, served_model_name, api_keys, cache_isolation, allowed_hosts, no_webui, cors_origins, max_queue, max_body_mb,
+def serve(model, host, port, served_model_name, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, max_body_mb,
           max_connections, header_timeout, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
     import os
 
@@ -213,7 +216,8 @@ def serve(model, host, port, served_model_name, api_keys, cache_isolation, allow
     code = run_server(engine, name, sock, header_timeout=header_timeout, max_connections=max_connections,
                       log_requests=logging.getLogger().level <= logging.INFO, api_keys=list(api_keys),
                       cors_origins=list(cors_origins), max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20),
-                      allowed_hosts=hosts, cache_isolation=cache_isolation, model_aliases=(model,), webui=not no_webui)
+                      allowed_hosts=hosts, cache_isolation=cache_isolation, model_aliases=(model,), webui=not no_webui,
+                      tool_parser=tool_call_parser)
     sys.exit(code)
 
 

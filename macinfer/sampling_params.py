@@ -34,6 +34,9 @@ class SamplingParams:
     # OpenAI servers refuse prompt + max_tokens beyond the context; offline use
     # (the default) just stops at the context length.
     strict_max_tokens: bool = False
+    # Constrained decoding: an llguidance grammar (see engine/structured.py:
+    # json_schema_grammar, or llguidance's grammar_from_regex / grammar_from_lark).
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

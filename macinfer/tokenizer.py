@@ -171,8 +171,9 @@ class IncrementalDetokenizer:
     the character is whole, and a leading-space marker is rendered correctly.
     """
 
-    def __init__(self, tokenizer: TokenizerWrapper):
+    def __init__(self, tokenizer: TokenizerWrapper, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -180,8 +181,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
         delta = full[len(prefix) :]
@@ -192,8 +193,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is left at the end (e.g. a truly invalid byte sequence)."""
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self.read_offset = len(self.ids)
         self.prefix_offset = self.read_offset

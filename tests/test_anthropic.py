@@ -62,9 +62,11 @@ def test_streaming_events_in_order(client):
 
 
 def test_errors_are_anthropic_shaped(server, client):
-    with pytest.raises(anthropic.BadRequestError, match="tools"):
+    with pytest.raises(anthropic.BadRequestError, match="tool-call format"):  # "auto" needs one in the template
         client.messages.create(model="smollm2", max_tokens=5, messages=ASK,
                                tools=[{"name": "f", "description": "d", "input_schema": {"type": "object"}}])
+    with pytest.raises(anthropic.BadRequestError, match="mcp_servers"):
+        client.messages.create(model="smollm2", max_tokens=5, messages=ASK, extra_body={"mcp_servers": [{"x": 1}]})
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-other", max_tokens=5, messages=ASK)
     r = httpx.post(f"{server.url}/v1/messages", json={"model": "smollm2", "max_tokens": 5, "messages": ASK})

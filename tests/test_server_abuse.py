@@ -234,8 +234,6 @@ def test_server_starts_under_a_low_fd_limit(tiny_llama):
 
 
 @pytest.mark.parametrize("extra,field", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"frobnicate": 1}, "frobnicate"),

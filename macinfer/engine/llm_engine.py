@@ -18,6 +18,7 @@ from macinfer.engine.model_runner import ModelRunner
 from macinfer.engine.outputs import RequestOutput, _RequestState
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
+from macinfer.engine.structured import StructuredOutputs
 from macinfer.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block, plan_blocks
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
@@ -125,7 +126,8 @@ class LLMEngine:
                                           window=window if window_layers else None,
                                           num_window_blocks=num_window_blocks)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager)
+        self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured)
         self.requests: dict[str, _RequestState] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         log.info(
@@ -170,6 +172,8 @@ class LLMEngine:
                 )
         if params.n != 1:
             raise ValueError("n > 1 is served by the API layer; the engine takes n=1")
+        if params.grammar is not None:
+            self.structured.validate(params.grammar)
         return ids
 
     def add_request(
@@ -188,8 +192,11 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id}")
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         seq = Sequence(request_id, ids, params, seed, arrival_time=time.perf_counter(), cache_salt=cache_salt)
+        if params.grammar is not None:
+            seq.matcher = self.structured.matcher(params.grammar)  # GrammarError: the request's fault
         prompt_text = prompt if isinstance(prompt, str) else None
-        self.requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer), prompt_text)
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        self.requests[request_id] = _RequestState(seq, detok, prompt_text)
         self.scheduler.add(seq)
         return request_id
 
@@ -336,12 +343,20 @@ class LLMEngine:
         p = seq.params
         reason = None
         stop_token = (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                raise RuntimeError(f"token {token} broke the request's grammar: {seq.matcher.get_error()}")
+            # Complete (only EOS allowed next): end here rather than spend a step on EOS.
+            grammar_done = seq.matcher.is_stopped()
         checked = len(state.text)  # text before this token held no stop string
-        if not stop_token or not p.skip_special_tokens:
+        if not stop_token:  # the token that ends a request is never part of its text
             state.text += state.detok.add(token)
         if stop_token:
             reason = "stop"
             state.stop_reason = token if token in p.stop_token_ids else None  # None: end of sequence
+        elif grammar_done:
+            reason = "stop"
         elif p.stop and len(state.text) > checked:
             search_from = max(0, checked - state.max_stop_len + 1)
             hits = [(i, s) for s in p.stop if (i := state.text.find(s, search_from)) >= 0]

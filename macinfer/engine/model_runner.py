@@ -10,6 +10,7 @@ from macinfer.attention import AttentionMetadata, PrefillSpan
 from macinfer.engine.block_manager import BlockManager, cdiv
 from macinfer.engine.sampler import SamplerOutput, sample
 from macinfer.engine.sequence import Sequence
+from macinfer.engine.structured import StructuredOutputs, apply_bitmask
 from macinfer.kv_cache import KVCache
 
 
@@ -58,8 +59,10 @@ class _GroupTables:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: KVCache, block_manager: BlockManager | None = None):
+    def __init__(self, model: nn.Module, kv_cache: KVCache, block_manager: BlockManager | None = None,
+                 structured: StructuredOutputs | None = None):
         self.model = model
+        self.structured = structured
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         # The window group's tables (models with sliding-window layers only).
@@ -110,12 +113,20 @@ class ModelRunner:
         failures). If the batched sampler fails, rows are retried one by one so
         only the request that causes the failure is dropped."""
         logits, seqs = self.forward_logits(scheduled)
+        # Grammar masks are computed on the host while the device runs the forward pass.
+        outputs = [*([] if logits is None else [logits]), *self.kv_cache.state()]
+        mask = None
+        if logits is not None and self.structured is not None and any(s.matcher is not None for s in seqs):
+            mx.async_eval(*outputs)
+            mask = self.structured.bitmask(seqs)
         # Evaluate the forward pass on its own: an error here (e.g. out of memory
         # inside the graph) is the batch's, and must not reach the per-row retry
         # below, where MLX would hand back the failed arrays as if evaluated.
-        mx.eval(*([] if logits is None else [logits]), *self.kv_cache.state())
+        mx.eval(*outputs)
         if logits is None:
             return [], SamplerOutput([], []), []
+        if mask is not None:
+            logits = apply_bitmask(logits, mask)
         try:
             out = sample(logits, seqs)
         except Exception:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 from macinfer.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks of block_table already published to the prefix cache
     window_block_table: list[int] = field(default_factory=list)  # sliding-window layers' pool (NULL_BLOCK: released)
     num_released_window_blocks: int = 0  # leading window-table entries already given back
+    matcher: Any = None  # llguidance matcher of a request with a grammar (state: the output so far)
     # timing (time.perf_counter seconds)
     arrival_time: float = 0.0
     first_token_time: float | None = None

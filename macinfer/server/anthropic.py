@@ -1,10 +1,13 @@
-"""Anthropic Messages API (`POST /v1/messages`): text conversations, streaming
-events in Anthropic's order, stop sequences, usage, Anthropic-style errors.
+"""Anthropic Messages API (`POST /v1/messages`): conversations with tool use and
+thinking, streaming events in Anthropic's order, stop sequences, usage,
+Anthropic-style errors.
 
 A request is translated into the OpenAI chat request the rest of the server
-serves (same template, sampling, engine), and its outputs are written back
-as Anthropic messages or events. Tool use and extended thinking are refused
-with a 400 naming the field until they are implemented.
+serves (same template, sampling, constrained decoding, engine): `tool_use` and
+`tool_result` blocks become assistant tool calls and tool messages, `tool_choice`
+any/tool become "required"/a named function, `thinking` becomes the template's
+`enable_thinking`. The chat output (reasoning, text, tool calls) is written back
+as thinking, text and tool_use blocks, or as their streaming events.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from macinfer.server.protocol import ChatCompletionRequest, check_text_parts
+from macinfer.server import chat_output
+from macinfer.server.protocol import _NO_INPUT, ChatCompletionRequest
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                500: "api_error", 503: "overloaded_error"}
-_REFUSED = ("tools", "tool_choice", "thinking", "mcp_servers", "container")
+_REFUSED = ("mcp_servers", "container")
+_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -37,15 +42,65 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[dict[str, Any]]
 
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        return check_text_parts(data)
+    @model_validator(mode="after")
+    def _known_blocks(self):
+        if isinstance(self.content, list):
+            for i, b in enumerate(self.content):
+                kind = b.get("type")
+                if kind in _NO_INPUT:
+                    raise ValueError(f"content[{i}] is a {kind} block: this model has no {_NO_INPUT[kind]} input")
+                if kind not in _BLOCKS[self.role]:
+                    raise ValueError(f"content[{i}]: a {self.role} message cannot hold a {kind!r} block "
+                                     f"(supported: {', '.join(_BLOCKS[self.role])})")
+                if kind == "text" and not isinstance(b.get("text"), str):
+                    raise ValueError(f"content[{i}]: a text block needs `text`")
+                if kind == "tool_use" and not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
+                                               and isinstance(b.get("input"), dict)):
+                    raise ValueError(f"content[{i}]: a tool_use block needs `id`, `name` and an `input` object")
+                if kind == "tool_result" and not isinstance(b.get("tool_use_id"), str):
+                    raise ValueError(f"content[{i}]: a tool_result block needs `tool_use_id`")
+        return self
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+    def blocks(self) -> list[dict[str, Any]]:
+        return [{"type": "text", "text": self.content}] if isinstance(self.content, str) else self.content
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+
+
+def _result_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for b in content or []:
+        if b.get("type") != "text":
+            raise ValueError(f"tool_result content holds a {b.get('type')!r} block; only text is supported")
+        parts.append(b["text"])
+    return "".join(parts)
 
 
 class MessagesRequest(BaseModel):
@@ -61,6 +116,9 @@ class MessagesRequest(BaseModel):
     top_k: int = Field(default=0, ge=0, le=1 << 20)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -70,61 +128,172 @@ class MessagesRequest(BaseModel):
             raise ValueError(f"`{name}` is not supported by this server")
         return self
 
-    def to_chat(self) -> ChatCompletionRequest:
+    def _chat_messages(self) -> list[dict[str, Any]]:
         system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": m.role, "content": m.text()} for m in self.messages]
+        out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        for m in self.messages:
+            blocks = m.blocks()
+            text = "".join(b["text"] for b in blocks if b["type"] == "text")
+            if m.role == "assistant":
+                calls = [{"id": b["id"], "type": "function",
+                          "function": {"name": b["name"], "arguments": json.dumps(b["input"], ensure_ascii=False)}}
+                         for b in blocks if b["type"] == "tool_use"]
+                out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+                continue
+            for b in blocks:
+                if b["type"] == "tool_result":
+                    result = _result_text(b.get("content"))
+                    out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
+                                "content": f"Error: {result}" if b.get("is_error") else result})
+            if text or not any(b["type"] == "tool_result" for b in blocks):
+                out.append({"role": "user", "content": text})
+        return out
+
+    def to_chat(self) -> ChatCompletionRequest:
         user = (self.metadata or {}).get("user_id")
+        tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                   "parameters": t.input_schema}} for t in self.tools or []]
+        choice, parallel = None, True
+        if self.tool_choice is not None:
+            tc = self.tool_choice
+            parallel = not tc.disable_parallel_tool_use
+            if tc.type == "tool":
+                if not tc.name:
+                    raise ValueError("tool_choice of type 'tool' needs `name`")
+                choice = {"type": "function", "function": {"name": tc.name}}
+            else:
+                choice = {"any": "required"}.get(tc.type, tc.type)
+        kwargs = None
+        if self.thinking is not None:
+            kwargs = {"enable_thinking": self.thinking.type == "enabled"}
+        last = self.messages[-1]
+        continues = last.role == "assistant" and not any(b["type"] == "tool_use" for b in last.blocks())
         return ChatCompletionRequest(
-            model=self.model, messages=messages, max_tokens=self.max_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences, stream=self.stream,
-            user=user if isinstance(user, str) else None,
-            continue_final_message=self.messages[-1].role == "assistant",
-            add_generation_prompt=self.messages[-1].role != "assistant",
+            model=self.model, messages=self._chat_messages(), max_tokens=self.max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences,
+            stream=self.stream, user=user if isinstance(user, str) else None,
+            continue_final_message=continues, add_generation_prompt=not continues,
+            tools=tools or None, tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=kwargs,
         )
 
 
-def stop_reason(out) -> tuple[str, str | None]:
+def stop_reason(out, calls: bool) -> tuple[str, str | None]:
     if out.finish_reason == "length":
         return "max_tokens", None
+    if calls:
+        return "tool_use", None
     if isinstance(out.stop_reason, str):
         return "stop_sequence", out.stop_reason
     return "end_turn", None
 
 
-def message(req: MessagesRequest, model_name: str, out, prompt_tokens: int) -> dict[str, Any]:
-    reason, seq = stop_reason(out)
+def _tool_use(call) -> dict[str, Any]:
+    try:
+        args = json.loads(call.arguments or "{}")
+    except ValueError:
+        args = {}
+    return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name, "input": args}
+
+
+def message(req: MessagesRequest, model_name: str, out, turn) -> dict[str, Any]:
+    msg, proc = chat_output.message(turn.plan, out.text, turn.prompt_tail)
+    content: list[dict[str, Any]] = []
+    if msg.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    content += [_tool_use(c) for c in proc.calls]
+    if not content:
+        content.append({"type": "text", "text": ""})
+    reason, seq = stop_reason(out, bool(proc.calls))
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model_name,
-            "content": [{"type": "text", "text": out.text}], "stop_reason": reason, "stop_sequence": seq,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": len(out.token_ids)}}
+            "content": content, "stop_reason": reason, "stop_sequence": seq,
+            "usage": {"input_tokens": len(turn.ids), "output_tokens": len(out.token_ids)}}
 
 
-async def events(model_name: str, prompt_tokens: int, gen) -> AsyncIterator[str]:
-    """message_start, content_block_start, ping, content_block_delta*, content_block_stop,
+def _event(kind: str, payload: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
+
+
+class _Blocks:
+    """Open/close content blocks as the chat output's parts arrive, in order."""
+
+    def __init__(self):
+        self.index = -1
+        self.kind: str | None = None
+        self.tool_ids: dict[int, int] = {}  # OpenAI tool-call index -> block index
+
+    def _open(self, kind: str, block: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.index += 1
+        self.kind = kind
+        return out + [_event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [_event("content_block_stop", {"index": self.index})]
+
+    def parts(self, parts: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if parts.get("reasoning_content"):
+            if self.kind != "thinking":
+                out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                "type": "thinking_delta", "thinking": parts["reasoning_content"]}}))
+        if parts.get("content"):
+            if self.kind != "text":
+                out += self._open("text", {"type": "text", "text": ""})
+            out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                "type": "text_delta", "text": parts["content"]}}))
+        for d in parts.get("tool_calls", []):
+            fn = d.get("function", {})
+            if "id" in d:  # a new call
+                out += self._open("tool_use", {**_tool_use(_Call(d["id"], fn["name"], "")), "input": {}})
+                self.tool_ids[d["index"]] = self.index
+            if fn.get("arguments"):
+                out.append(_event("content_block_delta", {"index": self.tool_ids[d["index"]], "delta": {
+                    "type": "input_json_delta", "partial_json": fn["arguments"]}}))
+        return out
+
+
+class _Call:
+    def __init__(self, id: str, name: str, arguments: str):
+        self.id, self.name, self.arguments = id, name, arguments
+
+
+async def events(model_name: str, turn, gen) -> AsyncIterator[str]:
+    """message_start, ping, then per block content_block_start, deltas, content_block_stop;
     message_delta, message_stop; an `error` event if generation fails."""
-    def event(kind: str, payload: dict[str, Any]) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
-
-    yield event("message_start", {"message": {
+    yield _event("message_start", {"message": {
         "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model_name, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
-    yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-    yield event("ping", {})
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": len(turn.ids), "output_tokens": 0}}})
+    yield _event("ping", {})
+    proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
+    blocks = _Blocks()
     try:
         async for _, out in gen:
             if out.finish_reason == "error":
                 from macinfer.server.serving import _generation_error
 
                 err = _generation_error(out)
-                yield event("error", {"error": error_body(err.status, err.message)["error"]})
+                yield _event("error", {"error": error_body(err.status, err.message)["error"]})
                 return
-            if out.delta_text:
-                yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": out.delta_text}})
+            parts = proc.feed(out.delta_text)
             if out.finished:
-                reason, seq = stop_reason(out)
-                yield event("content_block_stop", {"index": 0})
-                yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                              "usage": {"output_tokens": len(out.token_ids)}})
-                yield event("message_stop", {})
+                parts = chat_output.merge(parts, proc.finish())
+            for e in blocks.parts(parts):
+                yield e
+            if out.finished:
+                if blocks.index < 0:  # an empty answer is still one (empty) text block
+                    for e in blocks.parts({"content": ""}) + blocks._open("text", {"type": "text", "text": ""}):
+                        yield e
+                for e in blocks.close():
+                    yield e
+                reason, seq = stop_reason(out, bool(proc.calls))
+                yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
+                                               "usage": {"output_tokens": len(out.token_ids)}})
+                yield _event("message_stop", {})
     finally:
         gen.close()

@@ -43,7 +43,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                cors_origins: list[str] | None = None, max_queue: int = 64,
                max_body_bytes: int = 4 * 2**20, allowed_hosts: set[str] | None = None,
                on_dead=None, model_aliases: tuple[str, ...] = (), api_keys: list[str] | None = None,
-               cache_isolation: str = "key-and-user", webui: bool = True) -> FastAPI:
+               cache_isolation: str = "key-and-user", webui: bool = True, tool_parser: str | None = None) -> FastAPI:
     """The ASGI app. `allowed_hosts`: Host header names accepted (None: any);
     `on_dead`: called from the engine thread if the engine cannot recover;
     `cache_isolation`: which requests may share prefix-cache entries;
@@ -51,7 +51,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     api_keys = list(api_keys or []) + ([api_key] if api_key else [])
     metrics = ServerMetrics(engine)
     async_engine = AsyncEngine(engine, max_pending=engine.config.max_num_seqs + max_queue, on_dead=on_dead)
-    serving = OpenAIServing(async_engine, model_name, metrics, aliases=model_aliases, cache_isolation=cache_isolation)
+    serving = OpenAIServing(async_engine, model_name, metrics, aliases=model_aliases, cache_isolation=cache_isolation,
+                            tool_parser=tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -127,11 +128,11 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def _start(kind: str, req, prompt, max_tokens, logprobs, request: Request):
+    async def _start(kind: str, req, prompt, max_tokens, logprobs, request: Request, plan=None):
         """Validate, tokenize (never on the event loop: a large prompt takes seconds) and
         admit a request; returns (request id, prompt ids, output stream)."""
         serving.check_model(req.model)
-        ids, params = await asyncio.to_thread(serving.prepare, req, prompt, max_tokens, logprobs)
+        ids, params = await asyncio.to_thread(serving.prepare, req, prompt, max_tokens, logprobs, plan)
         try:
             client = (getattr(request.state, "api_key_index", None), req.user)
             rid, stream = serving.submit(req, ids, params, kind, client)
@@ -148,27 +149,27 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                  background=BackgroundTask(stream.close))
 
-    async def _run(kind: str, req, prompt, max_tokens, logprobs, request: Request):
-        rid, ids, stream = await _start(kind, req, prompt, max_tokens, logprobs, request)
+    async def _run(kind: str, req, prompt, max_tokens, logprobs, request: Request, turn=None):
+        rid, ids, stream = await _start(kind, req, prompt, max_tokens, logprobs, request, turn and turn.plan)
         if req.stream:
-            return _sse(serving.stream(kind, req, rid, ids, stream), stream)
-        return await serving.complete(kind, req, rid, ids, stream, request)
+            return _sse(serving.stream(kind, req, rid, ids, stream, turn), stream)
+        return await serving.complete(kind, req, rid, ids, stream, request, turn)
 
     async def _chat_translated(chat: ChatCompletionRequest, request: Request):
-        """Start a chat translated from another API; (prompt ids, stream, final output or None)."""
-        prompt = await asyncio.to_thread(serving.chat_prompt, chat)
-        _, ids, stream = await _start("chat", chat, prompt, chat.max_tokens, None, request)
+        """Start a chat translated from another API; (chat turn, stream, final output or None)."""
+        turn = await asyncio.to_thread(serving.chat_prompt, chat)
+        _, _, stream = await _start("chat", chat, turn.ids, chat.max_tokens, None, request, turn.plan)
         if chat.stream:
-            return ids, stream, None
+            return turn, stream, None
         final = (await serving.wait_final(stream, request))[0]
         metrics.observe(final)
-        return ids, stream, final
+        return turn, stream, final
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        prompt = await asyncio.to_thread(serving.chat_prompt, req)
+        turn = await asyncio.to_thread(serving.chat_prompt, req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await _run("chat", req, prompt, req.max_completion_tokens or req.max_tokens, logprobs, request)
+        return await _run("chat", req, turn.ids, req.max_completion_tokens or req.max_tokens, logprobs, request, turn)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -181,10 +182,14 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/messages")
     async def messages(req: anthropic.MessagesRequest, request: Request):
-        ids, stream, final = await _chat_translated(req.to_chat(), request)
+        try:
+            chat = req.to_chat()
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        turn, stream, final = await _chat_translated(chat, request)
         if final is None:
-            return _sse(anthropic.events(model_name, len(ids), stream), stream)
-        return anthropic.message(req, model_name, final, len(ids))
+            return _sse(anthropic.events(model_name, turn, stream), stream)
+        return anthropic.message(req, model_name, final, turn)
 
     @app.post("/v1/responses")
     async def responses_create(req: responses.ResponsesRequest, request: Request):
@@ -192,10 +197,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             chat = req.to_chat()
         except ValueError as e:
             raise APIError(400, str(e), param="input") from None
-        ids, stream, final = await _chat_translated(chat, request)
+        turn, stream, final = await _chat_translated(chat, request)
         if final is None:
-            return _sse(responses.events(req, model_name, len(ids), stream), stream)
-        return responses.response(req, model_name, final, len(ids))
+            return _sse(responses.events(req, model_name, turn, stream), stream)
+        return responses.response(req, model_name, final, turn)
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest):

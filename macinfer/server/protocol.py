@@ -13,13 +13,13 @@ _INT64 = 2**63
 # Fields that would change what a response means, refused (400 naming the field) unless
 # given their no-op value: never silently ignored.
 _NOOP_VALUES: dict[str, tuple] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none", "auto"),  # the legacy form of `tools`
+    "best_of": (None, 1), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "reasoning_effort": (None,), "top_logprobs_per_token": (None,),
 }
 # Accepted and without effect on the output: bookkeeping and routing hints.
-_HARMLESS = {"store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
+_HARMLESS = {"store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key"}
 
 
 class _Request(BaseModel):
@@ -127,8 +127,55 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments follow the schema exactly: always so when a call is forced
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class _FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)

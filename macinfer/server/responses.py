@@ -1,10 +1,11 @@
-"""OpenAI Responses API (`POST /v1/responses`), the stateless text subset.
+"""OpenAI Responses API (`POST /v1/responses`), stateless.
 
-`input` as text or message items and `instructions` are turned into the chat
-request the rest of the server serves; the outputs are written back as a
-Response object or its streaming events. Stored responses
-(`previous_response_id`, `store: true`), tools and `text.format` schemas are
-refused with a 400 naming the field until they are implemented.
+`input` (text, or message, function_call and function_call_output items),
+`instructions`, function `tools`, `tool_choice` and `text.format` are turned into
+the chat request the rest of the server serves; the chat output is written back
+as reasoning, message and function_call items, or their streaming events. Stored
+responses (`previous_response_id`, `store: true`) and built-in tools (web search,
+files...) are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from macinfer.server import chat_output
 from macinfer.server.protocol import ChatCompletionRequest
 
-_NOOP = {"tools": (None, []), "tool_choice": (None, "auto", "none"), "previous_response_id": (None,),
-         "store": (None, False), "text": (None, {"format": {"type": "text"}}), "reasoning": (None,),
-         "parallel_tool_calls": (None, True, False), "truncation": (None, "disabled"), "include": (None, []),
-         "metadata": None, "background": (None, False), "service_tier": None, "safety_identifier": None,
-         "prompt_cache_key": None}
+_NOOP = {"previous_response_id": (None,), "store": (None, False), "reasoning": (None,),
+         "truncation": (None, "disabled"), "include": (None, []), "metadata": None, "background": (None, False),
+         "service_tier": None, "safety_identifier": None, "prompt_cache_key": None}
 
 
 class ResponsesRequest(BaseModel):
@@ -37,6 +37,10 @@ class ResponsesRequest(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stream: bool = False
     user: str | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -47,14 +51,33 @@ class ResponsesRequest(BaseModel):
             raise ValueError(f"`{name}` is not supported by this server")
         return self
 
-    def messages(self) -> list[dict[str, str]]:
-        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+    def messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return out + [{"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
+            if kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                if not (isinstance(call["id"], str) and isinstance(item.get("name"), str)):
+                    raise ValueError(f"input[{i}]: a function_call item needs `call_id` and `name`")
+                if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                continue
+            if kind == "function_call_output":
+                output = item.get("output")
+                if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
+                    raise ValueError(f"input[{i}]: a function_call_output item needs `call_id` and a text `output`")
+                out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+                continue
+            if kind == "reasoning":  # earlier reasoning is not fed back, as chat templates drop it
+                continue
             if kind != "message":
-                raise ValueError(f"input[{i}]: {kind!r} items are not supported (only messages)")
+                raise ValueError(f"input[{i}]: {kind!r} items are not supported "
+                                 "(message, function_call, function_call_output, reasoning)")
             role, content = item.get("role"), item.get("content")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ValueError(f"input[{i}]: unknown role {role!r}")
@@ -71,22 +94,46 @@ class ResponsesRequest(BaseModel):
             out.append({"role": "system" if role == "developer" else role, "content": content})
         return out
 
+    def _tools(self) -> list[dict[str, Any]] | None:
+        tools = []
+        for i, t in enumerate(self.tools or []):
+            if t.get("type") != "function":
+                raise ValueError(f"tools[{i}]: {t.get('type')!r} tools are not supported (only function tools)")
+            fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+            tools.append({"type": "function", "function": fn})
+        return tools or None
+
+    def _response_format(self) -> dict[str, Any] | None:
+        fmt = (self.text or {}).get("format")
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return {"type": "json_object"}
+        if fmt.get("type") == "json_schema":
+            return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"),
+                                                           "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
+        raise ValueError(f"text.format type {fmt.get('type')!r} is not supported")
+
     def to_chat(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise ValueError("tool_choice: only {'type': 'function', 'name': ...} objects are supported")
+            choice = {"type": "function", "function": {"name": choice["name"]}}
         return ChatCompletionRequest(model=self.model, messages=self.messages(), max_tokens=self.max_output_tokens,
                                      temperature=self.temperature, top_p=self.top_p, stream=self.stream,
-                                     user=self.user)
+                                     user=self.user, tools=self._tools(), tool_choice=choice,
+                                     parallel_tool_calls=self.parallel_tool_calls,
+                                     response_format=self._response_format())
 
 
-def _response(req: ResponsesRequest, model_name: str, rid: str, status: str, text: str | None,
+def _response(req: ResponsesRequest, model_name: str, rid: str, status: str, output: list[dict[str, Any]],
               usage: dict[str, Any] | None, incomplete: str | None = None) -> dict[str, Any]:
-    output = []
-    if text is not None:
-        output.append({"type": "message", "id": f"msg_{rid}", "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": text, "annotations": []}]})
     return {"id": f"resp_{rid}", "object": "response", "created_at": int(time.time()), "status": status,
             "model": model_name, "output": output, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
+            "parallel_tool_calls": req.parallel_tool_calls, "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}},
             "incomplete_details": {"reason": incomplete} if incomplete else None, "error": None, "usage": usage}
 
 
@@ -96,13 +143,110 @@ def _usage(prompt_tokens: int, out) -> dict[str, Any]:
             "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt_tokens + n}
 
 
-def response(req: ResponsesRequest, model_name: str, out, prompt_tokens: int) -> dict[str, Any]:
+def _reasoning_item(rid: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": f"rs_{rid}", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{rid}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{call_id.removeprefix('call_')}", "call_id": call_id,
+            "name": name, "arguments": arguments, "status": status}
+
+
+def response(req: ResponsesRequest, model_name: str, out, turn) -> dict[str, Any]:
+    rid = uuid.uuid4().hex
+    msg, proc = chat_output.message(turn.plan, out.text, turn.prompt_tail)
+    output = []
+    if msg.get("reasoning_content"):
+        output.append(_reasoning_item(rid, msg["reasoning_content"]))
+    if msg.get("content") or not proc.calls:
+        output.append(_message_item(rid, msg.get("content") or ""))
+    output += [_call_item(c.id, c.name, c.arguments) for c in proc.calls]
     length = out.finish_reason == "length"
-    return _response(req, model_name, uuid.uuid4().hex, "incomplete" if length else "completed", out.text,
-                     _usage(prompt_tokens, out), "max_output_tokens" if length else None)
+    return _response(req, model_name, rid, "incomplete" if length else "completed", output,
+                     _usage(len(turn.ids), out), "max_output_tokens" if length else None)
 
 
-async def events(req: ResponsesRequest, model_name: str, prompt_tokens: int, gen) -> AsyncIterator[str]:
+class _Items:
+    """Streaming events for output items, opened and closed as the parts arrive."""
+
+    def __init__(self, rid: str, event):
+        self.rid, self.event = rid, event
+        self.items: list[dict[str, Any]] = []  # finished and open items, in output order
+        self.open: str | None = None
+        self.calls: dict[int, int] = {}  # OpenAI tool-call index -> output index
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        i, item = len(self.items) - 1, self.items[-1]
+        out = []
+        if self.open == "message":
+            text = item["content"][0]["text"]
+            where = {"item_id": item["id"], "output_index": i, "content_index": 0}
+            out += [self.event("response.output_text.done", {**where, "text": text}),
+                    self.event("response.content_part.done", {**where, "part": item["content"][0]})]
+        elif self.open == "reasoning":
+            where = {"item_id": item["id"], "output_index": i, "content_index": 0}
+            out.append(self.event("response.reasoning_text.done", {**where, "text": item["content"][0]["text"]}))
+        else:
+            out.append(self.event("response.function_call_arguments.done", {
+                "item_id": item["id"], "output_index": i, "arguments": item["arguments"]}))
+        item["status"] = "completed"
+        if self.open == "reasoning":
+            item.pop("status")
+        self.open = None
+        return out + [self.event("response.output_item.done", {"output_index": i, "item": item})]
+
+    def _add(self, kind: str, item: dict[str, Any]) -> list[str]:
+        out = self._close()
+        self.items.append(item)
+        self.open = kind
+        shown = {**item, "content": []} if kind == "message" else item
+        out.append(self.event("response.output_item.added", {"output_index": len(self.items) - 1, "item": shown}))
+        if kind == "message":
+            where = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+            out.append(self.event("response.content_part.added", {**where, "part": {**item["content"][0], "text": ""}}))
+        return out
+
+    def parts(self, parts: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if parts.get("reasoning_content"):
+            if self.open != "reasoning":
+                out += self._add("reasoning", {**_reasoning_item(self.rid, ""), "status": "in_progress"})
+            self.items[-1]["content"][0]["text"] += parts["reasoning_content"]
+            out.append(self.event("response.reasoning_text.delta", {
+                "item_id": self.items[-1]["id"], "output_index": len(self.items) - 1, "content_index": 0,
+                "delta": parts["reasoning_content"]}))
+        if parts.get("content"):
+            if self.open != "message":
+                out += self._add("message", _message_item(self.rid, "", "in_progress"))
+            self.items[-1]["content"][0]["text"] += parts["content"]
+            out.append(self.event("response.output_text.delta", {
+                "item_id": self.items[-1]["id"], "output_index": len(self.items) - 1, "content_index": 0,
+                "delta": parts["content"]}))
+        for d in parts.get("tool_calls", []):
+            fn = d.get("function", {})
+            if "id" in d:
+                out += self._add("function_call", _call_item(d["id"], fn["name"], "", "in_progress"))
+                self.calls[d["index"]] = len(self.items) - 1
+            if fn.get("arguments"):
+                i = self.calls[d["index"]]
+                self.items[i]["arguments"] += fn["arguments"]
+                out.append(self.event("response.function_call_arguments.delta", {
+                    "item_id": self.items[i]["id"], "output_index": i, "delta": fn["arguments"]}))
+        return out
+
+    def finish(self) -> list[str]:
+        return self._close()
+
+
+async def events(req: ResponsesRequest, model_name: str, turn, gen) -> AsyncIterator[str]:
     rid = uuid.uuid4().hex
     seq = 0
 
@@ -111,14 +255,10 @@ async def events(req: ResponsesRequest, model_name: str, prompt_tokens: int, gen
         seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **payload}, ensure_ascii=False)}\n\n"
 
-    item = {"type": "message", "id": f"msg_{rid}", "status": "in_progress", "role": "assistant", "content": []}
-    part = {"type": "output_text", "text": "", "annotations": []}
-    where = {"item_id": f"msg_{rid}", "output_index": 0, "content_index": 0}
-    yield event("response.created", {"response": _response(req, model_name, rid, "in_progress", None, None)})
-    yield event("response.in_progress", {"response": _response(req, model_name, rid, "in_progress", None, None)})
-    yield event("response.output_item.added", {"output_index": 0, "item": item})
-    yield event("response.content_part.added", {**where, "part": part})
-    text = ""
+    yield event("response.created", {"response": _response(req, model_name, rid, "in_progress", [], None)})
+    yield event("response.in_progress", {"response": _response(req, model_name, rid, "in_progress", [], None)})
+    proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
+    items = _Items(rid, event)
     try:
         async for _, out in gen:
             if out.finish_reason == "error":
@@ -127,17 +267,20 @@ async def events(req: ResponsesRequest, model_name: str, prompt_tokens: int, gen
                 err = _generation_error(out)
                 yield event("error", {"code": err.code or err.type, "message": err.message, "param": None})
                 return
-            if out.delta_text:
-                text += out.delta_text
-                yield event("response.output_text.delta", {**where, "delta": out.delta_text})
+            parts = proc.feed(out.delta_text)
             if out.finished:
-                yield event("response.output_text.done", {**where, "text": text})
-                yield event("response.content_part.done", {**where, "part": {**part, "text": text}})
-                done_item = {**item, "status": "completed", "content": [{**part, "text": text}]}
-                yield event("response.output_item.done", {"output_index": 0, "item": done_item})
-                final = response(req, model_name, out, prompt_tokens)
-                final["id"], final["output"][0]["id"] = f"resp_{rid}", f"msg_{rid}"
-                kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-                yield event(kind, {"response": final})
+                parts = chat_output.merge(parts, proc.finish())
+            for e in items.parts(parts):
+                yield e
+            if out.finished:
+                if not items.items:
+                    for e in items._add("message", _message_item(rid, "", "in_progress")):
+                        yield e
+                for e in items.finish():
+                    yield e
+                length = out.finish_reason == "length"
+                final = _response(req, model_name, rid, "incomplete" if length else "completed", items.items,
+                                  _usage(len(turn.ids), out), "max_output_tokens" if length else None)
+                yield event("response.completed" if not length else "response.incomplete", {"response": final})
     finally:
         gen.close()

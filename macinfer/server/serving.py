@@ -8,12 +8,16 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from macinfer.engine.llm_engine import RequestOutput
+from macinfer.engine.structured import GrammarError
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.server.async_engine import AsyncEngine, RequestStream
 from macinfer.server.metrics import ServerMetrics
+from macinfer.server import chat_output
+from macinfer.server.chat_output import ChatPlan
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, now, usage
 from macinfer.tokenizer import TokenizerWrapper
 
@@ -31,8 +35,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+@dataclass
+class ChatTurn:
+    """A chat request made ready: prompt ids, what the answer must look like, and the
+    prompt's last text (whether the template opened a think block)."""
+    ids: list[int]
+    plan: ChatPlan
+    prompt_tail: str = ""
+
+
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                    logprobs: int | None) -> list[SamplingParams]:
+                    logprobs: int | None, plan: ChatPlan | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice; choices of a seeded request get seed, seed+1, ..."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
@@ -49,6 +62,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
                 seed=None if req.seed is None else req.seed + i, stop=stop,
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
                 logprobs=logprobs, strict_max_tokens=max_tokens is not None, logit_bias=bias,
+                grammar=plan.grammar if plan else None,
+                skip_special_tokens=plan.skip_special_tokens if plan else True,
             ))
         except InvalidSamplingParamsError as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -74,8 +89,9 @@ def _generation_error(out: RequestOutput) -> APIError:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 aliases: tuple[str, ...] = (), cache_isolation: str = "key-and-user"):
+                 aliases: tuple[str, ...] = (), cache_isolation: str = "key-and-user", tool_parser: str | None = None):
         self.engine = engine
+        self.tool_parser = tool_parser
         self.model_name = model_name
         self.aliases = {model_name, *aliases}
         self.cache_isolation = cache_isolation
@@ -87,30 +103,47 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def _validate(self, prompt: str | list[int], params: list[SamplingParams]) -> list[int]:
+    def _validate(self, prompt: str | list[int], params: list[SamplingParams], plan: ChatPlan | None = None) -> list[int]:
         try:
             return self.engine.validate(prompt, params[0])
+        except GrammarError as e:  # a schema the grammar compiler refuses
+            where = {"tools": "the tool's parameters schema", "response_format": "the response_format schema"}
+            raise APIError(400, f"{where.get(plan.grammar_param, 'the grammar') if plan else 'the grammar'} does not "
+                           f"compile: {str(e).removeprefix('invalid grammar: ')}",
+                           param=plan.grammar_param if plan else None) from None
         except ValueError as e:
             param = getattr(e, "param", None) or (
                 "max_tokens" if "max_tokens" in str(e) else "prompt" if "prompt" in str(e) else None)
             raise APIError(400, str(e), param=param, code="context_length_exceeded" if "context" in str(e) else None) from None
 
     # -- chat -------------------------------------------------------------------
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest) -> ChatTurn:
         """Prompt ids: the chat template rendered and tokenized as transformers does,
-        with special-token strings in message content kept as plain text."""
+        with special-token strings in message content kept as plain text; and the
+        plan for the answer (tools, tool choice, response format, reasoning)."""
         if sum(len(m.text()) for m in req.messages) > _MAX_CHARS_PER_TOKEN * self.engine.engine.max_model_len:
             raise APIError(400, f"messages are far beyond this model's context of {self.engine.engine.max_model_len} "
                            "tokens", param="messages", code="context_length_exceeded")
-        messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
+        fmt = req.response_format.model_dump(exclude_none=True, by_alias=True) if req.response_format else None
         try:
-            return self.tokenizer.encode_chat(
+            plan = chat_output.plan(tools, choice, req.parallel_tool_calls, fmt, self.tokenizer.chat_template,
+                                    self.tool_parser)
+        except chat_output.PlanError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        messages = chat_output.template_messages(
+            [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages])
+        try:
+            ids = self.tokenizer.encode_chat(
                 messages, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, documents=req.documents,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=req.chat_template_kwargs, tools=plan.tools,
             )
         except ValueError as e:  # a template that refuses the conversation (roles, order), bad kwargs
             raise APIError(400, str(e), param="messages") from None
+        tail = self.tokenizer.decode(ids[-8:], skip_special_tokens=False) if plan.reasoning else ""
+        return ChatTurn(ids, plan, tail)
 
     def _logprob_entry(self, lp) -> dict[str, Any]:
         text = _token_text(self.tokenizer, lp.token_id)
@@ -128,14 +161,15 @@ class OpenAIServing:
                 "top_logprobs": [{_token_text(self.tokenizer, i): v for i, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
-    def prepare(self, req, prompt: str | list[int], max_tokens, logprobs) -> tuple[list[int], list[SamplingParams]]:
+    def prepare(self, req, prompt: str | list[int], max_tokens, logprobs,
+                plan: ChatPlan | None = None) -> tuple[list[int], list[SamplingParams]]:
         """Sampling params and validated prompt ids. Tokenizes: call it off the event loop."""
-        params = sampling_params(req, max_tokens, logprobs)
+        params = sampling_params(req, max_tokens, logprobs, plan)
         if isinstance(prompt, str) and len(prompt) > _MAX_CHARS_PER_TOKEN * self.engine.engine.max_model_len:
             # Refuse before tokenizing: no tokenizer packs this many characters into a token.
             raise APIError(400, f"prompt is {len(prompt):,} characters, far beyond this model's context of "
                            f"{self.engine.engine.max_model_len} tokens", param="prompt", code="context_length_exceeded")
-        return self._validate(prompt, params), params
+        return self._validate(prompt, params, plan), params
 
     def submit(self, req, ids: list[int], params: list[SamplingParams], kind: str,
                client: tuple[int | None, str | None]) -> tuple[str, RequestStream]:
@@ -179,7 +213,8 @@ class OpenAIServing:
             raise _generation_error(failed[0])
         return final
 
-    async def complete(self, kind: str, req, rid: str, ids: list[int], gen, request) -> dict[str, Any]:
+    async def complete(self, kind: str, req, rid: str, ids: list[int], gen, request,
+                       turn: ChatTurn | None = None) -> dict[str, Any]:
         """Non-streaming: wait for every choice; abort if the client goes away."""
         final = await self.wait_final(gen, request)
         choices = []
@@ -187,9 +222,10 @@ class OpenAIServing:
             out = final[i]
             self.metrics.observe(out)
             if kind == "chat":
-                choice = {"index": i, "message": {"role": "assistant", "content": out.text},
+                msg, proc = chat_output.message(turn.plan, out.text, turn.prompt_tail)
+                choice = {"index": i, "message": msg,
                           "logprobs": {"content": [self._logprob_entry(lp) for lp in out.logprobs]} if req.logprobs else None,
-                          "finish_reason": out.finish_reason}
+                          "finish_reason": proc.finish_reason(out.finish_reason)}
             else:
                 text = self._echo(req, ids) + out.text
                 choice = {"index": i, "text": text, "finish_reason": out.finish_reason,
@@ -208,10 +244,12 @@ class OpenAIServing:
             else req.prompt
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    async def stream(self, kind: str, req, rid: str, ids: list[int], gen) -> AsyncIterator[str]:
+    async def stream(self, kind: str, req, rid: str, ids: list[int], gen,
+                     turn: ChatTurn | None = None) -> AsyncIterator[str]:
         """SSE events; closing this generator (client gone) aborts the request."""
         created, obj = now(), "chat.completion.chunk" if kind == "chat" else "text_completion"
         sent_role: set[int] = set()
+        procs: dict[int, chat_output.ChatOutput] = {}
         text_pos: dict[int, int] = {}
         completion_tokens, cached_tokens = 0, 0
 
@@ -231,13 +269,17 @@ class OpenAIServing:
                     break
                 new_lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs else []
                 if kind == "chat":
+                    proc = procs.setdefault(i, chat_output.ChatOutput(turn.plan, turn.prompt_tail))
                     delta: dict[str, Any] = {}
                     if i not in sent_role:
                         sent_role.add(i)
                         delta["role"] = "assistant"
-                    if out.delta_text or "role" in delta:
-                        delta["content"] = out.delta_text
-                    choice = {"index": i, "delta": delta, "finish_reason": out.finish_reason,
+                        delta["content"] = ""
+                    parts = proc.feed(out.delta_text)
+                    if out.finished:
+                        parts = chat_output.merge(parts, proc.finish())
+                    delta.update(parts)
+                    choice = {"index": i, "delta": delta, "finish_reason": proc.finish_reason(out.finish_reason),
                               "logprobs": {"content": [self._logprob_entry(lp) for lp in new_lps]} if req.logprobs else None}
                 else:
                     choice = {"index": i, "text": out.delta_text, "finish_reason": out.finish_reason,

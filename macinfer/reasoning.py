@@ -1,0 +1,79 @@
+"""Reasoning split from the answer: `<think>...</think>` (Qwen3, DeepSeek-R1, QwQ,
+SmolLM3...), as `reasoning_content`, whole or streamed.
+
+Some templates open the think block in the generation prompt (the output starts
+inside it and only `</think>` appears); `starts_inside` says so, from the prompt.
+"""
+
+from __future__ import annotations
+
+START, END = "<think>", "</think>"
+
+
+def template_reasons(chat_template: str | dict | None) -> bool:
+    if isinstance(chat_template, dict):
+        chat_template = " ".join(str(v) for v in chat_template.values())
+    return END in (chat_template or "")
+
+
+def prompt_opens_think(prompt_text: str) -> bool:
+    return prompt_text.rstrip().endswith(START)
+
+
+def _partial(text: str, marker: str) -> int:
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class ReasoningStream:
+    """Feed text deltas; get (reasoning delta, content delta) back."""
+
+    def __init__(self, starts_inside: bool = False):
+        self.state = "reasoning" if starts_inside else "start"  # start: no text yet
+        self.pending = ""
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        text = self.pending + delta
+        self.pending = ""
+        reasoning = content = ""
+        while text:
+            if self.state == "start":
+                stripped = text.lstrip()
+                if stripped.startswith(START):
+                    text, self.state = stripped[len(START):], "reasoning"
+                    continue
+                if START.startswith(stripped) and not final:  # maybe a marker still arriving
+                    self.pending = text
+                    return reasoning, content
+                self.state = "content"
+            if self.state == "reasoning":
+                at = text.find(END)
+                if at >= 0:
+                    reasoning += text[:at]
+                    text, self.state = text[at + len(END):], "after"
+                    continue
+                keep = 0 if final else _partial(text, END)
+                reasoning += text[: len(text) - keep]
+                self.pending = text[len(text) - keep:]
+                return reasoning, content
+            if self.state == "after":  # the blank lines that follow </think> are not the answer
+                text = text.lstrip("\n")
+                if not text:
+                    break
+                self.state = "content"
+            content += text
+            text = ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        return self.feed("", final=True)
+
+
+def split(text: str, starts_inside: bool = False) -> tuple[str, str]:
+    """(reasoning, content) of a complete output."""
+    s = ReasoningStream(starts_inside)
+    r1, c1 = s.feed(text)
+    r2, c2 = s.finish()
+    return r1 + r2, c1 + c2

@@ -1,0 +1,205 @@
+"""The assistant turn's structure: what a chat request asks for (tools, tool choice,
+response format, reasoning) and how the generated text becomes reasoning, content
+and tool calls, whole or streamed.
+
+Forced calls (`tool_choice` "required" or a named function) and `response_format`
+are enforced by constrained decoding (a JSON-schema grammar, see
+engine/structured.py), so they hold for any model. With a named function the
+output is the arguments object; with "required" it is a JSON array of
+`{"name", "parameters"}` objects. `tool_choice` "auto" lets the model choose, in the
+tool-call format its chat template teaches (tool_parsers.detect).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from macinfer import reasoning as reasoning_mod
+from macinfer import tool_parsers
+from macinfer.engine.structured import GrammarError, json_schema_grammar
+from macinfer.tool_parsers import ToolCall, ToolCallStream
+
+
+class PlanError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ChatPlan:
+    tools: list[dict] | None = None  # given to the chat template
+    grammar: str | None = None
+    tool_format: str | None = None  # "auto": the format to parse calls from
+    forced: str | None = None  # "required", or the name of the forced function
+    reasoning: bool = False
+    skip_special_tokens: bool = True
+    grammar_param: str | None = None  # the request field the grammar comes from
+    tool_specs: list[dict] = field(default_factory=list)
+
+
+def _fn_schema(fn: dict) -> dict:
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool, response_format: dict | None,
+         chat_template: Any, tool_parser: str | None = None, reasoning: bool | None = None) -> ChatPlan:
+    """tools: OpenAI tool dicts; tool_choice: "none"/"auto"/"required"/{"type": "function", ...};
+    response_format: OpenAI's dict. `tool_parser` overrides the format found in the template."""
+    p = ChatPlan(tools=tools or None, tool_specs=[t["function"] for t in tools or []])
+    p.reasoning = reasoning_mod.template_reasons(chat_template) if reasoning is None else reasoning
+    names = {f["name"]: f for f in p.tool_specs}
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise PlanError("tool_choice needs `tools`", "tool_choice")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in names:
+            raise PlanError(f"tool_choice names {name!r}, which is not in `tools`", "tool_choice")
+        p.forced = name
+        p.grammar, p.grammar_param = _grammar(_fn_schema(names[name]), "tools"), "tools"
+    elif choice == "required":
+        call = [{"type": "object", "properties": {"name": {"const": n}, "parameters": _fn_schema(f)},
+                 "required": ["name", "parameters"], "additionalProperties": False} for n, f in names.items()]
+        array = {"type": "array", "items": {"anyOf": call}, "minItems": 1}
+        if not parallel:
+            array["maxItems"] = 1
+        p.forced = "required"
+        p.grammar, p.grammar_param = _grammar(array, "tools"), "tools"
+    elif choice == "auto":
+        p.tool_format = tool_parser or tool_parsers.detect(chat_template)
+        if p.tool_format is None:
+            raise PlanError('this model\'s chat template teaches no tool-call format, so tool_choice "auto" cannot '
+                            'find calls in its output; use tool_choice "required" or a named function (enforced by '
+                            "constrained decoding), or start the server with --tool-call-parser", "tool_choice")
+        p.skip_special_tokens = tool_parsers.FORMATS[p.tool_format].skip_special_tokens
+    if response_format and response_format.get("type") != "text":
+        if p.grammar is not None:
+            raise PlanError("response_format cannot be combined with a forced tool call", "response_format")
+        p.grammar_param = "response_format"
+        if response_format["type"] == "json_object":
+            p.grammar = _grammar(None, "response_format")
+        else:
+            spec = response_format.get("json_schema") or {}
+            if not isinstance(spec.get("schema"), dict):
+                raise PlanError("response_format json_schema needs json_schema.schema", "response_format")
+            p.grammar = _grammar(spec["schema"], "response_format")
+    if p.grammar is not None:
+        p.reasoning = False  # the grammar holds from the first token
+    return p
+
+
+def _grammar(schema: dict | None, param: str) -> str:
+    try:
+        return json_schema_grammar(schema)
+    except GrammarError as e:
+        raise PlanError(str(e), param) from None
+
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages as chat templates expect them: tool-call arguments as objects."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = dict(m)
+            fixed = []
+            for c in calls:
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass
+                fixed.append({**c, "function": fn})
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+class ChatOutput:
+    """Text deltas of one choice in; reasoning, content and tool-call deltas out."""
+
+    def __init__(self, p: ChatPlan, prompt_tail: str = ""):
+        self.plan = p
+        self.reasoning = (reasoning_mod.ReasoningStream(reasoning_mod.prompt_opens_think(prompt_tail))
+                          if p.reasoning else None)
+        self.tools = ToolCallStream(tool_parsers.make(p.tool_format, p.tools)) if p.tool_format else None
+        self.forced_text = ""
+        self.calls: list[ToolCall] = []
+        self._named: ToolCall | None = None
+
+    def feed(self, delta: str, final: bool = False) -> dict[str, Any]:
+        """{"reasoning_content"?, "content"?, "tool_calls"?: [OpenAI delta dicts]}."""
+        out: dict[str, Any] = {}
+        if self.plan.forced:
+            return self._forced(delta, final)
+        text = delta
+        if self.reasoning is not None:
+            r, text = self.reasoning.feed(delta, final)
+            if r:
+                out["reasoning_content"] = r
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            text, calls = self.tools.feed(text, final)
+        if text:
+            out["content"] = text
+        if calls:
+            out["tool_calls"] = [c.openai(len(self.calls) + i) for i, c in enumerate(calls)]
+            self.calls += calls
+        return out
+
+    def _forced(self, delta: str, final: bool) -> dict[str, Any]:
+        self.forced_text += delta
+        if self.plan.forced != "required":  # arguments of the named function, streamed as they come
+            out: list[dict] = []
+            if self._named is None:
+                self._named = ToolCall(self.plan.forced, "")
+                self.calls.append(self._named)
+                out.append({**self._named.openai(0), "function": {"name": self._named.name, "arguments": ""}})
+            self._named.arguments += delta
+            if delta:
+                out.append({"index": 0, "function": {"arguments": delta}})
+            return {"tool_calls": out} if out else {}
+        if not final:
+            return {}
+        try:
+            items = json.loads(self.forced_text)
+        except ValueError:  # cut short (max_tokens): nothing parseable to return as calls
+            return {"content": self.forced_text} if self.forced_text else {}
+        calls = [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+        self.calls += calls
+        return {"tool_calls": [c.openai(i) for i, c in enumerate(calls)]}
+
+    def finish(self) -> dict[str, Any]:
+        return self.feed("", final=True)
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        if engine_reason == "stop" and self.calls and self.plan.forced in (None, "required"):
+            return "tool_calls"
+        return engine_reason
+
+
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two feed() results as one (strings joined, call lists appended)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, "" if isinstance(v, str) else []) + v
+    return out
+
+
+def message(p: ChatPlan, text: str, prompt_tail: str = "") -> tuple[dict[str, Any], ChatOutput]:
+    """The assistant message of a complete output (non-streaming)."""
+    proc = ChatOutput(p, prompt_tail)
+    parts = merge(proc.feed(text), proc.finish())
+    msg: dict[str, Any] = {"role": "assistant", "content": parts.get("content")}
+    if "reasoning_content" in parts:
+        msg["reasoning_content"] = parts["reasoning_content"]
+    if proc.calls:
+        msg["tool_calls"] = [c.openai() for c in proc.calls]
+    elif msg["content"] is None:
+        msg["content"] = ""
+    return msg, proc
