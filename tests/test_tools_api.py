@@ -224,3 +224,12 @@ def test_reasoning_content_from_a_template_that_thinks(tmp_path):
         assert streamed == msg.model_extra["reasoning_content"]
     finally:
         assert "Traceback" not in s.stop()
+
+
+def test_every_choice_of_n_follows_the_schema(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Invent a person."}],
+                                       response_format=fmt, temperature=1.0, seed=5, n=2, max_tokens=60)
+    assert len(r.choices) == 2
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.message.content), PERSON)

@@ -16,6 +16,15 @@ from typing import Any
 import numpy as np
 
 
+# Apple's published unified-memory bandwidth (GB/s), where one figure holds for the chip
+# (M3 Max and M4 Max come in two, by GPU core count, so they are left out).
+APPLE_BANDWIDTH_GBS = {
+    "Apple M1": 68, "Apple M1 Pro": 200, "Apple M1 Max": 400, "Apple M1 Ultra": 800,
+    "Apple M2": 100, "Apple M2 Pro": 200, "Apple M2 Max": 400, "Apple M2 Ultra": 800,
+    "Apple M3": 100, "Apple M3 Pro": 150, "Apple M3 Ultra": 819, "Apple M4": 120, "Apple M4 Pro": 273,
+}
+
+
 def hardware() -> dict[str, Any]:
     """Chip, cores, memory and MLX device; on a Mac, the chip name and GPU cores."""
     import mlx.core as mx
@@ -39,8 +48,9 @@ def hardware() -> dict[str, Any]:
             pass
         info["memory_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     info["chip"] = chip
-    # Memory bandwidth is not something the OS reports; say so rather than guess.
-    info["memory_bandwidth"] = "not reported by the OS"
+    # The OS does not report memory bandwidth: Apple's published figure where there is one.
+    bw = APPLE_BANDWIDTH_GBS.get(chip or "")
+    info["memory_bandwidth"] = f"{bw} GB/s (Apple's published figure)" if bw else "not reported by the OS"
     return info
 
 
