@@ -26,7 +26,7 @@ import time
 import httpx
 
 from macinfer.bench.common import hardware, save_json
-from macinfer.bench.targets import start
+from macinfer.bench.targets import start as start_server
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence. " * 4
 QUESTIONS = ["What is the capital of France?", "Name a color.", "What is 2+2?", "Say hello.", "Name a planet."]
@@ -106,8 +106,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results/soak.json")
     args = ap.parse_args()
 
-    server = start("macinfer", args.model, None, ["--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", "16",
-                                                  "--max-model-len", "2048"])
+    server = start_server("macinfer", args.model, None, ["--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", "16",
+                                                         "--max-model-len", "2048"])
     stats: collections.Counter = collections.Counter()
     latencies: list[float] = []
     start = time.time()
