@@ -48,6 +48,11 @@ def _engine_options(f):
     f = click.option("--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV cache budget in GiB (default: a share of free memory).")(f)
     f = click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True, help="Most sequences in one batch.")(f)
     f = click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Cap the context length.")(f)
+    f = click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+                     help="Tokens per step (prompts are prefilled in chunks of at most this).")(f)
+    f = click.option("--max-prefill-with-decodes", type=click.IntRange(min=1), default=None,
+                     help="Prompt tokens per step while other requests are decoding (default: no separate cap). "
+                          "Lower: smoother streaming under load, slower first tokens of long prompts.")(f)
     return f
 
 
@@ -60,7 +65,8 @@ def _sampling_options(f):
     return f
 
 
-def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching=True, kv_cache_dtype="auto"):
+def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching=True, kv_cache_dtype="auto",
+                 max_num_batched_tokens=512, max_prefill_with_decodes=None):
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
     start = time.perf_counter()
@@ -73,7 +79,9 @@ def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len, prefix_ca
 
     try:
         engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
-                                               enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype),
+                                               enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                                               max_num_batched_tokens=max_num_batched_tokens,
+                                               max_prefill_with_decodes=max_prefill_with_decodes),
                            progress=progress)
     except (FileNotFoundError, ValueError, MemoryError) as e:
         raise click.ClickException(str(e)) from None
@@ -132,11 +140,13 @@ def main(verbose: bool, log_level: str | None) -> None:
 @_sampling_options
 @_engine_options
 @_log_options
-def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
+def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
+             max_num_batched_tokens, max_prefill_with_decodes):
     if prompt == "-":
         prompt = sys.stdin.read()
     params = _params(temperature, max_tokens, top_p, top_k, seed)
-    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype)
+    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
+                          max_num_batched_tokens, max_prefill_with_decodes)
     if chat_template and engine.tokenizer.chat_template:
         try:
             prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
@@ -153,11 +163,13 @@ def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k
 @_sampling_options
 @_engine_options
 @_log_options
-def chat(model, system, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
+def chat(model, system, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
+             max_num_batched_tokens, max_prefill_with_decodes):
     from macinfer.repl import ChatREPL
 
     params = _params(temperature, max_tokens, top_p, top_k, seed)
-    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype)
+    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
+                          max_num_batched_tokens, max_prefill_with_decodes)
     if not engine.tokenizer.chat_template:
         raise click.ClickException("this model has no chat template; use `macinfer generate --no-chat-template`")
     ChatREPL(engine, params, system, lambda prompt: _stream(engine, prompt, params)[0]).run()
@@ -197,7 +209,8 @@ def convert(gguf, out_dir):
 @_engine_options
 @_log_options
 def serve(model, host, port, served_model_name, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, max_body_mb,
-          max_connections, header_timeout, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype):
+          max_connections, header_timeout, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
+             max_num_batched_tokens, max_prefill_with_decodes):
     import os
 
     try:
@@ -210,7 +223,8 @@ def serve(model, host, port, served_model_name, api_keys, cache_isolation, allow
         sock = bind_socket(host, port)  # before the model loads: a busy port fails in a second
     except OSError as e:
         raise click.ClickException(str(e)) from None
-    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype)
+    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
+                          max_num_batched_tokens, max_prefill_with_decodes)
     name = served_model_name or os.path.basename(model.rstrip("/")).removesuffix(".gguf")
     hosts = ({*LOOPBACK_HOSTS, *(h.lower() for h in allowed_hosts)} if is_loopback(host) else None)
     code = run_server(engine, name, sock, header_timeout=header_timeout, max_connections=max_connections,

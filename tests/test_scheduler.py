@@ -97,3 +97,29 @@ def test_token_slice_equals_slicing_the_full_token_list():
     for start in range(6):
         for end in range(start, 6):
             assert seq.token_slice(start, end) == seq.token_ids[start:end]
+
+
+def test_prefill_cap_while_decoding_bounds_the_step():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=32, max_prefill_with_decodes=6)
+    a, long = _seq(5, "a"), _seq(40, "long", start=200)
+    sched.add(a)
+    out = sched.schedule()
+    assert out.scheduled == [(a, 5)]  # nothing decodes yet: the whole budget
+    a.num_computed_tokens += 5
+    a.output_token_ids.append(7)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < long.num_tokens:
+        out = sched.schedule()
+        assert out.scheduled[0] == (a, 1)  # the decode goes on every step
+        chunks.append(sum(n for s, n in out.scheduled if s is long))
+        for s, n in out.scheduled:
+            s.num_computed_tokens += n
+        a.output_token_ids.append(7)
+    assert chunks == [6] * 6 + [4]  # at most 6 prompt tokens a step while `a` decodes
+    sched.finish(a, "stop")
+    long.output_token_ids.append(7)
+    other = _seq(40, "other", start=400)
+    sched.add(other)
+    out = sched.schedule()  # `long` decodes now, so `other` is capped too
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("long", 1), ("other", 6)]

@@ -126,19 +126,28 @@ def _start_targets(model: str, vs: list[str], first: str, macinfer_args: list[st
 @click.option("--input-len", type=click.IntRange(min=8), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--kv-cache-gb", type=float, default=1.0, show_default=True, help="For the macinfer server started here.")
-def serve(model, vs, out_dir, no_plots, concurrency, requests, rate, input_len, output_len, kv_cache_gb):
+@click.option("--mixed", nargs=4, type=(int, int, int, float), default=None,
+              metavar="STREAMS LONG_TOKENS LONG_PROMPTS RATE",
+              help="Add a mixed-load level: STREAMS streams decoding short requests while LONG_PROMPTS prompts of "
+                   "LONG_TOKENS tokens arrive at RATE per second. E.g. --mixed 16 1536 4 0.2")
+@click.option("--server-arg", "server_args", multiple=True, help="Extra flag for the macinfer server (repeatable).")
+def serve(model, vs, out_dir, no_plots, concurrency, requests, rate, input_len, output_len, kv_cache_gb, mixed,
+          server_args):
     from macinfer.bench import serve as mod
 
     _check_plots(not no_plots)
     vs = _targets(vs, ("mlx-lm", "macinfer-nocache"))
     tokenizer = _tokenizer(model)
     conc = tuple(sorted(concurrency))
-    args = ["--kv-cache-gb", str(kv_cache_gb), "--max-num-seqs", str(max(32, max(conc))), "--max-queue", "1024"]
+    args = ["--kv-cache-gb", str(kv_cache_gb), "--max-num-seqs", str(max(32, max(conc))), "--max-queue", "1024",
+            *server_args]
     started = _start_targets(model, vs, "macinfer", args)
     try:
         per_target = sum(requests or max(4, 2 * c) for c in conc) + ((requests or 16) if rate else 0)
+        per_target += (3 * mixed[0] + mixed[2]) if mixed else 0
         with _progress(per_target * len(started), "serve") as bar:
-            results = mod.run(started, tokenizer, input_len, output_len, conc, requests, rate or None, bar.update)
+            results = mod.run(started, tokenizer, input_len, output_len, conc, requests, rate or None, bar.update,
+                              mixed)
     finally:
         for t in started:
             t.stop()

@@ -100,11 +100,66 @@ async def run_level(target: Target, prompts: list[str], max_tokens: int, concurr
     return out
 
 
+async def run_mixed(target: Target, short: list[list[str]], long: list[str], output_len: int, rate: float,
+                    tick: Callable[[], None]) -> dict:
+    """Mixed load: len(short) streams each sending its short prompts one after another
+    (decoding), while the long prompts arrive with Poisson gaps. ITL is measured on the
+    short streams: what a long prompt's prefill costs everyone else."""
+    rng = random.Random(2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
+                                 limits=httpx.Limits(max_connections=len(short) + len(long) + 4)) as client:
+        async def stream(prompts: list[str]) -> list[dict]:
+            out = []
+            for p in prompts:
+                try:
+                    out.append(await _one(client, target, p, output_len))
+                except (httpx.HTTPError, RuntimeError) as e:
+                    out.append({"error": str(e)})
+                tick()
+            return out
+
+        async def arrival(prompt: str, delay: float) -> dict:
+            await asyncio.sleep(delay)
+            try:
+                return await _one(client, target, prompt, 16)
+            except (httpx.HTTPError, RuntimeError) as e:
+                return {"error": str(e)}
+            finally:
+                tick()
+
+        delays, t = [], 1.0
+        for _ in long:
+            delays.append(t)
+            t += rng.expovariate(rate)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(stream(ps) for ps in short), *(arrival(p, d) for p, d in zip(long, delays)))
+        wall = time.perf_counter() - start
+    shorts = [r for rs in results[: len(short)] for r in rs]
+    longs = list(results[len(short):])
+    ok_s = [r for r in shorts if "error" not in r]
+    ok_l = [r for r in longs if "error" not in r]
+    out: dict = {"requests": len(shorts) + len(longs), "failed": len(shorts) + len(longs) - len(ok_s) - len(ok_l),
+                 "wall_s": wall, "output_tokens": sum(r["tokens"] for r in ok_s + ok_l)}
+    out["throughput_tok_s"] = out["output_tokens"] / wall
+    out["requests_per_s"] = (len(ok_s) + len(ok_l)) / wall
+    out.update(percentiles([g for r in ok_s for g in r["itl"]], "itl"))
+    out.update(percentiles([r["ttft"] for r in ok_s], "ttft"))
+    out.update(percentiles([r["ttft"] for r in ok_l], "long_ttft"))
+    out.update(percentiles([r["e2e"] for r in ok_s], "e2e"))
+    out["ttft_samples"] = [r["ttft"] for r in ok_s]
+    out["itl_samples"] = [g for r in ok_s for g in r["itl"]]
+    return out
+
+
 def run(targets: list[Target], tokenizer, input_len: int, output_len: int, concurrency: tuple[int, ...],
-        requests: int | None, rate: float | None, tick: Callable[[], None]) -> dict:
+        requests: int | None, rate: float | None, tick: Callable[[], None],
+        mixed: tuple[int, int, int, float] | None = None) -> dict:
+    """`mixed`: (streams, long prompt tokens, long prompts, their arrival rate) for a mixed-load level."""
     levels = [(f"c{c}", c, None, requests or max(4, 2 * c)) for c in concurrency]
     if rate:
         levels.append((f"poisson{rate:g}", None, rate, requests or 16))
+    if mixed:
+        levels.append(("mixed", None, None, 0))
     results: dict = {"mode": "serve", "context": {
         **versions(), "hardware": hardware(), "energy": energy(),
         "workload": {"input_len": input_len, "output_len": output_len, "concurrency": list(concurrency),
@@ -112,6 +167,11 @@ def run(targets: list[Target], tokenizer, input_len: int, output_len: int, concu
                      "prompts": "distinct word-salad prompts of about input_len tokens (the served model's "
                                 "tokenizer), streaming /v1/completions, greedy, EOS honoured",
                      "shared_prefixes": "none (see `macinfer bench prefix`)",
+                     "mixed": None if not mixed else {
+                         "streams": mixed[0], "long_prompt_tokens": mixed[1], "long_prompts": mixed[2],
+                         "long_rate_per_s": mixed[3], "short_requests_per_stream": 3,
+                         "what": "streams decode back-to-back short requests while long prompts arrive "
+                                 "(Poisson); ITL is measured on the streams"},
                      "structured_output": "none"},
         "targets": {t.name: {"url": t.url, "model": t.model, **t.info} for t in targets},
     }, "levels": [name for name, *_ in levels], "servers": {}}
@@ -119,6 +179,12 @@ def run(targets: list[Target], tokenizer, input_len: int, output_len: int, concu
         asyncio.run(run_level(t, make_prompts(tokenizer, 1, 8, seed=99), 4, 1, None, lambda: None))  # warm-up
         per: dict = {}
         for i, (name, conc, r, n) in enumerate(levels):
+            if name == "mixed":
+                streams, long_len, n_long, long_rate = mixed
+                short = [make_prompts(tokenizer, 3, 32, seed=100 + j) for j in range(streams)]
+                long = make_prompts(tokenizer, n_long, long_len, seed=200)
+                per[name] = asyncio.run(run_mixed(t, short, long, output_len, long_rate, tick))
+                continue
             prompts = make_prompts(tokenizer, n, input_len, seed=i)
             per[name] = asyncio.run(run_level(t, prompts, output_len, conc, r, tick))
         if t.memory is not None:
@@ -133,7 +199,7 @@ def table(results: dict) -> str:
     lines = [f"{'level':<14}{'metric':<18}" + "".join(f"{n[:16]:>18}" for n in names)
              + ("   ratio" if len(names) == 2 else "")]
     keys = ("throughput_tok_s", "requests_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "itl_p95",
-            "itl_p99", "e2e_p50", "e2e_p99", "kv_hit_rate", "failed")
+            "itl_p99", "e2e_p50", "e2e_p99", "long_ttft_p50", "long_ttft_p99", "kv_hit_rate", "failed")
     for level in results["levels"]:
         for k in keys:
             vals = [results["servers"][n][level].get(k) for n in names]

@@ -38,6 +38,9 @@ class PromptTooLongError(ValueError):
 class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    # Prefill tokens per step while sequences decode (None: the whole budget); bounds the
+    # inter-token latency a long prompt inflicts on decoding streams.
+    max_prefill_with_decodes: int | None = None
     max_model_len: int | None = None  # default: the model's context length
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_gb: float | None = None  # explicit KV budget in GiB
@@ -125,7 +128,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, cfg.enable_prefix_caching, cache_key=self.loaded.source,
                                           window=window if window_layers else None,
                                           num_window_blocks=num_window_blocks)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.max_prefill_with_decodes)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured)
         self.requests: dict[str, _RequestState] = {}

@@ -38,10 +38,14 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_prefill_with_decodes: int | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Prefill tokens a step may carry while sequences are decoding: a long prompt's
+        # chunk makes the whole step slow, and every decoding stream waits for it.
+        self.max_prefill_with_decodes = max_prefill_with_decodes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -72,12 +76,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        prefill_left = budget if not decoding or self.max_prefill_with_decodes is None \
+            else self.max_prefill_with_decodes
+
         # 1. Running sequences, oldest first; preempt the newest on a block shortage.
         kept: list[Sequence] = []
         queue = deque(sorted(self.running, key=lambda s: s.arrival))
         while queue and budget > 0:
             seq = queue.popleft()
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_left)
+            if n == 0:  # a prefill with no prefill budget left this step
+                kept.append(seq)
+                continue
             while not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -91,17 +103,19 @@ class Scheduler:
             out.scheduled.append((seq, n))
             kept.append(seq)
             budget -= n
+            if remaining > 1:
+                prefill_left -= n
         kept.extend(queue)  # running but out of budget this step
         self.running = kept
 
         # 2. Admit waiting sequences (not in a step that had to preempt).
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.waiting and min(budget, prefill_left) > 0 and not out.preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
             cached = bm.match_prefix(seq)
             seq.num_computed_tokens = cached
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_left)
             if not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 bm.free(seq)  # give the prefix hits back; they stay cached
                 seq.num_computed_tokens = 0
@@ -115,6 +129,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
+            prefill_left -= n
 
         out.scheduled.sort(key=lambda item: item[1] != 1)  # decodes first
         return out
