@@ -11,6 +11,8 @@ while the forward pass runs on the device; applying it is three MLX ops.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import mlx.core as mx
@@ -40,14 +42,24 @@ def json_schema_grammar(schema: dict[str, Any] | None) -> str:
 class StructuredOutputs:
     """The llguidance view of the model's vocabulary (built once, on first use: ~1 s)."""
 
+    CACHE_SIZE = 64
+
     def __init__(self, tokenizer: TokenizerWrapper, vocab_size: int):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._ll = None
         self._executor = None
+        # grammar -> a fresh matcher to copy: compiled once (tool schemas repeat), and
+        # off the engine thread (validation runs in the server's worker threads).
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
 
     @property
     def ll_tokenizer(self):
+        with self._lock:
+            return self._ll_tokenizer()
+
+    def _ll_tokenizer(self):
         if self._ll is None:
             import llguidance
 
@@ -57,21 +69,32 @@ class StructuredOutputs:
             self._executor = llguidance.LLExecutor()
         return self._ll
 
-    def validate(self, grammar: str) -> None:
+    def _fresh(self, grammar: str):
+        """A matcher in its start state, compiled at most once per grammar (LRU)."""
         import llguidance
 
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
-        if is_error:
-            raise GrammarError(f"invalid grammar: {messages[0]}")
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled.deep_copy()
+            tokenizer = self._ll_tokenizer()
+        compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # may take a while: unlocked
+        if compiled.is_error():
+            raise GrammarError(f"invalid grammar: {compiled.get_error()}")
+        with self._lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > self.CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return compiled.deep_copy()
+
+    def validate(self, grammar: str) -> None:
+        """Compile (and cache) the grammar; GrammarError if it is invalid."""
+        self._fresh(grammar)
 
     def matcher(self, grammar: str):
         """A fresh matcher for one request; GrammarError if the grammar is invalid."""
-        import llguidance
-
-        m = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-        if m.is_error():
-            raise GrammarError(m.get_error())
-        return m
+        return self._fresh(grammar)
 
     def bitmask(self, seqs: list[Sequence]) -> np.ndarray | None:
         """[N, ceil(vocab/32)] int32, bit t of row i set when token t is allowed for
