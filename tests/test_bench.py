@@ -38,19 +38,24 @@ def test_serve_mode_against_a_url(tiny_llama, tmp_path):
     other = ServerProcess(tiny_llama, "--kv-cache-gb", "0.01", "--served-model-name", "other")
     try:
         _run(["bench", "serve", tiny_llama, "--vs", other.url + "/v1", "-c", "1", "-c", "2", "--requests", "3",
-              "--rate", "4", "--input-len", "16", "--output-len", "4", "--kv-cache-gb", "0.01", "--out", str(tmp_path)])
+              "--rate", "4", "--input-len", "16", "--output-len", "4", "--kv-cache-gb", "0.01", "--structured", "0.5",
+              "--mixed", "2", "24", "1", "4", "--out", str(tmp_path)])
     finally:
         other.stop()
     res = json.load(open(tmp_path / "bench_serve.json"))
-    assert res["levels"] == ["c1", "c2", "poisson4"]
+    assert res["levels"] == ["c1", "c2", "poisson4", "mixed"]
+    assert res["context"]["workload"]["structured_output"]["fraction"] == 0.5
     assert set(res["servers"]) == {"macinfer", other.url + "/v1"}
     assert res["context"]["targets"][other.url + "/v1"]["model"] == "other"
     ours = res["servers"]["macinfer"]
-    for level in res["levels"]:
+    for level in res["levels"][:3]:
         lv = ours[level]
         assert lv["failed"] == 0 and lv["requests"] == 3
         assert {"ttft_p50", "ttft_p95", "ttft_p99", "itl_p99", "e2e_p99", "throughput_tok_s", "requests_per_s",
                 "kv_hit_rate"} <= set(lv)
+        assert lv["structured_requests"] == 2  # requests 0 and 2 of 3 held to the JSON schema
+    mixed = ours["mixed"]
+    assert mixed["failed"] == 0 and mixed["requests"] == 2 * 3 + 1 and "long_ttft_p50" in mixed
     assert ours["peak_rss_gb"] > 0 and ours["memory_gb_over_time"]
     assert "peak_rss_gb" not in res["servers"][other.url + "/v1"]  # not our process: not measured
     for name in ("throughput_vs_concurrency", "latency_cdf", "memory"):

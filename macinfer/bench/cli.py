@@ -131,8 +131,10 @@ def _start_targets(model: str, vs: list[str], first: str, macinfer_args: list[st
               help="Add a mixed-load level: STREAMS streams decoding short requests while LONG_PROMPTS prompts of "
                    "LONG_TOKENS tokens arrive at RATE per second. E.g. --mixed 16 1536 4 0.2")
 @click.option("--server-arg", "server_args", multiple=True, help="Extra flag for the macinfer server (repeatable).")
+@click.option("--structured", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Fraction of requests held to a JSON schema (chat completions with response_format).")
 def serve(model, vs, out_dir, no_plots, concurrency, requests, rate, input_len, output_len, kv_cache_gb, mixed,
-          server_args):
+          server_args, structured):
     from macinfer.bench import serve as mod
 
     _check_plots(not no_plots)
@@ -147,7 +149,7 @@ def serve(model, vs, out_dir, no_plots, concurrency, requests, rate, input_len, 
         per_target += (3 * mixed[0] + mixed[2]) if mixed else 0
         with _progress(per_target * len(started), "serve") as bar:
             results = mod.run(started, tokenizer, input_len, output_len, conc, requests, rate or None, bar.update,
-                              mixed)
+                              mixed, structured)
     finally:
         for t in started:
             t.stop()

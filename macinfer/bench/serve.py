@@ -7,6 +7,7 @@ hit rate. Each local server's memory is sampled for the whole run."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from typing import Callable
@@ -32,15 +33,35 @@ def make_prompts(tokenizer, n: int, input_len: int, seed: int = 0) -> list[str]:
     return prompts
 
 
-async def _one(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int) -> dict:
-    body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+# The structured-output workload: a bounded JSON answer (a small model can loop in an
+# unbounded string).
+JSON_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 40}, "mood": {"type": "string", "enum": ["calm", "tense", "joyful"]},
+    "events": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4}},
+    "required": ["title", "mood", "events"], "additionalProperties": False}
+
+
+async def _one(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int,
+               structured: bool = False) -> dict:
+    """One streaming request: /v1/completions, or for the structured workload a chat
+    request with a JSON-schema response_format."""
+    body: dict = {"model": target.model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    if structured:
+        body |= {"messages": [{"role": "user", "content": prompt + "\nAnswer in JSON."}],
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": JSON_SCHEMA}}}
+    else:
+        body["prompt"] = prompt
     start = time.perf_counter()
-    last, ttft, itls, tokens, chunks = start, None, [], 0, 0
-    async for data in sse_events(client, f"{target.url}/v1/completions", body):
+    last, ttft, itls, tokens, chunks, text = start, None, [], 0, 0, []
+    url = f"{target.url}/v1/{'chat/completions' if structured else 'completions'}"
+    async for data in sse_events(client, url, body):
         if data.get("usage"):
             tokens = data["usage"]["completion_tokens"]
-        if data.get("choices") and data["choices"][0].get("text"):
+        choice = (data.get("choices") or [{}])[0]
+        piece = (choice.get("delta") or {}).get("content") if structured else choice.get("text")
+        if piece:
+            text.append(piece)
             now = time.perf_counter()
             chunks += 1
             if ttft is None:
@@ -50,22 +71,31 @@ async def _one(client: httpx.AsyncClient, target: Target, prompt: str, max_token
             last = now
     e2e = time.perf_counter() - start
     tokens = tokens or chunks
-    return {"ttft": ttft if ttft is not None else e2e, "e2e": e2e, "tokens": tokens, "itl": itls,
-            "tpot": (e2e - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None}
+    out = {"ttft": ttft if ttft is not None else e2e, "e2e": e2e, "tokens": tokens, "itl": itls,
+           "tpot": (e2e - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None}
+    if structured:
+        try:
+            json.loads("".join(text))
+            out["valid_json"] = True
+        except ValueError:
+            out["valid_json"] = False
+    return out
 
 
 async def run_level(target: Target, prompts: list[str], max_tokens: int, concurrency: int | None,
-                    rate: float | None, tick: Callable[[], None]) -> dict:
+                    rate: float | None, tick: Callable[[], None], structured: float = 0.0) -> dict:
+    """`structured`: the fraction of requests (every k-th) held to a JSON schema."""
     rng = random.Random(1)
+    every = round(1 / structured) if structured > 0 else 0
     sem = asyncio.Semaphore(concurrency or len(prompts))
     before = target.status()
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
                                  limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
-        async def request(prompt: str, delay: float) -> dict:
+        async def request(i: int, prompt: str, delay: float) -> dict:
             await asyncio.sleep(delay)
             async with sem:
                 try:
-                    return await _one(client, target, prompt, max_tokens)
+                    return await _one(client, target, prompt, max_tokens, bool(every) and i % every == 0)
                 except (httpx.HTTPError, RuntimeError) as e:
                     return {"error": str(e)}
                 finally:
@@ -77,7 +107,7 @@ async def run_level(target: Target, prompts: list[str], max_tokens: int, concurr
             if rate:
                 t += rng.expovariate(rate)
         start = time.perf_counter()
-        results = await asyncio.gather(*(request(p, d) for p, d in zip(prompts, delays)))
+        results = await asyncio.gather(*(request(i, p, d) for i, (p, d) in enumerate(zip(prompts, delays))))
         wall = time.perf_counter() - start
     ok = [r for r in results if "error" not in r]
     out: dict = {"requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
@@ -86,6 +116,10 @@ async def run_level(target: Target, prompts: list[str], max_tokens: int, concurr
         out["first_error"] = next(r["error"] for r in results if "error" in r)
     out["throughput_tok_s"] = out["output_tokens"] / wall
     out["requests_per_s"] = len(ok) / wall
+    held = [r for r in ok if "valid_json" in r]
+    if held:
+        out["structured_requests"] = len(held)
+        out["structured_valid_json"] = sum(r["valid_json"] for r in held) / len(held)
     for key in ("ttft", "tpot", "e2e"):
         out.update(percentiles([r[key] for r in ok], key))
     out.update(percentiles([g for r in ok for g in r["itl"]], "itl"))
@@ -153,7 +187,7 @@ async def run_mixed(target: Target, short: list[list[str]], long: list[str], out
 
 def run(targets: list[Target], tokenizer, input_len: int, output_len: int, concurrency: tuple[int, ...],
         requests: int | None, rate: float | None, tick: Callable[[], None],
-        mixed: tuple[int, int, int, float] | None = None) -> dict:
+        mixed: tuple[int, int, int, float] | None = None, structured: float = 0.0) -> dict:
     """`mixed`: (streams, long prompt tokens, long prompts, their arrival rate) for a mixed-load level."""
     levels = [(f"c{c}", c, None, requests or max(4, 2 * c)) for c in concurrency]
     if rate:
@@ -172,7 +206,9 @@ def run(targets: list[Target], tokenizer, input_len: int, output_len: int, concu
                          "long_rate_per_s": mixed[3], "short_requests_per_stream": 3,
                          "what": "streams decode back-to-back short requests while long prompts arrive "
                                  "(Poisson); ITL is measured on the streams"},
-                     "structured_output": "none"},
+                     "structured_output": "none" if not structured else {
+                         "fraction": structured, "how": "chat completions with a json_schema response_format",
+                         "schema": JSON_SCHEMA}},
         "targets": {t.name: {"url": t.url, "model": t.model, **t.info} for t in targets},
     }, "levels": [name for name, *_ in levels], "servers": {}}
     for t in targets:
@@ -186,7 +222,7 @@ def run(targets: list[Target], tokenizer, input_len: int, output_len: int, concu
                 per[name] = asyncio.run(run_mixed(t, short, long, output_len, long_rate, tick))
                 continue
             prompts = make_prompts(tokenizer, n, input_len, seed=i)
-            per[name] = asyncio.run(run_level(t, prompts, output_len, conc, r, tick))
+            per[name] = asyncio.run(run_level(t, prompts, output_len, conc, r, tick, structured))
         if t.memory is not None:
             per["memory_gb_over_time"] = list(t.memory.samples)
             per["peak_rss_gb"] = t.memory.peak_gb
@@ -199,7 +235,8 @@ def table(results: dict) -> str:
     lines = [f"{'level':<14}{'metric':<18}" + "".join(f"{n[:16]:>18}" for n in names)
              + ("   ratio" if len(names) == 2 else "")]
     keys = ("throughput_tok_s", "requests_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "itl_p50", "itl_p95",
-            "itl_p99", "e2e_p50", "e2e_p99", "long_ttft_p50", "long_ttft_p99", "kv_hit_rate", "failed")
+            "itl_p99", "e2e_p50", "e2e_p99", "long_ttft_p50", "long_ttft_p99", "kv_hit_rate",
+            "structured_valid_json", "failed")
     for level in results["levels"]:
         for k in keys:
             vals = [results["servers"][n][level].get(k) for n in names]
