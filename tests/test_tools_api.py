@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from tests.helpers import tiny_model_dir
 from tests.server_process import ServerProcess
+from tests.test_server import client, server  # noqa: F401  (the same SmolLM2 server fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -27,19 +28,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "description": "Current time", "parameters": TIME}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--kv-cache-gb", "0.1", "--max-model-len", "1024")
-    yield s
-    out = s.stop()
-    assert "Traceback" not in out, out
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def _valid(call) -> dict:
