@@ -151,3 +151,14 @@ def test_forced_plans_use_a_grammar():
     assert proc.feed('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]') == {}
     done = proc.finish()
     assert done["tool_calls"][0]["function"]["name"] == "get_weather" and proc.finish_reason("stop") == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_auto_call():
+    from macinfer.server import chat_output
+
+    text = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    for parallel, names in ((True, ["a", "b"]), (False, ["a"])):
+        plan = chat_output.plan([WEATHER], "auto", parallel, None, "<tool_call>")
+        msg, _ = chat_output.message(plan, text)
+        assert [c["function"]["name"] for c in msg["tool_calls"]] == names

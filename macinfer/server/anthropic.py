@@ -273,21 +273,18 @@ async def events(model_name: str, turn, gen) -> AsyncIterator[str]:
     proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
     blocks = _Blocks()
     try:
-        async for _, out in gen:
-            if out.finish_reason == "error":
+        async for out, parts in chat_output.parts_stream(proc, gen):
+            if parts is None:
                 from macinfer.server.serving import _generation_error
 
                 err = _generation_error(out)
                 yield _event("error", {"error": error_body(err.status, err.message)["error"]})
                 return
-            parts = proc.feed(out.delta_text)
-            if out.finished:
-                parts = chat_output.merge(parts, proc.finish())
             for e in blocks.parts(parts):
                 yield e
             if out.finished:
                 if blocks.index < 0:  # an empty answer is still one (empty) text block
-                    for e in blocks.parts({"content": ""}) + blocks._open("text", {"type": "text", "text": ""}):
+                    for e in blocks._open("text", {"type": "text", "text": ""}):
                         yield e
                 for e in blocks.close():
                     yield e

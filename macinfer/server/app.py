@@ -180,27 +180,27 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             prompt = prompt[0]
         return await _run("completion", req, prompt, req.max_tokens or 16, req.logprobs, request)
 
-    @app.post("/v1/messages")
-    async def messages(req: anthropic.MessagesRequest, request: Request):
+    async def _translated(req, param: str, request: Request, events, whole):
+        """Serve a request of another API through the chat path: `events(turn, stream)`
+        streams it, `whole(final, turn)` answers it at once."""
         try:
             chat = req.to_chat()
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param=param) from None
         turn, stream, final = await _chat_translated(chat, request)
         if final is None:
-            return _sse(anthropic.events(model_name, turn, stream), stream)
-        return anthropic.message(req, model_name, final, turn)
+            return _sse(events(turn, stream), stream)
+        return whole(final, turn)
+
+    @app.post("/v1/messages")
+    async def messages(req: anthropic.MessagesRequest, request: Request):
+        return await _translated(req, "messages", request, lambda t, s: anthropic.events(model_name, t, s),
+                                 lambda f, t: anthropic.message(req, model_name, f, t))
 
     @app.post("/v1/responses")
     async def responses_create(req: responses.ResponsesRequest, request: Request):
-        try:
-            chat = req.to_chat()
-        except ValueError as e:
-            raise APIError(400, str(e), param="input") from None
-        turn, stream, final = await _chat_translated(chat, request)
-        if final is None:
-            return _sse(responses.events(req, model_name, turn, stream), stream)
-        return responses.response(req, model_name, final, turn)
+        return await _translated(req, "input", request, lambda t, s: responses.events(req, model_name, t, s),
+                                 lambda f, t: responses.response(req, model_name, f, t))
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest):

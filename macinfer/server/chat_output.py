@@ -37,6 +37,7 @@ class ChatPlan:
     reasoning: bool = False
     skip_special_tokens: bool = True
     grammar_param: str | None = None  # the request field the grammar comes from
+    parallel: bool = True  # False: at most one tool call (parallel_tool_calls)
     tool_specs: list[dict] = field(default_factory=list)
 
 
@@ -48,7 +49,7 @@ def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool, response_fo
          chat_template: Any, tool_parser: str | None = None, reasoning: bool | None = None) -> ChatPlan:
     """tools: OpenAI tool dicts; tool_choice: "none"/"auto"/"required"/{"type": "function", ...};
     response_format: OpenAI's dict. `tool_parser` overrides the format found in the template."""
-    p = ChatPlan(tools=tools or None, tool_specs=[t["function"] for t in tools or []])
+    p = ChatPlan(tools=tools or None, tool_specs=[t["function"] for t in tools or []], parallel=parallel)
     p.reasoning = reasoning_mod.template_reasons(chat_template) if reasoning is None else reasoning
     names = {f["name"]: f for f in p.tool_specs}
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
@@ -145,6 +146,8 @@ class ChatOutput:
         calls: list[ToolCall] = []
         if self.tools is not None:
             text, calls = self.tools.feed(text, final)
+            if not self.plan.parallel:  # parallel_tool_calls: false keeps the first call only
+                calls = calls[: max(0, 1 - len(self.calls))]
         if text:
             out["content"] = text
         if calls:
@@ -181,6 +184,19 @@ class ChatOutput:
         if engine_reason == "stop" and self.calls and self.plan.forced in (None, "required"):
             return "tool_calls"
         return engine_reason
+
+
+async def parts_stream(proc: ChatOutput, gen):
+    """(engine output, its chat parts) for each output of one streamed choice; parts is
+    None for a failed request (the last item). The finishing output carries the rest."""
+    async for _, out in gen:
+        if out.finish_reason == "error":
+            yield out, None
+            return
+        parts = proc.feed(out.delta_text)
+        if out.finished:
+            parts = merge(parts, proc.finish())
+        yield out, parts
 
 
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

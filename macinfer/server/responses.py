@@ -260,16 +260,13 @@ async def events(req: ResponsesRequest, model_name: str, turn, gen) -> AsyncIter
     proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
     items = _Items(rid, event)
     try:
-        async for _, out in gen:
-            if out.finish_reason == "error":
+        async for out, parts in chat_output.parts_stream(proc, gen):
+            if parts is None:
                 from macinfer.server.serving import _generation_error
 
                 err = _generation_error(out)
                 yield event("error", {"code": err.code or err.type, "message": err.message, "param": None})
                 return
-            parts = proc.feed(out.delta_text)
-            if out.finished:
-                parts = chat_output.merge(parts, proc.finish())
             for e in items.parts(parts):
                 yield e
             if out.finished:
