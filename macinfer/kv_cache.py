@@ -1,12 +1,14 @@
 """The paged KV cache: one K pool and one V pool per layer.
 
-Layout: `[num_blocks, block_size, num_kv_heads, head_dim]` per layer, viewed
-flat as `[num_blocks * block_size, num_kv_heads, head_dim]` for writes, so a
-token's *slot* (`block_id * block_size + offset`) is a single row index and the
-write for a whole ragged batch is one scatter. Token-major rows keep every
-head of a token contiguous (one write per token), and a block read through a
-block table is a contiguous `[block_size, kv_heads, head_dim]` slab, the unit a
-paged-attention kernel loads.
+Layout: `[num_blocks, num_kv_heads, block_size, head_dim]` per layer (head-major
+inside a block, like vLLM's paged kernels), stored flat as rows
+`[num_blocks * num_kv_heads * block_size, head_dim]`. A token's *slot*
+(`block_id * block_size + offset`, vLLM's slot mapping) becomes one row per KV
+head (`kv_rows`), so the write for a whole ragged batch is one scatter. A
+(block, head) pair is a contiguous `[block_size, head_dim]` matrix: decode
+attention multiplies queries against it in place through the block table
+(`mx.gather_mm`), with no gathered copy of the context, and a paged-attention
+kernel reads it with unit stride.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
+import numpy as np
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -36,12 +39,19 @@ def bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * per_head
 
 
-def gather_blocks(pool: mx.array, block_table: mx.array, block_size: int) -> mx.array:
-    """Rows of `pool` ([slots, kv_heads, X]) for the blocks in `block_table`
-    ([..., nb]), token-major as stored: [..., nb * block_size, kv_heads, X]."""
-    g = pool.reshape(-1, block_size, *pool.shape[1:])[block_table]  # [..., nb, bs, kvh, X]
-    *lead, nb, bs, kvh, x = g.shape
-    return g.reshape(*lead, nb * bs, kvh, x)
+def kv_rows(slots: np.ndarray, num_kv_heads: int, block_size: int) -> np.ndarray:
+    """Pool rows of `slots` ([T]), one per KV head: [T * num_kv_heads], token-major."""
+    block, offset = np.divmod(np.asarray(slots, dtype=np.int64), block_size)
+    heads = np.arange(num_kv_heads)
+    return (((block[:, None] * num_kv_heads + heads) * block_size) + offset[:, None]).reshape(-1)
+
+
+def gather_blocks(blocks: mx.array, block_table: mx.array) -> mx.array:
+    """The blocks ([num_blocks, kvh, bs, X]) in `block_table` ([..., nb]) as one
+    copy per head: [..., kvh, nb * bs, X]."""
+    g = mx.moveaxis(blocks[block_table], -3, -4)  # [..., kvh, nb, bs, X]
+    *lead, kvh, nb, bs, x = g.shape
+    return g.reshape(*lead, kvh, nb * bs, x)
 
 
 def plan_blocks(budget_bytes: int, per_layer_block: int, num_layers: int, num_window_layers: int,
@@ -117,12 +127,13 @@ class KVCache:
         self.num_window_blocks = num_window_blocks
 
         def pool(slots: int) -> list[mx.array]:
+            rows = slots * num_kv_heads
             if not self.quantized:
-                return [mx.zeros((slots, num_kv_heads, head_dim), dtype=dtype)]
+                return [mx.zeros((rows, head_dim), dtype=dtype)]
             groups = head_dim // self.group_size
-            return [mx.zeros((slots, num_kv_heads, head_dim * KV_QUANT_BITS // 32), dtype=mx.uint32),
-                    mx.zeros((slots, num_kv_heads, groups), dtype=dtype),
-                    mx.zeros((slots, num_kv_heads, groups), dtype=dtype)]
+            return [mx.zeros((rows, head_dim * KV_QUANT_BITS // 32), dtype=mx.uint32),
+                    mx.zeros((rows, groups), dtype=dtype),
+                    mx.zeros((rows, groups), dtype=dtype)]
 
         # k[layer] / v[layer]: [values] or [packed values, scales, biases]
         self._pool = pool
@@ -146,35 +157,52 @@ class KVCache:
         return per_layer_block * ((self.num_layers - n_window) * self.num_blocks + n_window * self.num_window_blocks)
 
     def _encode(self, x: mx.array) -> list[mx.array]:
+        x = x.reshape(-1, self.head_dim).astype(self.dtype)  # one row per (token, head)
         if not self.quantized:
-            return [x.astype(self.dtype)]
-        T = x.shape[0]
-        w, scales, biases = mx.quantize(x.reshape(T * self.num_kv_heads, self.head_dim).astype(self.dtype),
-                                        group_size=self.group_size, bits=KV_QUANT_BITS)
-        return [a.reshape(T, self.num_kv_heads, -1) for a in (w, scales, biases)]
+            return [x]
+        return list(mx.quantize(x, group_size=self.group_size, bits=KV_QUANT_BITS))
 
-    def write(self, layer: int, slot_mapping: mx.array, k: mx.array, v: mx.array) -> None:
-        """Scatter new K/V rows ([T, kv_heads, head_dim]) into their slots."""
+    def write(self, layer: int, rows: mx.array, k: mx.array, v: mx.array) -> None:
+        """Scatter new K/V ([T, kv_heads, head_dim]) into their pool rows
+        ([T * kv_heads], from `kv_rows`)."""
         for pools, x in ((self.k[layer], k), (self.v[layer], v)):
-            for pool, rows in zip(pools, self._encode(x)):
-                pool[slot_mapping] = rows
+            for pool, values in zip(pools, self._encode(x)):
+                pool[rows] = values
 
     def _decode(self, parts: list[mx.array]) -> mx.array:
         if not self.quantized:
             return parts[0]
         return mx.dequantize(*parts, group_size=self.group_size, bits=KV_QUANT_BITS)
 
+    def _blocks(self, pool: mx.array) -> mx.array:
+        return pool.reshape(-1, self.num_kv_heads, self.block_size, pool.shape[-1])
+
     def gather(self, layer: int, block_table: mx.array) -> tuple[mx.array, mx.array]:
-        """K and V of the blocks in `block_table` ([..., nb]) as [..., nb*bs, kvh, d]."""
+        """K and V of the blocks in `block_table` ([..., nb]), dequantized, as
+        [..., kvh, nb*bs, d]."""
         return tuple(
-            self._decode([gather_blocks(p, block_table, self.block_size) for p in pools])
+            self._decode([gather_blocks(self._blocks(p), block_table) for p in pools])
             for pools in (self.k[layer], self.v[layer])
         )
 
-    def pools(self, layer: int) -> tuple[mx.array, mx.array]:
-        """Raw K and V rows [slots, kvh, d] of one layer (unquantized caches only)."""
+    def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
+        """K and V of one layer as [num_blocks, kvh, bs, d] views (unquantized caches only)."""
         assert not self.quantized
-        return self.k[layer][0], self.v[layer][0]
+        return self._blocks(self.k[layer][0]), self._blocks(self.v[layer][0])
+
+    def attention_blocks(self, layer: int, block_tables: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(K blocks, V blocks, block tables) for attention over `block_tables` ([B, nb]).
+        Unquantized: the pools in place. int8: the tables' blocks dequantized into a
+        copy ([B * nb, kvh, bs, d]) with tables renumbered into it."""
+        if not self.quantized:
+            return *self.blocks(layer), block_tables
+
+        def dequantized(pools: list[mx.array]) -> mx.array:
+            blocks = self._decode([self._blocks(p)[block_tables] for p in pools])  # [B, nb, kvh, bs, d]
+            return blocks.reshape(-1, *blocks.shape[-3:])
+
+        k, v = dequantized(self.k[layer]), dequantized(self.v[layer])
+        return k, v, mx.arange(k.shape[0], dtype=mx.int32).reshape(block_tables.shape)
 
     def state(self) -> list[mx.array]:
         return [a for pools in self.k + self.v for a in pools]

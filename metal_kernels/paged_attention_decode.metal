@@ -11,7 +11,8 @@
 // GQA (query heads per kv head), NSG (simdgroups), PART (tokens per partition,
 // a multiple of BS), WINDOW (sliding-window span; 0 for full attention). MACINFER_PARTITIONED selects the split-K variant, which
 // writes unnormalised partials (tmp_out, tmp_ml) for paged_attention_merge.metal.
-// Inputs: q [B, H, D], k_pool / v_pool [num_blocks * BS, KVH, D],
+// Inputs: q [B, H, D], k_pool / v_pool [num_blocks, KVH, BS, D] (a block's rows of one
+// head are contiguous),
 // block_tables [B, max_blocks] int32, context_lens [B] int32, scale [1] float32.
 constexpr int DPL = D / 32;
 const uint lane = thread_index_in_simdgroup;
@@ -43,8 +44,8 @@ for (int g = 0; g < GQA; g++) {
 }
 
 for (int t = start + int(sg); t < end; t += NSG) {
-  const long row = long(block_tables[long(seq) * max_blocks + t / BS]) * BS + t % BS;
-  const long off = (row * num_kv_heads + kvh) * D + lane * DPL;
+  const long block = block_tables[long(seq) * max_blocks + t / BS];
+  const long off = ((block * num_kv_heads + kvh) * BS + t % BS) * D + lane * DPL;
   float kr[DPL];
   float vr[DPL];
   for (int i = 0; i < DPL; i++) {

@@ -46,8 +46,7 @@ def timeit(fn, repeats: int = 20) -> float:
 
 
 def check_attention(peak: float | None) -> bool:
-    from macinfer.attention import reference_decode_attention
-    from macinfer.kv_cache import gather_blocks
+    from macinfer.attention import block_heads, decode_mask, reference_decode_attention
     from macinfer.kernels.call import launch
     from macinfer.kernels.paged_attention import decode_calls
 
@@ -59,14 +58,14 @@ def check_attention(peak: float | None) -> bool:
         nblk = batch * (ctx // bs) + 1
         rng = np.random.default_rng(0)
         q = mx.array(rng.normal(size=(batch, kvh * gqa, d)).astype(np.float16))
-        k = mx.array(rng.normal(size=(nblk * bs, kvh, d)).astype(np.float16))
-        v = mx.array(rng.normal(size=(nblk * bs, kvh, d)).astype(np.float16))
+        k = mx.array(rng.normal(size=(nblk, kvh, bs, d)).astype(np.float16))
+        v = mx.array(rng.normal(size=(nblk, kvh, bs, d)).astype(np.float16))
         tables = mx.array(rng.permutation(nblk)[: batch * (ctx // bs)].reshape(batch, -1).astype(np.int32))
         lens = mx.array(np.full(batch, ctx, np.int32))
         scale = d**-0.5
         kernel = lambda: launch(decode_calls(q, k, v, tables, lens, scale, bs, ctx))  # noqa: E731
-        reference = lambda: reference_decode_attention(  # noqa: E731
-            q, gather_blocks(k, tables, bs), gather_blocks(v, tables, bs), lens, scale)
+        heads, mask = block_heads(tables, kvh), decode_mask(lens, ctx)
+        reference = lambda: reference_decode_attention(q, k, v, heads, mask, scale)  # noqa: E731
         err = float(mx.abs(kernel().astype(mx.float32) - reference().astype(mx.float32)).max())
         t_k, t_r = timeit(kernel), timeit(reference)
         gbps = 2 * batch * ctx * kvh * d * 2 / t_k / 1e9

@@ -34,6 +34,22 @@ def test_engine_mode_against_mlx_lm_on_the_same_weights(tiny_llama, tmp_path):
     assert os.path.getsize(tmp_path / "engine_throughput_vs_concurrency.png") > 1000
 
 
+def test_step_mode_times_steps_host_and_graph_nodes(tiny_llama, tmp_path):
+    out = _run(["bench", "step", tiny_llama, "--vs", "mlx-lm", "--points", "1x16", "--points", "2x40",
+                "--host-points", "1x16", "--host-points", "1x64", "--repeats", "1", "--out", str(tmp_path)])
+    assert "graph nodes, mlx-lm" in out
+    res = json.load(open(tmp_path / "bench_step.json"))
+    assert [(r["batch"], r["context"]) for r in res["steps"]] == [(1, 16), (2, 40)]
+    assert all(r["macinfer_ms"] > 0 and r["mlx_lm_ms"] > 0 and r["macinfer_host_ms"] > 0 for r in res["steps"])
+    assert [h["context"] for h in res["host"]] == [16, 64]
+    nodes = res["nodes"]
+    assert nodes["macinfer"]["total"] > 0 and nodes["mlx-lm"]["total"] > 0
+    assert nodes["macinfer"]["top"]  # the op kinds, counted from an export
+    assert os.path.getsize(tmp_path / "step_time.png") > 1000
+    r = CliRunner().invoke(main, ["bench", "step", tiny_llama, "--points", "16by1024"])
+    assert r.exit_code == 2 and "expected BATCHxCONTEXT" in r.output
+
+
 def test_serve_mode_against_a_url(tiny_llama, tmp_path):
     other = ServerProcess(tiny_llama, "--kv-cache-gb", "0.01", "--served-model-name", "other")
     try:

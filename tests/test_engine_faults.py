@@ -140,7 +140,10 @@ def test_delivery_failure_kills_the_engine_cleanly(tiny_llama, monkeypatch):
     async def go():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as c:
-            return await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+            # Four steps, each failing to deliver: never an early EOS (the request would
+            # then end before the third failure, and nothing would answer it).
+            return await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0,
+                                                         "ignore_eos": True})
 
     try:
         r = asyncio.run(go())

@@ -26,8 +26,8 @@ def make_case(B, KVH, GQA, D, lens, dtype=np.float32, seed=0):
     H = KVH * GQA
     nb = sum(-(-n // BS) for n in lens) + 3
     q = rng.normal(size=(B, H, D)).astype(dtype)
-    kp = rng.normal(size=(nb * BS, KVH, D)).astype(dtype)
-    vp = rng.normal(size=(nb * BS, KVH, D)).astype(dtype)
+    kp = rng.normal(size=(nb, KVH, BS, D)).astype(dtype)
+    vp = rng.normal(size=(nb, KVH, BS, D)).astype(dtype)
     perm = rng.permutation(nb)  # scattered, non-contiguous blocks
     width = max(-(-n // BS) for n in lens)
     tables = np.zeros((B, width), np.int32)
@@ -45,10 +45,11 @@ def reference(q, kp, vp, tables, lens, window=None):
     out = np.zeros((B, H, D))
     for b in range(B):
         first = max(0, lens[b] - window) if window else 0  # a sliding window keeps the last `window` keys
-        rows = [tables[b][t // BS] * BS + t % BS for t in range(first, lens[b])]
+        blocks = [tables[b][t // BS] for t in range(first, lens[b])]
+        offsets = [t % BS for t in range(first, lens[b])]
         for h in range(H):
-            k = kp[rows, h // gqa].astype(np.float64)
-            v = vp[rows, h // gqa].astype(np.float64)
+            k = kp[blocks, h // gqa, offsets].astype(np.float64)
+            v = vp[blocks, h // gqa, offsets].astype(np.float64)
             s = k @ q[b, h].astype(np.float64) * D**-0.5
             p = np.exp(s - s.max())
             out[b, h] = (p / p.sum()) @ v

@@ -1,4 +1,4 @@
-"""`macinfer bench engine|serve|prefix`: run a benchmark, print a table, write JSON and PNG plots."""
+"""`macinfer bench engine|step|serve|prefix`: run a benchmark, print a table, write JSON and PNG plots."""
 
 from __future__ import annotations
 
@@ -115,6 +115,31 @@ def _start_targets(model: str, vs: list[str], first: str, macinfer_args: list[st
     if weights:
         next(t for t in started if t.name == "mlx-lm").info["weights"] = weights
     return started
+
+
+@bench.command(help="One decode step: step time by batch x context against mlx-lm (same weights), macinfer's "
+                    "host time per step as context grows, and MLX graph nodes per step.")
+@common
+@click.option("--points", multiple=True, default=None, metavar="BATCHxCONTEXT",
+              help="Step-time points (repeatable). Default: 1x128 1x1024 1x4096 1x8192 4x1024 16x1024 16x4096 64x128.")
+@click.option("--host-points", multiple=True, default=None, metavar="BATCHxCONTEXT",
+              help="Host-time points (repeatable). Default: 4x1024 4x4096 4x16384.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
+def step(model, vs, out_dir, no_plots, points, host_points, repeats):
+    from macinfer.bench import step as mod
+
+    _check_plots(not no_plots)
+    vs = _targets(vs, ("mlx-lm",))
+    if any(v.startswith("http") for v in vs):
+        raise click.BadParameter("step mode compares in-process engines (mlx-lm)", param_hint="--vs")
+    try:
+        pts = [mod.parse_point(p) for p in (points or mod.DEFAULT_POINTS)]
+        hosts = [mod.parse_point(p) for p in (host_points or mod.HOST_POINTS)]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--points/--host-points")
+    with _progress(len(pts) + len(hosts) + 1, "step", "measurement") as bar:
+        results = mod.run(model, vs, pts, hosts, repeats, tick=lambda label: (bar.set_postfix_str(label), bar.update()))
+    _finish(results, out_dir, not no_plots, mod.table(results))
 
 
 @bench.command(help="Online serving: streaming requests at fixed concurrency and with Poisson arrivals; "

@@ -53,6 +53,20 @@ def write(results: dict, out_dir: str) -> list[str]:
         save(fig, "throughput_vs_concurrency")
         return paths
 
+    if mode == "step":
+        fig, ax = plt.subplots(figsize=(7, 4))
+        rows = results["steps"]
+        labels = [f"{r['batch']}x{r['context']}" for r in rows]
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [r["macinfer_ms"] for r in rows], 0.4, label="macinfer")
+        if rows and "mlx_lm_ms" in rows[0]:
+            ax.bar(x + 0.2, [r["mlx_lm_ms"] for r in rows], 0.4, label="mlx-lm")
+        ax.set_xticks(x, labels, rotation=30)
+        ax.set(xlabel="batch x context", ylabel="decode step (ms)", title="Decode step time")
+        ax.legend()
+        save(fig, "time")
+        return paths
+
     servers = results["servers"]
     if mode == "serve":
         conc_levels = [lv for lv in results["levels"] if lv.startswith("c")]

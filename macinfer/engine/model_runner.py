@@ -11,7 +11,7 @@ from macinfer.engine.block_manager import BlockManager, cdiv
 from macinfer.engine.sampler import SamplerOutput, sample
 from macinfer.engine.sequence import Sequence
 from macinfer.engine.structured import StructuredOutputs, apply_bitmask
-from macinfer.kv_cache import KVCache
+from macinfer.kv_cache import KVCache, kv_rows
 
 
 class _GroupTables:
@@ -43,7 +43,7 @@ class _GroupTables:
         meta = AttentionMetadata(
             kv_cache=kv_cache,
             positions=positions,
-            slot_mapping=mx.array(self.slots, dtype=mx.int32),
+            kv_rows=mx.array(kv_rows(np.asarray(self.slots), kv_cache.num_kv_heads, self.bs), dtype=mx.int32),
             num_decodes=len(self.decode_tables),
             prefills=self.prefills,
         )

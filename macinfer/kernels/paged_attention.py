@@ -66,7 +66,7 @@ def decode_calls(
     partition_size: int = PARTITION_SIZE,
     window: int | None = None,
 ) -> list[KernelCall]:
-    """The launches for q [B, H, D] over pools [num_blocks * block_size, KVH, D].
+    """The launches for q [B, H, D] over pools [num_blocks, KVH, block_size, D].
 
     One launch when the longest context fits one partition; otherwise the
     split-K launch plus a merge launch (its inputs are the split outputs,

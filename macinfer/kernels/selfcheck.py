@@ -22,21 +22,19 @@ TOLERANCE = 2e-3  # float32 inputs; a wrong kernel is off by O(1)
 
 
 def _check_decode_attention(emulate: bool) -> float:
-    from macinfer.attention import reference_decode_attention
-    from macinfer.kv_cache import gather_blocks
+    from macinfer.attention import block_heads, decode_mask, reference_decode_attention
 
     rng = np.random.default_rng(0)
     kvh, gqa, d, lens = 2, 2, 64, [5, 37]
     blocks = sum(-(-n // BLOCK) for n in lens) + 1
     q = mx.array(rng.normal(size=(len(lens), kvh * gqa, d)).astype(np.float32))
-    k = mx.array(rng.normal(size=(blocks * BLOCK, kvh, d)).astype(np.float32))
-    v = mx.array(rng.normal(size=(blocks * BLOCK, kvh, d)).astype(np.float32))
+    k = mx.array(rng.normal(size=(blocks, kvh, BLOCK, d)).astype(np.float32))
+    v = mx.array(rng.normal(size=(blocks, kvh, BLOCK, d)).astype(np.float32))
     tables = mx.array(np.array([[3, 0, 0], [1, 4, 2]], dtype=np.int32))
     context = mx.array(np.array(lens, dtype=np.int32))
     scale = d**-0.5
     got = launch(paged_kernels.decode_calls(q, k, v, tables, context, scale, BLOCK, max(lens)), emulate=emulate)
-    want = reference_decode_attention(q, gather_blocks(k, tables, BLOCK), gather_blocks(v, tables, BLOCK),
-                                      context, scale)
+    want = reference_decode_attention(q, k, v, block_heads(tables, kvh), decode_mask(context, 3 * BLOCK), scale)
     return float(mx.abs(got - want).max())
 
 

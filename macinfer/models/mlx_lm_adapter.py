@@ -73,8 +73,8 @@ class PagedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         # keys/values: [T, kv_heads, 1, head_dim]
-        slots = self.meta.for_layer(self.layer).slot_mapping
-        self.meta.kv_cache.write(self.layer, slots, keys[:, :, 0], values[:, :, 0])
+        rows = self.meta.for_layer(self.layer).kv_rows
+        self.meta.kv_cache.write(self.layer, rows, keys[:, :, 0], values[:, :, 0])
         return keys, values
 
     def make_mask(self, *args: Any, **kwargs: Any) -> None:

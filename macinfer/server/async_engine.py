@@ -140,14 +140,20 @@ class AsyncEngine:
     def fail_all(self, message: str) -> None:
         """End every open request with `message` (safe to show clients); any thread."""
         with self._lock:
-            routes = list(self._routes.items())
-        for rid, route in routes:
+            rids = list(self._routes)
+        for rid in rids:
+            self._fail(rid, message)
+
+    def _fail(self, rid: str, message: str) -> None:
+        with self._lock:
+            route = self._routes.get(rid)
+        if route is not None:
             out = RequestOutput(rid, [], "", [], "", [], True, "error", error=message, client_error=message)
             try:
                 route.loop.call_soon_threadsafe(route.queue.put_nowait, (rid, out))
             except RuntimeError:  # its event loop is closed
                 pass
-            self._commands.put(("abort", rid))
+        self._commands.put(("abort", rid))
 
     def drain(self, message: str = "the server is shutting down") -> None:
         """Stop taking requests and end the open ones with an error (graceful shutdown)."""
@@ -234,5 +240,14 @@ class AsyncEngine:
             pass
         if not self.engine.has_unfinished_requests():
             return
-        for out in self.engine.step():
-            self._deliver(out)
+        outs = self.engine.step()
+        try:
+            for out in outs:
+                self._deliver(out)
+        except Exception:
+            # A request the engine has finished gets no more steps: if its last output
+            # cannot be delivered, answer it with an error rather than never.
+            for out in outs:
+                if out.finished:
+                    self._fail(out.request_id, "internal error: the output could not be delivered")
+            raise
