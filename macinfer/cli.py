@@ -22,6 +22,10 @@ MODEL_HELP = _model_help()
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# `serve`'s prompt tokens per step while others decode: a long prompt's chunk stalls
+# every stream of its step. Measured on the 2-core CPU (README, mixed load); not yet on Metal,
+# where prompt tokens are far cheaper and the cap should cost long prompts little.
+SERVE_PREFILL_WITH_DECODES = 128
 
 
 def _setup_logging(level: str) -> None:
@@ -50,8 +54,9 @@ def _engine_options(f):
     f = click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Cap the context length.")(f)
     f = click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
                      help="Tokens per step (prompts are prefilled in chunks of at most this).")(f)
-    f = click.option("--max-prefill-with-decodes", type=click.IntRange(min=1), default=None,
-                     help="Prompt tokens per step while other requests are decoding (default: no separate cap). "
+    f = click.option("--max-prefill-with-decodes", type=click.IntRange(min=0), default=None,
+                     help=f"Prompt tokens per step while other requests are decoding, shortest prompt first "
+                          f"(default: {SERVE_PREFILL_WITH_DECODES} for `serve`, no separate cap otherwise; 0: no cap). "
                           "Lower: smoother streaming under load, slower first tokens of long prompts.")(f)
     return f
 
@@ -70,6 +75,7 @@ def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len, prefix_ca
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
     start = time.perf_counter()
+    max_prefill_with_decodes = max_prefill_with_decodes or None  # 0: no separate cap
     click.echo(f"loading {model} ...", err=True)
     tty = sys.stderr.isatty()
 
@@ -223,6 +229,8 @@ def serve(model, host, port, served_model_name, api_keys, cache_isolation, allow
         sock = bind_socket(host, port)  # before the model loads: a busy port fails in a second
     except OSError as e:
         raise click.ClickException(str(e)) from None
+    if max_prefill_with_decodes is None:
+        max_prefill_with_decodes = SERVE_PREFILL_WITH_DECODES
     engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
                           max_num_batched_tokens, max_prefill_with_decodes)
     name = served_model_name or os.path.basename(model.rstrip("/")).removesuffix(".gguf")

@@ -123,3 +123,27 @@ def test_prefill_cap_while_decoding_bounds_the_step():
     sched.add(other)
     out = sched.schedule()  # `long` decodes now, so `other` is capped too
     assert [(s.request_id, n) for s, n in out.scheduled] == [("long", 1), ("other", 6)]
+
+
+def test_under_the_cap_prompts_go_shortest_remaining_first():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=32, max_prefill_with_decodes=6)
+    a, long = _seq(5, "a"), _seq(40, "long", start=200)
+    sched.add(a)
+    a.num_computed_tokens += sched.schedule().num_tokens
+    a.output_token_ids.append(7)
+    sched.add(long)
+
+    def step() -> dict[str, int]:
+        out = sched.schedule()
+        for s, n in out.scheduled:
+            s.num_computed_tokens += n
+        a.output_token_ids.append(7)
+        return {s.request_id: n for s, n in out.scheduled}
+
+    assert step() == {"a": 1, "long": 6}
+    short = _seq(8, "short", start=400)  # arrives while `long` is mid-prompt
+    sched.add(short)
+    assert step() == {"a": 1, "short": 6}  # 8 left beats 34 left
+    assert step() == {"a": 1, "short": 2, "long": 4}
+    short.output_token_ids.append(7)
+    assert step() == {"a": 1, "short": 1, "long": 6}  # both decode; `long` goes on

@@ -73,66 +73,98 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        bm = self.block_manager
-
+        self._budget = self.max_num_batched_tokens
         decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
-        prefill_left = budget if not decoding or self.max_prefill_with_decodes is None \
-            else self.max_prefill_with_decodes
+        capped = decoding and self.max_prefill_with_decodes is not None
+        self._prefill_left = self.max_prefill_with_decodes if capped else self._budget
 
         # 1. Running sequences, oldest first; preempt the newest on a block shortage.
+        #    Under the cap, running prefills wait for step 2, where they compete with
+        #    the waiting prompts.
         kept: list[Sequence] = []
+        partial: list[Sequence] = []
         queue = deque(sorted(self.running, key=lambda s: s.arrival))
-        while queue and budget > 0:
+        while queue and self._budget > 0:
             seq = queue.popleft()
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_left)
-            if n == 0:  # a prefill with no prefill budget left this step
+            if capped and seq.num_tokens - seq.num_computed_tokens > 1:
+                partial.append(seq)
                 kept.append(seq)
                 continue
-            while not bm.can_allocate(seq, seq.num_computed_tokens + n):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                continue
-            bm.allocate(seq, seq.num_computed_tokens + n)
-            bm.commit(seq, seq.num_computed_tokens + n)
-            out.scheduled.append((seq, n))
-            kept.append(seq)
-            budget -= n
-            if remaining > 1:
-                prefill_left -= n
+            if self._continue(seq, queue, out):
+                kept.append(seq)
         kept.extend(queue)  # running but out of budget this step
         self.running = kept
 
-        # 2. Admit waiting sequences (not in a step that had to preempt).
-        while self.waiting and min(budget, prefill_left) > 0 and not out.preempted:
-            if len(self.running) >= self.max_num_seqs:
+        # 2. Prompts: admit waiting sequences (not in a step that had to preempt). Under
+        #    the cap, every prompt in progress or waiting competes for it shortest
+        #    remaining first, so a short request is not stuck behind a long prompt.
+        if capped:
+            candidates = partial + list(self.waiting)
+            candidates.sort(key=lambda s: s.num_tokens - s.num_computed_tokens)
+        else:
+            candidates = list(self.waiting)
+        admitting = True
+        for seq in candidates:
+            if min(self._budget, self._prefill_left) <= 0:
                 break
-            seq = self.waiting[0]
-            cached = bm.match_prefix(seq)
-            seq.num_computed_tokens = cached
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_left)
-            if not bm.can_allocate(seq, seq.num_computed_tokens + n):
-                bm.free(seq)  # give the prefix hits back; they stay cached
-                seq.num_computed_tokens = 0
-                break
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = cached
-            self.waiting.popleft()
-            bm.allocate(seq, seq.num_computed_tokens + n)
-            bm.commit(seq, seq.num_computed_tokens + n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append((seq, n))
-            budget -= n
-            prefill_left -= n
+            if seq.status == SequenceStatus.RUNNING:
+                self._continue(seq, deque(), out)
+            elif admitting and not out.preempted:
+                admitting = self._admit(seq, out)
 
         out.scheduled.sort(key=lambda item: item[1] != 1)  # decodes first
         return out
+
+    def _continue(self, seq: Sequence, queue: deque, out: SchedulerOutput) -> bool:
+        """Schedule a running sequence's next tokens, preempting the newest of `queue`
+        (or `seq` itself) on a block shortage. False if `seq` was preempted."""
+        bm = self.block_manager
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        n = min(remaining, self._budget) if remaining == 1 else min(remaining, self._budget, self._prefill_left)
+        if n == 0:  # a prefill with no prefill budget left this step
+            return True
+        while not bm.can_allocate(seq, seq.num_computed_tokens + n):
+            victim = queue.pop() if queue else seq
+            if victim in self.running and victim is not seq:
+                self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                if seq in self.running:
+                    self.running.remove(seq)
+                return False
+        bm.allocate(seq, seq.num_computed_tokens + n)
+        bm.commit(seq, seq.num_computed_tokens + n)
+        out.scheduled.append((seq, n))
+        self._budget -= n
+        if remaining > 1:
+            self._prefill_left -= n
+        return True
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Start a waiting sequence's prompt. False when it cannot be admitted now
+        (no sequence slot or blocks), which ends admission for this step."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        bm = self.block_manager
+        cached = bm.match_prefix(seq)
+        seq.num_computed_tokens = cached
+        n = min(seq.num_tokens - seq.num_computed_tokens, self._budget, self._prefill_left)
+        if not bm.can_allocate(seq, seq.num_computed_tokens + n):
+            bm.free(seq)  # give the prefix hits back; they stay cached
+            seq.num_computed_tokens = 0
+            return False
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+        self.waiting.remove(seq)
+        bm.allocate(seq, seq.num_computed_tokens + n)
+        bm.commit(seq, seq.num_computed_tokens + n)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append((seq, n))
+        self._budget -= n
+        self._prefill_left -= n
+        return True
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""
