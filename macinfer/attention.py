@@ -77,8 +77,8 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
         )
         return launch(calls, emulate=backend == "emulate")
     k_blocks, v_blocks, tables = cache.attention_blocks(layer, meta.decode_block_tables)
-    heads = (block_heads(tables, cache.num_kv_heads) if cache.quantized
-             else meta.memo("block_heads", lambda: block_heads(tables, cache.num_kv_heads)))
+    # Every layer's tables are the same (int8: the same renumbering), so these are built once a step.
+    heads = meta.memo("block_heads", lambda: block_heads(tables, cache.num_kv_heads))
     mask = meta.memo(("mask", window), lambda: decode_mask(meta.decode_context_lens, tables.shape[1] * cache.block_size,
                                                             window))
     return reference_decode_attention(q, k_blocks, v_blocks, heads, mask, scale, sinks, softcap)

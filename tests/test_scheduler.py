@@ -147,3 +147,8 @@ def test_under_the_cap_prompts_go_shortest_remaining_first():
     assert step() == {"a": 1, "short": 2, "long": 4}
     short.output_token_ids.append(7)
     assert step() == {"a": 1, "short": 1, "long": 6}  # both decode; `long` goes on
+
+
+def test_a_zero_prefill_cap_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="max_prefill_with_decodes"):
+        LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01, max_prefill_with_decodes=0))

@@ -82,6 +82,27 @@ async def _one(client: httpx.AsyncClient, target: Target, prompt: str, max_token
     return out
 
 
+async def _one_or_error(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int,
+                        tick: Callable[[], None], structured: bool = False) -> dict:
+    """One request's measurements, or {"error": ...}; ticks the progress bar either way."""
+    try:
+        return await _one(client, target, prompt, max_tokens, structured)
+    except (httpx.HTTPError, RuntimeError) as e:
+        return {"error": str(e)}
+    finally:
+        tick()
+
+
+def _arrivals(n: int, rate: float | None, rng: random.Random, first: float = 0.0) -> list[float]:
+    """Start times of n requests: Poisson at `rate` per second from `first` (all at once without a rate)."""
+    delays, t = [], first
+    for _ in range(n):
+        delays.append(t)
+        if rate:
+            t += rng.expovariate(rate)
+    return delays
+
+
 async def run_level(target: Target, prompts: list[str], max_tokens: int, concurrency: int | None,
                     rate: float | None, tick: Callable[[], None], structured: float = 0.0) -> dict:
     """`structured`: the fraction of requests (every k-th) held to a JSON schema."""
@@ -94,18 +115,9 @@ async def run_level(target: Target, prompts: list[str], max_tokens: int, concurr
         async def request(i: int, prompt: str, delay: float) -> dict:
             await asyncio.sleep(delay)
             async with sem:
-                try:
-                    return await _one(client, target, prompt, max_tokens, bool(every) and i % every == 0)
-                except (httpx.HTTPError, RuntimeError) as e:
-                    return {"error": str(e)}
-                finally:
-                    tick()
+                return await _one_or_error(client, target, prompt, max_tokens, tick, bool(every) and i % every == 0)
 
-        delays, t = [], 0.0
-        for _ in prompts:
-            delays.append(t)
-            if rate:
-                t += rng.expovariate(rate)
+        delays = _arrivals(len(prompts), rate, rng)
         start = time.perf_counter()
         results = await asyncio.gather(*(request(i, p, d) for i, (p, d) in enumerate(zip(prompts, delays))))
         wall = time.perf_counter() - start
@@ -143,28 +155,13 @@ async def run_mixed(target: Target, short: list[list[str]], long: list[str], out
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
                                  limits=httpx.Limits(max_connections=len(short) + len(long) + 4)) as client:
         async def stream(prompts: list[str]) -> list[dict]:
-            out = []
-            for p in prompts:
-                try:
-                    out.append(await _one(client, target, p, output_len))
-                except (httpx.HTTPError, RuntimeError) as e:
-                    out.append({"error": str(e)})
-                tick()
-            return out
+            return [await _one_or_error(client, target, p, output_len, tick) for p in prompts]
 
         async def arrival(prompt: str, delay: float) -> dict:
             await asyncio.sleep(delay)
-            try:
-                return await _one(client, target, prompt, 16)
-            except (httpx.HTTPError, RuntimeError) as e:
-                return {"error": str(e)}
-            finally:
-                tick()
+            return await _one_or_error(client, target, prompt, 16, tick)
 
-        delays, t = [], 1.0
-        for _ in long:
-            delays.append(t)
-            t += rng.expovariate(rate)
+        delays = _arrivals(len(long), rate, rng, first=1.0)
         start = time.perf_counter()
         results = await asyncio.gather(*(stream(ps) for ps in short), *(arrival(p, d) for p, d in zip(long, delays)))
         wall = time.perf_counter() - start

@@ -55,6 +55,9 @@ class LLMEngine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, progress=None):
         """`progress(done, total)` is called while weights load (files or tensors)."""
         self.config = config or EngineConfig()
+        if self.config.max_prefill_with_decodes is not None and self.config.max_prefill_with_decodes < 1:
+            # 0 would hold every prompt back while anything decodes
+            raise ValueError("max_prefill_with_decodes must be at least 1 (None: no separate cap)")
         self.loaded = model if isinstance(model, LoadedModel) else load(model, self.config.model_impl, progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer

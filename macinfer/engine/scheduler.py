@@ -124,13 +124,11 @@ class Scheduler:
         if n == 0:  # a prefill with no prefill budget left this step
             return True
         while not bm.can_allocate(seq, seq.num_computed_tokens + n):
-            victim = queue.pop() if queue else seq
-            if victim in self.running and victim is not seq:
-                self.running.remove(victim)
+            victim = queue.pop() if queue else seq  # victims from `queue` are dropped from the kept list
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
-                if seq in self.running:
+                if seq in self.running:  # step 2: it was kept already
                     self.running.remove(seq)
                 return False
         bm.allocate(seq, seq.num_computed_tokens + n)

@@ -180,6 +180,11 @@ class ChatOutput:
     def finish(self) -> dict[str, Any]:
         return self.feed("", final=True)
 
+    def parts(self, out) -> dict[str, Any]:
+        """The chat parts of one engine output; the finishing output carries the rest."""
+        parts = self.feed(out.delta_text)
+        return merge(parts, self.finish()) if out.finished else parts
+
     def finish_reason(self, engine_reason: str | None) -> str | None:
         if engine_reason == "stop" and self.calls and self.plan.forced in (None, "required"):
             return "tool_calls"
@@ -193,10 +198,7 @@ async def parts_stream(proc: ChatOutput, gen):
         if out.finish_reason == "error":
             yield out, None
             return
-        parts = proc.feed(out.delta_text)
-        if out.finished:
-            parts = merge(parts, proc.finish())
-        yield out, parts
+        yield out, proc.parts(out)
 
 
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -275,10 +275,7 @@ class OpenAIServing:
                         sent_role.add(i)
                         delta["role"] = "assistant"
                         delta["content"] = ""
-                    parts = proc.feed(out.delta_text)
-                    if out.finished:
-                        parts = chat_output.merge(parts, proc.finish())
-                    delta.update(parts)
+                    delta.update(proc.parts(out))
                     choice = {"index": i, "delta": delta, "finish_reason": proc.finish_reason(out.finish_reason),
                               "logprobs": {"content": [self._logprob_entry(lp) for lp in new_lps]} if req.logprobs else None}
                 else:
