@@ -18,6 +18,7 @@ from macinfer.engine.model_runner import ModelRunner
 from macinfer.engine.outputs import RequestOutput, _RequestState
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
+from macinfer.engine.speculative import SpeculativeConfig
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block, plan_blocks
 from macinfer.loader import LoadedModel, load
@@ -49,6 +50,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": 8-bit affine
     model_impl: str = "auto"  # "mlx-lm": run even the Llama family through mlx-lm's classes
+    # Speculative decoding by prompt lookup (0: off): draft tokens per decode step, the
+    # n-gram lengths looked up, and the decoding batch above which it pauses.
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_max_batch: int = 4
 
 
 class LLMEngine:
@@ -58,6 +65,11 @@ class LLMEngine:
         if self.config.max_prefill_with_decodes is not None and self.config.max_prefill_with_decodes < 1:
             # 0 would hold every prompt back while anything decodes
             raise ValueError("max_prefill_with_decodes must be at least 1 (None: no separate cap)")
+        cfg = self.config
+        if cfg.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be 0 (off) or more")
+        speculative = SpeculativeConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
+                                        cfg.speculative_max_batch) if cfg.num_speculative_tokens else None
         self.loaded = model if isinstance(model, LoadedModel) else load(model, self.config.model_impl, progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
@@ -132,11 +144,11 @@ class LLMEngine:
                                           window=window if window_layers else None,
                                           num_window_blocks=num_window_blocks)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.max_prefill_with_decodes)
+                                   cfg.max_prefill_with_decodes, speculative, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured)
         self.requests: dict[str, _RequestState] = {}
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         log.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB, %s%s)%s; max_model_len %d; decode attention: %s",
             num_blocks, bs, self.kv_cache.nbytes / 2**30, kv_dtype,
@@ -298,29 +310,40 @@ class LLMEngine:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.stats["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
         try:
-            seqs, sampled, errors = self.runner.step(sched.scheduled)
+            results, errors = self.runner.step(sched.scheduled)
         except Exception as e:  # the batch itself failed: no sequence's KV can be trusted
             log.exception("forward pass failed; failing the %d scheduled requests", len(sched.scheduled))
             outputs = [self._fail(seq, e) for seq, _ in sched.scheduled]
             self._recover_after_failed_step()
             return outputs
         for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted
         now = time.perf_counter()
         outputs = [self._fail(seq, err) for seq, err in errors]
-        for i, (seq, token) in enumerate(zip(seqs, sampled.token_ids)):
+        for r in results:
+            seq = r.seq
             try:
-                seq.output_token_ids.append(token)
-                self.stats["generation_tokens"] += 1
+                if seq.spec_token_ids:
+                    self.stats["spec_draft_tokens"] += len(seq.spec_token_ids)
+                    self.stats["spec_accepted_tokens"] += len(r.token_ids) - 1
+                    seq.num_computed_tokens += len(r.token_ids) - 1  # the accepted drafts' K/V are written
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                if sampled.logprobs[i] is not None:
-                    lp, top = sampled.logprobs[i]
-                    seq.logprobs.append(TokenLogprob(token, lp, top))
-                outputs.append(self._process_token(seq, token))
+                finished = False
+                for token, lp in zip(r.token_ids, r.logprobs):
+                    seq.output_token_ids.append(token)
+                    self.stats["generation_tokens"] += 1
+                    if lp is not None:
+                        seq.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
+                    if finished := self._add_token(seq, token):
+                        break
+                outputs.append(self._output(self.requests.pop(seq.request_id) if finished
+                                            else self.requests[seq.request_id], finished))
             except Exception as e:
                 log.exception("request %s failed", seq.request_id)
                 outputs.append(self._fail(seq, e))
+        for seq, _ in sched.scheduled:
+            seq.spec_token_ids = []
         return outputs
 
     def _recover_after_failed_step(self) -> None:
@@ -345,7 +368,9 @@ class LLMEngine:
         out.error = f"{type(error).__name__}: {error}"
         return out
 
-    def _process_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _add_token(self, seq: Sequence, token: int) -> bool:
+        """Detokenize one new output token and check every stop condition; True
+        (and the sequence finished) when it ends the request."""
         state = self.requests[seq.request_id]
         p = seq.params
         reason = None
@@ -376,11 +401,11 @@ class LLMEngine:
                 reason = "length"
             elif seq.num_tokens >= self.max_model_len:
                 reason = "length"
-        if reason is not None:
-            seq.finish_time = time.perf_counter()
-            self.scheduler.finish(seq, reason)
-            del self.requests[seq.request_id]
-        return self._output(state, finished=reason is not None)
+        if reason is None:
+            return False
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq, reason)
+        return True
 
     def _output(self, state: _RequestState, finished: bool) -> RequestOutput:
         seq = state.seq

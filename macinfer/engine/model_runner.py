@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -10,6 +12,7 @@ from macinfer.attention import AttentionMetadata, PrefillSpan
 from macinfer.engine.block_manager import BlockManager, cdiv
 from macinfer.engine.sampler import SamplerOutput, sample
 from macinfer.engine.sequence import Sequence
+from macinfer.engine.speculative import DraftRow, accepted_tokens, verify_rows
 from macinfer.engine.structured import StructuredOutputs, apply_bitmask
 from macinfer.kv_cache import KVCache, kv_rows
 
@@ -70,28 +73,32 @@ class ModelRunner:
 
     def prepare(
         self, scheduled: list[tuple[Sequence, int]]
-    ) -> tuple[mx.array, AttentionMetadata, list[int], list[Sequence]]:
-        """Flat inputs for `scheduled` (decodes first). Returns
-        (input_ids, metadata, rows to sample, sequences those rows belong to)."""
+    ) -> tuple[mx.array, AttentionMetadata, list[int], list[Sequence | DraftRow]]:
+        """Flat inputs for `scheduled` (decodes first). Returns (input_ids, metadata,
+        rows to sample, what each row samples for: a sequence, or one of its drafts)."""
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
+        sample_seqs: list[Sequence | DraftRow] = []
         full = _GroupTables(self.block_size)
         window = _GroupTables(self.block_size) if self.block_manager is not None else None
 
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             row = len(ids)
-            ids.extend(seq.token_slice(start, start + n))
+            drafts = seq.spec_token_ids
+            real = n - len(drafts)
+            ids.extend(seq.token_slice(start, start + real))
+            ids.extend(drafts)
             pos = np.arange(start, start + n)
             positions.extend(pos.tolist())
             full.add(seq.block_table, pos, row)
             if window is not None:
                 window.add(seq.window_block_table, pos, row, self.block_manager.first_window_block(start))
-            if start + n == seq.num_tokens:
-                sample_rows.append(row + n - 1)
-                sample_seqs.append(seq)
+            if start + real == seq.num_tokens:
+                # A speculating sequence samples at its real token and after each draft.
+                sample_rows.extend(range(row + real - 1, row + n))
+                sample_seqs.extend(verify_rows(seq) if drafts else [seq])
 
         pos_arr = mx.array(positions, dtype=mx.int32)
         meta = full.metadata(self.kv_cache, pos_arr)
@@ -99,46 +106,72 @@ class ModelRunner:
             meta.window_group = window.metadata(self.kv_cache, pos_arr)
         return mx.array(ids, dtype=mx.int32), meta, sample_rows, sample_seqs
 
-    def forward_logits(self, scheduled: list[tuple[Sequence, int]]) -> tuple[mx.array | None, list[Sequence]]:
+    def forward_logits(
+        self, scheduled: list[tuple[Sequence, int]]
+    ) -> tuple[mx.array | None, list[Sequence | DraftRow]]:
         """Run the model; logits [N, vocab] for the rows that produce a token."""
         input_ids, meta, rows, seqs = self.prepare(scheduled)
         hidden = self.model(input_ids, meta)
         logits = self.model.logits(hidden[mx.array(rows)]) if rows else None
         return logits, seqs
 
-    def step(
-        self, scheduled: list[tuple[Sequence, int]]
-    ) -> tuple[list[Sequence], SamplerOutput, list[tuple[Sequence, Exception]]]:
-        """Forward + sample. Returns (sampled sequences, their tokens, per-sequence
-        failures). If the batched sampler fails, rows are retried one by one so
-        only the request that causes the failure is dropped."""
-        logits, seqs = self.forward_logits(scheduled)
+    def step(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
+        """Forward + sample. Returns what each sampled sequence gains (one token, or
+        its accepted drafts and one more) and per-sequence failures. If the batched
+        sampler fails, rows are retried one by one so only the request that causes
+        the failure is dropped."""
+        logits, rows = self.forward_logits(scheduled)
         # Grammar masks are computed on the host while the device runs the forward pass.
         outputs = [*([] if logits is None else [logits]), *self.kv_cache.state()]
         mask = None
-        if logits is not None and self.structured is not None and any(s.matcher is not None for s in seqs):
+        if logits is not None and self.structured is not None and any(s.matcher is not None for s in rows):
             mx.async_eval(*outputs)
-            mask = self.structured.bitmask(seqs)
+            mask = self.structured.bitmask(rows)
         # Evaluate the forward pass on its own: an error here (e.g. out of memory
         # inside the graph) is the batch's, and must not reach the per-row retry
         # below, where MLX would hand back the failed arrays as if evaluated.
         mx.eval(*outputs)
         if logits is None:
-            return [], SamplerOutput([], []), []
+            return [], []
         if mask is not None:
             logits = apply_bitmask(logits, mask)
+        owners = _owners(rows)
+        failed: dict[Sequence, Exception] = {}
         try:
-            out = sample(logits, seqs)
+            out = sample(logits, rows)
         except Exception:
-            out, ok, errors = SamplerOutput([], []), [], []
-            for i, seq in enumerate(seqs):
-                try:
-                    row = sample(logits[i : i + 1], [seq])
-                except Exception as e:
-                    errors.append((seq, e))
+            out = SamplerOutput([0] * len(rows), [None] * len(rows))
+            for i, row in enumerate(rows):
+                if owners[i] in failed:
                     continue
-                ok.append(seq)
-                out.token_ids += row.token_ids
-                out.logprobs += row.logprobs
-            return ok, out, errors
-        return seqs, out, []
+                try:
+                    one = sample(logits[i : i + 1], [row])
+                except Exception as e:
+                    failed[owners[i]] = e
+                    continue
+                out.token_ids[i], out.logprobs[i] = one.token_ids[0], one.logprobs[0]
+        results: list[StepResult] = []
+        i = 0
+        while i < len(rows):
+            seq = owners[i]
+            k = len(seq.spec_token_ids) if isinstance(rows[i], Sequence) and seq.spec_token_ids else 0
+            if seq not in failed:
+                tokens = accepted_tokens(seq.spec_token_ids if k else [], out.token_ids[i : i + k + 1])
+                results.append(StepResult(seq, tokens, out.logprobs[i : i + len(tokens)]))
+            i += k + 1
+        return results, list(failed.items())
+
+
+@dataclass
+class StepResult:
+    seq: Sequence
+    token_ids: list[int]  # new tokens: accepted drafts, then one sampled token
+    logprobs: list  # per token: (logprob, top) or None
+
+
+def _owners(rows: list[Sequence | DraftRow]) -> list[Sequence]:
+    """The sequence each sampler row belongs to (draft rows follow their sequence)."""
+    owners: list[Sequence] = []
+    for row in rows:
+        owners.append(row if isinstance(row, Sequence) else owners[-1])
+    return owners

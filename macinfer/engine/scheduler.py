@@ -7,6 +7,8 @@ first; waiting ones are admitted while the budget, `max_num_seqs` and free
 KV blocks allow. When a running sequence cannot get a block, the newest
 running sequence is preempted: its blocks are freed and it goes back to the
 front of the queue to be recomputed (prompt + tokens so far) later.
+With speculative decoding on, a decode may carry draft tokens after its real
+one (`seq.spec_token_ids`) while few sequences decode.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.sequence import Sequence, SequenceStatus
+from macinfer.engine.speculative import SpeculativeConfig, can_speculate, draft_limit, propose_ngram
 
 
 @dataclass
@@ -39,6 +44,8 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_prefill_with_decodes: int | None = None,
+        speculative: SpeculativeConfig | None = None,
+        max_model_len: int | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -46,6 +53,9 @@ class Scheduler:
         # Prefill tokens a step may carry while sequences are decoding: a long prompt's
         # chunk makes the whole step slow, and every decoding stream waits for it.
         self.max_prefill_with_decodes = max_prefill_with_decodes
+        self.speculative = speculative
+        self.max_model_len = max_model_len
+        self._speculate = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -66,6 +76,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -74,8 +85,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
-        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
-        capped = decoding and self.max_prefill_with_decodes is not None
+        num_decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        capped = num_decoding > 0 and self.max_prefill_with_decodes is not None
+        self._speculate = self.speculative is not None and 0 < num_decoding <= self.speculative.max_batch
         self._prefill_left = self.max_prefill_with_decodes if capped else self._budget
 
         # 1. Running sequences, oldest first; preempt the newest on a block shortage.
@@ -123,6 +135,14 @@ class Scheduler:
         n = min(remaining, self._budget) if remaining == 1 else min(remaining, self._budget, self._prefill_left)
         if n == 0:  # a prefill with no prefill budget left this step
             return True
+        seq.spec_token_ids = self._draft(seq) if remaining == 1 else []
+        if seq.spec_token_ids:
+            total = seq.num_computed_tokens + n + len(seq.spec_token_ids)
+            # Drafts take no block another running sequence may need this step.
+            if not bm.can_allocate(seq, total) or \
+                    bm.num_free_blocks - bm.blocks_needed(seq, total) < len(self.running):
+                seq.spec_token_ids = []
+        n += len(seq.spec_token_ids)
         while not bm.can_allocate(seq, seq.num_computed_tokens + n):
             victim = queue.pop() if queue else seq  # victims from `queue` are dropped from the kept list
             self._preempt(victim)
@@ -132,12 +152,22 @@ class Scheduler:
                     self.running.remove(seq)
                 return False
         bm.allocate(seq, seq.num_computed_tokens + n)
-        bm.commit(seq, seq.num_computed_tokens + n)
+        bm.commit(seq, seq.num_computed_tokens + n - len(seq.spec_token_ids))  # drafts may be rejected
         out.scheduled.append((seq, n))
         self._budget -= n
         if remaining > 1:
             self._prefill_left -= n
         return True
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """Draft tokens for a decoding sequence, within the step's token budget."""
+        spec = self.speculative
+        if not self._speculate or not can_speculate(seq):
+            return []
+        k = min(draft_limit(seq, spec.num_tokens, self.max_model_len or 1 << 62), self._budget - 1)
+        if k <= 0:
+            return []
+        return propose_ngram(np.asarray(seq.token_ids), k, spec.min_n, spec.max_n)
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Start a waiting sequence's prompt. False when it cannot be admitted now

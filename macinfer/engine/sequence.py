@@ -47,6 +47,7 @@ class Sequence:
     window_block_table: list[int] = field(default_factory=list)  # sliding-window layers' pool (NULL_BLOCK: released)
     num_released_window_blocks: int = 0  # leading window-table entries already given back
     matcher: Any = None  # llguidance matcher of a request with a grammar (state: the output so far)
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (speculative decoding)
     # timing (time.perf_counter seconds)
     arrival_time: float = 0.0
     first_token_time: float | None = None

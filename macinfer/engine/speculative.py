@@ -1,0 +1,110 @@
+"""Speculative decoding by prompt lookup (n-gram drafts), verified in one forward pass.
+
+Decode reads every weight once per token, whether one row or a few go through the
+matmuls, so checking k guessed tokens costs about as much as producing one. The
+guesses come from the sequence itself: the last n tokens (n from `max_n` down to
+`min_n`) are looked up earlier in prompt + output, and the k tokens that followed
+their latest occurrence are the draft (vLLM's "ngram" method, llama.cpp's lookup
+decoding). It pays where the answer repeats its input: code edits, quoting,
+summaries, structured data.
+
+Verification keeps the output distribution exact. Row j of the sequence's forward
+pass is sampled as if the draft's first j tokens were already output (same
+penalties, same noise: the sampler's noise is a function of (seed, output
+position)), and drafts are accepted while they equal what was sampled. For a
+deterministic draft this is the standard rejection rule: a draft token d is
+kept with probability p(d), and on rejection the sampled token is distributed
+as p without d. Greedy and seeded requests therefore produce the same tokens
+with or without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from macinfer.engine.sequence import Sequence
+from macinfer.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_tokens: int  # draft tokens per sequence per step (k)
+    min_n: int = 2  # shortest suffix looked up
+    max_n: int = 4  # longest suffix looked up (tried first)
+    # Sequences decoding at once above which no step speculates: at large batches the
+    # extra rows make a step compute-bound, and a rejected draft is pure cost.
+    max_batch: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError("prompt lookup needs 1 <= min n-gram <= max n-gram")
+        if self.max_batch < 1:
+            raise ValueError("speculative max batch must be at least 1")
+
+
+def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest
+    suffix of `tokens` (max_n down to min_n tokens long); [] when none recurs."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        # Windows starting at 0 .. length-n-1: each has at least one token after it.
+        windows = sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+def draft_limit(seq: Sequence, k: int, max_model_len: int) -> int:
+    """Draft tokens `seq` may take this step: all accepted plus the bonus token must
+    stay within max_tokens and the context."""
+    limit = min(k, max_model_len - seq.num_tokens - 1)
+    if seq.params.max_tokens is not None:
+        limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
+    return max(limit, 0)
+
+
+def can_speculate(seq: Sequence) -> bool:
+    # A grammar's matcher would have to advance over drafts and roll back rejections.
+    return seq.matcher is None
+
+
+@dataclass(eq=False)
+class DraftRow:
+    """What the sampler reads of a sequence, for the row after `j` draft tokens:
+    the output as if those drafts were accepted (penalties, noise position)."""
+
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    matcher: None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+def verify_rows(seq: Sequence) -> list[Sequence | DraftRow]:
+    """The sampler rows of a speculating sequence: itself, then one per draft token."""
+    drafts = seq.spec_token_ids
+    rows: list[Sequence | DraftRow] = [seq]
+    for j in range(1, len(drafts) + 1):
+        rows.append(DraftRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids + drafts[:j]))
+    return rows
+
+
+def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a sequence gains: sampled tokens while they confirm the draft, then
+    the first one that differs (or the bonus token after a fully accepted draft)."""
+    for j, d in enumerate(drafts):
+        if sampled[j] != d:
+            return sampled[: j + 1]
+    return sampled[: len(drafts) + 1]
