@@ -14,7 +14,7 @@ HOST  ?= 127.0.0.1
 PORT  ?= 8000
 KV_GB ?= 1
 
-.PHONY: setup system-packages test test-fast generate chat serve bench bench-step bench-serve bench-prefix mac-check clean
+.PHONY: setup system-packages test test-fast generate chat serve bench bench-step bench-spec bench-serve bench-prefix mac-check clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { sh scripts/find_python.sh >/dev/null; exit 1; }
@@ -62,6 +62,9 @@ bench: setup
 
 bench-step: setup
 	$(RUN)macinfer bench step $(MODEL) --vs mlx-lm
+
+bench-spec: setup
+	$(RUN)macinfer bench spec $(MODEL) --vs mlx-lm
 
 bench-serve: setup
 	$(RUN)macinfer bench serve $(MODEL) --vs mlx-lm

@@ -54,6 +54,10 @@ def _engine_options(f):
     f = click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Cap the context length.")(f)
     f = click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
                      help="Tokens per step (prompts are prefilled in chunks of at most this).")(f)
+    f = click.option("--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Speculative decoding by prompt lookup: draft tokens checked per step while at most 4 "
+                          "requests decode (0: off). Same output; faster when answers repeat their input "
+                          "(edits, quotes, code, structured data).")(f)
     f = click.option("--max-prefill-with-decodes", type=click.IntRange(min=0), default=None,
                      help=f"Prompt tokens per step while other requests are decoding, shortest prompt first "
                           f"(default: {SERVE_PREFILL_WITH_DECODES} for `serve`, no separate cap otherwise; 0: no cap). "
@@ -70,8 +74,9 @@ def _sampling_options(f):
     return f
 
 
-def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching=True, kv_cache_dtype="auto",
-                 max_num_batched_tokens=512, max_prefill_with_decodes=None):
+def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
+                 kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
+                 num_speculative_tokens=0):
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
     start = time.perf_counter()
@@ -87,7 +92,8 @@ def _load_engine(model: str, kv_cache_gb, max_num_seqs, max_model_len, prefix_ca
         engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
                                                enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
                                                max_num_batched_tokens=max_num_batched_tokens,
-                                               max_prefill_with_decodes=max_prefill_with_decodes),
+                                               max_prefill_with_decodes=max_prefill_with_decodes,
+                                               num_speculative_tokens=num_speculative_tokens),
                            progress=progress)
     except (FileNotFoundError, ValueError, MemoryError) as e:
         raise click.ClickException(str(e)) from None
@@ -146,13 +152,11 @@ def main(verbose: bool, log_level: str | None) -> None:
 @_sampling_options
 @_engine_options
 @_log_options
-def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
-             max_num_batched_tokens, max_prefill_with_decodes):
+def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k, seed, **engine_opts):
     if prompt == "-":
         prompt = sys.stdin.read()
     params = _params(temperature, max_tokens, top_p, top_k, seed)
-    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
-                          max_num_batched_tokens, max_prefill_with_decodes)
+    engine = _load_engine(model, **engine_opts)
     if chat_template and engine.tokenizer.chat_template:
         try:
             prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
@@ -169,13 +173,11 @@ def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k
 @_sampling_options
 @_engine_options
 @_log_options
-def chat(model, system, temperature, max_tokens, top_p, top_k, seed, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
-             max_num_batched_tokens, max_prefill_with_decodes):
+def chat(model, system, temperature, max_tokens, top_p, top_k, seed, **engine_opts):
     from macinfer.repl import ChatREPL
 
     params = _params(temperature, max_tokens, top_p, top_k, seed)
-    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
-                          max_num_batched_tokens, max_prefill_with_decodes)
+    engine = _load_engine(model, **engine_opts)
     if not engine.tokenizer.chat_template:
         raise click.ClickException("this model has no chat template; use `macinfer generate --no-chat-template`")
     ChatREPL(engine, params, system, lambda prompt: _stream(engine, prompt, params)[0]).run()
@@ -215,8 +217,7 @@ def convert(gguf, out_dir):
 @_engine_options
 @_log_options
 def serve(model, host, port, served_model_name, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, max_body_mb,
-          max_connections, header_timeout, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
-             max_num_batched_tokens, max_prefill_with_decodes):
+          max_connections, header_timeout, **engine_opts):
     import os
 
     try:
@@ -229,10 +230,9 @@ def serve(model, host, port, served_model_name, api_keys, cache_isolation, allow
         sock = bind_socket(host, port)  # before the model loads: a busy port fails in a second
     except OSError as e:
         raise click.ClickException(str(e)) from None
-    if max_prefill_with_decodes is None:
-        max_prefill_with_decodes = SERVE_PREFILL_WITH_DECODES
-    engine = _load_engine(model, kv_cache_gb, max_num_seqs, max_model_len, prefix_caching, kv_cache_dtype,
-                          max_num_batched_tokens, max_prefill_with_decodes)
+    if engine_opts["max_prefill_with_decodes"] is None:
+        engine_opts["max_prefill_with_decodes"] = SERVE_PREFILL_WITH_DECODES
+    engine = _load_engine(model, **engine_opts)
     name = served_model_name or os.path.basename(model.rstrip("/")).removesuffix(".gguf")
     hosts = ({*LOOPBACK_HOSTS, *(h.lower() for h in allowed_hosts)} if is_loopback(host) else None)
     code = run_server(engine, name, sock, header_timeout=header_timeout, max_connections=max_connections,

@@ -21,8 +21,11 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
+    # Speculation on: solo requests draft, 16 concurrent ones do not, and every test
+    # comparing them (or streams with non-streamed answers) checks they agree.
     s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--kv-cache-gb", "0.1",
-                      "--max-model-len", "1024", "--max-num-seqs", "16", "--max-queue", "16")
+                      "--max-model-len", "1024", "--max-num-seqs", "16", "--max-queue", "16",
+                      "--num-speculative-tokens", "4")
     yield s
     out = s.stop()
     assert "Traceback" not in out, out
@@ -63,6 +66,31 @@ def test_chat_streaming_with_usage_and_logprobs(client):
     assert "".join(text_parts) == full.choices[0].message.content
     assert usage.completion_tokens == full.usage.completion_tokens == len(lps)
     assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in lps)
+
+
+def test_speculative_stream_matches_the_plain_answer(server, client):
+    """An answer that repeats its prompt: drafts are accepted several tokens a step, and
+    the stream (text and per-token logprobs) still adds up to the non-streamed answer."""
+    msgs = [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, the dog sat on the log."}]
+    before = _metric(server, "macinfer_spec_accepted_tokens_total")
+    plain = client.chat.completions.create(model="smollm2", messages=msgs, temperature=0, max_tokens=40,
+                                           logprobs=True)
+    text, lps = "", []
+    for chunk in client.chat.completions.create(model="smollm2", messages=msgs, temperature=0, max_tokens=40,
+                                                stream=True, logprobs=True):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            lps += c.logprobs.content if c.logprobs and c.logprobs.content else []
+    assert text == plain.choices[0].message.content and "the dog sat on the log" in text.lower()
+    assert [t.token for t in lps] == [t.token for t in plain.choices[0].logprobs.content]
+    assert _metric(server, "macinfer_spec_accepted_tokens_total") > before
+
+
+def _metric(server, name: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
 
 
 def test_completions_streaming_and_n(client):

@@ -163,3 +163,18 @@ def test_budget_buys_full_attention_blocks(gemma3):
     # One full-attention layer of four: once the window pool is paid for, the
     # same bytes hold about 4x the tokens.
     assert engine.block_manager.num_blocks > 3 * without_windows
+
+
+def test_speculative_drafts_across_window_blocks_match_mlx_lm(gemma3):
+    """Drafts write K/V past the window's tail and are rolled back when rejected:
+    greedy tokens still match mlx-lm, and every window block comes back."""
+    _, ref, path = gemma3
+    prompt = list(range(3, 23)) * 3
+    want = _reference_greedy(ref, prompt, 40)
+    engine = LLMEngine(path, EngineConfig(block_size=BS, kv_cache_gb=0.01, num_speculative_tokens=4,
+                                          prompt_lookup_min=1))
+    out = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert engine.stats["spec_draft_tokens"] > 0  # (this random model's drafts are all rejected)
+    assert out.token_ids == want
+    bm = engine.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_used_window_blocks == 0

@@ -1,4 +1,4 @@
-"""`macinfer bench engine|step|serve|prefix`: run a benchmark, print a table, write JSON and PNG plots."""
+"""`macinfer bench engine|step|spec|serve|prefix`: run a benchmark, print a table, write JSON and PNG plots."""
 
 from __future__ import annotations
 
@@ -53,6 +53,16 @@ def _targets(vs: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
     return list(vs)
 
 
+def _in_process(vs: tuple[str, ...], no_plots: bool, mode: str) -> list[str]:
+    """Checks for the modes that run engines in this process: mlx-lm only, no URLs."""
+    _check_plots(not no_plots)
+    vs = _targets(vs, ("mlx-lm",))
+    if any(v.startswith("http") for v in vs):
+        raise click.BadParameter(f"{mode} mode compares in-process engines (mlx-lm); use `bench serve` for a URL",
+                                 param_hint="--vs")
+    return vs
+
+
 _common = [
     click.argument("model", default="smollm2"),
     click.option("--vs", "vs", multiple=True, help=VS_HELP),
@@ -84,11 +94,7 @@ def bench():
 def engine(model, vs, out_dir, no_plots, prompt_len, gen_len, prefill_len, concurrency, batch_gen_len, repeats):
     from macinfer.bench import engine as mod
 
-    _check_plots(not no_plots)
-    vs = _targets(vs, ("mlx-lm",))
-    if any(v.startswith("http") for v in vs):
-        raise click.BadParameter("engine mode compares in-process engines (mlx-lm); use `bench serve` for a URL",
-                                 param_hint="--vs")
+    vs = _in_process(vs, no_plots, "engine")
     steps = (1 + len(vs)) * (2 + len(concurrency))
     with _progress(steps, "engine", "measurement") as bar:
         results = mod.run(model, vs, prompt_len, gen_len, prefill_len, tuple(sorted(concurrency)), batch_gen_len,
@@ -128,10 +134,7 @@ def _start_targets(model: str, vs: list[str], first: str, macinfer_args: list[st
 def step(model, vs, out_dir, no_plots, points, host_points, repeats):
     from macinfer.bench import step as mod
 
-    _check_plots(not no_plots)
-    vs = _targets(vs, ("mlx-lm",))
-    if any(v.startswith("http") for v in vs):
-        raise click.BadParameter("step mode compares in-process engines (mlx-lm)", param_hint="--vs")
+    vs = _in_process(vs, no_plots, "step")
     try:
         pts = [mod.parse_point(p) for p in (points or mod.DEFAULT_POINTS)]
         hosts = [mod.parse_point(p) for p in (host_points or mod.HOST_POINTS)]
@@ -139,6 +142,22 @@ def step(model, vs, out_dir, no_plots, points, host_points, repeats):
         raise click.BadParameter(str(e), param_hint="--points/--host-points")
     with _progress(len(pts) + len(hosts) + 1, "step", "measurement") as bar:
         results = mod.run(model, vs, pts, hosts, repeats, tick=lambda label: (bar.set_postfix_str(label), bar.update()))
+    _finish(results, out_dir, not no_plots, mod.table(results))
+
+
+@bench.command(help="Single-stream decode on chat tasks (code edit, extraction, reformatting, free writing) "
+                    "with and without prompt-lookup speculative decoding, against mlx-lm on the same weights.")
+@common
+@click.option("--num-speculative-tokens", "-k", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=2), default=160, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+def spec(model, vs, out_dir, no_plots, num_speculative_tokens, max_tokens, repeats):
+    from macinfer.bench import spec as mod
+
+    vs = _in_process(vs, no_plots, "spec")
+    with _progress(len(mod.TASKS) * (2 + len(vs)), "spec", "measurement") as bar:
+        results = mod.run(model, vs, num_speculative_tokens, max_tokens, repeats,
+                          tick=lambda label: (bar.set_postfix_str(label), bar.update()))
     _finish(results, out_dir, not no_plots, mod.table(results))
 
 

@@ -67,6 +67,21 @@ def write(results: dict, out_dir: str) -> list[str]:
         save(fig, "time")
         return paths
 
+    if mode == "spec":
+        fig, ax = plt.subplots(figsize=(7, 4))
+        tasks = results["tasks"]
+        names = list(next(iter(tasks.values()))["engines"])
+        x = np.arange(len(tasks))
+        width = 0.8 / len(names)
+        for i, n in enumerate(names):
+            ax.bar(x + (i - (len(names) - 1) / 2) * width, [t["engines"][n]["decode_tok_s"] for t in tasks.values()],
+                   width, label=n)
+        ax.set_xticks(x, list(tasks))
+        ax.set(xlabel="task", ylabel="decode tok/s (single stream)", title="Prompt-lookup speculative decoding")
+        ax.legend()
+        save(fig, "decode")
+        return paths
+
     servers = results["servers"]
     if mode == "serve":
         conc_levels = [lv for lv in results["levels"] if lv.startswith("c")]

@@ -18,7 +18,7 @@ from macinfer.engine.model_runner import ModelRunner
 from macinfer.engine.outputs import RequestOutput, _RequestState
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
-from macinfer.engine.speculative import SpeculativeConfig
+from macinfer.engine.speculative import SpeculativeConfig, record_verdict
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block, plan_blocks
 from macinfer.loader import LoadedModel, load
@@ -327,6 +327,7 @@ class LLMEngine:
                     self.stats["spec_draft_tokens"] += len(seq.spec_token_ids)
                     self.stats["spec_accepted_tokens"] += len(r.token_ids) - 1
                     seq.num_computed_tokens += len(r.token_ids) - 1  # the accepted drafts' K/V are written
+                    record_verdict(seq, len(r.token_ids) - 1)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 finished = False

@@ -164,6 +164,9 @@ class Scheduler:
         spec = self.speculative
         if not self._speculate or not can_speculate(seq):
             return []
+        if seq.spec_skip > 0:  # backing off after rejected drafts
+            seq.spec_skip -= 1
+            return []
         k = min(draft_limit(seq, spec.num_tokens, self.max_model_len or 1 << 62), self._budget - 1)
         if k <= 0:
             return []

@@ -48,6 +48,8 @@ class Sequence:
     num_released_window_blocks: int = 0  # leading window-table entries already given back
     matcher: Any = None  # llguidance matcher of a request with a grammar (state: the output so far)
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (speculative decoding)
+    spec_misses: int = 0  # drafts rejected outright in a row
+    spec_skip: int = 0  # decode steps left before this sequence drafts again
     # timing (time.perf_counter seconds)
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -101,6 +101,21 @@ def verify_rows(seq: Sequence) -> list[Sequence | DraftRow]:
     return rows
 
 
+MAX_SKIP = 16
+
+
+def record_verdict(seq: Sequence, accepted: int) -> None:
+    """Back off from a sequence whose drafts keep failing: each draft rejected outright
+    doubles the decode steps it waits before drafting again (up to MAX_SKIP); any
+    accepted token resets it. A verify step with k drafts costs ~20-25% more than a
+    plain decode step on the CPU, so text that never repeats should rarely pay it."""
+    if accepted:
+        seq.spec_misses = 0
+    else:
+        seq.spec_misses += 1
+        seq.spec_skip = min(1 << seq.spec_misses, MAX_SKIP)
+
+
 def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
     """The tokens a sequence gains: sampled tokens while they confirm the draft, then
     the first one that differs (or the bonus token after a fully accepted draft)."""

@@ -30,6 +30,10 @@ class _EngineCollector:
         yield CounterMetricFamily("macinfer_preemptions", "Sequences preempted for KV space", value=e.scheduler.num_preemptions)
         yield CounterMetricFamily("macinfer_prompt_tokens", "Prompt tokens prefilled", value=e.stats["prompt_tokens"])
         yield CounterMetricFamily("macinfer_generation_tokens", "Tokens generated", value=e.stats["generation_tokens"])
+        yield CounterMetricFamily("macinfer_spec_draft_tokens", "Speculative draft tokens checked",
+                                  value=e.stats["spec_draft_tokens"])
+        yield CounterMetricFamily("macinfer_spec_accepted_tokens", "Speculative draft tokens accepted",
+                                  value=e.stats["spec_accepted_tokens"])
 
 
 class ServerMetrics:

@@ -1,0 +1,155 @@
+"""Single-stream decode on chat tasks, with and without prompt-lookup speculation,
+against mlx-lm's own generation on the same weights: one process, one run.
+
+Greedy, ending at EOS or `max_tokens`, so every engine produces the same tokens
+(checked and reported) and the comparison is work for work. Tasks span what
+speculation helps (answers that repeat their input: code edits, extraction,
+reformatting) and what it does not (free writing), so the cost of rejected
+drafts shows too. Medians over repeats.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable
+
+import mlx.core as mx
+
+from macinfer.bench.common import energy, hardware, same_weights_dir, versions
+
+_CODE = '''def mean(xs):
+    total = 0
+    for x in xs:
+        total = total + x
+    return total / len(xs)
+
+
+def variance(xs):
+    m = mean(xs)
+    total = 0
+    for x in xs:
+        total = total + (x - m) * (x - m)
+    return total / len(xs)
+'''
+
+_TEXT = ("The river rose for three days. On the first day the farmers moved their animals to the hill. "
+         "On the second day the school closed and the children helped fill sandbags along the bank. "
+         "On the third day the water stopped one street short of the market, and the town held a dinner "
+         "in the square to thank the volunteers.")
+
+TASKS = {
+    "code edit": f"Add a docstring to each function below. Return the complete code.\n\n```python\n{_CODE}```",
+    "extract": f"Copy the sentence about the school from this text, word for word:\n\n{_TEXT}",
+    "reformat": "Turn this list into a JSON array of objects with keys name and city:\n"
+                "Ana - Lisbon\nBen - Leeds\nChloe - Lyon\nDev - Pune\nEmi - Osaka\nFinn - Oslo",
+    "free writing": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def _macinfer(engine, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
+    """(tokens, ttft, total seconds) of one greedy request run alone."""
+    from macinfer.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    ttft, out = None, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            ttft = ttft or time.perf_counter() - start
+            if o.request_id == rid and o.finished:
+                out = o
+    return out.token_ids, ttft, time.perf_counter() - start
+
+
+def _mlx_lm(model, prompt: list[int], max_tokens: int, eos: set[int]) -> tuple[list[int], float, float]:
+    from mlx_lm.generate import generate_step
+
+    start = time.perf_counter()
+    tokens, ttft = [], None
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                                sampler=lambda x: mx.argmax(x, axis=-1)):
+        ttft = ttft or time.perf_counter() - start
+        tokens.append(int(tok))  # macinfer's token_ids hold the EOS too
+        if tokens[-1] in eos:
+            break
+    return tokens, ttft, time.perf_counter() - start
+
+
+def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: int = 160, repeats: int = 3,
+        tick: Callable[[str], None] = lambda _: None) -> dict:
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.loader import resolve
+
+    base = dict(max_num_seqs=4, kv_cache_gb=0.5, max_model_len=4096, enable_prefix_caching=False)
+    plain = LLMEngine(model, EngineConfig(**base))
+    spec = LLMEngine(plain.loaded, EngineConfig(**base, num_speculative_tokens=num_speculative_tokens))
+    tok = plain.tokenizer
+    eos = set(tok.eos_token_ids)
+    spec_name = f"macinfer spec k={num_speculative_tokens}"
+    engines: dict[str, Callable] = {
+        "macinfer": lambda p: _macinfer(plain, p, max_tokens),
+        spec_name: lambda p: _macinfer(spec, p, max_tokens),
+    }
+    weights = None
+    if "mlx-lm" in vs:
+        from mlx_lm import load
+
+        model_dir, weights = same_weights_dir(model)
+        lm, _ = load(model_dir)
+        engines["mlx-lm"] = lambda p: _mlx_lm(lm, p, max_tokens, eos)
+    sc = spec.config
+    results: dict = {"mode": "spec", "context": {
+        "model": os.path.basename(resolve(model).rstrip("/")), "model_type": plain.loaded.config.get("model_type"),
+        "quantization": plain.loaded.config.get("quantization"), "mlx_lm_weights": weights, **versions(),
+        "macinfer_flags": {"num_speculative_tokens": num_speculative_tokens, "prompt_lookup_min": sc.prompt_lookup_min,
+                           "prompt_lookup_max": sc.prompt_lookup_max, "prefix_caching": False},
+        "hardware": hardware(), "energy": energy(),
+        "workload": {"tasks": TASKS, "max_tokens": max_tokens, "repeats": repeats, "concurrency": 1,
+                     "sampling": "greedy, stops at EOS", "prompts": "the model's chat template, one user turn"},
+    }, "tasks": {}}
+
+    for name, f in engines.items():  # warm-up
+        f(tok.encode("Hi"))
+    for task, text in TASKS.items():
+        prompt = tok.encode_chat([{"role": "user", "content": text}])
+        runs: dict[str, list] = {name: [] for name in engines}
+        drafted = spec.stats["spec_draft_tokens"], spec.stats["spec_accepted_tokens"]
+        for _ in range(repeats):  # engines interleaved, so drift in machine speed hits all alike
+            for name, f in engines.items():
+                runs[name].append(f(prompt))
+        row: dict = {"prompt_tokens": len(prompt), "engines": {}}
+        reference = runs["macinfer"][0][0]
+        for name, rs in runs.items():
+            tokens = rs[0][0]
+            decode = statistics.median(total - ttft for _, ttft, total in rs)
+            row["engines"][name] = {
+                "output_tokens": len(tokens), "same_tokens": all(r[0] == reference for r in rs),
+                "ttft_s": statistics.median(r[1] for r in rs),
+                "decode_tok_s": (len(tokens) - 1) / decode if len(tokens) > 1 and decode > 0 else 0.0}
+            tick(f"{name} {task}")
+        d = spec.stats["spec_draft_tokens"] - drafted[0]
+        a = spec.stats["spec_accepted_tokens"] - drafted[1]
+        row["engines"][spec_name].update(draft_tokens=d // repeats, accepted_tokens=a // repeats,
+                                         acceptance_rate=a / d if d else 0.0)
+        results["tasks"][task] = row
+    return results
+
+
+def table(results: dict) -> str:
+    tasks = results["tasks"]
+    names = list(next(iter(tasks.values()))["engines"])
+    base = "mlx-lm" if "mlx-lm" in names else names[0]
+    head = f"{'task':<14}{'tokens':>7}" + "".join(f"{n:>26}" for n in names) + f"{'accepted':>10}"
+    lines = [f"single-stream decode tok/s (ratio to {base}); same tokens in every engine unless marked *", head]
+    for task, row in tasks.items():
+        e = row["engines"]
+        cells = ""
+        for n in names:
+            v = e[n]["decode_tok_s"]
+            ratio = v / e[base]["decode_tok_s"] if e[base]["decode_tok_s"] else 0.0
+            cells += f"{f'{v:.1f} ({ratio:.2f}x)' + ('' if e[n]['same_tokens'] else '*'):>26}"
+        spec = next((e[n] for n in names if n.startswith("macinfer spec")), {})
+        lines.append(f"{task:<14}{e[names[0]]['output_tokens']:>7}{cells}{spec.get('acceptance_rate', 0):>10.0%}")
+    return "\n".join(lines)
