@@ -77,9 +77,13 @@ def test_registry_lists_every_tested_family():
     assert set(FAMILIES) <= set(ARCHITECTURES)
 
 
-def test_logits_match_through_chunked_prefill_and_batched_decodes(family):
+@pytest.mark.parametrize("prefill_tile", [None, 4])
+def test_logits_match_through_chunked_prefill_and_batched_decodes(family, prefill_tile):
+    """Also with causal prefill in query tiles of 4 (the CPU path tiles at 128), so the
+    9- and 13-token chunks are split: sinks, soft-capping and windows included."""
     name, ref, path = family
     engine = _engine(path)
+    engine.runner.prefill_tile = prefill_tile
     seqs = [TOKENS[0][:31], TOKENS[1][:31]]
     ours = engine.score(seqs, CHUNKS)
     for got, toks in zip(ours, seqs):
