@@ -146,11 +146,19 @@ def test_no_drafts_above_the_batch_limit_or_without_blocks(tiny_llama):
     assert len(out.token_ids) == 34 and tight.scheduler.num_preemptions == 0
 
 
-def test_grammar_requests_do_not_speculate(tiny_llama):
-    engine = _engine(tiny_llama, num_speculative_tokens=4)
+def test_grammar_requests_speculate_within_the_grammar(tiny_llama):
+    """Drafts are cut where the grammar refuses them and every draft row is masked for
+    the state after the drafts before it: same output as without speculation."""
     from llguidance import grammar_from
 
-    params = SamplingParams(temperature=0, max_tokens=12, grammar=grammar_from("regex", "(abc){4}"))
-    out = _run(engine, ["abcabcabcabc"], [params])[0]
-    assert engine.stats["spec_draft_tokens"] == 0
-    assert out.text == "abc" * 4
+    grammar = grammar_from("regex", "(abc ){6}")
+    params = [SamplingParams(temperature=0, max_tokens=30, grammar=grammar),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=30, grammar=grammar)]
+    prompts = ["abc abc abc abc abc abc ", "abc abc abc "]
+    plain = _run(_engine(tiny_llama), prompts, params)
+    engine = _engine(tiny_llama, num_speculative_tokens=4)
+    spec = _run(engine, prompts, params)
+    assert engine.stats["spec_accepted_tokens"] > 0
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids
+        assert b.text == "abc " * 6

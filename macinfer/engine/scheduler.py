@@ -16,11 +16,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.sequence import Sequence, SequenceStatus
-from macinfer.engine.speculative import SpeculativeConfig, can_speculate, draft_limit, propose_ngram
+from macinfer.engine.speculative import SpeculativeConfig, draft_limit, propose
 
 
 @dataclass
@@ -162,7 +160,7 @@ class Scheduler:
     def _draft(self, seq: Sequence) -> list[int]:
         """Draft tokens for a decoding sequence, within the step's token budget."""
         spec = self.speculative
-        if not self._speculate or not can_speculate(seq):
+        if not self._speculate:
             return []
         if seq.spec_skip > 0:  # backing off after rejected drafts
             seq.spec_skip -= 1
@@ -170,7 +168,7 @@ class Scheduler:
         k = min(draft_limit(seq, spec.num_tokens, self.max_model_len or 1 << 62), self._budget - 1)
         if k <= 0:
             return []
-        return propose_ngram(np.asarray(seq.token_ids), k, spec.min_n, spec.max_n)
+        return propose(seq, k, spec.min_n, spec.max_n)
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Start a waiting sequence's prompt. False when it cannot be admitted now

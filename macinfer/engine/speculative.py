@@ -15,7 +15,10 @@ position)), and drafts are accepted while they equal what was sampled. For a
 deterministic draft this is the standard rejection rule: a draft token d is
 kept with probability p(d), and on rejection the sampled token is distributed
 as p without d. Greedy and seeded requests therefore produce the same tokens
-with or without speculation.
+with or without speculation. A request with a grammar drafts too: drafts are cut
+where the grammar would refuse them, and each draft row is masked for the grammar
+state after the drafts before it (llguidance computes those masks without moving
+the matcher).
 """
 
 from __future__ import annotations
@@ -62,6 +65,15 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
     return []
 
 
+def propose(seq: Sequence, k: int, min_n: int, max_n: int) -> list[int]:
+    """The draft for a decoding sequence: prompt lookup, cut where a grammar would
+    refuse it (its tokens could never be accepted)."""
+    drafts = propose_ngram(np.asarray(seq.token_ids), k, min_n, max_n)
+    if drafts and seq.matcher is not None:
+        drafts = drafts[: seq.matcher.validate_tokens(drafts)]
+    return drafts
+
+
 def draft_limit(seq: Sequence, k: int, max_model_len: int) -> int:
     """Draft tokens `seq` may take this step: all accepted plus the bonus token must
     stay within max_tokens and the context."""
@@ -69,11 +81,6 @@ def draft_limit(seq: Sequence, k: int, max_model_len: int) -> int:
     if seq.params.max_tokens is not None:
         limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
     return max(limit, 0)
-
-
-def can_speculate(seq: Sequence) -> bool:
-    # A grammar's matcher would have to advance over drafts and roll back rejections.
-    return seq.matcher is None
 
 
 @dataclass(eq=False)
@@ -85,7 +92,7 @@ class DraftRow:
     seed: int
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    matcher: None = None
+    matcher: None = None  # a grammar's masks for draft rows come with the sequence's own row
 
     @property
     def num_output_tokens(self) -> int:

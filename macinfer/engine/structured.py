@@ -98,15 +98,29 @@ class StructuredOutputs:
 
     def bitmask(self, seqs: list[Sequence]) -> np.ndarray | None:
         """[N, ceil(vocab/32)] int32, bit t of row i set when token t is allowed for
-        seqs[i]; rows without a grammar allow everything. None when no row has one."""
-        rows = [(s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None]
-        if not rows:
+        seqs[i]; rows without a grammar allow everything. None when no row has one.
+        A speculating sequence's rows follow it, one per draft token: each gets the
+        mask of the grammar state after the drafts before it (the matcher itself
+        does not move)."""
+        rows, drafted = [], []
+        for i, s in enumerate(seqs):
+            if s.matcher is None:
+                continue
+            if s.spec_token_ids:
+                drafted.append((s.matcher, i, s.spec_token_ids))
+            else:
+                rows.append((s.matcher, i))
+        if not rows and not drafted:
             return None
-        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+        from llguidance.numpy import (allocate_token_bitmask, fill_next_token_bitmask_par,
+                                      fill_next_token_bitmask_par_with_draft_tokens)
 
         mask = allocate_token_bitmask(len(seqs), self.vocab_size)
         self.ll_tokenizer  # noqa: B018 (the executor is made with it)
-        fill_next_token_bitmask_par(self._executor, rows, mask)
+        if rows:
+            fill_next_token_bitmask_par(self._executor, rows, mask)
+        if drafted:
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, mask)
         return mask
 
 
