@@ -123,6 +123,8 @@ class KVCache:
         self.kv_cache_dtype = kv_cache_dtype
         self.quantized = kv_cache_dtype == "int8"
         self.group_size = kv_group_size(head_dim)
+        if self.quantized and head_dim % self.group_size:
+            raise ValueError(f"--kv-cache-dtype int8 needs a head size divisible by 32; this model's is {head_dim}")
         self.window_layers = frozenset(window_layers)
         self.num_window_blocks = num_window_blocks
 

@@ -1,6 +1,7 @@
 """8-bit affine KV cache: smaller pool, logits close to the full-precision cache."""
 
 import numpy as np
+import pytest
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.sampling_params import SamplingParams
@@ -24,3 +25,11 @@ def test_int8_kv_cache_is_smaller_and_close(tmp_path):
     outs = generate(int8, seqs, params)
     assert all(len(o.token_ids) == 12 for o in outs)
     assert int8.block_manager.num_free_blocks == int8.block_manager.num_blocks
+
+
+def test_int8_needs_a_head_size_it_can_group(tiny_llama):
+    """head_dim 16 has no 32-value quantization group: refused at load, not at the first step."""
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+
+    with pytest.raises(ValueError, match="divisible by 32; this model's is 16"):
+        LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int8"))

@@ -10,6 +10,7 @@ from macinfer.engine.sampler import sample
 from macinfer.engine.sequence import Sequence
 from macinfer.engine.speculative import SpeculativeConfig, accepted_tokens, propose_ngram, verify_rows
 from macinfer.sampling_params import SamplingParams
+from tests.helpers import tiny_model_dir
 
 REPEAT = list(range(3, 23)) * 3  # a prompt whose continuation the lookup can guess
 
@@ -104,10 +105,19 @@ MIXED = [
 ]
 
 
-def test_same_tokens_with_and_without_speculation(tiny_llama):
+@pytest.fixture(scope="module")
+def head32(tmp_path_factory):
+    """head_dim 32: what an int8 KV cache needs."""
+    path, _ = tiny_model_dir(tmp_path_factory.mktemp("head32"), "llama", num_attention_heads=2,
+                             num_key_value_heads=1)
+    return path
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_same_tokens_with_and_without_speculation(head32, kv_cache_dtype):
     prompts = [REPEAT, REPEAT[5:], REPEAT[2:], REPEAT, [9, 10, 11, 12, 13] * 6]
-    plain = _run(_engine(tiny_llama), prompts, MIXED)
-    engine = _engine(tiny_llama, num_speculative_tokens=4, speculative_max_batch=8)
+    plain = _run(_engine(head32, kv_cache_dtype=kv_cache_dtype), prompts, MIXED)
+    engine = _engine(head32, num_speculative_tokens=4, speculative_max_batch=8, kv_cache_dtype=kv_cache_dtype)
     spec = _run(engine, prompts, MIXED)
     assert engine.stats["spec_draft_tokens"] > 0 and engine.stats["spec_accepted_tokens"] > 0
     for a, b in zip(plain, spec):

@@ -95,7 +95,7 @@ def engine(model, vs, out_dir, no_plots, prompt_len, gen_len, prefill_len, concu
     from macinfer.bench import engine as mod
 
     vs = _in_process(vs, no_plots, "engine")
-    steps = (1 + len(vs)) * (2 + len(concurrency))
+    steps = 2 + len(concurrency)
     with _progress(steps, "engine", "measurement") as bar:
         results = mod.run(model, vs, prompt_len, gen_len, prefill_len, tuple(sorted(concurrency)), batch_gen_len,
                           repeats, tick=lambda label: (bar.set_postfix_str(label), bar.update()))

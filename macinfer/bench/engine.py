@@ -1,6 +1,7 @@
 """Offline engine benchmark: macinfer's engine against mlx-lm's own generation on
 the same weights, in one process, one run. Random-token prompts (fixed seed),
-greedy, EOS ignored, so both do exactly the same work. Medians over repeats."""
+greedy, EOS ignored, so both do exactly the same work. Medians over repeats, the
+engines taking turns within each measurement."""
 
 from __future__ import annotations
 
@@ -108,26 +109,32 @@ def run(model: str, vs: list[str], prompt_len: int = 32, gen_len: int = 64, pref
                      "prompts": "random token ids (fixed seed)", "sampling": "greedy, EOS ignored"},
     }, "engines": {}}
 
-    def measure(r, prompts, max_tokens, label) -> tuple[float, float]:
-        runs = [r.run(prompts, max_tokens) for _ in range(repeats)]
-        tick(f"{r.name} {label}")
-        return statistics.median(x[0] for x in runs), statistics.median(x[1] for x in runs)
+    def measure(prompts, max_tokens, label) -> dict[str, tuple[float, float]]:
+        """Median (ttft, total) per engine; repeats interleaved across engines, so a
+        drift in this machine's speed (15-30% here) hits every engine alike."""
+        runs: dict[str, list] = {r.name: [] for r in runners}
+        for _ in range(repeats):
+            for r in runners:
+                runs[r.name].append(r.run(prompts, max_tokens))
+        tick(label)
+        return {name: (statistics.median(x[0] for x in rs), statistics.median(x[1] for x in rs))
+                for name, rs in runs.items()}
 
+    out: dict[str, dict] = {r.name: {"throughput": {}} for r in runners}
     for r in runners:
-        out: dict = {}
         r.run([prompt(8)], 4)  # warm-up
-        ttft, total = measure(r, [prompt(prompt_len)], gen_len, "decode")
-        out["decode_tok_s"] = (gen_len - 1) / (total - ttft)
-        out["tpot_ms"] = 1000 * (total - ttft) / (gen_len - 1)
-        ttft, _ = measure(r, [prompt(prefill_len)], 1, "prefill")
-        out["prefill_tok_s"] = prefill_len / ttft
-        out["ttft_s"] = ttft
-        out["throughput"] = {}
-        for c in concurrency:
-            _, total = measure(r, [prompt(prompt_len) for _ in range(c)], batch_gen_len, f"c={c}")
-            out["throughput"][str(c)] = c * batch_gen_len / total
-        out["peak_rss_gb_process"] = _peak_rss_gb()
-        results["engines"][r.name] = out
+    for name, (ttft, total) in measure([prompt(prompt_len)], gen_len, "decode").items():
+        out[name]["decode_tok_s"] = (gen_len - 1) / (total - ttft)
+        out[name]["tpot_ms"] = 1000 * (total - ttft) / (gen_len - 1)
+    for name, (ttft, _) in measure([prompt(prefill_len)], 1, "prefill").items():
+        out[name]["prefill_tok_s"] = prefill_len / ttft
+        out[name]["ttft_s"] = ttft
+    for c in concurrency:
+        for name, (_, total) in measure([prompt(prompt_len) for _ in range(c)], batch_gen_len, f"c={c}").items():
+            out[name]["throughput"][str(c)] = c * batch_gen_len / total
+    for r in runners:
+        out[r.name]["peak_rss_gb_process"] = _peak_rss_gb()  # one process: the peak of both
+        results["engines"][r.name] = out[r.name]
     return results
 
 

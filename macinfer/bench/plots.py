@@ -70,12 +70,12 @@ def write(results: dict, out_dir: str) -> list[str]:
     if mode == "spec":
         fig, ax = plt.subplots(figsize=(7, 4))
         tasks = results["tasks"]
-        names = list(next(iter(tasks.values()))["engines"])
+        names = list(max((t["engines"] for t in tasks.values()), key=len))
         x = np.arange(len(tasks))
         width = 0.8 / len(names)
         for i, n in enumerate(names):
-            ax.bar(x + (i - (len(names) - 1) / 2) * width, [t["engines"][n]["decode_tok_s"] for t in tasks.values()],
-                   width, label=n)
+            ax.bar(x + (i - (len(names) - 1) / 2) * width,
+                   [t["engines"][n]["decode_tok_s"] if n in t["engines"] else 0 for t in tasks.values()], width, label=n)
         ax.set_xticks(x, list(tasks))
         ax.set(xlabel="task", ylabel="decode tok/s (single stream)", title="Prompt-lookup speculative decoding")
         ax.legend()

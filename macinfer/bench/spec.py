@@ -45,15 +45,24 @@ TASKS = {
     "reformat": "Turn this list into a JSON array of objects with keys name and city:\n"
                 "Ana - Lisbon\nBen - Leeds\nChloe - Lyon\nDev - Pune\nEmi - Osaka\nFinn - Oslo",
     "free writing": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "JSON schema": "List five famous scientists with their field and birth year.",
+}
+# Tasks held to a JSON schema (response_format): macinfer only, mlx-lm has no grammar support.
+SCHEMAS = {
+    "JSON schema": {"type": "object", "properties": {"scientists": {"type": "array", "minItems": 5, "maxItems": 5,
+                    "items": {"type": "object", "properties": {
+                        "name": {"type": "string"}, "field": {"type": "string"}, "birth_year": {"type": "integer"}},
+                        "required": ["name", "field", "birth_year"], "additionalProperties": False}}},
+                    "required": ["scientists"], "additionalProperties": False},
 }
 
 
-def _macinfer(engine, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
+def _macinfer(engine, prompt: list[int], max_tokens: int, grammar: str | None = None) -> tuple[list[int], float, float]:
     """(tokens, ttft, total seconds) of one greedy request run alone."""
     from macinfer.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, grammar=grammar))
     ttft, out = None, None
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -80,6 +89,7 @@ def _mlx_lm(model, prompt: list[int], max_tokens: int, eos: set[int]) -> tuple[l
 def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: int = 160, repeats: int = 3,
         tick: Callable[[str], None] = lambda _: None) -> dict:
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.engine.structured import json_schema_grammar
     from macinfer.loader import resolve
 
     base = dict(max_num_seqs=4, kv_cache_gb=0.5, max_model_len=4096, enable_prefix_caching=False)
@@ -89,8 +99,8 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
     eos = set(tok.eos_token_ids)
     spec_name = f"macinfer spec k={num_speculative_tokens}"
     engines: dict[str, Callable] = {
-        "macinfer": lambda p: _macinfer(plain, p, max_tokens),
-        spec_name: lambda p: _macinfer(spec, p, max_tokens),
+        "macinfer": lambda p, g=None: _macinfer(plain, p, max_tokens, g),
+        spec_name: lambda p, g=None: _macinfer(spec, p, max_tokens, g),
     }
     weights = None
     if "mlx-lm" in vs:
@@ -98,7 +108,7 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
 
         model_dir, weights = same_weights_dir(model)
         lm, _ = load(model_dir)
-        engines["mlx-lm"] = lambda p: _mlx_lm(lm, p, max_tokens, eos)
+        engines["mlx-lm"] = lambda p, g=None: _mlx_lm(lm, p, max_tokens, eos)
     sc = spec.config
     results: dict = {"mode": "spec", "context": {
         "model": os.path.basename(resolve(model).rstrip("/")), "model_type": plain.loaded.config.get("model_type"),
@@ -106,19 +116,21 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
         "macinfer_flags": {"num_speculative_tokens": num_speculative_tokens, "prompt_lookup_min": sc.prompt_lookup_min,
                            "prompt_lookup_max": sc.prompt_lookup_max, "prefix_caching": False},
         "hardware": hardware(), "energy": energy(),
-        "workload": {"tasks": TASKS, "max_tokens": max_tokens, "repeats": repeats, "concurrency": 1,
+        "workload": {"tasks": TASKS, "json_schemas": SCHEMAS, "max_tokens": max_tokens, "repeats": repeats, "concurrency": 1,
                      "sampling": "greedy, stops at EOS", "prompts": "the model's chat template, one user turn"},
     }, "tasks": {}}
 
-    for name, f in engines.items():  # warm-up
+    for f in engines.values():  # warm-up
         f(tok.encode("Hi"))
     for task, text in TASKS.items():
         prompt = tok.encode_chat([{"role": "user", "content": text}])
-        runs: dict[str, list] = {name: [] for name in engines}
+        grammar = json_schema_grammar(SCHEMAS[task]) if task in SCHEMAS else None
+        names = [n for n in engines if grammar is None or n.startswith("macinfer")]
+        runs: dict[str, list] = {name: [] for name in names}
         drafted = spec.stats["spec_draft_tokens"], spec.stats["spec_accepted_tokens"]
         for _ in range(repeats):  # engines interleaved, so drift in machine speed hits all alike
-            for name, f in engines.items():
-                runs[name].append(f(prompt))
+            for name in names:
+                runs[name].append(engines[name](prompt, grammar))
         row: dict = {"prompt_tokens": len(prompt), "engines": {}}
         reference = runs["macinfer"][0][0]
         for name, rs in runs.items():
@@ -139,17 +151,22 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
 
 def table(results: dict) -> str:
     tasks = results["tasks"]
-    names = list(next(iter(tasks.values()))["engines"])
+    names = list(max((row["engines"] for row in tasks.values()), key=len))
     base = "mlx-lm" if "mlx-lm" in names else names[0]
     head = f"{'task':<14}{'tokens':>7}" + "".join(f"{n:>26}" for n in names) + f"{'accepted':>10}"
-    lines = [f"single-stream decode tok/s (ratio to {base}); same tokens in every engine unless marked *", head]
+    lines = [f"single-stream decode tok/s (ratio to {base}, else to macinfer); same tokens in every engine "
+             "unless marked *; n/a: the engine cannot hold output to a schema", head]
     for task, row in tasks.items():
         e = row["engines"]
+        ref = e[base] if base in e else e["macinfer"]
         cells = ""
         for n in names:
+            if n not in e:
+                cells += f"{'n/a':>26}"
+                continue
             v = e[n]["decode_tok_s"]
-            ratio = v / e[base]["decode_tok_s"] if e[base]["decode_tok_s"] else 0.0
+            ratio = v / ref["decode_tok_s"] if ref["decode_tok_s"] else 0.0
             cells += f"{f'{v:.1f} ({ratio:.2f}x)' + ('' if e[n]['same_tokens'] else '*'):>26}"
-        spec = next((e[n] for n in names if n.startswith("macinfer spec")), {})
-        lines.append(f"{task:<14}{e[names[0]]['output_tokens']:>7}{cells}{spec.get('acceptance_rate', 0):>10.0%}")
+        spec = next((e[n] for n in names if n.startswith("macinfer spec") and n in e), {})
+        lines.append(f"{task:<14}{e['macinfer']['output_tokens']:>7}{cells}{spec.get('acceptance_rate', 0):>10.0%}")
     return "\n".join(lines)
