@@ -342,8 +342,8 @@ class LLMEngine:
                         seq.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
                     if finished := self._add_token(seq, token):
                         break
-                outputs.append(self._output(self.requests.pop(seq.request_id) if finished
-                                            else self.requests[seq.request_id], finished))
+                outputs.append((self.requests.pop(seq.request_id) if finished
+                                else self.requests[seq.request_id]).output(finished))
             except Exception as e:
                 log.exception("request %s failed", seq.request_id)
                 outputs.append(self._fail(seq, e))
@@ -369,74 +369,16 @@ class LLMEngine:
         seq.finish_time = time.perf_counter()
         if state is None:
             state = _RequestState(seq, IncrementalDetokenizer(self.tokenizer), None)
-        out = self._output(state, finished=True)
+        out = state.output(finished=True)
         out.error = f"{type(error).__name__}: {error}"
         return out
 
     def _add_token(self, seq: Sequence, token: int) -> bool:
-        """Detokenize one new output token and check every stop condition; True
-        (and the sequence finished) when it ends the request."""
-        state = self.requests[seq.request_id]
-        p = seq.params
-        reason = None
-        stop_token = (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
-        grammar_done = False
-        if seq.matcher is not None:
-            if not seq.matcher.consume_token(token):
-                raise RuntimeError(f"token {token} broke the request's grammar: {seq.matcher.get_error()}")
-            # Complete (only EOS allowed next): end here rather than spend a step on EOS.
-            grammar_done = seq.matcher.is_stopped()
-        checked = len(state.text)  # text before this token held no stop string
-        if not stop_token:  # the token that ends a request is never part of its text
-            state.text += state.detok.add(token)
-        if stop_token:
-            reason = "stop"
-            state.stop_reason = token if token in p.stop_token_ids else None  # None: end of sequence
-        elif grammar_done:
-            reason = "stop"
-        elif p.stop and len(state.text) > checked:
-            search_from = max(0, checked - state.max_stop_len + 1)
-            hits = [(i, s) for s in p.stop if (i := state.text.find(s, search_from)) >= 0]
-            if hits:
-                at, state.stop_reason = min(hits)
-                state.text = state.text[:at]
-                reason = "stop"
-        if reason is None:
-            if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-                reason = "length"
-            elif seq.num_tokens >= self.max_model_len:
-                reason = "length"
+        """One new output token through the output processor; True (and the sequence
+        finished) when it ends the request."""
+        reason = self.requests[seq.request_id].add_token(token, self.tokenizer.eos_token_ids, self.max_model_len)
         if reason is None:
             return False
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq, reason)
         return True
-
-    def _output(self, state: _RequestState, finished: bool) -> RequestOutput:
-        seq = state.seq
-        # Hold back text that could still become a stop string.
-        safe = len(state.text) if finished else max(state.emitted_chars, len(state.text) - max(state.max_stop_len - 1, 0))
-        delta = state.text[state.emitted_chars : safe]
-        state.emitted_chars = safe
-        delta_ids = seq.output_token_ids[state.emitted_tokens :]
-        state.emitted_tokens = seq.num_output_tokens
-        metrics = {}
-        if seq.first_token_time is not None:
-            metrics["ttft"] = seq.first_token_time - seq.arrival_time
-        if finished and seq.finish_time is not None:
-            metrics["e2e"] = seq.finish_time - seq.arrival_time
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=state.text[:safe],
-            token_ids=list(seq.output_token_ids),
-            delta_text=delta,
-            delta_token_ids=delta_ids,
-            finished=finished,
-            finish_reason=seq.finish_reason if finished else None,
-            logprobs=list(seq.logprobs),
-            num_cached_tokens=seq.num_cached_tokens,
-            metrics=metrics,
-            prompt=state.prompt,
-            stop_reason=state.stop_reason if finished else None,
-        )

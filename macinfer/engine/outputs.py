@@ -47,3 +47,64 @@ class _RequestState:
         self.emitted_tokens = 0
         self.stop_reason: str | int | None = None
         self.max_stop_len = max((len(s) for s in seq.params.stop), default=0)
+
+    def add_token(self, token: int, eos_token_ids, max_model_len: int) -> str | None:
+        """Detokenize one new output token (already in seq.output_token_ids) and check
+        every stop condition; the finish reason when it ends the request, else None."""
+        seq, p = self.seq, self.seq.params
+        stop_token = (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                raise RuntimeError(f"token {token} broke the request's grammar: {seq.matcher.get_error()}")
+            # Complete (only EOS allowed next): end here rather than spend a step on EOS.
+            grammar_done = seq.matcher.is_stopped()
+        checked = len(self.text)  # text before this token held no stop string
+        if stop_token:  # the token that ends a request is never part of its text
+            self.stop_reason = token if token in p.stop_token_ids else None  # None: end of sequence
+            return "stop"
+        self.text += self.detok.add(token)
+        if grammar_done:
+            return "stop"
+        if p.stop and len(self.text) > checked:
+            search_from = max(0, checked - self.max_stop_len + 1)
+            hits = [(i, s) for s in p.stop if (i := self.text.find(s, search_from)) >= 0]
+            if hits:
+                at, self.stop_reason = min(hits)
+                self.text = self.text[:at]
+                return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def output(self, finished: bool) -> RequestOutput:
+        """What changed since the last output: new text (holding back what could still
+        become a stop string) and new token ids, plus everything so far."""
+        seq = self.seq
+        safe = len(self.text) if finished else max(self.emitted_chars, len(self.text) - max(self.max_stop_len - 1, 0))
+        delta = self.text[self.emitted_chars : safe]
+        self.emitted_chars = safe
+        delta_ids = seq.output_token_ids[self.emitted_tokens :]
+        self.emitted_tokens = seq.num_output_tokens
+        metrics = {}
+        if seq.first_token_time is not None:
+            metrics["ttft"] = seq.first_token_time - seq.arrival_time
+        if finished and seq.finish_time is not None:
+            metrics["e2e"] = seq.finish_time - seq.arrival_time
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=self.text[:safe],
+            token_ids=list(seq.output_token_ids),
+            delta_text=delta,
+            delta_token_ids=delta_ids,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            logprobs=list(seq.logprobs),
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=metrics,
+            prompt=self.prompt,
+            stop_reason=self.stop_reason if finished else None,
+        )
