@@ -14,6 +14,16 @@ def test_generate_streams_text(smollm2_gguf):
     assert "tokens, TTFT" in r.stderr
 
 
+def test_generate_with_speculation_prints_the_same_text(tiny_llama):
+    args = ["generate", tiny_llama, "-p", "hello world", "-n", "24", "--kv-cache-gb", "0.01", "--no-chat-template"]
+    plain = CliRunner().invoke(main, args)
+    spec = CliRunner().invoke(main, [*args, "--num-speculative-tokens", "4"])
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout and plain.stdout.strip()
+    r = CliRunner().invoke(main, [*args, "--num-speculative-tokens", "-1"])
+    assert r.exit_code == 2 and "num-speculative-tokens" in r.output
+
+
 def test_generate_missing_model_exits_nonzero():
     r = CliRunner().invoke(main, ["generate", "./missing.gguf", "-p", "hi"])
     assert r.exit_code == 1
