@@ -3,6 +3,8 @@ as without it (greedy and seeded sampling, penalties, stops, prefix cache)."""
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from macinfer.engine.block_manager import block_hash
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
@@ -172,3 +174,34 @@ def test_grammar_requests_speculate_within_the_grammar(tiny_llama):
     for a, b in zip(plain, spec):
         assert b.token_ids == a.token_ids
         assert b.text == "abc " * 6
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(3, 20), st.integers(2, 30), st.booleans()),
+                min_size=1, max_size=6),
+       st.integers(5, 12))
+def test_tight_pool_preemption_and_aborts_keep_speculation_exact(tiny_llama, requests, num_blocks):
+    """Random requests (repeating prompts of random period and length, random max_tokens,
+    some aborted) on a pool small enough to preempt: the ones that finish match a plain
+    engine's greedy tokens, and every block comes back."""
+    prompts = [[3 + (i % period) for i in range(length)] for period, length, _, _ in requests]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, _, n, _ in requests]
+    config = dict(num_kv_blocks=num_blocks, block_size=8, max_model_len=64, max_num_batched_tokens=32)
+    want = _run(LLMEngine(tiny_llama, EngineConfig(**config)), prompts, params)  # the same context limit
+    engine = LLMEngine(tiny_llama, EngineConfig(**config, num_speculative_tokens=4))
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        if steps == 3:
+            for rid, (_, _, _, abort) in zip(ids, requests):
+                if abort and rid not in done:
+                    engine.abort_request(rid)
+        _check_committed_blocks(engine)
+    for rid, w in zip(ids, want):
+        if rid in done:
+            assert done[rid].token_ids == w.token_ids
+    assert engine.block_manager.num_used_blocks == 0
