@@ -168,3 +168,11 @@ def same_weights_dir(model: str) -> tuple[str, str]:
         if name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
             shutil.copy(os.path.join(src, name), out)
     return out, "macinfer's float32 expansion of the quantized weights (what macinfer runs on the CPU)"
+
+
+def process_peak_rss_gb() -> float:
+    """Peak resident memory of this process, GB."""
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if platform.system() == "Linux" else rss / 2**30

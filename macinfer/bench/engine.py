@@ -6,7 +6,6 @@ engines taking turns within each measurement."""
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import time
 from typing import Callable
@@ -14,14 +13,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from macinfer.bench.common import energy, hardware, same_weights_dir, versions
-
-
-def _peak_rss_gb() -> float:
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if platform.system() == "Linux" else rss / 2**30
+from macinfer.bench.common import energy, hardware, process_peak_rss_gb, same_weights_dir, versions
 
 
 class MacinferRunner:
@@ -133,7 +125,7 @@ def run(model: str, vs: list[str], prompt_len: int = 32, gen_len: int = 64, pref
         for name, (_, total) in measure([prompt(prompt_len) for _ in range(c)], batch_gen_len, f"c={c}").items():
             out[name]["throughput"][str(c)] = c * batch_gen_len / total
     for r in runners:
-        out[r.name]["peak_rss_gb_process"] = _peak_rss_gb()  # one process: the peak of both
+        out[r.name]["peak_rss_gb_process"] = process_peak_rss_gb()  # one process: the peak of both
         results["engines"][r.name] = out[r.name]
     return results
 

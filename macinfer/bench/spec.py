@@ -17,8 +17,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from macinfer.bench.common import energy, hardware, same_weights_dir, versions
-from macinfer.bench.engine import _peak_rss_gb
+from macinfer.bench.common import energy, hardware, process_peak_rss_gb, same_weights_dir, versions
 
 _CODE = '''def mean(xs):
     total = 0
@@ -147,7 +146,7 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
         row["engines"][spec_name].update(draft_tokens=d // repeats, accepted_tokens=a // repeats,
                                          acceptance_rate=a / d if d else 0.0)
         results["tasks"][task] = row
-    results["peak_rss_gb_process"] = _peak_rss_gb()  # every engine in this one process
+    results["peak_rss_gb_process"] = process_peak_rss_gb()  # every engine in this one process
     return results
 
 
