@@ -9,10 +9,12 @@ layer copies its context; prefill chunks gather their blocks once and use
 kernel when `macinfer.kernels.mode()` says so (on a Mac by default;
 `MACINFER_KERNELS` forces a choice).
 
-The flat token batch is ordered decodes first (one query token per sequence),
-then prefill chunks. Decodes are attended together as one padded-by-blocks
-batch with a length mask; each prefill chunk is attended on its own with a
-causal mask aligned to the end of its context (cached prefix + chunk).
+The flat token batch is ordered decodes first (one query token per row: a
+decoding sequence, or one token of a speculating sequence's draft, each with
+its own context length), then prefill chunks. Decodes are attended together as
+one padded-by-blocks batch with a length mask; each prefill chunk is attended
+on its own with a causal mask aligned to the end of its context (cached
+prefix + chunk).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class AttentionMetadata:
     decode_context_lens: mx.array | None = None  # [B] int32
     decode_max_context: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Decode rows of speculating sequences, (first row, rows), after the plain decodes.
+    decode_groups: list[tuple[int, int]] = field(default_factory=list)
     # Query tile for causal prefill where MLX's SDPA is not a fused kernel (None: one call).
     prefill_tile: int | None = None
     # The sliding-window layers' pool: its own slots and block tables, which start
@@ -80,10 +84,24 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
         return launch(calls, emulate=backend == "emulate")
     k_blocks, v_blocks, tables = cache.attention_blocks(layer, meta.decode_block_tables)
     # Every layer's tables are the same (int8: the same renumbering), so these are built once a step.
-    heads = meta.memo("block_heads", lambda: block_heads(tables, cache.num_kv_heads))
-    mask = meta.memo(("mask", window), lambda: decode_mask(meta.decode_context_lens, tables.shape[1] * cache.block_size,
-                                                            window))
-    return reference_decode_attention(q, k_blocks, v_blocks, heads, mask, scale, sinks, softcap)
+    kvh, length, lens = cache.num_kv_heads, tables.shape[1] * cache.block_size, meta.decode_context_lens
+    groups = meta.decode_groups
+    plain = groups[0][0] if groups else q.shape[0]
+    outs = []
+    if plain:
+        rows = tables if not groups else tables[:plain]
+        heads = meta.memo("block_heads", lambda: block_heads(rows, kvh))
+        mask = meta.memo(("mask", window), lambda: decode_mask(lens if not groups else lens[:plain], length, window))
+        outs.append(reference_decode_attention(q[:plain], k_blocks, v_blocks, heads, mask, scale, sinks, softcap))
+    for start, count in groups:
+        # A speculating sequence's rows share one table (the last row's is the longest):
+        # its queries go through each (block, head) matrix together, read once.
+        end = start + count
+        heads = meta.memo(("block_heads", start), lambda: block_heads(tables[end - 1 : end], kvh))
+        mask = meta.memo(("mask", window, start), lambda: decode_mask(lens[start:end], length, window)[None])
+        outs.append(reference_decode_attention(q[None, start:end], k_blocks, v_blocks, heads, mask, scale, sinks,
+                                               softcap)[0])
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
 def block_heads(block_tables: mx.array, num_kv_heads: int) -> mx.array:
@@ -129,6 +147,8 @@ def reference_decode_attention(
 ) -> mx.array:
     """q [B, H, d] against the paged cache in place: k/v_blocks [num_blocks, kvh, bs, d],
     `heads` from `block_heads` ([B, nb, kvh]), `mask` from `decode_mask` ([B, nb * bs]).
+    Or several queries per row sharing its table: q [B, Q, H, d], mask [B, Q, nb * bs]
+    (a speculating sequence's token and drafts, each with its own context length).
 
     Queries are grouped per KV head, and each group is multiplied with the
     (block, head) matrices its table names (`mx.gather_mm`): K/V are read once,
@@ -136,23 +156,28 @@ def reference_decode_attention(
     per step tripled the KV memory traffic) and no copy per query head. Measured
     on the CPU at 16 sequences x 1k context, SmolLM2 shapes: ~7.5 ms per layer
     against ~20 ms for gather + matmul."""
-    B, H, d = q.shape
+    single = q.ndim == 3
+    if single:
+        q, mask = q[:, None], mask[:, None]
+    B, Q, H, d = q.shape
     _, kvh, bs, _ = k_blocks.shape
     nb = heads.shape[1]
     g = H // kvh
-    qg = (q * scale).reshape(B, 1, kvh, g, d)  # the group as the rows of one matmul per (block, head)
-    scores = mx.gather_mm(qg, k_blocks.reshape(-1, bs, d).swapaxes(-1, -2), None, heads)  # [B, nb, kvh, g, bs]
-    scores = scores.transpose(0, 2, 3, 1, 4).reshape(B, kvh, g, nb * bs)
+    rows = Q * g  # the rows of one matmul per (block, head): every query of the group
+    qg = (q * scale).reshape(B, Q, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(B, 1, kvh, rows, d)
+    scores = mx.gather_mm(qg, k_blocks.reshape(-1, bs, d).swapaxes(-1, -2), None, heads)  # [B, nb, kvh, rows, bs]
+    scores = scores.transpose(0, 2, 3, 1, 4).reshape(B, kvh, Q, g, nb * bs)
     if softcap is not None:
         scores = mx.tanh(scores / softcap) * softcap
-    scores = mx.where(mask[:, None, None, :], scores, mx.array(-mx.inf, scores.dtype))
+    scores = mx.where(mask[:, None, :, None, :], scores, mx.array(-mx.inf, scores.dtype))
     if sinks is not None:  # one more logit per head that only joins the softmax denominator
-        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kvh, g, 1), (B, kvh, g, 1))
+        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kvh, 1, g, 1), (B, kvh, Q, g, 1))
         scores = mx.concatenate([scores, sink], axis=-1)
     probs = mx.softmax(scores, axis=-1, precise=True)[..., : nb * bs]
-    probs = probs.reshape(B, kvh, g, nb, bs).transpose(0, 3, 1, 2, 4)  # [B, nb, kvh, g, bs]
-    out = mx.gather_mm(probs, v_blocks.reshape(-1, bs, d), None, heads)  # [B, nb, kvh, g, d]
-    return out.sum(axis=1).reshape(B, H, d)
+    probs = probs.reshape(B, kvh, rows, nb, bs).transpose(0, 3, 1, 2, 4)  # [B, nb, kvh, rows, bs]
+    out = mx.gather_mm(probs, v_blocks.reshape(-1, bs, d), None, heads)  # [B, nb, kvh, rows, d]
+    out = out.sum(axis=1).reshape(B, kvh, Q, g, d).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, d)
+    return out[:, 0] if single else out
 
 
 def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: PrefillSpan, scale: float,

@@ -25,22 +25,29 @@ class _GroupTables:
         self.slots: list[int] = []
         self.decode_tables: list[list[int]] = []
         self.decode_lens: list[int] = []
+        self.decode_groups: list[tuple[int, int]] = []
         self.prefills: list[PrefillSpan] = []
 
-    def add(self, table: list[int], pos: np.ndarray, row: int, first_block: int = 0) -> None:
+    def add(self, table: list[int], pos: np.ndarray, row: int, first_block: int = 0,
+            as_decodes: bool = False) -> None:
         """One scheduled sequence: new tokens at `pos`, rows from `row`. Its tables
-        start at `first_block` (a window layer reads nothing before it)."""
+        start at `first_block` (a window layer reads nothing before it). A single
+        token, or a speculating sequence (`as_decodes`: its real token and drafts),
+        is attended as decode rows, one per token, each with its own context length:
+        the in-place decode path, with no gathered copy of the context."""
         bs = self.bs
         t = np.asarray(table, dtype=np.int64)
         self.slots.extend((t[pos // bs] * bs + pos % bs).tolist())
+        if len(pos) == 1 or as_decodes:
+            if as_decodes:
+                self.decode_groups.append((len(self.decode_tables), len(pos)))
+            for p in pos.tolist():
+                self.decode_tables.append(table[first_block : cdiv(p + 1, bs)])
+                self.decode_lens.append(p + 1 - first_block * bs)  # counted from the table's first block
+            return
         context = int(pos[-1]) + 1
         blocks = table[first_block : cdiv(context, bs)]
-        length = context - first_block * bs  # context counted from the table's first block
-        if len(pos) == 1:
-            self.decode_tables.append(blocks)
-            self.decode_lens.append(length)
-        else:
-            self.prefills.append(PrefillSpan(row, len(pos), length, mx.array(blocks, dtype=mx.int32)))
+        self.prefills.append(PrefillSpan(row, len(pos), context - first_block * bs, mx.array(blocks, dtype=mx.int32)))
 
     def metadata(self, kv_cache: KVCache, positions: mx.array, prefill_tile: int | None) -> AttentionMetadata:
         meta = AttentionMetadata(
@@ -50,7 +57,11 @@ class _GroupTables:
             kv_rows=mx.array(kv_rows(np.asarray(self.slots), kv_cache.num_kv_heads, self.bs), dtype=mx.int32),
             num_decodes=len(self.decode_tables),
             prefills=self.prefills,
+            decode_groups=self.decode_groups,
         )
+        # The attention takes plain decode rows first, then each speculating group.
+        assert not self.decode_groups or sum(n for _, n in self.decode_groups) == \
+            len(self.decode_tables) - self.decode_groups[0][0], "plain decodes must precede speculating ones"
         if self.decode_tables:
             width = max(len(t) for t in self.decode_tables)
             padded = np.zeros((len(self.decode_tables), width), dtype=np.int32)
@@ -76,7 +87,8 @@ class ModelRunner:
     def prepare(
         self, scheduled: list[tuple[Sequence, int]]
     ) -> tuple[mx.array, AttentionMetadata, list[int], list[Sequence | DraftRow]]:
-        """Flat inputs for `scheduled` (decodes first). Returns (input_ids, metadata,
+        """Flat inputs for `scheduled` (decodes and speculating sequences first, then
+        prompt chunks: the scheduler's order). Returns (input_ids, metadata,
         rows to sample, what each row samples for: a sequence, or one of its drafts)."""
         ids: list[int] = []
         positions: list[int] = []
@@ -94,9 +106,10 @@ class ModelRunner:
             ids.extend(drafts)
             pos = np.arange(start, start + n)
             positions.extend(pos.tolist())
-            full.add(seq.block_table, pos, row)
+            full.add(seq.block_table, pos, row, as_decodes=bool(drafts))
             if window is not None:
-                window.add(seq.window_block_table, pos, row, self.block_manager.first_window_block(start))
+                window.add(seq.window_block_table, pos, row, self.block_manager.first_window_block(start),
+                           as_decodes=bool(drafts))
             if start + real == seq.num_tokens:
                 # A speculating sequence samples at its real token and after each draft.
                 sample_rows.extend(range(row + real - 1, row + n))

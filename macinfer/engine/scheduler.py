@@ -122,7 +122,8 @@ class Scheduler:
             elif admitting and not out.preempted:
                 admitting = self._admit(seq, out)
 
-        out.scheduled.sort(key=lambda item: item[1] != 1)  # decodes first
+        # Decodes first, then speculating sequences (their rows are decode rows too), then prompts.
+        out.scheduled.sort(key=lambda item: 0 if item[1] == 1 else 1 if item[0].spec_token_ids else 2)
         return out
 
     def _continue(self, seq: Sequence, queue: deque, out: SchedulerOutput) -> bool:
