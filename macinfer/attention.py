@@ -89,9 +89,8 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
     plain = groups[0][0] if groups else q.shape[0]
     outs = []
     if plain:
-        rows = tables if not groups else tables[:plain]
-        heads = meta.memo("block_heads", lambda: block_heads(rows, kvh))
-        mask = meta.memo(("mask", window), lambda: decode_mask(lens if not groups else lens[:plain], length, window))
+        heads = meta.memo("block_heads", lambda: block_heads(tables[:plain], kvh))
+        mask = meta.memo(("mask", window), lambda: decode_mask(lens[:plain], length, window))
         outs.append(reference_decode_attention(q[:plain], k_blocks, v_blocks, heads, mask, scale, sinks, softcap))
     for start, count in groups:
         # A speculating sequence's rows share one table (the last row's is the longest):

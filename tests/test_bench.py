@@ -56,6 +56,11 @@ def test_spec_mode_compares_speculation_on_chat_tasks(tiny_llama, tmp_path):
     assert "macinfer spec k=3" in out and "free writing" in out and "JSON schema" in out
     res = json.load(open(tmp_path / "bench_spec.json"))
     assert res["context"]["macinfer_flags"]["num_speculative_tokens"] == 3 and res["context"]["mlx_lm_weights"]
+    from macinfer.bench.spec import TASKS
+
+    # The byte-level tiny model's 2k context cannot hold the long file: reported, not run.
+    assert set(res["skipped"]) == {"long code edit"} and "long code edit: skipped" in out
+    assert set(res["tasks"]) | set(res["skipped"]) == set(TASKS)
     for task, row in res["tasks"].items():
         engines = row["engines"]
         both = {"macinfer", "macinfer spec k=3"}

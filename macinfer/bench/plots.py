@@ -29,6 +29,16 @@ def _cdf(ax, samples: list[float], label: str) -> None:
         ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
 
 
+def _bars(ax, labels: list[str], series: dict[str, list[float]], rotation: int = 0) -> None:
+    """Grouped bars: one group per label, one bar per series."""
+    x = np.arange(len(labels))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=name)
+    ax.set_xticks(x, labels, rotation=rotation)
+    ax.legend()
+
+
 def write(results: dict, out_dir: str) -> list[str]:
     """Writes the plots for `results` (any mode) into out_dir; returns their paths."""
     plt = _pyplot()
@@ -56,14 +66,11 @@ def write(results: dict, out_dir: str) -> list[str]:
     if mode == "step":
         fig, ax = plt.subplots(figsize=(7, 4))
         rows = results["steps"]
-        labels = [f"{r['batch']}x{r['context']}" for r in rows]
-        x = np.arange(len(rows))
-        ax.bar(x - 0.2, [r["macinfer_ms"] for r in rows], 0.4, label="macinfer")
+        series = {"macinfer": [r["macinfer_ms"] for r in rows]}
         if rows and "mlx_lm_ms" in rows[0]:
-            ax.bar(x + 0.2, [r["mlx_lm_ms"] for r in rows], 0.4, label="mlx-lm")
-        ax.set_xticks(x, labels, rotation=30)
+            series["mlx-lm"] = [r["mlx_lm_ms"] for r in rows]
+        _bars(ax, [f"{r['batch']}x{r['context']}" for r in rows], series, rotation=30)
         ax.set(xlabel="batch x context", ylabel="decode step (ms)", title="Decode step time")
-        ax.legend()
         save(fig, "time")
         return paths
 
@@ -71,14 +78,10 @@ def write(results: dict, out_dir: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4))
         tasks = results["tasks"]
         names = list(max((t["engines"] for t in tasks.values()), key=len))
-        x = np.arange(len(tasks))
-        width = 0.8 / len(names)
-        for i, n in enumerate(names):
-            ax.bar(x + (i - (len(names) - 1) / 2) * width,
-                   [t["engines"][n]["decode_tok_s"] if n in t["engines"] else 0 for t in tasks.values()], width, label=n)
-        ax.set_xticks(x, list(tasks))
+        series = {n: [t["engines"][n]["decode_tok_s"] if n in t["engines"] else 0 for t in tasks.values()]
+                  for n in names}
+        _bars(ax, list(tasks), series, rotation=15)
         ax.set(xlabel="task", ylabel="decode tok/s (single stream)", title="Prompt-lookup speculative decoding")
-        ax.legend()
         save(fig, "decode")
         return paths
 

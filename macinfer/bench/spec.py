@@ -39,8 +39,15 @@ _TEXT = ("The river rose for three days. On the first day the farmers moved thei
          "On the third day the water stopped one street short of the market, and the town held a dinner "
          "in the square to thank the volunteers.")
 
+# A long file (~2k tokens of context): the verify step's cost grows with context.
+_LONG_CODE = "\n\n".join(
+    f"def scale_{i}(xs, factor={i + 2}):\n    out = []\n    for x in xs:\n        out.append(x * factor)\n    return out"
+    for i in range(40)) + "\n"
+
 TASKS = {
     "code edit": f"Add a docstring to each function below. Return the complete code.\n\n```python\n{_CODE}```",
+    "long code edit": "Rename every function below from scale_N to multiply_N and return the complete code."
+                      f"\n\n```python\n{_LONG_CODE}```",
     "extract": f"Copy the sentence about the school from this text, word for word:\n\n{_TEXT}",
     "reformat": "Turn this list into a JSON array of objects with keys name and city:\n"
                 "Ana - Lisbon\nBen - Leeds\nChloe - Lyon\nDev - Pune\nEmi - Osaka\nFinn - Oslo",
@@ -118,12 +125,16 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
         "hardware": hardware(), "energy": energy(),
         "workload": {"tasks": TASKS, "json_schemas": SCHEMAS, "max_tokens": max_tokens, "repeats": repeats, "concurrency": 1,
                      "sampling": "greedy, stops at EOS", "prompts": "the model's chat template, one user turn"},
-    }, "tasks": {}}
+    }, "tasks": {}, "skipped": {}}
 
     for f in engines.values():  # warm-up
         f(tok.encode("Hi"))
     for task, text in TASKS.items():
         prompt = tok.encode_chat([{"role": "user", "content": text}])
+        if len(prompt) + max_tokens > plain.max_model_len:
+            results["skipped"][task] = f"prompt of {len(prompt)} tokens + {max_tokens} exceeds the context"
+            tick(f"skipped {task}")
+            continue
         grammar = json_schema_grammar(SCHEMAS[task]) if task in SCHEMAS else None
         names = [n for n in engines if grammar is None or n.startswith("macinfer")]
         runs: dict[str, list] = {name: [] for name in names}
@@ -170,4 +181,5 @@ def table(results: dict) -> str:
             cells += f"{f'{v:.1f} ({ratio:.2f}x)' + ('' if e[n]['same_tokens'] else '*'):>26}"
         spec = next((e[n] for n in names if n.startswith("macinfer spec") and n in e), {})
         lines.append(f"{task:<14}{e['macinfer']['output_tokens']:>7}{cells}{spec.get('acceptance_rate', 0):>10.0%}")
+    lines += [f"{task}: skipped, {why}" for task, why in results.get("skipped", {}).items()]
     return "\n".join(lines)
