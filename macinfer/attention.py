@@ -51,8 +51,11 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Decode rows of speculating sequences, (first row, rows), after the plain decodes.
     decode_groups: list[tuple[int, int]] = field(default_factory=list)
-    # Query tile for causal prefill where MLX's SDPA is not a fused kernel (None: the
-    # fused kernel, one call). Set, prefill attention is also written out with `exp2_weights`.
+    # MLX's fast SDPA and RoPE are not fused kernels on this backend (its CPU): write
+    # them in the forms that cost least there (softmax by `exp2_weights`, RoPE tables
+    # once a step). Chosen at load, like the kernels.
+    explicit_ops: bool = False
+    # Query tile for causal prefill when `explicit_ops` (None: one call).
     prefill_tile: int | None = None
     # The sliding-window layers' pool: its own slots and block tables, which start
     # at the first block the window can reach, so lengths here count from there.
@@ -236,10 +239,10 @@ def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: P
         mask = (kpos <= qpos) & (kpos > qpos - window)
     qh = mx.swapaxes(q, 0, 1)[None]
     tile = meta.prefill_tile
-    if isinstance(mask, str) and tile and span.length > tile:
+    if isinstance(mask, str) and meta.explicit_ops and tile and span.length > tile:
         out = _causal_tiles(qh, k, v, scale, sinks, softcap, tile)
     else:
-        out = _sdpa(qh, k, v, scale, mask, sinks, softcap, explicit=tile is not None)
+        out = _sdpa(qh, k, v, scale, mask, sinks, softcap, explicit=meta.explicit_ops)
     return mx.swapaxes(out[0], 0, 1)  # [n, H, d]
 
 

@@ -77,13 +77,14 @@ def test_registry_lists_every_tested_family():
     assert set(FAMILIES) <= set(ARCHITECTURES)
 
 
-@pytest.mark.parametrize("prefill_tile", [None, 4])
-def test_logits_match_through_chunked_prefill_and_batched_decodes(family, prefill_tile):
-    """Also with causal prefill in query tiles of 4 (the CPU path tiles at 128), so the
-    9- and 13-token chunks are split: sinks, soft-capping and windows included."""
+@pytest.mark.parametrize("explicit_ops,prefill_tile", [(False, None), (True, None), (True, 4)])
+def test_logits_match_through_chunked_prefill_and_batched_decodes(family, explicit_ops, prefill_tile):
+    """With MLX's fused SDPA (the GPU path), the explicit forms, and causal prefill in
+    query tiles of 4 (the CPU path tiles at 128), so the 9- and 13-token chunks are
+    split: sinks, soft-capping and windows included."""
     name, ref, path = family
     engine = _engine(path)
-    engine.runner.prefill_tile = prefill_tile
+    engine.runner.explicit_ops, engine.runner.prefill_tile = explicit_ops, prefill_tile
     seqs = [TOKENS[0][:31], TOKENS[1][:31]]
     ours = engine.score(seqs, CHUNKS)
     for got, toks in zip(ours, seqs):

@@ -30,10 +30,14 @@ def _reference_logits(model, tokens: list[int], chunks: list[int]) -> np.ndarray
     return np.array(mx.concatenate(outs, axis=0).astype(mx.float32))
 
 
+@pytest.mark.parametrize("explicit_ops", [True, False], ids=["explicit", "fused"])
 @pytest.mark.parametrize("family,tie,quant", CASES, ids=[f"{f}-tie{int(t)}-{q['bits'] if q else 'f32'}" for f, t, q in CASES])
-def test_logits_match_mlx_lm(tmp_path, family, tie, quant):
+def test_logits_match_mlx_lm(tmp_path, family, tie, quant, explicit_ops):
+    """Through the explicit op forms the CPU uses (RoPE tables, exp2 softmax) and
+    MLX's fast ops, which are fused kernels on the GPU."""
     path, ref_model = tiny_model_dir(tmp_path, family, tie, quant)
     engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, block_size=16))
+    engine.runner.explicit_ops = explicit_ops
     rng = np.random.default_rng(0)
     a = rng.integers(3, 300, size=40).tolist()
     b = rng.integers(3, 300, size=40).tolist()

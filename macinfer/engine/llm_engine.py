@@ -147,10 +147,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_prefill_with_decodes, speculative, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
-        # MLX's SDPA is a fused kernel on the GPU (it skips masked tiles itself); on the CPU
-        # it computes every score, so long causal prompts are attended in query tiles.
-        prefill_tile = CPU_PREFILL_TILE if mx.default_device() == mx.cpu else None
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured, prefill_tile)
+        # MLX's SDPA and RoPE are fused kernels on the GPU (SDPA skips masked tiles itself);
+        # on the CPU they are composed of ops, so they are written in the cheapest forms
+        # there and long causal prompts are attended in query tiles.
+        cpu = mx.default_device() == mx.cpu
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured,
+                                  explicit_ops=cpu, prefill_tile=CPU_PREFILL_TILE if cpu else None)
         self.requests: dict[str, _RequestState] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         log.info(

@@ -49,10 +49,12 @@ class _GroupTables:
         blocks = table[first_block : cdiv(context, bs)]
         self.prefills.append(PrefillSpan(row, len(pos), context - first_block * bs, mx.array(blocks, dtype=mx.int32)))
 
-    def metadata(self, kv_cache: KVCache, positions: mx.array, prefill_tile: int | None) -> AttentionMetadata:
+    def metadata(self, kv_cache: KVCache, positions: mx.array, explicit_ops: bool,
+                 prefill_tile: int | None) -> AttentionMetadata:
         meta = AttentionMetadata(
             kv_cache=kv_cache,
             positions=positions,
+            explicit_ops=explicit_ops,
             prefill_tile=prefill_tile,
             kv_rows=mx.array(kv_rows(np.asarray(self.slots), kv_cache.num_kv_heads, self.bs), dtype=mx.int32),
             num_decodes=len(self.decode_tables),
@@ -75,8 +77,10 @@ class _GroupTables:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_manager: BlockManager | None = None,
-                 structured: StructuredOutputs | None = None, prefill_tile: int | None = None):
+                 structured: StructuredOutputs | None = None, explicit_ops: bool = False,
+                 prefill_tile: int | None = None):
         self.model = model
+        self.explicit_ops = explicit_ops  # see AttentionMetadata
         self.prefill_tile = prefill_tile
         self.structured = structured
         self.kv_cache = kv_cache
@@ -116,9 +120,9 @@ class ModelRunner:
                 sample_seqs.extend(verify_rows(seq) if drafts else [seq])
 
         pos_arr = mx.array(positions, dtype=mx.int32)
-        meta = full.metadata(self.kv_cache, pos_arr, self.prefill_tile)
+        meta = full.metadata(self.kv_cache, pos_arr, self.explicit_ops, self.prefill_tile)
         if window is not None:
-            meta.window_group = window.metadata(self.kv_cache, pos_arr, self.prefill_tile)
+            meta.window_group = window.metadata(self.kv_cache, pos_arr, self.explicit_ops, self.prefill_tile)
         return mx.array(ids, dtype=mx.int32), meta, sample_rows, sample_seqs
 
     def forward_logits(

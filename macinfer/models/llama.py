@@ -19,7 +19,7 @@ from macinfer.attention import LOG2E, AttentionMetadata, paged_attention
 from macinfer.kernels import quantized as quantized_kernels
 from macinfer.kernels.call import launch
 from macinfer.models.base import ModelArgs
-from macinfer.models.rope import make_rope
+from macinfer.models.rope import apply_rope_tables, make_rope, rope_tables
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Linear | None:
@@ -57,14 +57,10 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.rope = make_rope(
-            self.head_dim,
-            args.rope_theta,
-            args.rope_traditional,
-            args.rope_scaling,
-            args.max_position_embeddings,
-            args.extra.get("rope_freq_factors"),
-        )
+        rope_args = (self.head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling,
+                     args.max_position_embeddings, args.extra.get("rope_freq_factors"))
+        self.rope = make_rope(*rope_args)
+        self.rope_key = ("rope", repr(rope_args))  # layers with equal RoPE share a step's tables
 
     def fuse(self) -> None:
         fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -89,9 +85,14 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q = self.q_norm(q)
             k = self.k_norm(k)
-        # Each token is its own RoPE "batch" row so it gets its own position;
         # q and k share one call (one op fewer per layer).
-        qk = self.rope(mx.concatenate([q, k], axis=1)[:, :, None, :], offset=meta.positions)[:, :, 0, :]
+        qk = mx.concatenate([q, k], axis=1)
+        tables = meta.memo(self.rope_key, lambda: rope_tables(self.rope, meta.positions, self.head_dim)) \
+            if meta.explicit_ops else None
+        if tables is not None:
+            qk = apply_rope_tables(qk, tables, self.rope.traditional)
+        else:  # each token is its own RoPE "batch" row so it gets its own position
+            qk = self.rope(qk[:, :, None, :], offset=meta.positions)[:, :, 0, :]
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         out = paged_attention(q, k, v, meta, layer, self.scale)
         return self.o_proj(out.reshape(T, -1))

@@ -1,0 +1,137 @@
+"""The explicit forms the CPU path uses where MLX's fast ops are not fused kernels
+(softmax by powers of two, RoPE from per-step tables, SwiGLU through `power`)
+against float64 references and against the fused forms they replace."""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from macinfer import attention
+from macinfer.attention import _sdpa, block_heads, decode_mask, reference_decode_attention
+from macinfer.models.llama import swiglu
+from macinfer.models.rope import FreqFactorRoPE, apply_rope_tables, make_rope, rope_tables
+
+BS = 16
+
+
+def _paged_case(lens, kvh=2, g=3, d=32, seed=0):
+    rng = np.random.default_rng(seed)
+    nb = sum(-(-n // BS) for n in lens) + 2
+    q = rng.normal(size=(len(lens), kvh * g, d)).astype(np.float32)
+    kp = rng.normal(size=(nb, kvh, BS, d)).astype(np.float32)
+    vp = rng.normal(size=(nb, kvh, BS, d)).astype(np.float32)
+    perm = rng.permutation(nb)
+    width = max(-(-n // BS) for n in lens)
+    tables = np.zeros((len(lens), width), np.int32)
+    at = 0
+    for b, n in enumerate(lens):
+        tables[b, : -(-n // BS)] = perm[at : at + -(-n // BS)]
+        at += -(-n // BS)
+    return q, kp, vp, tables, np.array(lens, np.int32)
+
+
+def _float64_decode(q, kp, vp, tables, lens, scale, sinks=None, softcap=None):
+    B, H, d = q.shape
+    g = H // kp.shape[1]
+    out = np.zeros((B, H, d))
+    for b in range(B):
+        blocks = [tables[b][t // BS] for t in range(lens[b])]
+        offsets = [t % BS for t in range(lens[b])]
+        for h in range(H):
+            k = kp[blocks, h // g, offsets].astype(np.float64)
+            v = vp[blocks, h // g, offsets].astype(np.float64)
+            s = k @ q[b, h].astype(np.float64) * scale
+            if softcap:
+                s = np.tanh(s / softcap) * softcap
+            top = max(s.max(), sinks[h]) if sinks is not None else s.max()
+            p = np.exp(s - top)
+            denom = p.sum() + (math.exp(sinks[h] - top) if sinks is not None else 0.0)
+            out[b, h] = (p / denom) @ v
+    return out
+
+
+@pytest.mark.parametrize("exp2", [True, False])
+@pytest.mark.parametrize("extra", ["plain", "sinks", "softcap"])
+def test_reference_decode_attention_matches_float64(monkeypatch, exp2, extra):
+    monkeypatch.setattr(attention, "EXP2_MIN_SCORES", 0 if exp2 else 1 << 60)
+    q, kp, vp, tables, lens = _paged_case([5, 16, 40, 71])
+    scale = q.shape[-1] ** -0.5
+    sinks = np.linspace(-1.0, 2.0, q.shape[1]).astype(np.float32) if extra == "sinks" else None
+    softcap = 3.0 if extra == "softcap" else None
+    heads = block_heads(mx.array(tables), kp.shape[1])
+    mask = decode_mask(mx.array(lens), tables.shape[1] * BS)
+    got = reference_decode_attention(mx.array(q), mx.array(kp), mx.array(vp), heads, mask, scale,
+                                     None if sinks is None else mx.array(sinks), softcap)
+    want = _float64_decode(q, kp, vp, tables, lens, scale, sinks, softcap)
+    np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=1e-4)
+
+
+def test_exp2_decode_with_several_queries_per_row(monkeypatch):
+    """A speculating sequence: 3 queries sharing one table, each with its own length."""
+    q, kp, vp, tables, lens = _paged_case([40, 40, 40], seed=3)
+    lens = np.array([38, 39, 40], np.int32)
+    scale = q.shape[-1] ** -0.5
+    heads = block_heads(mx.array(tables[:1]), kp.shape[1])
+    mask = decode_mask(mx.array(lens), tables.shape[1] * BS)[None]
+    outs = {}
+    for exp2 in (True, False):
+        monkeypatch.setattr(attention, "EXP2_MIN_SCORES", 0 if exp2 else 1 << 60)
+        outs[exp2] = np.array(reference_decode_attention(mx.array(q)[None], mx.array(kp), mx.array(vp), heads,
+                                                         mask, scale)[0])
+    want = _float64_decode(q, kp, vp, np.repeat(tables[:1], 3, axis=0), lens, scale)
+    np.testing.assert_allclose(outs[True], want, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(outs[False], want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask", ["causal", "window", None])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_explicit_sdpa_matches_the_fused_form(mask, sinks):
+    rng = np.random.default_rng(1)
+    lq, lk, kvh, g, d = 7, 19, 2, 3, 32
+    q = mx.array(rng.normal(size=(1, kvh * g, lq, d)).astype(np.float32))
+    k, v = (mx.array(rng.normal(size=(1, kvh, lk, d)).astype(np.float32)) for _ in range(2))
+    if mask == "window":
+        qpos = mx.arange(lk - lq, lk)[:, None]
+        kpos = mx.arange(lk)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - 5)
+    s = mx.array(np.linspace(-1, 1, kvh * g).astype(np.float32)) if sinks else None
+    fused = _sdpa(q, k, v, 0.2, mask, s, None)
+    explicit = _sdpa(q, k, v, 0.2, mask, s, None, explicit=True)
+    np.testing.assert_allclose(np.array(explicit), np.array(fused), atol=2e-6, rtol=1e-5)
+
+
+ROPES = {
+    "default": (64, 10000.0, False, None),
+    "traditional": (64, 10000.0, True, None),
+    "linear": (64, 10000.0, False, {"type": "linear", "factor": 2.0}),
+    "llama3": (64, 500000.0, False, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "yarn": (64, 10000.0, False, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
+}
+
+
+@pytest.mark.parametrize("kind", [*ROPES, "freq_factors"])
+def test_rope_tables_give_what_the_module_gives(kind):
+    if kind == "freq_factors":
+        rope = FreqFactorRoPE(64, 10000.0, False, [1.0 + i / 8 for i in range(32)])
+    else:
+        dims, base, traditional, scaling = ROPES[kind]
+        rope = make_rope(dims, base, traditional, scaling, 32768)
+    positions = mx.array([0, 1, 7, 300, 5000, 20000], dtype=mx.int32)
+    x = mx.random.normal((6, 5, 64), key=mx.random.key(0))
+    want = rope(x[:, :, None, :], offset=positions)[:, :, 0, :]
+    got = apply_rope_tables(x, rope_tables(rope, positions, 64), rope.traditional)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_tables_refuse_partial_rotation():
+    assert rope_tables(nn.RoPE(32), mx.arange(3), 64) is None
+
+
+def test_swiglu_matches_silu():
+    gate = mx.random.normal((4, 96), key=mx.random.key(1)) * 6
+    up = mx.random.normal((4, 96), key=mx.random.key(2))
+    np.testing.assert_allclose(np.array(swiglu(gate, up)), np.array(nn.silu(gate) * up), atol=1e-5, rtol=1e-5)
