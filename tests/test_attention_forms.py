@@ -135,3 +135,63 @@ def test_swiglu_matches_silu():
     gate = mx.random.normal((4, 96), key=mx.random.key(1)) * 6
     up = mx.random.normal((4, 96), key=mx.random.key(2))
     np.testing.assert_allclose(np.array(swiglu(gate, up)), np.array(nn.silu(gate) * up), atol=1e-5, rtol=1e-5)
+
+
+def _span(length, context, blocks=1):
+    return attention.PrefillSpan(0, length, context, mx.zeros((blocks,), dtype=mx.int32))
+
+
+def test_group_spans_pads_little_and_leaves_long_chunks_alone():
+    spans = [_span(32, 32), _span(32, 32), _span(31, 32), _span(500, 500), _span(4, 900), _span(5, 5)]
+    groups = attention.group_spans(spans)
+    # 500 is too long; 4 tokens at 900 context too unlike the rest; 5 at 5 pads cheaply
+    assert sorted(map(sorted, groups)) == [[0, 1, 2, 5]]
+    assert attention.group_spans([_span(8, 8)]) == []  # one span is attended alone
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        spans = [_span(int(n), int(n + c)) for n, c in zip(rng.integers(1, 200, 12), rng.integers(0, 1100, 12))]
+        groups = attention.group_spans(spans)
+        members = [i for g in groups for i in g]
+        assert len(members) == len(set(members)) and all(len(g) >= 2 for g in groups)
+        for g in groups:
+            assert all(spans[i].length <= 128 and spans[i].context_len <= 1024 for i in g)
+            padded = len(g) * max(spans[i].length for i in g) * max(spans[i].context_len for i in g)
+            assert padded <= 1.5 * sum(spans[i].length * spans[i].context_len for i in g) + 4096 * len(g)
+
+
+@pytest.mark.parametrize("explicit_ops", [True, False], ids=["explicit", "fused"])
+def test_prompt_chunks_of_different_sizes_in_one_step_match_mlx_lm(tmp_path, monkeypatch, explicit_ops):
+    """One step holds a decode, short chunks of different lengths after cached
+    prefixes of different lengths (batched with padding) and a long chunk (alone)."""
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.engine.sequence import Sequence
+    from macinfer.sampling_params import SamplingParams
+    from tests.helpers import tiny_model_dir
+
+    path, ref = tiny_model_dir(tmp_path, "llama", max_position_embeddings=512)
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.02, block_size=16))
+    engine.runner.explicit_ops = explicit_ops
+    grouped = []
+    original = attention.group_spans
+    monkeypatch.setattr(attention, "group_spans", lambda spans: grouped.append(original(spans)) or grouped[-1])
+    rng = np.random.default_rng(5)
+    plans = [[7, 9], [3, 30], [20, 1], [33, 5], [150, 2], [40, 31]]  # tokens fed in step 1, step 2
+    seqs = [Sequence(f"s{i}", rng.integers(3, 300, size=sum(p)).tolist(), SamplingParams(temperature=0), 0)
+            for i, p in enumerate(plans)]
+    got: list[list[np.ndarray]] = [[] for _ in seqs]
+    for step in range(2):
+        scheduled = sorted(((s, p[step]) for s, p in zip(seqs, plans)), key=lambda it: it[1] != 1)
+        for s, n in scheduled:
+            engine.block_manager.allocate(s, s.num_computed_tokens + n)
+        ids, meta, _, _ = engine.runner.prepare(scheduled)
+        logits = engine.model.logits(engine.model(ids, meta))
+        mx.eval(logits)
+        row = 0
+        for s, n in scheduled:
+            got[seqs.index(s)].append(np.array(logits[row : row + n]))
+            s.num_computed_tokens += n
+            row += n
+    assert any(len(g) >= 3 for groups in grouped for g in groups), grouped  # padding did happen
+    for s, parts in zip(seqs, got):
+        want = np.array(ref(mx.array([s.prompt_token_ids]))[0])
+        np.testing.assert_allclose(np.concatenate(parts), want, atol=2e-4, rtol=2e-4)
