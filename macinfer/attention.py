@@ -24,20 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
-import numpy as np
 
 from macinfer import kernels
 from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kernels.call import launch
 from macinfer.kv_cache import KVCache
+from macinfer.prefill_plan import PrefillSpan, SpanBatch, batch_mask, plan_prefills
 
-
-@dataclass
-class PrefillSpan:
-    start: int  # first row of this chunk in the flat batch
-    length: int  # tokens in this chunk
-    context_len: int  # tokens in cache after this chunk (prefix + chunk)
-    block_table: mx.array  # [num_blocks_for_context] int32
+__all__ = ["AttentionMetadata", "PrefillSpan", "attend", "paged_attention"]
 
 
 @dataclass
@@ -265,102 +259,13 @@ def _causal_tiles(q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx
     return mx.concatenate(outs, axis=2)
 
 
-# Prompt chunks this short, with this little context, are attended together in one
-# padded call per group of similar sizes rather than one call each: a burst of short
-# prompts is one dispatch per layer, not one per prompt (16 x 32-token prompts on
-# the CPU: 227 -> ~30 ms of a ~1 s step).
-BATCH_SPAN_TOKENS = 128
-BATCH_SPAN_CONTEXT = 1024
-# A group's padded scores (query x key, per head) may be this many times its real
-# ones, plus this many per span: about what one call's overhead costs in scores on
-# the CPU (~0.4 ms a call, SmolLM2's 9 heads).
-BATCH_PADDING = 1.5
-BATCH_SLACK = 4096
-
-
-@dataclass
-class _SpanBatch:
-    spans: list[int]  # indices into the step's prefill spans
-    q_rows: mx.array  # [n * length]: each span's rows of the flat batch (pads repeat its last row)
-    tables: mx.array  # [n, nb] block tables, padded
-    qpos: np.ndarray  # [n, length] each query's position in its span's context
-    length: int
-    context: int
-
-
-def group_spans(spans: list[PrefillSpan]) -> list[list[int]]:
-    """Groups (>= 2 spans each) of short spans whose padded attention costs at most
-    BATCH_PADDING times their own plus BATCH_SLACK a span; other spans are attended alone."""
-    short = sorted((i for i, s in enumerate(spans)
-                    if s.length <= BATCH_SPAN_TOKENS and s.context_len <= BATCH_SPAN_CONTEXT),
-                   key=lambda i: (spans[i].context_len, spans[i].length), reverse=True)
-    groups: list[list[int]] = [[]]
-    for i in short:
-        trial = groups[-1] + [i]
-        padded = len(trial) * max(spans[j].length for j in trial) * max(spans[j].context_len for j in trial)
-        real = sum(spans[j].length * spans[j].context_len for j in trial)
-        if groups[-1] and padded > BATCH_PADDING * real + BATCH_SLACK * len(trial):
-            groups.append([i])
-        else:
-            groups[-1] = trial
-    return [g for g in groups if len(g) >= 2]
-
-
-def _span_batch(spans: list[PrefillSpan], group: list[int]) -> _SpanBatch:
-    length = max(spans[i].length for i in group)
-    context = max(spans[i].context_len for i in group)
-    nb = max(spans[i].block_table.shape[0] for i in group)
-    tables = np.zeros((len(group), nb), np.int32)
-    rows = np.zeros((len(group), length), np.int32)
-    qpos = np.zeros((len(group), length), np.int32)
-    for b, i in enumerate(group):
-        s = spans[i]
-        tables[b, : s.block_table.shape[0]] = np.array(s.block_table)
-        j = np.minimum(np.arange(length), s.length - 1)
-        rows[b] = s.start + j
-        qpos[b] = s.context_len - s.length + j
-    return _SpanBatch(group, mx.array(rows.reshape(-1)), mx.array(tables), qpos, length, context)
-
-
-def _prefill_plan(meta: AttentionMetadata) -> tuple[list[_SpanBatch], list[int], mx.array | None]:
-    """(batched groups, spans attended alone, where each prefill row's output lies in
-    the concatenation of the groups' padded outputs and then the lone spans'; None
-    when nothing is batched and the outputs are already in order)."""
-    spans = meta.prefills
-    batches = [_span_batch(spans, g) for g in group_spans(spans)]
-    if not batches:
-        return [], list(range(len(spans))), None
-    batched = {i for b in batches for i in b.spans}
-    alone = [i for i in range(len(spans)) if i not in batched]
-    where: dict[int, int] = {}  # span -> first row of its output
-    at = 0
-    for b in batches:
-        for k, i in enumerate(b.spans):
-            where[i] = at + k * b.length
-        at += len(b.spans) * b.length
-    for i in alone:
-        where[i], at = at, at + spans[i].length
-    index = np.concatenate([np.arange(where[i], where[i] + s.length) for i, s in enumerate(spans)])
-    return batches, alone, mx.array(index.astype(np.int32))
-
-
-def _batch_mask(b: _SpanBatch, window: int | None) -> mx.array:
-    """[n, 1, length, context]: causal within each span's context (and its window)."""
-    qpos = b.qpos[:, :, None]
-    kpos = np.arange(b.context)[None, None, :]
-    mask = kpos <= qpos
-    if window is not None:
-        mask &= kpos > qpos - window
-    return mx.array(mask[:, None])
-
-
-def _batched_prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, b: _SpanBatch, scale: float,
+def _batched_prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, b: SpanBatch, scale: float,
                                window: int | None, sinks: mx.array | None, softcap: float | None) -> mx.array:
     """A group of spans in one padded call: [n * length, H, d] (padding rows included)."""
     n, H, d = len(b.spans), q.shape[1], q.shape[2]
     qb = q[b.q_rows].reshape(n, b.length, H, d).transpose(0, 2, 1, 3)
     k, v = (x[:, :, : b.context] for x in meta.kv_cache.gather(layer, b.tables))  # [n, kvh, context, d]
-    mask = meta.memo(("batch_mask", id(b), window), lambda: _batch_mask(b, window))
+    mask = meta.memo(("batch_mask", id(b), window), lambda: batch_mask(b, window))
     out = _sdpa(qb, k, v, scale, mask, sinks, softcap, explicit=meta.explicit_ops)
     return out.transpose(0, 2, 1, 3).reshape(n * b.length, H, d)
 
@@ -375,7 +280,7 @@ def attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
     if meta.num_decodes:
         outs.append(_decode_attention(q[: meta.num_decodes], meta, layer, scale, window, sinks, softcap))
     if meta.prefills:
-        batches, alone, index = meta.memo("prefill_plan", lambda: _prefill_plan(meta))
+        batches, alone, index = meta.memo("prefill_plan", lambda: plan_prefills(meta.prefills))
         parts = [_batched_prefill_attention(q, meta, layer, b, scale, window, sinks, softcap) for b in batches]
         for i in alone:
             span = meta.prefills[i]

@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from macinfer import attention
+from macinfer import attention, prefill_plan
 from macinfer.attention import _sdpa, block_heads, decode_mask, reference_decode_attention
 from macinfer.models.llama import swiglu
 from macinfer.models.rope import FreqFactorRoPE, apply_rope_tables, make_rope, rope_tables
@@ -138,19 +138,19 @@ def test_swiglu_matches_silu():
 
 
 def _span(length, context, blocks=1):
-    return attention.PrefillSpan(0, length, context, mx.zeros((blocks,), dtype=mx.int32))
+    return prefill_plan.PrefillSpan(0, length, context, mx.zeros((blocks,), dtype=mx.int32))
 
 
 def test_group_spans_pads_little_and_leaves_long_chunks_alone():
     spans = [_span(32, 32), _span(32, 32), _span(31, 32), _span(500, 500), _span(4, 900), _span(5, 5)]
-    groups = attention.group_spans(spans)
+    groups = prefill_plan.group_spans(spans)
     # 500 is too long; 4 tokens at 900 context too unlike the rest; 5 at 5 pads cheaply
     assert sorted(map(sorted, groups)) == [[0, 1, 2, 5]]
-    assert attention.group_spans([_span(8, 8)]) == []  # one span is attended alone
+    assert prefill_plan.group_spans([_span(8, 8)]) == []  # one span is attended alone
     rng = np.random.default_rng(0)
     for _ in range(50):
         spans = [_span(int(n), int(n + c)) for n, c in zip(rng.integers(1, 200, 12), rng.integers(0, 1100, 12))]
-        groups = attention.group_spans(spans)
+        groups = prefill_plan.group_spans(spans)
         members = [i for g in groups for i in g]
         assert len(members) == len(set(members)) and all(len(g) >= 2 for g in groups)
         for g in groups:
@@ -172,8 +172,8 @@ def test_prompt_chunks_of_different_sizes_in_one_step_match_mlx_lm(tmp_path, mon
     engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.02, block_size=16))
     engine.runner.explicit_ops = explicit_ops
     grouped = []
-    original = attention.group_spans
-    monkeypatch.setattr(attention, "group_spans", lambda spans: grouped.append(original(spans)) or grouped[-1])
+    original = prefill_plan.group_spans
+    monkeypatch.setattr(prefill_plan, "group_spans", lambda spans: grouped.append(original(spans)) or grouped[-1])
     rng = np.random.default_rng(5)
     plans = [[7, 9], [3, 30], [20, 1], [33, 5], [150, 2], [40, 31]]  # tokens fed in step 1, step 2
     seqs = [Sequence(f"s{i}", rng.integers(3, 300, size=sum(p)).tolist(), SamplingParams(temperature=0), 0)

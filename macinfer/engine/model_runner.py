@@ -8,7 +8,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from macinfer.attention import AttentionMetadata, PrefillSpan
+from macinfer.attention import AttentionMetadata
+from macinfer.prefill_plan import PrefillSpan
 from macinfer.engine.block_manager import BlockManager, cdiv
 from macinfer.engine.sampler import SamplerOutput, sample
 from macinfer.engine.sequence import Sequence
