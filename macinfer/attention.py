@@ -5,7 +5,9 @@ K/V rows into their slots, then attends. The portable reference path works on
 every MLX backend: decodes multiply queries against each (block, KV head)
 matrix of the pool in place through the block table (`mx.gather_mm`), so no
 layer copies its context; prefill chunks gather their blocks once and use
-`mx.fast.scaled_dot_product_attention`. Decodes go to the paged-attention Metal
+`mx.fast.scaled_dot_product_attention`, or, where that is not a fused kernel
+(`AttentionMetadata.explicit_ops`, the CPU), the same attention written out
+with a power-of-two softmax. Decodes go to the paged-attention Metal
 kernel when `macinfer.kernels.mode()` says so (on a Mac by default;
 `MACINFER_KERNELS` forces a choice).
 
@@ -13,8 +15,8 @@ The flat token batch is ordered decodes first (one query token per row: a
 decoding sequence, or one token of a speculating sequence's draft, each with
 its own context length), then prefill chunks. Decodes are attended together as
 one padded-by-blocks batch with a length mask; each prefill chunk is attended
-on its own with a causal mask aligned to the end of its context (cached
-prefix + chunk).
+with a causal mask aligned to the end of its context (cached prefix + chunk),
+short chunks of similar sizes together in one padded call (`prefill_plan`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kernels.call import launch
 from macinfer.kv_cache import KVCache
 from macinfer.prefill_plan import PrefillSpan, SpanBatch, batch_mask, plan_prefills
-
-__all__ = ["AttentionMetadata", "PrefillSpan", "attend", "paged_attention"]
 
 
 @dataclass
