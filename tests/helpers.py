@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -102,3 +104,51 @@ def generate(engine, prompts, params) -> list:
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     return [done[i] for i in ids]
+
+
+PAGED_BS = 16  # block size of the paged attention cases below
+
+
+def paged_case(B, KVH, GQA, D, lens, dtype=np.float32, seed=0):
+    """Random decode queries and a paged K/V pool whose blocks are scattered (not
+    contiguous): (q [B, H, D], k pool, v pool [nb, KVH, PAGED_BS, D], tables, lens)."""
+    rng = np.random.default_rng(seed)
+    H = KVH * GQA
+    nb = sum(-(-n // PAGED_BS) for n in lens) + 3
+    q = rng.normal(size=(B, H, D)).astype(dtype)
+    kp = rng.normal(size=(nb, KVH, PAGED_BS, D)).astype(dtype)
+    vp = rng.normal(size=(nb, KVH, PAGED_BS, D)).astype(dtype)
+    perm = rng.permutation(nb)
+    width = max(-(-n // PAGED_BS) for n in lens)
+    tables = np.zeros((B, width), np.int32)
+    at = 0
+    for b, n in enumerate(lens):
+        k = -(-n // PAGED_BS)
+        tables[b, :k] = perm[at : at + k]
+        at += k
+    return q, kp, vp, tables, np.array(lens, np.int32)
+
+
+def float64_decode_attention(q, kp, vp, tables, lens, window=None, sinks=None, softcap=None, scale=None):
+    """Decode attention over a `paged_case` in float64, one (row, head) at a time: a
+    sliding `window` keeps the last keys; `sinks` (per head) join only the softmax
+    denominator; `softcap` caps the logits (tanh)."""
+    B, H, D = q.shape
+    gqa = H // kp.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    out = np.zeros((B, H, D))
+    for b in range(B):
+        first = max(0, lens[b] - window) if window else 0
+        blocks = [tables[b][t // PAGED_BS] for t in range(first, lens[b])]
+        offsets = [t % PAGED_BS for t in range(first, lens[b])]
+        for h in range(H):
+            k = kp[blocks, h // gqa, offsets].astype(np.float64)
+            v = vp[blocks, h // gqa, offsets].astype(np.float64)
+            s = k @ q[b, h].astype(np.float64) * scale
+            if softcap:
+                s = np.tanh(s / softcap) * softcap
+            top = max(s.max(), sinks[h]) if sinks is not None else s.max()
+            p = np.exp(s - top)
+            denom = p.sum() + (math.exp(sinks[h] - top) if sinks is not None else 0.0)
+            out[b, h] = (p / denom) @ v
+    return out

@@ -2,8 +2,6 @@
 (softmax by powers of two, RoPE from per-step tables, SwiGLU through `power`)
 against float64 references and against the fused forms they replace."""
 
-import math
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -13,44 +11,13 @@ from macinfer import attention, prefill_plan
 from macinfer.attention import _sdpa, block_heads, decode_mask, reference_decode_attention
 from macinfer.models.llama import swiglu
 from macinfer.models.rope import FreqFactorRoPE, apply_rope_tables, make_rope, rope_tables
+from tests.helpers import PAGED_BS, float64_decode_attention, paged_case
 
-BS = 16
-
-
-def _paged_case(lens, kvh=2, g=3, d=32, seed=0):
-    rng = np.random.default_rng(seed)
-    nb = sum(-(-n // BS) for n in lens) + 2
-    q = rng.normal(size=(len(lens), kvh * g, d)).astype(np.float32)
-    kp = rng.normal(size=(nb, kvh, BS, d)).astype(np.float32)
-    vp = rng.normal(size=(nb, kvh, BS, d)).astype(np.float32)
-    perm = rng.permutation(nb)
-    width = max(-(-n // BS) for n in lens)
-    tables = np.zeros((len(lens), width), np.int32)
-    at = 0
-    for b, n in enumerate(lens):
-        tables[b, : -(-n // BS)] = perm[at : at + -(-n // BS)]
-        at += -(-n // BS)
-    return q, kp, vp, tables, np.array(lens, np.int32)
+BS = PAGED_BS
 
 
-def _float64_decode(q, kp, vp, tables, lens, scale, sinks=None, softcap=None):
-    B, H, d = q.shape
-    g = H // kp.shape[1]
-    out = np.zeros((B, H, d))
-    for b in range(B):
-        blocks = [tables[b][t // BS] for t in range(lens[b])]
-        offsets = [t % BS for t in range(lens[b])]
-        for h in range(H):
-            k = kp[blocks, h // g, offsets].astype(np.float64)
-            v = vp[blocks, h // g, offsets].astype(np.float64)
-            s = k @ q[b, h].astype(np.float64) * scale
-            if softcap:
-                s = np.tanh(s / softcap) * softcap
-            top = max(s.max(), sinks[h]) if sinks is not None else s.max()
-            p = np.exp(s - top)
-            denom = p.sum() + (math.exp(sinks[h] - top) if sinks is not None else 0.0)
-            out[b, h] = (p / denom) @ v
-    return out
+def _paged_case(lens, seed=0):
+    return paged_case(len(lens), 2, 3, 32, lens, seed=seed)
 
 
 @pytest.mark.parametrize("exp2", [True, False])
@@ -65,7 +32,7 @@ def test_reference_decode_attention_matches_float64(monkeypatch, exp2, extra):
     mask = decode_mask(mx.array(lens), tables.shape[1] * BS)
     got = reference_decode_attention(mx.array(q), mx.array(kp), mx.array(vp), heads, mask, scale,
                                      None if sinks is None else mx.array(sinks), softcap)
-    want = _float64_decode(q, kp, vp, tables, lens, scale, sinks, softcap)
+    want = float64_decode_attention(q, kp, vp, tables, lens, sinks=sinks, softcap=softcap, scale=scale)
     np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=1e-4)
 
 
@@ -81,7 +48,7 @@ def test_exp2_decode_with_several_queries_per_row(monkeypatch):
         monkeypatch.setattr(attention, "EXP2_MIN_SCORES", 0 if exp2 else 1 << 60)
         outs[exp2] = np.array(reference_decode_attention(mx.array(q)[None], mx.array(kp), mx.array(vp), heads,
                                                          mask, scale)[0])
-    want = _float64_decode(q, kp, vp, np.repeat(tables[:1], 3, axis=0), lens, scale)
+    want = float64_decode_attention(q, kp, vp, np.repeat(tables[:1], 3, axis=0), lens, scale=scale)
     np.testing.assert_allclose(outs[True], want, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(outs[False], want, atol=2e-5, rtol=1e-4)
 

@@ -15,45 +15,11 @@ import pytest
 from macinfer.kernels.emulator import capture_source, emulate, emulate_calls
 from macinfer.kernels.call import launch
 from macinfer.kernels.paged_attention import decode_calls
+from tests.helpers import PAGED_BS, float64_decode_attention, paged_case
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the CPU emulator needs g++")
 
-BS = 16
-
-
-def make_case(B, KVH, GQA, D, lens, dtype=np.float32, seed=0):
-    rng = np.random.default_rng(seed)
-    H = KVH * GQA
-    nb = sum(-(-n // BS) for n in lens) + 3
-    q = rng.normal(size=(B, H, D)).astype(dtype)
-    kp = rng.normal(size=(nb, KVH, BS, D)).astype(dtype)
-    vp = rng.normal(size=(nb, KVH, BS, D)).astype(dtype)
-    perm = rng.permutation(nb)  # scattered, non-contiguous blocks
-    width = max(-(-n // BS) for n in lens)
-    tables = np.zeros((B, width), np.int32)
-    at = 0
-    for b, n in enumerate(lens):
-        k = -(-n // BS)
-        tables[b, :k] = perm[at : at + k]
-        at += k
-    return q, kp, vp, tables, np.array(lens, np.int32)
-
-
-def reference(q, kp, vp, tables, lens, window=None):
-    B, H, D = q.shape
-    gqa = H // kp.shape[1]
-    out = np.zeros((B, H, D))
-    for b in range(B):
-        first = max(0, lens[b] - window) if window else 0  # a sliding window keeps the last `window` keys
-        blocks = [tables[b][t // BS] for t in range(first, lens[b])]
-        offsets = [t % BS for t in range(first, lens[b])]
-        for h in range(H):
-            k = kp[blocks, h // gqa, offsets].astype(np.float64)
-            v = vp[blocks, h // gqa, offsets].astype(np.float64)
-            s = k @ q[b, h].astype(np.float64) * D**-0.5
-            p = np.exp(s - s.max())
-            out[b, h] = (p / p.sum()) @ v
-    return out
+BS = PAGED_BS
 
 
 def calls_for(case, partition_size, window=None):
@@ -76,12 +42,12 @@ GRID = [
 
 @pytest.mark.parametrize("B,KVH,GQA,D,lens,part", GRID)
 def test_decode_kernel_matches_float64(B, KVH, GQA, D, lens, part):
-    case = make_case(B, KVH, GQA, D, lens)
+    case = paged_case(B, KVH, GQA, D, lens)
     calls = calls_for(case, part)
     assert len(calls) == (1 if max(lens) <= part else 2)
     out, _ = emulate_calls(calls)
     assert not np.isnan(out).any(), "an output element was never written"
-    np.testing.assert_allclose(out, reference(*case), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(out, float64_decode_attention(*case), atol=2e-5, rtol=1e-4)
 
 
 # Sliding-window layers: the start bound, within one partition and across split-K partitions
@@ -95,28 +61,28 @@ WINDOWED = [
 
 @pytest.mark.parametrize("B,KVH,GQA,D,lens,part,window", WINDOWED)
 def test_decode_kernel_sliding_window(B, KVH, GQA, D, lens, part, window):
-    case = make_case(B, KVH, GQA, D, lens)
+    case = paged_case(B, KVH, GQA, D, lens)
     out, _ = emulate_calls(calls_for(case, part, window))
-    np.testing.assert_allclose(out, reference(*case, window=window), atol=2e-5, rtol=1e-4)
-    assert not np.allclose(out, reference(*case))  # the window changed the answer
+    np.testing.assert_allclose(out, float64_decode_attention(*case, window=window), atol=2e-5, rtol=1e-4)
+    assert not np.allclose(out, float64_decode_attention(*case))  # the window changed the answer
 
 
 def test_decode_kernel_float16():
-    case = make_case(2, 2, 4, 64, [40, 90], dtype=np.float16)
+    case = paged_case(2, 2, 4, 64, [40, 90], dtype=np.float16)
     out, _ = emulate_calls(calls_for(case, 32))
     assert out.dtype == np.float16
-    np.testing.assert_allclose(out.astype(np.float64), reference(*case), atol=5e-3, rtol=5e-3)
+    np.testing.assert_allclose(out.astype(np.float64), float64_decode_attention(*case), atol=5e-3, rtol=5e-3)
 
 
 def test_clean_under_address_sanitizer():
-    case = make_case(2, 1, 4, 64, [20, 70])
+    case = paged_case(2, 1, 4, 64, [20, 70])
     out, stderr = emulate_calls(calls_for(case, 32), sanitize="address")
     assert "AddressSanitizer" not in stderr
-    np.testing.assert_allclose(out, reference(*case), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(out, float64_decode_attention(*case), atol=2e-5, rtol=1e-4)
 
 
 def test_thread_sanitizer_is_clean_and_catches_a_missing_barrier():
-    case = make_case(1, 1, 2, 64, [40])
+    case = paged_case(1, 1, 2, 64, [40])
     call = calls_for(case, 512)[0]
     src = capture_source(call)
     clean = emulate(call, sanitize="thread", source=src)
@@ -157,6 +123,6 @@ def test_engine_output_with_emulated_kernels_equals_reference(tmp_path, monkeypa
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal GPU (the emulated twin above runs everywhere)")
 @pytest.mark.parametrize("B,KVH,GQA,D,lens,part,window", [(*g, None) for g in GRID] + WINDOWED)
 def test_metal_gpu_matches_reference(B, KVH, GQA, D, lens, part, window):
-    case = make_case(B, KVH, GQA, D, lens)
+    case = paged_case(B, KVH, GQA, D, lens)
     out = np.array(launch(calls_for(case, part, window)))
-    np.testing.assert_allclose(out, reference(*case, window=window), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(out, float64_decode_attention(*case, window=window), atol=2e-5, rtol=1e-4)

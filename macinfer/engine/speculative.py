@@ -115,7 +115,7 @@ def record_verdict(seq: Sequence, accepted: int) -> None:
     """Back off from a sequence whose drafts keep failing: each draft rejected outright
     doubles the decode steps it waits before drafting again (up to MAX_SKIP); any
     accepted token resets it. A verify step with 4 drafts costs ~40% more than a plain
-    decode step on the CPU at 256 tokens of context (~2.5x at 4k), so text that never
+    decode step on the CPU at 256 tokens of context (~2x at 4k), so text that never
     repeats should rarely pay it."""
     if accepted:
         seq.spec_misses = 0

@@ -60,7 +60,9 @@ class Attention(nn.Module):
         rope_args = (self.head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling,
                      args.max_position_embeddings, args.extra.get("rope_freq_factors"))
         self.rope = make_rope(*rope_args)
-        self.rope_key = ("rope", repr(rope_args))  # layers with equal RoPE share a step's tables
+        # Layers with equal RoPE share a step's tables. A string: an nn.Module keeps
+        # tuples in its parameter tree.
+        self.rope_key = f"rope{rope_args!r}"
 
     def fuse(self) -> None:
         fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
