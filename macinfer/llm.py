@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import uuid
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,28 +17,55 @@ Message = dict[str, Any]
 
 
 class _Worker:
-    """One daemon thread that runs every engine call. It parks on its queue for the
-    life of the process and is never joined: an MLX thread that exits while the
-    interpreter tears down races MLX's static destructors (seen as "terminate called
-    without an active exception")."""
+    """One daemon thread that runs every engine call. It ends when its LLM is
+    collected (`stop`), and is never joined at interpreter exit: an MLX thread that
+    exits while the interpreter tears down races MLX's static destructors (seen as
+    "terminate called without an active exception")."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="macinfer-llm", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="macinfer-llm", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         while True:
-            fn, args, future = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, future = job
+            del job
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
                 except BaseException as e:  # handed to the caller
                     future.set_exception(e)
+            # Drop this job's references now: a bound method held until the next job
+            # would keep its LLM (and the engine's memory) alive after the caller let go.
+            del fn, args, future
 
     def submit(self, fn, *args: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((fn, args, future))
         return future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+def _release(worker: _Worker, engine_box: list) -> None:
+    """Run when an LLM is collected (or closed): the engine is freed on its own thread,
+    then the thread ends and MLX's buffer cache gives the memory back."""
+    import mlx.core as mx
+
+    def free() -> None:
+        engine_box.clear()
+        import gc
+
+        gc.collect()
+        mx.clear_cache()
+
+    worker.submit(free)
+    worker.stop()
 
 
 class LLM:
@@ -57,8 +86,34 @@ class LLM:
         self._worker = _Worker()
         self._live: set[str] = set()  # requests some caller is waiting on (worker thread only)
         self._pending: dict[str, list[RequestOutput]] = {}  # their outputs not yet collected
-        self.engine: LLMEngine = self._call(LLMEngine, model, EngineConfig(**engine_kwargs))
-        self.tokenizer = self.engine.tokenizer
+        try:
+            engine = self._call(LLMEngine, model, EngineConfig(**engine_kwargs))
+        except BaseException:
+            self._worker.stop()
+            raise
+        # The engine is owned through a box the finalizer can empty: the LLM object is
+        # what users drop, and its engine must go with it (not at interpreter exit).
+        self._engine_box = [engine]
+        self._finalizer = weakref.finalize(self, _release, self._worker, self._engine_box)
+        self._finalizer.atexit = False
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def engine(self) -> LLMEngine:
+        if not self._engine_box:
+            raise RuntimeError("this LLM is closed")
+        return self._engine_box[0]
+
+    def close(self) -> None:
+        """Free the engine (weights, KV cache) and its thread now; also done when the
+        LLM is garbage collected."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         e = self.engine
@@ -66,21 +121,26 @@ class LLM:
                 f"max_model_len={e.max_model_len}, kv_blocks={e.kv_cache.num_blocks}x{e.kv_cache.block_size})")
 
     def _call(self, fn, *args: Any) -> Any:
+        if threading.current_thread() is self._worker.thread:
+            # Already on the worker (e.g. a half-read stream collected by the cyclic GC
+            # there runs its `finally`): waiting on our own queue would deadlock.
+            return fn(*args)
         return self._worker.submit(fn, *args).result()
 
-    def _add(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
-        ids: list[str] = []
+    def _add(self, prompts: list, params_list: list[SamplingParams], ids: list[str]) -> None:
+        added: list[str] = []
         try:
-            for prompt, p in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, rid in zip(prompts, params_list, ids):
+                added.append(self.engine.add_request(prompt, p, request_id=rid))
         except Exception:
-            for rid in ids:
+            for rid in added:
                 self.engine.abort_request(rid)
             raise
         self._live.update(ids)
-        return ids
 
     def _abort(self, ids: list[str]) -> None:
+        if not self._engine_box:  # closed: nothing left to abort
+            return
         for rid in ids:
             self.engine.abort_request(rid)
             self._live.discard(rid)
@@ -113,9 +173,12 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
-        ids = self._call(self._add, prompts, params_list)
+        # Ids chosen here, so an interrupt (Ctrl-C) even while they are being added
+        # still aborts every one of them: nothing keeps decoding behind the next call.
+        ids = [uuid.uuid4().hex for _ in prompts]
         final: dict[str, RequestOutput] = {}
         try:
+            self._call(self._add, prompts, params_list, ids)
             while len(final) < len(ids):
                 for out in self._call(self._pump, set(ids) - set(final)):
                     if out.finished:
@@ -126,8 +189,9 @@ class LLM:
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield outputs as tokens arrive; each carries `delta_text`."""
-        [rid] = self._call(self._add, [prompt], [params or SamplingParams()])
+        rid = uuid.uuid4().hex
         try:
+            self._call(self._add, [prompt], [params or SamplingParams()], [rid])
             while True:
                 for out in self._call(self._pump, {rid}):
                     yield out

@@ -30,6 +30,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = sampled token only
+    # Logprob of each prompt token given the ones before it, with this many top
+    # alternatives (vLLM's `prompt_logprobs`). Such a request skips prefix-cache hits:
+    # a cached prefix has no logits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # OpenAI servers refuse prompt + max_tokens beyond the context; offline use
     # (the default) just stops at the context length.
@@ -75,6 +79,8 @@ class SamplingParams:
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         # Every stop string is searched in every new token's text, and text that

@@ -66,6 +66,8 @@ class TokenizerWrapper:
         self.eos_token_ids = eos_token_ids
         self._lock = threading.Lock()  # transformers' tokenizer is not safe to share across threads
         self._chat_params = set(inspect.signature(hf.apply_chat_template).parameters)
+        self._token_bytes: list[bytes] | None = None
+        self.special_ids = frozenset(i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
 
     # -- construction -----------------------------------------------------
     @classmethod
@@ -110,6 +112,15 @@ class TokenizerWrapper:
 
     def id_to_token(self, i: int) -> str | None:
         return self.tokenizer.id_to_token(i)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for, with no neighbours: a byte-level piece that
+        splits a multi-byte character gives its own bytes (a lone decode would give
+        U+FFFD), and a SentencePiece piece keeps its leading space (its decoder strips
+        one per call). Special tokens give their text."""
+        if self._token_bytes is None:
+            self._token_bytes = _token_byte_table(self.tokenizer)
+        return self._token_bytes[i] if 0 <= i < len(self._token_bytes) else b""
 
     # -- chat ------------------------------------------------------------
     def _chat(self, messages: list[Message], tokenize: bool, add_generation_prompt: bool,
@@ -163,6 +174,69 @@ class TokenizerWrapper:
             json.dump(gen, f, indent=2)
 
 
+def _decoder_kinds(decoder: dict[str, Any] | None) -> set[str]:
+    if not decoder:
+        return set()
+    kinds = {decoder.get("type", "")}
+    for d in decoder.get("decoders") or []:
+        kinds |= _decoder_kinds(d)
+    if decoder.get("type") == "Replace":
+        kinds.add("Replace:" + str((decoder.get("pattern") or {}).get("String")))
+    return kinds
+
+
+def _token_byte_table(tok: Tokenizer) -> list[bytes]:
+    """Every token's bytes, read off the vocabulary the way its decoder maps pieces:
+    GPT-2's byte-to-unicode alphabet, or SentencePiece's `▁` and `<0xNN>` byte pieces."""
+    kinds = _decoder_kinds(json.loads(tok.to_str()).get("decoder"))
+    byte_level = "ByteLevel" in kinds
+    metaspace = "Metaspace" in kinds or "Replace:▁" in kinds
+    unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    table = []
+    for i in range(tok.get_vocab_size(with_added_tokens=True)):
+        piece = tok.id_to_token(i)
+        if piece is None:
+            table.append(b"")
+        elif piece in special:
+            table.append(piece.encode())
+        elif byte_level and all(c in unicode_to_byte for c in piece):
+            table.append(bytes(unicode_to_byte[c] for c in piece))
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") and "ByteFallback" in kinds:
+            table.append(bytes([int(piece[3:5], 16)]))
+        else:
+            table.append((piece.replace("▁", " ") if metaspace else piece).encode())
+    return table
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+def token_text(data: bytes) -> str:
+    """A token's `token` string in logprobs: its text, or OpenAI's `bytes:\\xNN` form
+    when the bytes are not whole UTF-8 on their own (`bytes` then carries them exactly)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+# Prompt tokens the detokenizer starts from (vLLM's choice): enough for a decoder that
+# strips a leading space per call, or merges pieces, to render the first new token as
+# it renders inside the whole text.
+PROMPT_CONTEXT_TOKENS = 5
+
+
 class IncrementalDetokenizer:
     """UTF-8-safe streaming decode: emits text only once it is complete.
 
@@ -171,12 +245,15 @@ class IncrementalDetokenizer:
     the character is whole, and a leading-space marker is rendered correctly.
     """
 
-    def __init__(self, tokenizer: TokenizerWrapper, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: TokenizerWrapper, skip_special_tokens: bool = True,
+                 prompt_ids: list[int] | None = None):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
-        self.ids: list[int] = []
+        # Seeded with the prompt's last tokens: SentencePiece decoders strip one leading
+        # space per decode call, so a first token `▁The` decoded alone loses its space.
+        self.ids: list[int] = _prompt_context(tokenizer, prompt_ids or [], skip_special_tokens)
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.ids)
         self.text = ""
 
     def add(self, token_id: int) -> str:
@@ -200,3 +277,17 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.text += delta
         return delta
+
+
+def _prompt_context(tokenizer: TokenizerWrapper, prompt_ids: list[int], skip: bool) -> list[int]:
+    """The prompt's last few tokens, not counting special tokens the output skips, and
+    never ending in a split character (which the first new token could complete)."""
+    special = tokenizer.special_ids if skip else frozenset()
+    start, counted = len(prompt_ids), 0
+    while start > 0 and counted < PROMPT_CONTEXT_TOKENS and len(prompt_ids) - start < 4 * PROMPT_CONTEXT_TOKENS:
+        start -= 1
+        counted += prompt_ids[start] not in special
+    tail = list(prompt_ids[start:])
+    while tail and tokenizer.decode(tail, skip).endswith("\ufffd"):
+        tail.pop()
+    return tail

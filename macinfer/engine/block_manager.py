@@ -181,8 +181,8 @@ class BlockManager:
         least one token is always left to compute, so the step yields logits.
         """
         assert not seq.block_table and not seq.window_block_table
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position's logits
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.prefix_queries += seq.num_tokens
         hashes = self._hashes(seq, max_blocks)

@@ -220,7 +220,7 @@ class LLMEngine:
         if params.grammar is not None:
             seq.matcher = self.structured.matcher(params.grammar)  # GrammarError: the request's fault
         prompt_text = prompt if isinstance(prompt, str) else None
-        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, ids)
         self.requests[request_id] = _RequestState(seq, detok, prompt_text)
         self.scheduler.add(seq)
         return request_id

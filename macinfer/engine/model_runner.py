@@ -12,9 +12,9 @@ from macinfer.attention import AttentionMetadata
 from macinfer.prefill_plan import PrefillSpan
 from macinfer.engine.block_manager import BlockManager, cdiv
 from macinfer.engine.sampler import SamplerOutput, sample
-from macinfer.engine.sequence import Sequence
+from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import DraftRow, accepted_tokens, verify_rows
-from macinfer.engine.structured import StructuredOutputs, apply_bitmask
+from macinfer.engine.structured import StructuredOutputs, allowed_tokens
 from macinfer.kv_cache import KVCache, kv_rows
 
 
@@ -129,11 +129,39 @@ class ModelRunner:
     def forward_logits(
         self, scheduled: list[tuple[Sequence, int]]
     ) -> tuple[mx.array | None, list[Sequence | DraftRow]]:
-        """Run the model; logits [N, vocab] for the rows that produce a token."""
+        """Run the model; logits [N, vocab] for the rows that produce a token. Prompt
+        logprobs of requests that ask for them are recorded on their sequences."""
         input_ids, meta, rows, seqs = self.prepare(scheduled)
         hidden = self.model(input_ids, meta)
         logits = self.model.logits(hidden[mx.array(rows)]) if rows else None
+        spans = _prompt_logprob_spans(scheduled)
+        if spans:
+            self._record_prompt_logprobs(hidden, spans)
         return logits, seqs
+
+    def _record_prompt_logprobs(self, hidden: mx.array, spans: list[tuple[Sequence, int, int, int]]) -> None:
+        """Logprob of each prompt token given the tokens before it (and the top
+        alternatives), from the rows of this step's prompt chunks."""
+        rows = [r for _, row, _, n in spans for r in range(row, row + n)]
+        targets = [t for seq, _, pos, n in spans for t in seq.prompt_token_ids[pos + 1 : pos + 1 + n]]
+        logits = self.model.logits(hidden[mx.array(rows)]).astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp, mx.array(targets)[:, None], axis=-1)[:, 0]
+        k = max(seq.params.prompt_logprobs for seq, *_ in spans)
+        top_ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k] if k else None
+        top_lp = mx.take_along_axis(lp, top_ids, axis=-1) if k else None
+        mx.eval(chosen, *([top_ids, top_lp] if k else []))
+        chosen_l = chosen.tolist()
+        top_ids_l, top_lp_l = (top_ids.tolist(), top_lp.tolist()) if k else ([], [])
+        i = 0
+        for seq, _, pos, n in spans:
+            want = seq.params.prompt_logprobs
+            if len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+                seq.prompt_logprobs = [None] * seq.num_prompt_tokens
+            for j in range(n):
+                top = sorted(zip(top_ids_l[i], top_lp_l[i]), key=lambda t: -t[1])[:want] if want else []
+                seq.prompt_logprobs[pos + 1 + j] = TokenLogprob(targets[i], chosen_l[i], top)
+                i += 1
 
     def step(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
         """Forward + sample. Returns what each sampled sequence gains (one token, or
@@ -153,19 +181,18 @@ class ModelRunner:
         mx.eval(*outputs)
         if logits is None:
             return [], []
-        if mask is not None:
-            logits = apply_bitmask(logits, mask)
+        allowed = allowed_tokens(mask, logits.shape[1]) if mask is not None else None
         owners = _owners(rows)
         failed: dict[Sequence, Exception] = {}
         try:
-            out = sample(logits, rows)
+            out = sample(logits, rows, allowed)
         except Exception:
             out = SamplerOutput([0] * len(rows), [None] * len(rows))
             for i, row in enumerate(rows):
                 if owners[i] in failed:
                     continue
                 try:
-                    one = sample(logits[i : i + 1], [row])
+                    one = sample(logits[i : i + 1], [row], None if allowed is None else allowed[i : i + 1])
                 except Exception as e:
                     failed[owners[i]] = e
                     continue
@@ -187,6 +214,18 @@ class StepResult:
     seq: Sequence
     token_ids: list[int]  # new tokens: accepted drafts, then one sampled token
     logprobs: list  # per token: (logprob, top) or None
+
+
+def _prompt_logprob_spans(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int, int]]:
+    """(sequence, first row, first position, rows) of prompt positions whose next
+    prompt token's logprob is wanted in this step (rows follow the scheduled order)."""
+    spans, row = [], 0
+    for seq, n in scheduled:
+        start = seq.num_computed_tokens
+        if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            spans.append((seq, row, start, min(start + n, seq.num_prompt_tokens - 1) - start))
+        row += n
+    return spans
 
 
 def _owners(rows: list[Sequence | DraftRow]) -> list[Sequence]:

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("macinfer")
 
 
 @dataclass(repr=False)
@@ -20,6 +23,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # per prompt position (the first None), when the request asked for prompt_logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when finish_reason == "error" (the exception, for logs and the Python API)
@@ -56,7 +61,14 @@ class _RequestState:
         grammar_done = False
         if seq.matcher is not None:
             if not seq.matcher.consume_token(token):
-                raise RuntimeError(f"token {token} broke the request's grammar: {seq.matcher.get_error()}")
+                # The matcher gave up (e.g. llguidance's lexer/parser limits on a runaway
+                # number): the output is cut where it stands, like hitting max_tokens.
+                log.warning("request %s: grammar cannot continue (%s); ending it as 'length'",
+                            seq.request_id, seq.matcher.get_error())
+                seq.output_token_ids.pop()
+                if seq.logprobs and len(seq.logprobs) > seq.num_output_tokens:
+                    seq.logprobs.pop()
+                return "length"
             # Complete (only EOS allowed next): end here rather than spend a step on EOS.
             grammar_done = seq.matcher.is_stopped()
         checked = len(self.text)  # text before this token held no stop string
@@ -103,6 +115,7 @@ class _RequestState:
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             logprobs=list(seq.logprobs),
+            prompt_logprobs=list(seq.prompt_logprobs or [None] * seq.num_prompt_tokens) if seq.params.prompt_logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=metrics,
             prompt=self.prompt,

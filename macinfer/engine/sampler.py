@@ -28,12 +28,18 @@ def _mix32(x: mx.array) -> mx.array:
     return x ^ (x >> 16)
 
 
+NOISE_BITS = 23  # (k + 0.5) / 2^23 is exact in float32 for every k < 2^23
+
+
 def uniform_noise(seeds: mx.array, steps: mx.array, vocab: int) -> mx.array:
-    """U(0,1) of shape [N, vocab], a pure function of (seed, step, token id)."""
+    """U(0,1) of shape [N, vocab], a pure function of (seed, step, token id),
+    strictly inside (0, 1): the Gumbel transform of an exact 1.0 is +inf, which
+    would win over every mask (top-k, top-p, grammar). With 24 bits, (2^24 - 1) + 0.5
+    rounds up to 2^24 in float32; 23 bits keep every value exact."""
     ids = mx.arange(vocab, dtype=mx.uint32)[None, :]
     key = _mix32(_mix32(seeds[:, None]) ^ steps[:, None])
     bits = _mix32(key + ids * mx.array(0x9E3779B9, dtype=mx.uint32))
-    return ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((bits >> (32 - NOISE_BITS)).astype(mx.float32) + 0.5) * (1.0 / (1 << NOISE_BITS))
 
 
 @dataclass
@@ -57,8 +63,11 @@ def _penalty_arrays(seqs: list[Sequence], vocab: int) -> tuple[mx.array, mx.arra
     return mx.array(counts), mx.array(seen)
 
 
-def sample(logits: mx.array, seqs: list[Sequence]) -> SamplerOutput:
-    """logits: [N, vocab] for the N sequences that get a token this step."""
+def sample(logits: mx.array, seqs: list[Sequence], mask: mx.array | None = None) -> SamplerOutput:
+    """logits: [N, vocab] for the N sequences that get a token this step; `mask`
+    (bool, [N, vocab]): tokens a grammar allows. Logprobs are the model's own
+    distribution, before the mask and penalties (as vLLM reports them), so they
+    stay finite for a token a grammar forces."""
     logits = logits.astype(mx.float32)
     n, vocab = logits.shape
     params = [s.params for s in seqs]
@@ -67,6 +76,8 @@ def sample(logits: mx.array, seqs: list[Sequence]) -> SamplerOutput:
     raw_logprobs = None
     if any(want_logprobs):
         raw_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if mask is not None:
+        logits = mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     if any(p.uses_penalties for p in params):
         counts, seen = _penalty_arrays(seqs, vocab)

@@ -39,6 +39,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # by position; [0] is None
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission

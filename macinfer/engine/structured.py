@@ -124,11 +124,16 @@ class StructuredOutputs:
         return mask
 
 
-def apply_bitmask(logits: mx.array, mask: np.ndarray) -> mx.array:
-    """Disallowed tokens to -inf. Plain MLX ops: the same on every backend."""
-    n, vocab = logits.shape
+def allowed_tokens(mask: np.ndarray, vocab: int) -> mx.array:
+    """The bitmask as bool [N, vocab]. Plain MLX ops: the same on every backend."""
+    n = mask.shape[0]
     words = mx.array(mask.view(np.uint32))  # [N, W]
     bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1  # [N, W, 32]
-    allowed = bits.reshape(n, -1)[:, :vocab].astype(mx.bool_)
+    return bits.reshape(n, -1)[:, :vocab].astype(mx.bool_)
+
+
+def apply_bitmask(logits: mx.array, mask: np.ndarray) -> mx.array:
+    """Disallowed tokens to -inf."""
+    allowed = allowed_tokens(mask, logits.shape[1])
     return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 

@@ -34,12 +34,14 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 class TextBlock(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
@@ -49,6 +51,8 @@ class Message(BaseModel):
         if isinstance(self.content, list):
             for i, b in enumerate(self.content):
                 kind = b.get("type")
+                if not isinstance(kind, str):
+                    raise ValueError(f"content[{i}]: a content block needs a `type`")
                 if kind in _NO_INPUT:
                     raise ValueError(f"content[{i}] is a {kind} block: this model has no {_NO_INPUT[kind]} input")
                 if kind not in _BLOCKS[self.role]:
@@ -59,8 +63,20 @@ class Message(BaseModel):
                 if kind == "tool_use" and not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
                                                and isinstance(b.get("input"), dict)):
                     raise ValueError(f"content[{i}]: a tool_use block needs `id`, `name` and an `input` object")
-                if kind == "tool_result" and not isinstance(b.get("tool_use_id"), str):
-                    raise ValueError(f"content[{i}]: a tool_result block needs `tool_use_id`")
+                if kind == "tool_result":
+                    if not isinstance(b.get("tool_use_id"), str):
+                        raise ValueError(f"content[{i}]: a tool_result block needs `tool_use_id`")
+                    result = b.get("content")
+                    if not (result is None or isinstance(result, str) or (isinstance(result, list) and all(
+                            isinstance(r, dict) for r in result))):
+                        raise ValueError(f"content[{i}].content: a tool_result's content is a string or a list "
+                                         "of content blocks")
+                    for j, r in enumerate(result if isinstance(result, list) else []):
+                        if r.get("type") != "text":
+                            raise ValueError(f"content[{i}].content[{j}]: tool_result content holds a "
+                                             f"{r.get('type')!r} block; only text is supported")
+                        if not isinstance(r.get("text"), str):
+                            raise ValueError(f"content[{i}].content[{j}]: a text block needs `text`")
         return self
 
     def blocks(self) -> list[dict[str, Any]]:
@@ -68,7 +84,7 @@ class Message(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str | None = None
@@ -78,7 +94,7 @@ class Tool(BaseModel):
 
 
 class ToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
@@ -86,7 +102,7 @@ class ToolChoice(BaseModel):
 
 
 class Thinking(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = Field(default=None, ge=1)
@@ -104,7 +120,7 @@ def _result_text(content: Any) -> str:
 
 
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # checked below: unknown fields are refused by name
+    model_config = ConfigDict(extra="allow", strict=True)  # checked below: unknown fields are refused by name
 
     model: str
     max_tokens: int = Field(ge=1)

@@ -10,6 +10,7 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
+from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,7 +23,8 @@ from macinfer.server.metrics import ServerMetrics
 from macinfer.server import webui as chat_page
 from macinfer.server.middleware import Guard
 from macinfer.server import anthropic, responses
-from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from macinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
+                                      describe_validation_error)
 from macinfer.server.serving import APIError, OpenAIServing
 
 log = logging.getLogger("macinfer.server")
@@ -83,13 +85,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         err = e.errors()[0]
         if err.get("type") == "json_invalid":
             return _error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', 'invalid JSON')}", path=path)
-        loc = [str(p) for p in err.get("loc", []) if p != "body"]
-        field = ".".join(loc) or None
-        msg = str(err.get("msg", "")).removeprefix("Value error, ")
-        if field is None and (named := re.match(r"`(\w+)`", msg)):  # a whole-request check naming its field
-            field = named.group(1)
-            return _error(400, msg, param=field, path=path)
-        return _error(400, f"{field or 'body'}: {msg}", param=field, path=path)
+        msg, field = describe_validation_error(e.errors())
+        return _error(400, msg, param=field, path=path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
@@ -185,8 +182,11 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         streams it, `whole(final, turn)` answers it at once."""
         try:
             chat = req.to_chat()
-        except ValueError as e:
-            raise APIError(400, str(e), param=param) from None
+        except ValidationError as e:  # the translated request breaks a chat rule: say it in the client's terms
+            msg, _ = describe_validation_error(e.errors())
+            raise APIError(400, msg, param=param) from None
+        except (ValueError, TypeError, AttributeError, KeyError) as e:  # a shape the checks above missed
+            raise APIError(400, str(e) if isinstance(e, ValueError) else f"malformed `{param}`", param=param) from None
         turn, stream, final = await _chat_translated(chat, request)
         if final is None:
             return _sse(events(turn, stream), stream)

@@ -171,9 +171,9 @@ class ChatOutput:
             return {}
         try:
             items = json.loads(self.forced_text)
-        except ValueError:  # cut short (max_tokens): nothing parseable to return as calls
+            calls = [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+        except (ValueError, KeyError, TypeError):  # cut short (max_tokens): no calls to return
             return {"content": self.forced_text} if self.forced_text else {}
-        calls = [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
         self.calls += calls
         return {"tool_calls": [c.openai(i) for i, c in enumerate(calls)]}
 

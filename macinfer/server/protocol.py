@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -23,7 +24,8 @@ _HARMLESS = {"store", "metadata", "service_tier", "safety_identifier", "prompt_c
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")  # checked in _refuse_unsupported
+    # extra: checked in _refuse_unsupported. strict: "2" is not a number, "yes" not a boolean.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -80,12 +82,14 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an option we do not implement is a 400, not ignored
+    model_config = ConfigDict(extra="forbid", strict=True)  # an option we do not implement is a 400, not ignored
 
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
@@ -107,12 +111,31 @@ def check_text_parts(data: Any) -> Any:
     return data
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call in an earlier assistant message (what the client got back before)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -128,7 +151,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str | None = None
@@ -137,25 +160,27 @@ class FunctionSpec(BaseModel):
 
 
 class ToolSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"]
     function: FunctionSpec
 
 
 class _FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"]
     function: _FunctionName
 
 
 class JsonSchemaSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     name: str = "response"
     description: str | None = None
@@ -164,7 +189,7 @@ class JsonSchemaSpec(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
@@ -179,6 +204,12 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:  # OpenAI refuses it too; ignoring it would drop output
+            raise ValueError("`top_logprobs` needs `logprobs: true`")
+        return self
     # vLLM's extensions for chat templates.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -193,7 +224,7 @@ class CompletionRequest(_Request):
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(min_length=1)
@@ -205,6 +236,31 @@ class EmbeddingRequest(BaseModel):
 _Request.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
+
+
+_TYPE_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none|literal|function-|json-or-python|tagged-union|"
+                        r"nullable|union|[A-Za-z]+\[)")
+
+
+def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """(message, field) for a client, in its own terms: the field's path as the client
+    wrote it (no pydantic union-member tags such as `content.str`), the reason without
+    pydantic's "Value error, " prefix, no model class names."""
+    err = errors[0]
+    loc = [p for p in err.get("loc", []) if p != "body"]
+    path = ""
+    for p in loc:
+        if isinstance(p, int):
+            path += f"[{p}]"
+        elif not _TYPE_TAGS.match(str(p)) or str(p) in ("name", "type"):
+            path += f".{p}" if path else str(p)
+    msg = str(err.get("msg", "")).removeprefix("Value error, ")
+    field = path or None
+    if field is None and (named := re.match(r"`(\w+)`", msg)):  # a whole-request check naming its field
+        return msg, named.group(1)
+    if len(errors) > 1 and all(e.get("loc", [])[:len(loc) - 1] == loc[:-1] for e in errors[1:]):
+        msg = "; ".join(dict.fromkeys(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors))
+    return (f"{field}: {msg}" if field else msg), field
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

@@ -27,7 +27,7 @@ _NOOP = {"previous_response_id": (None,), "store": (None, False), "reasoning": (
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # checked below: unknown fields are refused by name
+    model_config = ConfigDict(extra="allow", strict=True)  # checked below: unknown fields are refused by name
 
     model: str
     input: str | list[dict[str, Any]] = Field(min_length=1)
@@ -60,8 +60,9 @@ class ResponsesRequest(BaseModel):
             if kind == "function_call":
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-                if not (isinstance(call["id"], str) and isinstance(item.get("name"), str)):
-                    raise ValueError(f"input[{i}]: a function_call item needs `call_id` and `name`")
+                if not (isinstance(call["id"], str) and isinstance(item.get("name"), str)
+                        and isinstance(call["function"]["arguments"], str)):
+                    raise ValueError(f"input[{i}]: a function_call item needs `call_id`, `name` and text `arguments`")
                 if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                     out[-1]["tool_calls"].append(call)
                 else:
@@ -84,10 +85,14 @@ class ResponsesRequest(BaseModel):
             if isinstance(content, list):
                 parts = []
                 for j, part in enumerate(content):
+                    if not isinstance(part, dict):
+                        raise ValueError(f"input[{i}].content[{j}]: a content part is an object with a `type`")
                     if part.get("type") not in ("input_text", "output_text", "text"):
                         raise ValueError(f"input[{i}].content[{j}]: {part.get('type')!r} parts are not supported "
                                          "(only text; this model has no vision or audio input)")
-                    parts.append(part.get("text", ""))
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"input[{i}].content[{j}]: a text part needs `text`")
+                    parts.append(part["text"])
                 content = "".join(parts)
             if not isinstance(content, str):
                 raise ValueError(f"input[{i}]: content must be text")
@@ -99,17 +104,23 @@ class ResponsesRequest(BaseModel):
         for i, t in enumerate(self.tools or []):
             if t.get("type") != "function":
                 raise ValueError(f"tools[{i}]: {t.get('type')!r} tools are not supported (only function tools)")
+            if not isinstance(t.get("name"), str) or not isinstance(t.get("parameters", {}), (dict, type(None))):
+                raise ValueError(f"tools[{i}]: a function tool needs a `name` and a `parameters` object")
             fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
             tools.append({"type": "function", "function": fn})
         return tools or None
 
     def _response_format(self) -> dict[str, Any] | None:
         fmt = (self.text or {}).get("format")
+        if fmt is not None and not isinstance(fmt, dict):
+            raise ValueError("text.format must be an object with a `type` (text, json_object or json_schema)")
         if fmt is None or fmt.get("type") == "text":
             return None
         if fmt.get("type") == "json_object":
             return {"type": "json_object"}
         if fmt.get("type") == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise ValueError("text.format: a json_schema format needs a `schema` object")
             return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"),
                                                            "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
         raise ValueError(f"text.format type {fmt.get('type')!r} is not supported")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from macinfer.engine.llm_engine import RequestOutput
+from macinfer.engine.sequence import TokenLogprob
 from macinfer.engine.structured import GrammarError
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.server.async_engine import AsyncEngine, RequestStream
@@ -19,7 +20,7 @@ from macinfer.server.metrics import ServerMetrics
 from macinfer.server import chat_output
 from macinfer.server.chat_output import ChatPlan
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, now, usage
-from macinfer.tokenizer import TokenizerWrapper
+from macinfer.tokenizer import IncrementalDetokenizer, TokenizerWrapper, token_text
 
 log = logging.getLogger("macinfer.server")
 
@@ -64,14 +65,30 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
                 logprobs=logprobs, strict_max_tokens=max_tokens is not None, logit_bias=bias,
                 grammar=plan.grammar if plan else None,
                 skip_special_tokens=plan.skip_special_tokens if plan else True,
+                # echo + logprobs: the prompt's tokens get logprobs too (lm-eval-harness scores with them)
+                prompt_logprobs=logprobs if getattr(req, "echo", False) and logprobs is not None else None,
             ))
         except InvalidSamplingParamsError as e:
             raise APIError(400, str(e), param=e.param) from None
     return out
 
 
-def _token_text(tok: TokenizerWrapper, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False)
+class TextOffsets:
+    """Where each token starts in a completion's text (`text_offset`), from the same
+    incremental decode the engine uses, so multi-byte characters split over tokens and
+    SentencePiece spaces count as they appear in the text."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, context: list[int], start: int,
+                 skip_special_tokens: bool = True):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, context)
+        self.start = start
+
+    def take(self, token_ids: list[int]) -> list[int]:
+        out = []
+        for t in token_ids:
+            out.append(self.start + len(self.detok.text))
+            self.detok.add(t)
+        return out
 
 
 _MAX_CHARS_PER_TOKEN = 32
@@ -145,20 +162,22 @@ class OpenAIServing:
         tail = self.tokenizer.decode(ids[-8:], skip_special_tokens=False) if plan.reasoning else ""
         return ChatTurn(ids, plan, tail)
 
-    def _logprob_entry(self, lp) -> dict[str, Any]:
-        text = _token_text(self.tokenizer, lp.token_id)
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
-                "top_logprobs": [{"token": (t := _token_text(self.tokenizer, i)), "logprob": v, "bytes": list(t.encode())}
-                                 for i, v in lp.top]}
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's logprob `token` string and exact `bytes` (joined, they rebuild the text)."""
+        data = self.tokenizer.token_bytes(token_id)
+        return token_text(data), list(data)
 
-    def _completion_logprobs(self, lps, offset: int) -> dict[str, Any]:
-        tokens = [_token_text(self.tokenizer, lp.token_id) for lp in lps]
-        offsets, pos = [], offset
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{_token_text(self.tokenizer, i): v for i, v in lp.top} for lp in lps],
+    def _logprob_entry(self, lp) -> dict[str, Any]:
+        text, data = self._token(lp.token_id)
+        return {"token": text, "logprob": lp.logprob, "bytes": data,
+                "top_logprobs": [{"token": (t := self._token(i))[0], "logprob": v, "bytes": t[1]} for i, v in lp.top]}
+
+    def _completion_logprobs(self, lps, offsets: list[int]) -> dict[str, Any]:
+        """The legacy completions shape. `lps` may hold None (the first prompt token of
+        an echo, which has no logprob)."""
+        return {"tokens": [self._token(lp.token_id)[0] for lp in lps],
+                "token_logprobs": [lp.logprob if lp.top is not None else None for lp in lps],
+                "top_logprobs": [None if lp.top is None else {self._token(i)[0]: v for i, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
     def prepare(self, req, prompt: str | list[int], max_tokens, logprobs,
@@ -227,14 +246,27 @@ class OpenAIServing:
                           "logprobs": {"content": [self._logprob_entry(lp) for lp in out.logprobs]} if req.logprobs else None,
                           "finish_reason": proc.finish_reason(out.finish_reason)}
             else:
-                text = self._echo(req, ids) + out.text
-                choice = {"index": i, "text": text, "finish_reason": out.finish_reason,
-                          "logprobs": self._completion_logprobs(out.logprobs, 0) if req.logprobs is not None else None}
+                echoed = self._echo(req, ids)
+                lps = None
+                if req.logprobs is not None:
+                    head = self._echo_logprobs(req, ids, out)
+                    lps = self._completion_logprobs(head[0] + out.logprobs, head[1] + TextOffsets(
+                        self.tokenizer, ids, len(echoed)).take([lp.token_id for lp in out.logprobs]))
+                choice = {"index": i, "text": echoed + out.text, "finish_reason": out.finish_reason, "logprobs": lps}
             choices.append(choice)
         completion_tokens = sum(len(o.token_ids) for o in final.values())
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": now(), "model": self.model_name, "choices": choices,
                 "usage": usage(len(ids), completion_tokens, final[min(final)].num_cached_tokens)}
+
+    def _echo_logprobs(self, req, ids: list[int], out: RequestOutput) -> tuple[list, list[int]]:
+        """The echoed prompt's logprob entries and text offsets (the first token has
+        no logprob: null, as OpenAI's API gives it)."""
+        if not req.echo or out.prompt_logprobs is None:
+            return [], []
+        first = TokenLogprob(ids[0], 0.0, None)  # top None: rendered as null
+        lps = [first, *out.prompt_logprobs[1:]]
+        return lps, TextOffsets(self.tokenizer, [], 0).take(ids)
 
     def _echo(self, req, ids: list[int]) -> str:
         """The prompt as text when a completion asks for `echo` (token-id prompts decoded)."""
@@ -250,7 +282,6 @@ class OpenAIServing:
         created, obj = now(), "chat.completion.chunk" if kind == "chat" else "text_completion"
         sent_role: set[int] = set()
         procs: dict[int, chat_output.ChatOutput] = {}
-        text_pos: dict[int, int] = {}
         completion_tokens, cached_tokens = 0, 0
 
         def event(payload: dict) -> str:
@@ -259,11 +290,16 @@ class OpenAIServing:
         def chunk(choice: dict) -> str:
             return event({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]})
 
-        if kind == "completion" and (echoed := self._echo(req, ids)):
-            for i in range(req.n):  # each choice starts with the prompt
-                yield chunk({"index": i, "text": echoed, "finish_reason": None, "logprobs": None})
+        echoed = self._echo(req, ids) if kind == "completion" else ""
+        offsets: dict[int, TextOffsets] = {}
         try:
             async for i, out in gen:
+                if kind == "completion" and i not in offsets:
+                    offsets[i] = TextOffsets(self.tokenizer, ids, len(echoed))
+                    if echoed:  # each choice starts with the prompt (and its logprobs, once computed)
+                        head = self._echo_logprobs(req, ids, out)
+                        yield chunk({"index": i, "text": echoed, "finish_reason": None,
+                                     "logprobs": self._completion_logprobs(*head) if req.logprobs is not None else None})
                 if out.finish_reason == "error":
                     yield event(_generation_error(out).body())
                     break
@@ -280,8 +316,8 @@ class OpenAIServing:
                               "logprobs": {"content": [self._logprob_entry(lp) for lp in new_lps]} if req.logprobs else None}
                 else:
                     choice = {"index": i, "text": out.delta_text, "finish_reason": out.finish_reason,
-                              "logprobs": self._completion_logprobs(new_lps, text_pos.get(i, 0)) if req.logprobs is not None else None}
-                    text_pos[i] = text_pos.get(i, 0) + len(out.delta_text)
+                              "logprobs": self._completion_logprobs(new_lps, offsets[i].take(
+                                  [lp.token_id for lp in new_lps])) if req.logprobs is not None else None}
                 if out.finished:
                     completion_tokens += len(out.token_ids)
                     if i == 0:
