@@ -205,7 +205,7 @@ def convert(gguf, out_dir):
 @click.option("--served-model-name", default=None, help="Model id clients send (default: MODEL's file or directory name).")
 @click.option("--api-key", "api_keys", multiple=True, envvar="MACINFER_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key') on every endpoint but /health. Repeatable: one key per client.")
 @click.option("--cache-isolation", type=click.Choice(["key-and-user", "key", "none"]), default="key-and-user", show_default=True, help="Which requests may share prefix-cache entries: same API key and same `user` field (default), same key, or all.")
-@click.option("--allowed-host", "allowed_hosts", multiple=True, help="Extra Host header names to accept when listening on loopback (repeatable).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, help="Extra Host header names to answer (repeatable; '*': any). Loopback names, this machine's names and IP addresses are always answered; other names are refused (DNS-rebinding defence).")
 @click.option("--no-webui", is_flag=True, help="Do not serve the chat page at /.")
 @click.option("--tool-call-parser", type=click.Choice(sorted(FORMATS)), default=None,
               help="Tool-call format for tool_choice 'auto' (default: the one the chat template teaches).")
@@ -214,15 +214,16 @@ def convert(gguf, out_dir):
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="Largest request body accepted (413 beyond).")
 @click.option("--max-connections", type=click.IntRange(min=1), default=None, help="Open connections held at once (503 beyond; default: from the open-file limit, at most 1024).")
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds a connection may take to send a request head.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True, help="Seconds a request may take to send its body (408 beyond).")
 @_engine_options
 @_log_options
 def serve(model, host, port, served_model_name, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, max_body_mb,
-          max_connections, header_timeout, **engine_opts):
+          max_connections, header_timeout, body_timeout, **engine_opts):
     import os
 
     try:
         from macinfer.server.app import run_server
-        from macinfer.server.middleware import LOOPBACK_HOSTS, is_loopback
+        from macinfer.server.middleware import allowed_host_names
         from macinfer.server.net import bind_socket
     except ImportError as e:
         raise click.ClickException(f"the server needs its extra: pip install 'macinfer[server]' ({e.name} missing)") from None
@@ -234,12 +235,12 @@ def serve(model, host, port, served_model_name, api_keys, cache_isolation, allow
         engine_opts["max_prefill_with_decodes"] = SERVE_PREFILL_WITH_DECODES
     engine = _load_engine(model, **engine_opts)
     name = served_model_name or os.path.basename(model.rstrip("/")).removesuffix(".gguf")
-    hosts = ({*LOOPBACK_HOSTS, *(h.lower() for h in allowed_hosts)} if is_loopback(host) else None)
+    hosts = allowed_host_names(host, tuple(allowed_hosts))
     code = run_server(engine, name, sock, header_timeout=header_timeout, max_connections=max_connections,
                       log_requests=logging.getLogger().level <= logging.INFO, api_keys=list(api_keys),
                       cors_origins=list(cors_origins), max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20),
                       allowed_hosts=hosts, cache_isolation=cache_isolation, model_aliases=(model,), webui=not no_webui,
-                      tool_parser=tool_call_parser)
+                      tool_parser=tool_call_parser, body_timeout=body_timeout)
     sys.exit(code)
 
 

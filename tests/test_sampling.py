@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-from macinfer.engine.sampler import sample
+from macinfer.engine.sampler import sample, uniform_noise
 from macinfer.engine.sequence import Sequence
 from macinfer.sampling_params import SamplingParams
 from tests.helpers import generate
@@ -122,7 +122,7 @@ def test_seeded_request_is_reproducible_alone_and_in_a_batch(tiny_llama):
 def test_logit_bias_moves_one_row_only():
     import mlx.core as mx
 
-    from macinfer.engine.sampler import sample
+    from macinfer.engine.sampler import sample, uniform_noise
     from macinfer.engine.sequence import Sequence
     from macinfer.sampling_params import SamplingParams
 
@@ -132,3 +132,34 @@ def test_logit_bias_moves_one_row_only():
     assert sample(logits, seqs).token_ids == [7, 3]
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 500.0})
+
+
+def test_noise_is_strictly_inside_the_unit_interval():
+    """An exact 1.0 becomes +inf after the Gumbel transform and wins over every mask:
+    the old 24-bit form rounded (2^24 - 1) + 0.5 up to 1.0 once per ~350 steps on a
+    49k vocabulary. Every value the top bits can take, and 100k (seed, position) pairs."""
+    from macinfer.engine.sampler import bits_to_unit
+
+    top = mx.arange(1 << 23, dtype=mx.uint32) << 9  # every value of the top 23 bits ...
+    u = mx.concatenate([bits_to_unit(top), bits_to_unit(top | 0x1FF),  # ... with the low bits all 0 or all 1
+                        bits_to_unit(mx.array([0, 0xFFFFFFFF, 0xFFFFFF00, 0xFFFFFF80], dtype=mx.uint32))])
+    assert mx.min(u).item() > 0.0 and mx.max(u).item() < 1.0
+    g = -mx.log(-mx.log(u))
+    assert mx.all(mx.isfinite(g)).item()
+    seeds = mx.array((np.arange(100_000, dtype=np.uint64) * 2654435761 % (1 << 32)).astype(np.uint32))
+    steps = mx.array(np.arange(100_000, dtype=np.uint32) % 4096, dtype=mx.uint32)
+    for lo in range(0, 100_000, 20_000):
+        noise = uniform_noise(seeds[lo : lo + 20_000], steps[lo : lo + 20_000], 512)
+        assert mx.min(noise).item() > 0.0 and mx.max(noise).item() < 1.0
+
+
+def test_top_k_one_at_temperature_one_is_greedy_for_every_seed():
+    """On a SmolLM2-sized vocabulary: 2,000 (seed, position) pairs x 49k tokens, where
+    the old noise forced a random token ~6 times."""
+    logits = mx.array(np.random.default_rng(11).normal(size=(8, 49152)).astype(np.float32) * 3)
+    greedy = np.array(sample(logits, _seqs(SamplingParams(temperature=0), 8)).token_ids)
+    for seed0 in range(0, 2000, 8):
+        seqs = _seqs(SamplingParams(temperature=1.0, top_k=1), 8, seed0=seed0)
+        for s in seqs:
+            s.output_token_ids = list(range(seed0 % 97))  # other output positions too
+        assert np.array_equal(np.array(sample(logits, seqs).token_ids), greedy)

@@ -180,8 +180,7 @@ def test_sigterm_under_load_ends_requests_cleanly(tiny_llama):
     for t in threads:
         t.join(timeout=30)
     out, _ = s.proc.communicate(timeout=30)
-    # uvicorn re-raises the signal after its graceful shutdown: the exit status says "terminated".
-    assert s.proc.returncode in (0, -signal.SIGTERM), out
+    assert s.proc.returncode == 0, out  # a shutdown asked for is a clean exit (uvicorn would re-raise: 143)
     assert "Traceback" not in out
     for i in range(2):
         r = results[f"plain{i}"]

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 
 from macinfer import kernels
 from macinfer.engine.block_manager import BlockManager
+from macinfer.engine.embedding import EmbeddingJob
 from macinfer.engine.model_runner import ModelRunner
 from macinfer.engine.outputs import RequestOutput, _RequestState
 from macinfer.engine.scheduler import Scheduler
@@ -273,34 +274,28 @@ class LLMEngine:
                 self.block_manager.free(s)
         return [np.concatenate(p) for p in per_seq]
 
-    def embed(self, token_lists: list[list[int]]) -> list[np.ndarray]:
-        """Pooled, as the model publishes, final hidden states of each input (float32
-        [hidden]). Runs through the same paged cache and attention as generation, in
-        chunks of the step budget; call it between steps (the server's engine thread does)."""
-        pooling = self.loaded.pooling
-        if pooling is None:
+    def embedding_job(self, token_lists: list[list[int]]) -> EmbeddingJob:
+        """Embeddings of `token_lists`, one forward pass per `job.step()` (call them
+        between engine steps, as the server's engine thread does)."""
+        if self.loaded.pooling is None:
             raise ValueError("this model does not publish embedding use (no sentence-transformers pooling "
                              "config, no GGUF pooling_type)")
-        out = []
         for i, tokens in enumerate(token_lists):
             if not tokens or len(tokens) > self.max_model_len:
                 raise PromptTooLongError(f"input {i} has {len(tokens)} tokens; 1 to {self.max_model_len} fit")
-            seq = Sequence(f"embed-{i}", list(tokens), SamplingParams(temperature=0), 0)
-            hidden = []
-            try:
-                while seq.num_computed_tokens < len(tokens):
-                    n = min(self.config.max_num_batched_tokens, len(tokens) - seq.num_computed_tokens)
-                    if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
-                        raise RuntimeError("no free KV blocks for this input right now; retry shortly")
-                    self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-                    ids, meta, _, _ = self.runner.prepare([(seq, n)])
-                    hidden.append(self.model(ids, meta))
-                    mx.eval(hidden[-1], self.kv_cache.state())
-                    seq.num_computed_tokens += n
-                out.append(np.array(pooling(mx.concatenate(hidden, axis=0))))
-            finally:
-                self.block_manager.free(seq)
-        return out
+        return EmbeddingJob(self, token_lists)
+
+    def embed(self, token_lists: list[list[int]]) -> list[np.ndarray]:
+        """Pooled, as the model publishes, final hidden states of each input (float32
+        [hidden]), through the same paged cache and attention as generation, several
+        inputs per forward pass."""
+        job = self.embedding_job(token_lists)
+        try:
+            while not job.step():
+                pass
+        finally:
+            job.close()
+        return list(job.results)
 
     # -- the loop -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:

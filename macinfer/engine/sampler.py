@@ -38,7 +38,11 @@ def uniform_noise(seeds: mx.array, steps: mx.array, vocab: int) -> mx.array:
     rounds up to 2^24 in float32; 23 bits keep every value exact."""
     ids = mx.arange(vocab, dtype=mx.uint32)[None, :]
     key = _mix32(_mix32(seeds[:, None]) ^ steps[:, None])
-    bits = _mix32(key + ids * mx.array(0x9E3779B9, dtype=mx.uint32))
+    return bits_to_unit(_mix32(key + ids * mx.array(0x9E3779B9, dtype=mx.uint32)))
+
+
+def bits_to_unit(bits: mx.array) -> mx.array:
+    """uint32 -> the midpoint of one of 2^23 equal cells of (0, 1), exact in float32."""
     return ((bits >> (32 - NOISE_BITS)).astype(mx.float32) + 0.5) * (1.0 / (1 << NOISE_BITS))
 
 

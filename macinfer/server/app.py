@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from macinfer.engine.embedding import EmbeddingBusyError
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from macinfer.server.metrics import ServerMetrics
@@ -28,6 +29,8 @@ from macinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, 
 from macinfer.server.serving import APIError, OpenAIServing
 
 log = logging.getLogger("macinfer.server")
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
 
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                  405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -45,7 +48,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                cors_origins: list[str] | None = None, max_queue: int = 64,
                max_body_bytes: int = 4 * 2**20, allowed_hosts: set[str] | None = None,
                on_dead=None, model_aliases: tuple[str, ...] = (), api_keys: list[str] | None = None,
-               cache_isolation: str = "key-and-user", webui: bool = True, tool_parser: str | None = None) -> FastAPI:
+               cache_isolation: str = "key-and-user", webui: bool = True, tool_parser: str | None = None,
+               body_timeout: float = 30.0) -> FastAPI:
     """The ASGI app. `allowed_hosts`: Host header names accepted (None: any);
     `on_dead`: called from the engine thread if the engine cannot recover;
     `cache_isolation`: which requests may share prefix-cache entries;
@@ -71,7 +75,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                            allow_headers=["*"])
     open_paths = ("/health", *(chat_page.OPEN_PATHS if webui else ()))
     app.add_middleware(Guard, api_keys=api_keys, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts,
-                       open_paths=open_paths)
+                       open_paths=open_paths, body_timeout=body_timeout)
     if webui:
         chat_page.add_routes(app)
 
@@ -91,11 +95,6 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         return _error(e.status_code, str(e.detail), path=request.url.path)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        log.exception("unhandled error")
-        return _error(500, "internal server error", type="server_error", path=request.url.path)
 
     @app.get("/health")
     async def health():
@@ -203,7 +202,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                                  lambda f, t: responses.response(req, model_name, f, t))
 
     @app.post("/v1/embeddings")
-    async def embeddings(req: EmbeddingRequest):
+    async def embeddings(req: EmbeddingRequest, request: Request):
         serving.check_model(req.model)
         if engine.loaded.pooling is None:
             raise APIError(400, "this model does not publish embedding use (no sentence-transformers pooling "
@@ -212,6 +211,9 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         inputs = req.input
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"input holds {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} per request",
+                           param="input")
         tok = engine.tokenizer
         ids = await asyncio.to_thread(lambda: [tok.encode(x) if isinstance(x, str) else list(x) for x in inputs])
         vocab = engine.model.args.vocab_size
@@ -220,14 +222,30 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                 raise APIError(400, f"input {i} has {len(x)} tokens; 1 to {engine.max_model_len} fit", param="input")
             if any(not 0 <= t < vocab for t in x):
                 raise APIError(400, f"input {i}: token ids must be in [0, {vocab})", param="input")
+        job = None
         try:
-            vectors = await async_engine.call(engine.embed, ids)
+            job = await async_engine.call(engine.embedding_job, ids)
+            # One forward pass per call: generation steps run between them, and a
+            # client that leaves stops the work at the next pass.
+            while not await async_engine.call(job.step):
+                if await request.is_disconnected():
+                    raise APIError(499, "client disconnected")
         except EngineDeadError as e:
             raise APIError(503, str(e), type="server_error") from None
-        except RuntimeError as e:
+        except EmbeddingBusyError as e:
             raise APIError(503, str(e), type="server_error", headers={"Retry-After": "1"}) from None
+        except APIError:
+            raise
+        except Exception:
+            log.exception("embedding failed")
+            raise APIError(500, "embedding failed with an internal error (details are in the server log)",
+                           type="server_error") from None
+        finally:
+            if job is not None:
+                with contextlib.suppress(Exception):
+                    await async_engine.call(job.close)
         data = []
-        for i, v in enumerate(vectors):
+        for i, v in enumerate(job.results):
             emb = (base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
                    else v.astype(float).tolist())
             data.append({"object": "embedding", "index": i, "embedding": emb})
@@ -244,7 +262,7 @@ def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: floa
     recover. Returns the process exit code: 0 after a clean shutdown, 1 if the engine died."""
     import uvicorn
 
-    from macinfer.server.net import RateLimitFilter, max_connections_for, protocol_with_header_timeout, raise_fd_limit
+    from macinfer.server.net import RateLimitFilter, max_connections_for, protocol_with_limits, raise_fd_limit
 
     holder: dict = {}
 
@@ -262,12 +280,23 @@ def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: floa
             async_engine.drain("the server is shutting down")
             super().handle_exit(sig, frame)
 
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown
+            # (exit 130/143); a shutdown asked for is a clean exit here: status 0.
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
     fd_limit = raise_fd_limit()
+    limit = max_connections or max_connections_for(fd_limit)
     config = uvicorn.Config(
         app, log_level="info" if log_requests else "warning", access_log=log_requests,
-        timeout_graceful_shutdown=3, timeout_keep_alive=5,
-        limit_concurrency=max_connections or max_connections_for(fd_limit),
-        http=protocol_with_header_timeout(header_timeout),
+        timeout_graceful_shutdown=3, timeout_keep_alive=5, limit_concurrency=limit,
+        # One address may hold half the connections: never all of them.
+        http=protocol_with_limits(header_timeout, per_client=max(1, limit // 2)),
     )
     server = holder["server"] = Server(config)
     logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())  # connection errors, not the access log
@@ -278,6 +307,9 @@ def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: floa
           f"max_model_len {engine.max_model_len}; max_num_seqs {engine.config.max_num_seqs})", flush=True)
     if kwargs.get("webui", True):
         print(f"chat page: http://{host}:{port}/", flush=True)
+    hosts = kwargs.get("allowed_hosts")
+    print("Host check: any name (--allowed-host '*')" if hosts is None else
+          f"Host check: answers IP addresses and {', '.join(sorted(hosts))} (more with --allowed-host)", flush=True)
     server.run(sockets=[sock])
     async_engine.shutdown()
     if async_engine.dead:

@@ -7,13 +7,23 @@ and can abort the request, streaming or not.
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import json
+import logging
+import re
 import secrets
+import socket
 from collections.abc import Awaitable, Callable
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
+
+log = logging.getLogger("macinfer.server")
+
+_DRAIN_LIMIT = 64 << 20  # a refused body up to this size is read before the 413 goes out
+_DRAIN_SECONDS = 5.0
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -36,23 +46,58 @@ async def send_error(send: Send, status: int, message: str, type_: str, code: st
     await send({"type": "http.response.body", "body": body})
 
 
-def _host_name(value: bytes) -> str:
-    host = value.decode("latin-1").strip().lower()
-    if host.startswith("["):  # [::1]:8000
-        return host[: host.find("]") + 1]
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+# RFC 9110 Host: uri-host [ ":" port ], where uri-host is a name, an IPv4 literal or
+# a bracketed IPv6 literal. No userinfo ("localhost:80@evil.example"), no path.
+_HOST_RE = re.compile(r"^(?P<host>\[[0-9a-f:.]+\]|[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?)(?::(?P<port>\d{1,5}))?$")
+
+
+def host_name(value: bytes) -> str | None:
+    """The host of a Host header (lower case, IPv6 in brackets), or None if the header
+    is not a well-formed authority."""
+    try:
+        text = value.decode("ascii").strip().lower()
+    except UnicodeDecodeError:
+        return None
+    m = _HOST_RE.match(text.rstrip("."))
+    return m.group("host") if m else None
+
+
+def is_ip_literal(host: str) -> bool:
+    """DNS rebinding needs a name that resolves to this machine; a bare address cannot
+    be rebound, so a Host that is one is safe to answer."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
+def allowed_host_names(bound: str, extra: tuple[str, ...] = ()) -> set[str] | None:
+    """Host names a server bound to `bound` answers to: loopback names, the bound
+    address, this machine's names (and `NAME.local`), and `extra`. None (any) only
+    when `extra` holds "*"."""
+    if "*" in extra:
+        return None
+    names = {*LOOPBACK_HOSTS, bound.lower(), *(h.lower().rstrip(".") for h in extra)}
+    if not is_loopback(bound):
+        for name in {socket.gethostname(), socket.getfqdn()}:
+            if name:
+                names |= {name.lower(), f"{name.lower().split('.')[0]}.local"}
+    return names
 
 
 class Guard:
-    """Host header check (DNS-rebinding defence for loopback servers), API key
+    """Host header check (DNS-rebinding defence: a browser page on another name cannot
+    reach the server through the user's browser; addresses are always answered), API key
     (`Authorization: Bearer KEY` or `x-api-key: KEY`), and a body limit that
     buffers the body, so a chunked upload over the limit gets 413 too."""
 
     def __init__(self, app, api_keys: list[str], max_body_bytes: int, allowed_hosts: set[str] | None,
-                 open_paths: tuple[str, ...] = ("/health",)):
+                 open_paths: tuple[str, ...] = ("/health",), body_timeout: float = 30.0):
         self.app = app
         self.keys = [k.encode() for k in api_keys]
         self.max_body = max_body_bytes
+        self.body_timeout = body_timeout
         self.allowed_hosts = allowed_hosts
         self.open_paths = open_paths
 
@@ -60,7 +105,9 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.allowed_hosts is not None and _host_name(headers.get(b"host", b"")) not in self.allowed_hosts:
+        host = host_name(headers.get(b"host", b""))
+        if host is None or (self.allowed_hosts is not None and host not in self.allowed_hosts
+                            and not is_ip_literal(host)):
             return await send_error(send, 400, "invalid Host header (this server only answers to its own address; "
                                     "add names with --allowed-host)", "invalid_request_error", "invalid_host",
                                     path=scope["path"])
@@ -75,17 +122,31 @@ class Guard:
                                         path=scope["path"])
             scope.setdefault("state", {})["api_key_index"] = matched[0]  # for prefix-cache isolation
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+        declared_size = int(declared) if declared is not None and declared.isdigit() else None
+        if declared_size is not None and declared_size > self.max_body:
+            if headers.get(b"expect", b"").lower() != b"100-continue" and declared_size <= _DRAIN_LIMIT:
+                # Read what the client is sending before answering: closing on unread
+                # data makes the kernel reset the connection, and the client sees that
+                # instead of the 413.
+                await self._drain(receive)
             return await self._too_large(send, scope["path"])
         chunks, size = [], 0
         if scope["method"] in ("POST", "PUT", "PATCH"):
+            deadline = asyncio.get_running_loop().time() + self.body_timeout
             while True:
-                message = await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+                except (asyncio.TimeoutError, ValueError):
+                    return await send_error(send, 408, f"the request body did not arrive within {self.body_timeout:g} s",
+                                            "invalid_request_error", "request_timeout",
+                                            headers=[(b"connection", b"close")], path=scope["path"])
                 if message["type"] == "http.disconnect":
                     return
                 chunks.append(message.get("body", b""))
                 size += len(chunks[-1])
                 if size > self.max_body:
+                    if size + (declared_size or 0) <= _DRAIN_LIMIT:
+                        await self._drain(receive)
                     return await self._too_large(send, scope["path"])
                 if not message.get("more_body", False):
                     break
@@ -98,7 +159,34 @@ class Guard:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()  # later calls see the client's disconnect
 
-        await self.app(scope, replay, send)
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, replay, tracked_send)
+        except Exception:
+            # Caught here rather than by an app-level handler: Starlette re-raises after
+            # its handler, so uvicorn would log every 500 a second time.
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if not started:
+                await send_error(send, 500, "internal server error", "server_error", path=scope["path"])
+
+    async def _drain(self, receive: Receive) -> None:
+        """Read and drop the rest of a refused body, within _DRAIN_LIMIT bytes and a few seconds."""
+        loop = asyncio.get_running_loop()
+        deadline, size = loop.time() + _DRAIN_SECONDS, 0
+        while size <= _DRAIN_LIMIT:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                return
+            size += len(message.get("body", b""))
 
     async def _too_large(self, send: Send, path: str) -> None:
         await send_error(send, 413, f"request body is larger than {self.max_body} bytes", "invalid_request_error",

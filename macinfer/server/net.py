@@ -1,9 +1,11 @@
 """The listening side of `macinfer serve`: the socket (bound before the model
 loads, so a busy port fails fast), file-descriptor and connection limits, a
-header timeout for idle connections, and rate-limited connection-error logs."""
+header timeout for idle connections, a per-address connection share, JSON
+protocol errors, and rate-limited connection-error logs."""
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 import socket
@@ -50,14 +52,48 @@ def max_connections_for(fd_limit: int, reserve: int = 128) -> int:
     return max(8, min(1024, fd_limit - reserve))
 
 
-def protocol_with_header_timeout(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing connections that have not sent a complete
-    request head within `seconds` (uvicorn only times out idle keep-alives)."""
+def _json_error(status: int, reason: str, message: str, type_: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": None}}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
 
-    class HeaderTimeoutProtocol(H11Protocol):
+
+async def _busy(scope, receive, send) -> None:
+    """uvicorn's answer past --max-connections, as a JSON error like every other."""
+    body = json.dumps({"error": {"message": "the server has too many open connections; retry shortly",
+                                 "type": "server_error", "param": None, "code": "service_unavailable"}}).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), (b"retry-after", b"1")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def protocol_with_limits(header_timeout: float, per_client: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with what it lacks against slow or greedy clients:
+    connections that have not sent a complete request head within `header_timeout`
+    seconds are closed (uvicorn only times out idle keep-alives); one client address
+    holds at most `per_client` connections (so 40 trickling bodies or 250 idle
+    keep-alives from one host cannot take every connection); and protocol-level
+    errors are JSON bodies, as the app's are."""
+    import uvicorn.protocols.http.h11_impl as h11_impl
+
+    h11_impl.service_unavailable = _busy  # the 503 uvicorn sends past limit_concurrency
+    per_address: dict[str, int] = {}
+
+    class LimitedProtocol(H11Protocol):
         def connection_made(self, transport) -> None:  # type: ignore[override]
+            peer = transport.get_extra_info("peername")
+            self._peer = peer[0] if peer else None
             super().connection_made(transport)
-            self._head_timer = self.loop.call_later(seconds, self._head_timeout)
+            self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
+            if self._peer is not None:
+                if per_address.get(self._peer, 0) >= per_client:
+                    self._peer = None  # not counted
+                    transport.write(_json_error(503, "Service Unavailable", "too many open connections from this "
+                                                "address; close some and retry", "server_error"))
+                    transport.close()
+                    return
+                per_address[self._peer] = per_address.get(self._peer, 0) + 1
 
         def _head_timeout(self) -> None:
             if self.cycle is None and not self.transport.is_closing():
@@ -68,11 +104,22 @@ def protocol_with_header_timeout(seconds: float) -> type[H11Protocol]:
             if self.cycle is not None:
                 self._head_timer.cancel()
 
+        def send_400_response(self, msg: str) -> None:
+            self.transport.write(_json_error(400, "Bad Request", msg, "invalid_request_error"))
+            self.transport.close()
+
         def connection_lost(self, exc) -> None:
             self._head_timer.cancel()
+            if self._peer is not None:
+                left = per_address.get(self._peer, 1) - 1
+                if left:
+                    per_address[self._peer] = left
+                else:
+                    per_address.pop(self._peer, None)
+                self._peer = None
             super().connection_lost(exc)
 
-    return HeaderTimeoutProtocol
+    return LimitedProtocol
 
 
 class RateLimitFilter(logging.Filter):
