@@ -1,5 +1,11 @@
 """The Python API on a tiny model: batching, streaming, stops, errors."""
 
+import _thread
+import gc
+import os
+import threading
+import time
+
 import pytest
 
 from macinfer import LLM, SamplingParams
@@ -73,3 +79,66 @@ def test_bad_input_is_a_clear_error(llm):
         llm.generate("x", SamplingParams(temperature=-0.5))
     # A failed batch leaves nothing behind in the engine.
     assert not llm.engine.has_unfinished_requests()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_dropped_llms_free_their_engines_and_threads(smollm2_gguf):
+    """A notebook re-running `llm = LLM(...)`: each dropped LLM gives back its
+    engine (~900 MB of float32 weights and KV here) and its thread."""
+    def one():
+        llm = LLM(smollm2_gguf, kv_cache_gb=0.05, max_model_len=256)
+        llm.generate("hi", SamplingParams(max_tokens=2))
+        return llm
+
+    llm = one()
+    with_one, threads = _rss_mb(), threading.active_count()
+    del llm
+    for _ in range(5):
+        llm = one()
+        del llm
+        gc.collect()
+    time.sleep(0.5)
+    assert _rss_mb() < 1.1 * with_one
+    assert threading.active_count() <= threads - 1  # the last one's worker is gone too
+    with LLM(smollm2_gguf, kv_cache_gb=0.05, max_model_len=256) as llm:
+        assert llm.generate("hi", SamplingParams(max_tokens=2))[0].finish_reason == "length"
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("hi")
+
+
+def test_a_stream_collected_on_the_worker_thread_does_not_deadlock(llm):
+    it = llm.stream("hello there", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    next(it)
+    holder = {"it": it}
+    holder["self"] = holder  # a cycle: only the cyclic GC frees it
+    del it, holder
+    llm._call(gc.collect)  # the half-read stream's `finally` runs on the worker itself
+    out = llm.generate("after", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert llm._call(lambda: llm.engine.num_running + llm.engine.num_waiting) == 0
+
+
+def test_ctrl_c_in_generate_aborts_its_requests(llm):
+    pump = llm._pump
+
+    def interrupted_pump(rids):  # Ctrl-C arrives while the caller waits on the first step
+        out = pump(rids)
+        _thread.interrupt_main()
+        return out
+
+    llm._pump = interrupted_pump
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a long one"] * 4, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    finally:
+        del llm._pump
+    start = time.time()
+    assert llm._call(lambda: llm.engine.num_running + llm.engine.num_waiting) == 0
+    assert time.time() - start < 1.0
+    out = llm.generate("next", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3

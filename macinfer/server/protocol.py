@@ -238,8 +238,9 @@ ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
 
-_TYPE_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none|literal|function-|json-or-python|tagged-union|"
-                        r"nullable|union|[A-Za-z]+\[)")
+# pydantic's names for union members in an error's location: `str`, `list[...]`,
+# `function-after[...]`, `json-or-python[...]`, model class names. Never a field name.
+_TYPE_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none|bytes)$|^[a-z-]+\[|^[A-Z][A-Za-z]+$")
 
 
 def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -252,7 +253,7 @@ def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | 
     for p in loc:
         if isinstance(p, int):
             path += f"[{p}]"
-        elif not _TYPE_TAGS.match(str(p)) or str(p) in ("name", "type"):
+        elif not _TYPE_TAGS.match(str(p)):
             path += f".{p}" if path else str(p)
     msg = str(err.get("msg", "")).removeprefix("Value error, ")
     field = path or None
