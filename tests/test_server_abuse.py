@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     s = ServerProcess(tiny_llama, "--served-model-name", "tiny", "--kv-cache-gb", "0.05", "--max-connections", "64",
-                      "--header-timeout", "1", "-v")
+                      "--header-timeout", "1", "--body-timeout", "3", "-v")
     httpx.get(f"{s.url}/v1/models")  # one request the access log must show
     yield s
     out = s.stop()
@@ -87,7 +87,10 @@ def test_connection_flood_is_bounded(server):
         assert httpx.get(f"{server.url}/v1/models", timeout=5).status_code == 200
         for s in socks:
             s.settimeout(2)
-            assert s.recv(1) == b""  # closed by the server
+            # closed by the server: after the header timeout, or at once past this
+            # address's share of the connections (with a JSON 503)
+            first = s.recv(64)
+            assert first == b"" or first.startswith(b"HTTP/1.1 503"), first
     finally:
         for s in socks:
             s.close()
@@ -144,10 +147,105 @@ def test_prefix_cache_is_isolated_per_user(server):
     assert cached(None) == 0
 
 
-def test_host_header_is_checked_on_loopback(server):
-    bad = httpx.get(f"{server.url}/v1/models", headers={"host": "attacker.example:8000"})
+@pytest.mark.parametrize("host", ["attacker.example:8000", "localhost:80@evil.example", "127.0.0.1:1@evil.example",
+                                  "localhost/x", "local host", ""])
+def test_host_header_is_checked_on_loopback(server, host):
+    bad = httpx.get(f"{server.url}/v1/models", headers={"host": host})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_host"
     assert httpx.get(f"{server.url}/v1/models", headers={"host": f"localhost:{server.port}"}).status_code == 200
+
+
+def test_host_check_stays_on_when_listening_on_every_address(tiny_llama):
+    """Bound to 0.0.0.0 (a LAN server) the DNS-rebinding defence stays: addresses and
+    this machine's names are answered, other names refused unless --allowed-host."""
+    s = ServerProcess(tiny_llama, "--kv-cache-gb", "0.01", "--host", "0.0.0.0", "--allowed-host", "llm.lan")
+    try:
+        get = lambda host: httpx.get(f"{s.url}/v1/models", headers={"host": host}).status_code  # noqa: E731
+        assert get("attacker.example") == 400 and get("localhost:80@evil.example") == 400
+        assert get(f"127.0.0.1:{s.port}") == 200 and get("192.168.1.20:8000") == 200 and get("[::1]:8000") == 200
+        assert get(socket.gethostname()) == 200 and get("llm.lan:8000") == 200
+    finally:
+        out = s.stop()
+    assert "Host check: answers IP addresses and" in out and "llm.lan" in out
+
+
+def _slow_body(port: int, source: str, size: int = 1000) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+              f"content-length: {size}\r\n\r\n{{".encode())
+    return s
+
+
+def test_slow_bodies_from_one_address_leave_others_served(server):
+    """40 clients trickling their bodies from one address take at most its share of
+    the connections; others are answered, and the trickles end in a 408."""
+    socks = []
+    try:
+        for _ in range(40):
+            try:
+                socks.append(_slow_body(server.port, "127.0.0.2"))
+            except OSError:
+                break
+        time.sleep(0.3)
+        for _ in range(3):
+            r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+            assert r.status_code == 200
+        answers = []
+        for s in socks:
+            s.settimeout(6)
+            try:
+                answers.append(s.recv(200))
+            except OSError:
+                answers.append(b"")
+        assert sum(a.startswith(b"HTTP/1.1 408") for a in answers) >= 20  # the held ones: body timeout
+        assert all(a.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503")) for a in answers), answers
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.parametrize("mb", [4.5, 32])
+def test_body_over_the_limit_is_a_413_not_a_reset(server, mb):
+    body = b'{"prompt": "' + b"x" * int(mb * 2**20) + b'"}'
+    for _ in range(5):
+        r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["message"]
+
+
+def test_protocol_errors_are_json(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
+def test_an_unexpected_error_is_one_json_500_logged_once(caplog):
+    import asyncio
+
+    from macinfer.server.middleware import Guard
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("boom /secret/path")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"host", b"localhost")]}
+    asyncio.run(Guard(broken, [], 1 << 20, None)(scope, receive, send))  # no exception escapes to uvicorn
+    assert sent[0]["status"] == 500
+    assert json.loads(sent[1]["body"])["error"]["message"] == "internal server error"
+    assert b"secret" not in sent[1]["body"]
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1
 
 
 def test_non_ascii_bearer_is_401(tiny_llama):
