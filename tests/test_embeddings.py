@@ -89,3 +89,54 @@ def test_models_without_embedding_use_get_a_400(tiny_llama):
     finally:
         app.state.async_engine.shutdown()
     assert r.status_code == 400 and "does not publish embedding use" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_embeddings_do_not_stall_streams(tmp_path):
+    """2,000 one-token inputs (the 15 KB body that paused streams for seconds) run a
+    step's worth at a time between generation steps, and the answer is written out a
+    few vectors at a time: a concurrent stream's largest gap while the request runs
+    stays under 0.3 s. More than 2,048 inputs are refused."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tests.server_process import ServerProcess
+
+    path, _ = tiny_model_dir(tmp_path, "llama", num_hidden_layers=4)
+    _with_pooling(path, "pooling_mode_lasttoken", True)
+    s = ServerProcess(path, "--kv-cache-gb", "0.05", "--max-model-len", "1024")
+    try:
+        arrivals: list[float] = []
+        warm = threading.Event()
+
+        def stream():
+            body = {"prompt": "hello", "max_tokens": 600, "ignore_eos": True, "temperature": 0, "stream": True}
+            with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.perf_counter())
+                        if len(arrivals) == 60:
+                            warm.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert warm.wait(60)
+        # The embeddings client is another process: its JSON work must not hold this
+        # process's GIL while the stream's arrival times are taken.
+        client = ("import httpx, sys; r = httpx.post(sys.argv[1], json={'input': [[i % 250 + 3] for i in range(2000)]}, "
+                  "timeout=120); d = r.json()['data']; print(r.status_code, len(d), len(d[0]['embedding']))")
+        begin = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", client, f"{s.url}/v1/embeddings"], capture_output=True,
+                              text=True, timeout=120)
+        end = time.perf_counter()
+        t.join(120)
+        assert done.stdout.split() == ["200", "2000", "64"], done.stderr
+        during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > begin and a < end]
+        assert len(during) > 3 and max(during) < 0.3, (max(during), len(during))
+        too_many = httpx.post(f"{s.url}/v1/embeddings", json={"input": [[5]] * 2049}, timeout=30)
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "input"
+    finally:
+        out = s.stop()
+    assert "Traceback" not in out
