@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Soak test: `macinfer serve` under a mixed, misbehaving load for a fixed time.
 
-Clients on loopback send chat and completion requests, streaming or not, with
-n=1..2, seeds, stops, shared prefixes, malformed bodies and bad values; some
+Clients on loopback send chat, completion, Anthropic Messages and Responses
+requests, streaming or not, with n=1..2, seeds, stops, shared prefixes, forced
+(named and `required`) tool calls, JSON schemas, malformed bodies and bad values; some
 disconnect mid-stream and some give up on non-streaming requests after a short
 read timeout (as SDKs that retry do). At the end the server must be healthy,
 hold no running request and no used KV block, and have answered every request
@@ -36,9 +37,41 @@ BAD_BODIES = [
 ]
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age", "tags"]}
+
+
+def _constrained(kind: str, rng: random.Random, body: dict) -> tuple[str, dict]:
+    """A request held to a grammar: a forced tool call (OpenAI, Anthropic) or a JSON
+    schema (chat, Responses)."""
+    question = rng.choice(["Weather in Paris?", "Describe a person.", "Plan a trip."])
+    stream, max_tokens = body["stream"], body["max_tokens"]
+    if kind == "tool":
+        choice = rng.choice(["required", {"type": "function", "function": {"name": "get_weather"}}])
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": question}],
+                                         "tools": [WEATHER], "tool_choice": choice}
+    if kind == "schema":
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": question}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    if kind == "anthropic":
+        tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+        extra = rng.choice([{}, {"tools": [tool], "tool_choice": {"type": "any"}},
+                            {"tools": [tool], "tool_choice": {"type": "tool", "name": "get_weather"}}])
+        return "/v1/messages", {"model": "smollm2", "max_tokens": max_tokens, "stream": stream,
+                                "messages": [{"role": "user", "content": question}], **extra}
+    extra = rng.choice([{}, {"text": {"format": {"type": "json_schema", "name": "p", "schema": PERSON}}},
+                        {"tools": [{"type": "function", **WEATHER["function"]}], "tool_choice": "required"}])
+    return "/v1/responses", {"model": "smollm2", "input": question, "max_output_tokens": max_tokens,
+                             "stream": stream, **extra}
+
+
 async def one(client: httpx.AsyncClient, url: str, rng: random.Random, stats: collections.Counter,
               latencies: list[float]) -> None:
-    kind = rng.choices(["chat", "completion", "bad", "disconnect", "timeout"], [40, 25, 10, 15, 10])[0]
+    kind = rng.choices(["chat", "completion", "bad", "disconnect", "timeout", "tool", "schema", "anthropic",
+                        "responses"], [25, 15, 8, 10, 7, 10, 10, 8, 7])[0]
     start = time.perf_counter()
     if kind == "bad":
         path = rng.choice(["/v1/completions", "/v1/chat/completions"])
@@ -52,7 +85,11 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, stats: co
         body["seed"] = rng.randint(0, 2**31)
     if rng.random() < 0.2:
         body["stop"] = ["."]
-    if kind == "completion":
+    if kind in ("tool", "schema", "anthropic", "responses"):
+        body.pop("n")
+        body.pop("stop", None)
+        path, body = _constrained(kind, rng, body)
+    elif kind == "completion":
         path, body["prompt"] = "/v1/completions", SYSTEM + rng.choice(QUESTIONS)
     else:
         path = "/v1/chat/completions"
@@ -65,16 +102,17 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, stats: co
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
                         chunks += 1
-                        if '"error"' in line:
+                        if '"error": {' in line or '"error":{' in line:  # an error event (Responses' "error": null is not)
                             stats["stream_error_event"] += 1
+                            print("error event:", kind, line[:200], flush=True)
                         if kind == "disconnect" and chunks >= rng.randint(1, 6):
                             stats["disconnected"] += 1
                             return
-                stats[f"stream:{r.status_code}"] += 1
+                stats[f"{kind}:stream:{r.status_code}"] += 1
         else:
             timeout = httpx.Timeout(60, read=0.3) if kind == "timeout" else httpx.Timeout(120)
             r = await client.post(url + path, json=body, timeout=timeout)
-            stats[f"plain:{r.status_code}"] += 1
+            stats[f"{kind}:plain:{r.status_code}"] += 1
             if r.status_code >= 500:
                 print("5xx:", r.text[:200], flush=True)
     except httpx.ReadTimeout:
@@ -139,7 +177,7 @@ def main() -> None:
         server.stop()
     print(json.dumps(result, indent=2))
     save_json(result, args.out)
-    ok = result["server_errors_5xx"] == 0 and not result["running_after"] and not result["kv_blocks_used_after"] \
+    ok = result["server_errors_5xx"] == 0 and not stats["stream_error_event"] and not result["running_after"] and not result["kv_blocks_used_after"] \
         and result["health_after"] == 200
     sys.exit(0 if ok else 1)
 

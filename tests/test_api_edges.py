@@ -139,6 +139,8 @@ MALFORMED = [
     ("/v1/responses", {"input": [5]}, "input"),
     ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": 5}]}, "name"),
     ("/v1/responses", {"input": "hi", "max_output_tokens": "2"}, "max_output_tokens"),
+    # checked only once translated into a chat request: still said in the client's terms
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "name"),
     ("/v1/embeddings", {"input": [[1, "a"]]}, "input"),
 ]
 

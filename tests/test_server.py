@@ -155,7 +155,7 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
 @pytest.mark.parametrize("body,status,param", [
     ('{"messages": [', 400, None),
     ('{"model": "smollm2"}', 400, "messages"),
-    ('{"messages": [{"role": "user", "content": 5}]}', 400, "messages.0.content.str"),
+    ('{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
     ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, "temperature"),
     ('{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}', 400, "top_p"),
     ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400, "max_tokens"),

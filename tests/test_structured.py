@@ -81,3 +81,29 @@ def test_bad_grammar_is_refused_before_admission(smollm2_engine, prompts):
         smollm2_engine.validate_request(prompts[0], SamplingParams(grammar=json_schema_grammar(
             {"type": "object", "properties": {"a": {"$ref": "#/missing"}}})))
     assert not smollm2_engine.has_unfinished_requests()
+
+
+def test_unbounded_integers_end_within_the_safe_range():
+    """A schema integer without bounds is held to +-(2^53 - 1): llguidance refuses a
+    seventeenth digit instead of following a model that writes digits forever."""
+    import llguidance
+
+    from macinfer.engine.structured import SAFE_INTEGER, _bounded_integers
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "m": {"type": ["integer", "null"],
+              "maximum": 5}, "k": {"enum": [{"type": "integer"}]}}, "required": ["n"]}
+    bounded = _bounded_integers(schema)
+    assert bounded["properties"]["n"] == {"type": "integer", "minimum": -SAFE_INTEGER, "maximum": SAFE_INTEGER}
+    assert bounded["properties"]["m"]["maximum"] == 5 and bounded["properties"]["k"] == schema["properties"]["k"]
+    from tests.helpers import byte_tokenizer
+
+    tok = byte_tokenizer()
+    ll = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=2)
+    grammar = json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+
+    def accepted(text: str) -> int:
+        ids = tok.encode(text).ids
+        return llguidance.LLMatcher(ll, grammar).try_consume_tokens(ids) == len(ids)
+
+    assert accepted('{"n": 9007199254740991}') and accepted('{"n": -42}')
+    assert not accepted('{"n": 90071992547409910')

@@ -30,13 +30,36 @@ def json_schema_grammar(schema: dict[str, Any] | None) -> str:
     """An llguidance grammar for JSON matching `schema` (None: any JSON object)."""
     import llguidance
 
-    schema = {"type": "object"} if schema is None else schema
+    schema = {"type": "object"} if schema is None else _bounded_integers(schema)
     try:
         # Compact JSON: no free whitespace, which a small model can loop on.
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
     except ValueError as e:
         raise GrammarError(f"invalid JSON schema: {e}") from None
+
+
+SAFE_INTEGER = 2**53 - 1  # JSON parsers (JavaScript's among them) read integers exactly up to here
+
+
+def _bounded_integers(schema: Any) -> Any:
+    """The schema with every unbounded `integer` held to +-(2^53 - 1): a small model
+    can otherwise write digits until llguidance's parser gives up (a ~600-digit
+    number), and no client reads such a number exactly anyway. Bounds the schema
+    gives are kept."""
+    if isinstance(schema, list):
+        return [_bounded_integers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_integers(v) if k not in ("const", "enum", "default", "examples") else v
+           for k, v in schema.items()}
+    kinds = schema.get("type")
+    if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["maximum"] = SAFE_INTEGER
+    return out
 
 
 class StructuredOutputs:
