@@ -186,7 +186,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             msg, _ = describe_validation_error(e.errors())
             raise APIError(400, msg, param=param) from None
         except (ValueError, TypeError, AttributeError, KeyError) as e:  # a shape the checks above missed
-            raise APIError(400, str(e) if isinstance(e, ValueError) else f"malformed `{param}`", param=param) from None
+            msg = str(e) if isinstance(e, ValueError) else f"malformed `{param}`"
+            # Messages start with the field they are about ("text.format ...", "tools[0]: ...").
+            named = re.match(r"(system|tools|tool_choice|text|thinking)\b", msg)
+            raise APIError(400, msg, param=named.group(1) if named else param) from None
         turn, stream, final = await _chat_translated(chat, request)
         if final is None:
             return _sse(events(turn, stream), stream)
