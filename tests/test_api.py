@@ -123,20 +123,23 @@ def test_a_stream_collected_on_the_worker_thread_does_not_deadlock(llm):
     assert llm._call(lambda: llm.engine.num_running + llm.engine.num_waiting) == 0
 
 
-def test_ctrl_c_in_generate_aborts_its_requests(llm):
-    pump = llm._pump
+@pytest.mark.parametrize("during", ["_add", "_pump"])
+def test_ctrl_c_in_generate_aborts_its_requests(llm, during):
+    """Ctrl-C while the requests are being added (the worker still adds them after the
+    caller has gone) or while a step runs: nothing keeps decoding afterwards."""
+    real = getattr(llm, during)
 
-    def interrupted_pump(rids):  # Ctrl-C arrives while the caller waits on the first step
-        out = pump(rids)
+    def interrupted(*args):  # Ctrl-C arrives while the caller waits on this call
+        out = real(*args)
         _thread.interrupt_main()
         return out
 
-    llm._pump = interrupted_pump
+    setattr(llm, during, interrupted)
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(["a long one"] * 4, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     finally:
-        del llm._pump
+        delattr(llm, during)
     start = time.time()
     assert llm._call(lambda: llm.engine.num_running + llm.engine.num_waiting) == 0
     assert time.time() - start < 1.0
