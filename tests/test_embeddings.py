@@ -4,6 +4,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 
 import httpx
 import mlx.core as mx
@@ -106,7 +107,7 @@ def test_embeddings_do_not_stall_streams(tmp_path):
 
     path, _ = tiny_model_dir(tmp_path, "llama", num_hidden_layers=4)
     _with_pooling(path, "pooling_mode_lasttoken", True)
-    s = ServerProcess(path, "--kv-cache-gb", "0.05", "--max-model-len", "1024")
+    s = ServerProcess(path, "--kv-cache-gb", "0.05", "--max-model-len", "1024", "-v")
     try:
         arrivals: list[float] = []
         warm = threading.Event()
@@ -137,6 +138,15 @@ def test_embeddings_do_not_stall_streams(tmp_path):
         assert len(during) > 3 and max(during) < 0.3, (max(during), len(during))
         too_many = httpx.post(f"{s.url}/v1/embeddings", json={"input": [[5]] * 2049}, timeout=30)
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "input"
+        # A client that leaves stops the work at the next pass (~128k tokens: seconds of passes).
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{s.url}/v1/embeddings", json={"input": [list(range(3, 67))] * 2000},
+                       timeout=httpx.Timeout(30, read=0.5))
+        time.sleep(1.0)  # the next pass sees the disconnect
+        after = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert after.status_code == 200
     finally:
         out = s.stop()
     assert "Traceback" not in out
+    left = re.search(r"embeddings: client left after (\d+) of 2000 inputs", out)
+    assert left and int(left.group(1)) < 2000, out[-2000:]

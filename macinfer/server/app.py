@@ -233,6 +233,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             # client that leaves stops the work at the next pass.
             while not await async_engine.call(job.step):
                 if await request.is_disconnected():
+                    log.info("embeddings: client left after %d of %d inputs; stopped", job.next, len(ids))
                     raise APIError(499, "client disconnected")
         except EngineDeadError as e:
             raise APIError(503, str(e), type="server_error") from None
