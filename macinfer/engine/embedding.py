@@ -4,11 +4,16 @@ them with generation steps (and stop between two when its client leaves)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 import numpy as np
 
 from macinfer.engine.sequence import Sequence
 from macinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from macinfer.engine.llm_engine import LLMEngine
 
 
 class EmbeddingBusyError(RuntimeError):
@@ -20,7 +25,7 @@ class EmbeddingJob:
     pass over as many input chunks as the token budget holds (decode-sized inputs
     and prompt chunks together); `close()` gives back every KV block it holds."""
 
-    def __init__(self, engine, token_lists: list[list[int]]):
+    def __init__(self, engine: LLMEngine, token_lists: list[list[int]]):
         self.engine = engine
         self.pooling = engine.loaded.pooling
         self.seqs = [Sequence(f"embed-{i}", list(t), SamplingParams(temperature=0), 0)

@@ -115,7 +115,8 @@ class _RequestState:
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             logprobs=list(seq.logprobs),
-            prompt_logprobs=list(seq.prompt_logprobs or [None] * seq.num_prompt_tokens) if seq.params.prompt_logprobs is not None else None,
+            prompt_logprobs=(list(seq.prompt_logprobs or [None] * seq.num_prompt_tokens)
+                             if seq.params.prompt_logprobs is not None else None),
             num_cached_tokens=seq.num_cached_tokens,
             metrics=metrics,
             prompt=self.prompt,
