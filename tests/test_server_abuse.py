@@ -354,3 +354,16 @@ def test_image_parts_get_a_clear_400(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [msg]})
     assert r.status_code == 400 and "no vision input" in r.json()["error"]["message"]
     assert "pydantic" not in r.text and "literal_error" not in r.text
+
+
+def test_head_probes_and_model_lookup(server):
+    """`HEAD /` and `HEAD /health` (agents probe them), and `GET /v1/models/{id}` (what
+    `client.models.retrieve` calls) with a `created` that does not change."""
+    assert httpx.head(f"{server.url}/").status_code == 200
+    assert httpx.head(f"{server.url}/health").status_code == 200
+    listed = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    one = httpx.get(f"{server.url}/v1/models/tiny")
+    assert one.status_code == 200 and one.json() == listed
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["created"] == listed["created"]
+    missing = httpx.get(f"{server.url}/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

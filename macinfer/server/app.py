@@ -79,6 +79,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                        open_paths=open_paths, body_timeout=body_timeout)
     if webui:
         chat_page.add_routes(app)
+    else:
+        @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+        async def root():  # clients probe `HEAD /` before their first request (Claude Code does)
+            return {"status": "ok", "model": model_name}
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -97,17 +101,27 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def _http_error(request: Request, e: StarletteHTTPException):
         return _error(e.status_code, str(e.detail), path=request.url.path)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         problem = async_engine.dead or async_engine.draining
         if problem:
             return JSONResponse({"status": "error", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
+    created = int(time.time())  # one value for the server's life, as clients cache model lists
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "macinfer",
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                             "owned_by": "macinfer", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)  # 404 model_not_found for another id
+        return model_card()
 
     @app.get("/status")
     async def status():

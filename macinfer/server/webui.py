@@ -23,7 +23,7 @@ HEADERS = {
 
 
 def add_routes(app: FastAPI) -> None:
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # clients probe `HEAD /`
     async def index() -> FileResponse:
         return FileResponse(WEBUI_DIR / "index.html", media_type="text/html", headers=HEADERS)
 
