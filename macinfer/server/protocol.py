@@ -259,8 +259,6 @@ def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | 
     field = path or None
     if field is None and (named := re.match(r"`(\w+)`", msg)):  # a whole-request check naming its field
         return msg, named.group(1)
-    if len(errors) > 1 and all(e.get("loc", [])[:len(loc) - 1] == loc[:-1] for e in errors[1:]):
-        msg = "; ".join(dict.fromkeys(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors))
     return (f"{field}: {msg}" if field else msg), field
 
 

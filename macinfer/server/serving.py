@@ -184,6 +184,8 @@ class OpenAIServing:
                 plan: ChatPlan | None = None) -> tuple[list[int], list[SamplingParams]]:
         """Sampling params and validated prompt ids. Tokenizes: call it off the event loop."""
         params = sampling_params(req, max_tokens, logprobs, plan)
+        if logprobs is not None:
+            self.tokenizer.token_byte_table()  # built here, off the event loop, before responses need it
         if isinstance(prompt, str) and len(prompt) > _MAX_CHARS_PER_TOKEN * self.engine.engine.max_model_len:
             # Refuse before tokenizing: no tokenizer packs this many characters into a token.
             raise APIError(400, f"prompt is {len(prompt):,} characters, far beyond this model's context of "
