@@ -228,7 +228,7 @@ def should_dequantize(model: nn.Module) -> bool:
         return False
     if choice == "float32":
         return True
-    from macinfer.kv_cache import available_memory_bytes
+    from macinfer.kv.cache import available_memory_bytes
 
     f32_bytes = sum(m.scales.shape[0] * m.scales.shape[1] * m.group_size * 4 for m in quantized)
     return f32_bytes < available_memory_bytes() // 4

@@ -14,7 +14,7 @@ import json
 
 import mlx.core as mx
 
-from macinfer.kv_cache import bytes_per_block, plan_blocks
+from macinfer.kv.cache import bytes_per_block, plan_blocks
 
 PRESETS = {  # from the published config.json files
     "gemma-3-27b": dict(num_hidden_layers=62, num_key_value_heads=16, head_dim=128, sliding_window=1024,

@@ -7,8 +7,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from macinfer import attention, prefill_plan
-from macinfer.attention import _sdpa, block_heads, decode_mask, reference_decode_attention
+from macinfer.kv import attention, prefill_plan
+from macinfer.kv.attention import _sdpa, block_heads, decode_mask, reference_decode_attention
 from macinfer.models.llama import swiglu
 from macinfer.models.rope import FreqFactorRoPE, apply_rope_tables, make_rope, rope_tables
 from tests.helpers import PAGED_BS, float64_decode_attention, paged_case

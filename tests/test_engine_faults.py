@@ -16,7 +16,7 @@ import pytest
 import macinfer.engine.model_runner as model_runner
 from macinfer import LLM
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-from macinfer.kv_cache import KVCache
+from macinfer.kv.cache import KVCache
 from macinfer.sampling_params import SamplingParams
 from tests.helpers import generate
 

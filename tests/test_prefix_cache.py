@@ -21,7 +21,7 @@ def _engine(loaded, **kw):
 
 
 def _engine_with_blocks(loaded, num_blocks, **kw):
-    from macinfer.kv_cache import bytes_per_block
+    from macinfer.kv.cache import bytes_per_block
 
     per_block = bytes_per_block(2, 2, 16, 16, _engine(loaded, kv_cache_gb=0.001).kv_cache.dtype)
     engine = LLMEngine(loaded, EngineConfig(kv_cache_gb=num_blocks * per_block / 2**30, **kw))

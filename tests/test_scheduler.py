@@ -84,7 +84,7 @@ def test_preemption_and_resume_give_the_same_tokens(tiny_llama, sampled):
 
 
 def _tight_engine(path, num_blocks):
-    from macinfer.kv_cache import bytes_per_block
+    from macinfer.kv.cache import bytes_per_block
 
     probe = LLMEngine(path, EngineConfig(kv_cache_gb=0.001, block_size=4))
     per_block = bytes_per_block(2, 2, 16, 4, probe.kv_cache.dtype)

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from macinfer.engine.block_manager import NULL_BLOCK, BlockManager, cdiv
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.engine.sequence import Sequence
-from macinfer.kv_cache import bytes_per_block, plan_blocks
+from macinfer.kv.cache import bytes_per_block, plan_blocks
 from macinfer.sampling_params import SamplingParams
 from tests.helpers import generate, make_mlx_lm_model, save_model_dir
 

@@ -21,7 +21,7 @@ from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import SpeculativeConfig, record_verdict
 from macinfer.engine.structured import StructuredOutputs
-from macinfer.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block, plan_blocks
+from macinfer.kv.cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block, plan_blocks
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer

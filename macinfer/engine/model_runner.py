@@ -8,14 +8,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from macinfer.attention import AttentionMetadata
-from macinfer.prefill_plan import PrefillSpan
+from macinfer.kv.attention import AttentionMetadata
+from macinfer.kv.prefill_plan import PrefillSpan
 from macinfer.engine.block_manager import BlockManager, cdiv
 from macinfer.engine.sampler import SamplerOutput, sample
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import DraftRow, accepted_tokens, verify_rows
 from macinfer.engine.structured import StructuredOutputs, allowed_tokens
-from macinfer.kv_cache import KVCache, kv_rows
+from macinfer.kv.cache import KVCache, kv_rows
 
 
 class _GroupTables:

@@ -22,7 +22,7 @@ TOLERANCE = 2e-3  # float32 inputs; a wrong kernel is off by O(1)
 
 
 def _check_decode_attention(emulate: bool) -> float:
-    from macinfer.attention import block_heads, decode_mask, reference_decode_attention
+    from macinfer.kv.attention import block_heads, decode_mask, reference_decode_attention
 
     rng = np.random.default_rng(0)
     kvh, gqa, d, lens = 2, 2, 64, [5, 37]

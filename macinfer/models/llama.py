@@ -3,7 +3,7 @@
 One ragged batch per forward: `input_ids` is a flat [T] vector holding the
 decode tokens and prefill chunks of every scheduled sequence back to back,
 with no padding. Per-token positions drive RoPE; attention reads and writes
-the paged KV cache through `macinfer.attention.paged_attention`.
+the paged KV cache through `macinfer.kv.attention.paged_attention`.
 Parameter names match Hugging Face / mlx-lm so the same weights load in both.
 """
 
@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer import kernels
-from macinfer.attention import LOG2E, AttentionMetadata, paged_attention
+from macinfer.kv.attention import LOG2E, AttentionMetadata, paged_attention
 from macinfer.kernels import quantized as quantized_kernels
 from macinfer.kernels.call import launch
 from macinfer.models.base import ModelArgs

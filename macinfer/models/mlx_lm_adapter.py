@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from macinfer.attention import AttentionMetadata, attend
+from macinfer.kv.attention import AttentionMetadata, attend
 
 # mlx-lm families whose cache is not per-layer K/V rows the paged pool can hold.
 REFUSED = {

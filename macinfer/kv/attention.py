@@ -30,8 +30,8 @@ import mlx.core as mx
 from macinfer import kernels
 from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kernels.call import launch
-from macinfer.kv_cache import KVCache
-from macinfer.prefill_plan import PrefillSpan, SpanBatch, batch_mask, plan_prefills
+from macinfer.kv.cache import KVCache
+from macinfer.kv.prefill_plan import PrefillSpan, SpanBatch, batch_mask, plan_prefills
 
 
 @dataclass
