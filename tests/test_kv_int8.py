@@ -31,5 +31,5 @@ def test_int8_needs_a_head_size_it_can_group(tiny_llama):
     """head_dim 16 has no 32-value quantization group: refused at load, not at the first step."""
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
-    with pytest.raises(ValueError, match="divisible by 32; this model's is 16"):
+    with pytest.raises(ValueError, match="divisible by 32; layer 0 has 16"):
         LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int8"))

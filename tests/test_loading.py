@@ -82,11 +82,13 @@ def test_unsupported_architecture_dir(tmp_path):
     path, _ = tiny_model_dir(tmp_path, "llama")
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    cfg["model_type"] = "gpt2"
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    with pytest.raises(UnsupportedArchitectureError, match="unsupported architecture 'gpt2'; supported: .*llama.*qwen3"):
-        load(path)
+    for model_type, why in (("gpt2", r"mlx-lm's mlx_lm.models.gpt2 cannot build this config \(.*'n_embd'"),
+                            ("not_a_model", "Model type not_a_model not supported")):
+        cfg["model_type"] = model_type
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        with pytest.raises(UnsupportedArchitectureError, match=f"unsupported architecture '{model_type}': {why}"):
+            load(path)
 
 
 def test_unsupported_architecture_gguf(tmp_path):

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from macinfer.engine.block_manager import NULL_BLOCK, BlockManager, cdiv
+from macinfer.engine.block_manager import NULL_BLOCK, BlockManager
+from macinfer.kv.spec import CacheGroup, ChunkedLocal, FullAttention, SlidingWindow, cdiv
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.engine.sequence import Sequence
-from macinfer.kv.cache import bytes_per_block, plan_blocks
 from macinfer.sampling_params import SamplingParams
 from tests.helpers import generate, make_mlx_lm_model, save_model_dir
 
@@ -24,35 +24,42 @@ def _seq(tokens, name="s") -> Sequence:
     return Sequence(name, list(tokens), SamplingParams(), 0)
 
 
+def _manager(kind, full_blocks=64, bounded_blocks=40) -> BlockManager:
+    return BlockManager([CacheGroup(0, FullAttention(), (0,), (0,), num_blocks=full_blocks),
+                         CacheGroup(1, kind, (1,), (1,), num_blocks=bounded_blocks)], BS)
+
+
 def _check(bm: BlockManager, live: list[Sequence], step_tokens: dict) -> None:
-    """Reference counts equal owners in both pools; the null block is never owned or free;
+    """Reference counts equal owners in both groups; the null block is never owned or free;
     nothing a query can still read was released."""
-    for pool, tables in ((bm.pool, [s.block_table for s in live]),
-                         (bm.window_pool, [s.window_block_table for s in live])):
+    full, bounded = bm.groups
+    for g in bm.groups:
         owners: dict[int, int] = {}
-        for t in tables:
-            for b in t:
-                if pool is bm.window_pool and b == NULL_BLOCK:
+        for s in live:
+            for b in s.block_tables[g.group.index]:
+                if g.kind.bounded and b == NULL_BLOCK:
                     continue
                 owners[b] = owners.get(b, 0) + 1
-        for block in pool.blocks:
+        for block in g.pool.blocks:
             assert block.ref_count == owners.get(block.block_id, 0)
-        assert set(pool.free_blocks).isdisjoint(owners)
-        assert len(pool.free_blocks) + len(owners) == pool.num_usable
-    assert NULL_BLOCK not in bm.window_pool.free_blocks
+        assert set(g.pool.free_blocks).isdisjoint(owners)
+        assert len(g.pool.free_blocks) + len(owners) == g.pool.num_usable
+    assert NULL_BLOCK not in bounded.pool.free_blocks
     for s in live:
-        first = bm.first_window_block(s.num_computed_tokens)
-        live_entries = s.window_block_table[first:]
-        assert NULL_BLOCK not in live_entries, "a block the window still reads was released"
-        held = sum(b != NULL_BLOCK for b in s.window_block_table)
-        # Released at schedule time: a window plus the last step's tokens stay.
-        assert held <= cdiv(W - 1 + step_tokens[s.request_id], BS) + 1
+        first = bounded.first_block(s.num_computed_tokens)
+        table = s.block_tables[1]
+        assert NULL_BLOCK not in table[first:], "a block a query still reads was released"
+        held = sum(b != NULL_BLOCK for b in table)
+        # Released at schedule time: the live span plus the last step's tokens stay.
+        span = W - 1 if isinstance(bounded.kind, SlidingWindow) else W
+        assert held <= cdiv(span + step_tokens[s.request_id], BS) + 1
 
 
+@pytest.mark.parametrize("kind", [SlidingWindow(W), ChunkedLocal(W)], ids=["window", "chunked"])
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(0, 2)), min_size=1, max_size=40))
-def test_window_pool_invariants_under_random_schedules(ops):
-    bm = BlockManager(64, BS, window=W, num_window_blocks=40)
+def test_bounded_pool_invariants_under_random_schedules(kind, ops):
+    bm = _manager(kind)
     live: list[Sequence] = []
     step_tokens: dict[str, int] = {}
     for n, (op, length, prefix) in enumerate(ops):
@@ -82,11 +89,12 @@ def test_window_pool_invariants_under_random_schedules(ops):
         _check(bm, live, step_tokens)
     for s in live:
         bm.free(s)
-    assert bm.num_used_blocks == 0 and bm.num_used_window_blocks == 0
+    assert all(g.pool.num_used == 0 for g in bm.groups)
 
 
 def test_prefix_hit_needs_the_window_tail():
-    bm = BlockManager(32, BS, window=W, num_window_blocks=32)
+    bm = _manager(SlidingWindow(W), 32, 32)
+    window = bm.groups[1]
     a = _seq(range(30), "a")
     bm.allocate(a, 30)
     bm.commit(a, 30)
@@ -94,14 +102,29 @@ def test_prefix_hit_needs_the_window_tail():
     bm.free(a)
     b = _seq(range(30), "b")
     assert bm.match_prefix(b) == 28  # 7 full blocks; the last W tokens' blocks are cached
-    assert b.window_block_table[:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in b.window_block_table[5:]
+    assert b.block_tables[1][:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in b.block_tables[1][5:]
     bm.free(b)
     # Evict the window block holding tokens 24..27: the hit falls back to where a tail is cached.
-    victim = bm.window_pool.cached[b.block_hashes[6]]
-    bm.window_pool.free_blocks.move_to_end(victim, last=False)  # next in LRU order
-    assert bm.window_pool.take() == victim
+    victim = window.pool.cached[b.block_hashes[6]]
+    window.pool.free_blocks.move_to_end(victim, last=False)  # next in LRU order
+    assert window.pool.take() == victim
     c = _seq(range(30), "c")
     assert bm.match_prefix(c) == 24
+
+
+def test_prefix_hit_needs_the_current_chunk():
+    """Chunked local attention: a hit at position p needs the blocks of p's chunk only."""
+    bm = _manager(ChunkedLocal(W), 32, 32)
+    a = _seq(range(30), "a")
+    bm.allocate(a, 30)
+    bm.commit(a, 30)
+    a.num_computed_tokens = 30
+    bm.free(a)
+    b = _seq(range(30), "b")
+    assert bm.match_prefix(b) == 28
+    # position 28's chunk starts at 24: blocks 0..5 are not needed
+    assert b.block_tables[1][:6] == [NULL_BLOCK] * 6 and NULL_BLOCK not in b.block_tables[1][6:]
+    bm.free(b)
 
 
 @pytest.fixture(scope="module")
@@ -133,20 +156,22 @@ def test_window_blocks_are_released_and_tokens_match_mlx_lm(gemma3, kernels, mon
     want = [_reference_greedy(ref, p, 30) for p in prompts]
     engine = LLMEngine(path, EngineConfig(block_size=BS, kv_cache_gb=0.01, max_num_batched_tokens=16))
     bm = engine.block_manager
-    assert engine.kv_cache.window_layers == {0, 1, 2} and bm.window == W
+    assert [(g["kind"], g["layers"]) for g in engine.cache_groups()] == \
+        [("full attention", [3]), (f"sliding window {W}", [0, 1, 2])]
+    window = bm.groups[1].pool
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     done, peak_window = {}, 0
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-        peak_window = max(peak_window, bm.num_used_window_blocks)
+        peak_window = max(peak_window, window.num_used)
         if engine.num_running == 2 and not engine.num_waiting:
             # Two sequences of up to 80 tokens hold ~40 full-attention blocks but
             # only their windows (plus a step's tokens) in the window pool.
-            assert bm.num_used_window_blocks <= 2 * (cdiv(W - 1, BS) + 2) + cdiv(16, BS)
+            assert window.num_used <= 2 * (cdiv(W - 1, BS) + 2) + cdiv(16, BS)
     assert [done[i].token_ids for i in ids] == want
     assert peak_window < cdiv(80 + 60, BS) / 2
-    assert bm.num_used_blocks == 0 and bm.num_used_window_blocks == 0
+    assert all(g.pool.num_used == 0 for g in bm.groups)
     again = generate(engine, [prompts[0]], params)[0]
     assert again.token_ids == want[0] and again.num_cached_tokens == 48
 
@@ -156,13 +181,15 @@ def test_budget_buys_full_attention_blocks(gemma3):
     budget = 0.004
     engine = LLMEngine(path, EngineConfig(block_size=BS, kv_cache_gb=budget, max_num_seqs=4))
     kv = engine.kv_cache
-    per_layer_block = bytes_per_block(1, 2, 32, BS, kv.dtype)
-    without_windows, _ = plan_blocks(int(budget * 2**30), per_layer_block, 4, 0, 0)
+    full, window = kv.groups
     assert kv.nbytes <= budget * 2**30
-    assert kv.num_window_blocks == 4 * (cdiv(W - 1, BS) + 2) + cdiv(512, BS) + 1
+    assert window.num_blocks == 4 * (cdiv(W - 1, BS) + 2) + cdiv(512, BS) + 1
     # One full-attention layer of four: once the window pool is paid for, the
-    # same bytes hold about 4x the tokens.
-    assert engine.block_manager.num_blocks > 3 * without_windows
+    # same bytes hold about 4x the tokens of four full-attention layers.
+    per_layer_block = 2 * BS * 2 * 32 * kv.dtype.size
+    assert full.num_blocks > 3 * (budget * 2**30 // (4 * per_layer_block))
+    groups = engine.cache_groups()
+    assert [g["bytes_per_token"] for g in groups] == [per_layer_block // BS, 3 * per_layer_block // BS]
 
 
 def test_speculative_drafts_across_window_blocks_match_mlx_lm(gemma3):
@@ -177,4 +204,4 @@ def test_speculative_drafts_across_window_blocks_match_mlx_lm(gemma3):
     assert engine.stats["spec_draft_tokens"] > 0  # (this random model's drafts are all rejected)
     assert out.token_ids == want
     bm = engine.block_manager
-    assert bm.num_used_blocks == 0 and bm.num_used_window_blocks == 0
+    assert all(g.pool.num_used == 0 for g in bm.groups)

@@ -20,10 +20,7 @@ from array import array
 from collections import OrderedDict
 
 from macinfer.engine.sequence import Sequence
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from macinfer.kv.spec import CacheGroup, FullAttention, cdiv
 
 
 def block_hash(parent: bytes, tokens: list[int], salt: str | None) -> bytes:
@@ -43,11 +40,11 @@ class Block:
         self.block_hash: bytes | None = None
 
 
-NULL_BLOCK = 0  # a window table's placeholder for a released block (never allocated)
+NULL_BLOCK = 0  # a bounded group's placeholder for a released block (never allocated)
 
 
 class BlockPool:
-    """The blocks of one KV pool: reference counts, the LRU free queue, the hash index."""
+    """The blocks of one group: reference counts, the LRU free queue, the hash index."""
 
     def __init__(self, num_blocks: int, reserve_null: bool = False):
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -56,6 +53,10 @@ class BlockPool:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(first, num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.num_usable = num_blocks - first
+
+    @property
+    def num_used(self) -> int:
+        return self.num_usable - len(self.free_blocks)
 
     def hit(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -96,34 +97,110 @@ class BlockPool:
         self.cached.clear()
 
 
+class GroupBlocks:
+    """One cache group's blocks and its rules (vLLM v1's single-type managers, in one class:
+    the kinds differ only in `key_floor`, the lowest key a query reads).
+
+    A bounded kind (sliding window, chunked local) never reads a key below the floor
+    of the step's first query, so its blocks that end before it are released while the
+    sequence runs (the table keeps `NULL_BLOCK` in their place, so a position's block
+    index is the same in every group). Released blocks keep their hash in the LRU
+    queue, as in vLLM: a later request with the same prefix can still hit them. A
+    prefix hit of m blocks needs, in this group, the blocks from the floor of the
+    position after the hit up to m (for full attention: all m)."""
+
+    def __init__(self, group: CacheGroup, block_size: int):
+        self.group, self.kind, self.block_size = group, group.kind, block_size
+        self.pool = BlockPool(group.num_blocks, reserve_null=group.kind.bounded)
+        if self.pool.num_usable < 1:
+            raise ValueError(f"the KV cache group of {group.kind.describe()} needs at least one block")
+
+    def first_block(self, position: int) -> int:
+        """Index of the first block a query at `position` (or later) reads."""
+        return int(self.kind.key_floor(position)) // self.block_size
+
+    def release_unreachable(self, seq: Sequence) -> None:
+        """Give back the blocks no query of `seq` will read again (bounded kinds)."""
+        if not self.kind.bounded:
+            return
+        g = self.group.index
+        table = seq.block_tables[g]
+        first = min(self.first_block(seq.num_computed_tokens), len(table))
+        for i in range(seq.num_released_blocks[g], first):
+            if table[i] != NULL_BLOCK:
+                self.pool.release(table[i])
+                table[i] = NULL_BLOCK
+        seq.num_released_blocks[g] = max(seq.num_released_blocks[g], first)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        table = seq.block_tables[self.group.index]
+        start = max(len(table), self.first_block(seq.num_computed_tokens)) if self.kind.bounded else len(table)
+        return max(0, cdiv(num_tokens, self.block_size) - start)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        table = seq.block_tables[self.group.index]
+        if self.kind.bounded:
+            first = self.first_block(seq.num_computed_tokens)
+            while len(table) < first:  # positions already behind the floor: never stored
+                table.append(NULL_BLOCK)
+        while len(table) < cdiv(num_tokens, self.block_size):
+            table.append(self.pool.take())
+
+    def longest_hit(self, hashes: list[bytes], limit: int) -> int:
+        """The most leading blocks (at most `limit`) this group can serve as a prefix hit."""
+        cached = self.pool.cached
+        run, n = [], 0  # run[i]: cached blocks ending at block i, consecutive
+        for h in hashes[:limit]:
+            n = n + 1 if h in cached else 0
+            run.append(n)
+        m = limit
+        while m and run[m - 1] < m - self.first_block(m * self.block_size):
+            m -= 1
+        return m
+
+    def attach(self, seq: Sequence, hashes: list[bytes], hits: int) -> None:
+        """Take the hit blocks by reference."""
+        table = seq.block_tables[self.group.index]
+        first = self.first_block(hits * self.block_size) if hits else 0
+        table.extend([NULL_BLOCK] * first)
+        seq.num_released_blocks[self.group.index] = first
+        for h in hashes[first:hits]:
+            block_id = self.pool.cached[h]
+            self.pool.hit(block_id)
+            table.append(block_id)
+
+    def publish(self, seq: Sequence, start: int, end: int) -> None:
+        table = seq.block_tables[self.group.index]
+        for i in range(start, end):
+            if table[i] != NULL_BLOCK or not self.kind.bounded:
+                self.pool.publish(table[i], seq.block_hashes[i])
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so they are evicted before the shared-prefix heads.
+        for bid in reversed(seq.block_tables[self.group.index]):
+            if bid != NULL_BLOCK or not self.kind.bounded:
+                self.pool.release(bid)
+
+
 class BlockManager:
-    """Block tables of every sequence over the full-attention pool and, for a model
-    with sliding-window layers, a second, smaller pool for those layers.
+    """Block tables of every sequence, one per cache group (`macinfer.kv.spec`), and the
+    prefix cache. The groups share one hash chain: a block index names the same tokens
+    in every group. A prefix hit is the longest that every group can serve."""
 
-    A window layer never reads a key older than W tokens before the step's first
-    query, so its blocks that end before that point are released while the
-    sequence runs (the table keeps `NULL_BLOCK` in their place, so a position's
-    block index is the same in both tables). Released blocks keep their hash in
-    the LRU queue, as in vLLM: a later request with the same prefix can still hit
-    them. A prefix hit needs its full-attention blocks and, in the window pool,
-    the blocks covering the last W tokens before the hit's end.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_key: str = "", window: int | None = None, num_window_blocks: int = 0):
-        if num_blocks < 1:
+    def __init__(self, groups: list[CacheGroup] | int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_key: str = ""):
+        if isinstance(groups, int):  # one full-attention group of this many blocks
+            groups = [CacheGroup(0, FullAttention(), (), (), num_blocks=groups)]
+        if groups[0].num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # Root of every hash chain: the model (and adapter, when there are any), so
         # a cache can never be matched across weights.
         self.root_hash = hashlib.blake2b(b"macinfer:" + cache_key.encode(), digest_size=16).digest()
-        self.pool = BlockPool(num_blocks)
-        self.window = window
-        self.window_pool = BlockPool(num_window_blocks, reserve_null=True) if window else None
-        if self.window_pool is not None and self.window_pool.num_usable < 1:
-            raise ValueError("the sliding-window KV pool needs at least one block")
+        self.groups = [GroupBlocks(g, block_size) for g in groups]
+        self.pool = self.groups[0].pool
+        self.num_blocks = groups[0].num_blocks
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found in the cache
 
@@ -145,16 +222,16 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.pool.free_blocks)
-
-    @property
-    def num_used_window_blocks(self) -> int:
-        wp = self.window_pool
-        return 0 if wp is None else wp.num_usable - len(wp.free_blocks)
+        return self.pool.num_used
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self.pool.cached)
+
+    def _tables(self, seq: Sequence) -> None:
+        if len(seq.block_tables) != len(self.groups):
+            seq.block_tables = [[] for _ in self.groups]
+            seq.num_released_blocks = [0] * len(self.groups)
 
     # -- hashing --------------------------------------------------------------
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
@@ -169,10 +246,6 @@ class BlockManager:
             hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt))
         return hashes[:num_full_blocks]
 
-    def first_window_block(self, position: int) -> int:
-        """Index of the first block a query at `position` (or later) can read in a window layer."""
-        return max(0, position - self.window + 1) // self.block_size if self.window else 0
-
     # -- allocation -------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the longest cached prefix to a sequence with no blocks yet.
@@ -180,77 +253,44 @@ class BlockManager:
         Returns the number of tokens now cached (a multiple of block_size). At
         least one token is always left to compute, so the step yields logits.
         """
-        assert not seq.block_table and not seq.window_block_table
+        self._tables(seq)
+        assert not any(seq.block_tables)
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need every prompt position's logits
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.prefix_queries += seq.num_tokens
         hashes = self._hashes(seq, max_blocks)
-        hits = 0
-        while hits < max_blocks and hashes[hits] in self.pool.cached:
-            hits += 1
-        if self.window_pool is not None:
-            # run[i]: cached window blocks ending at block i (consecutive)
-            wcached = self.window_pool.cached
-            run, n = [], 0
-            for h in hashes[:hits]:
-                n = n + 1 if h in wcached else 0
-                run.append(n)
-            while hits and run[hits - 1] < hits - self.first_window_block(hits * self.block_size):
-                hits -= 1
-        for h in hashes[:hits]:
-            block_id = self.pool.cached[h]
-            self.pool.hit(block_id)
-            seq.block_table.append(block_id)
-        if self.window_pool is not None and hits:
-            first = self.first_window_block(hits * self.block_size)
-            seq.window_block_table.extend([NULL_BLOCK] * first)
-            for h in hashes[first:hits]:
-                block_id = self.window_pool.cached[h]
-                self.window_pool.hit(block_id)
-                seq.window_block_table.append(block_id)
+        hits, prev = max_blocks, -1
+        while hits != prev:  # each group may shorten the hit; stop when all agree
+            prev = hits
+            for g in self.groups:
+                hits = g.longest_hit(hashes, hits)
+        for g in self.groups:
+            g.attach(seq, hashes, hits)
         self.prefix_hits += hits * self.block_size
         return hits * self.block_size
 
-    def release_out_of_window(self, seq: Sequence) -> None:
-        """Give back the window-pool blocks no query of `seq` will read again."""
-        if self.window_pool is None:
-            return
-        table = seq.window_block_table
-        for i in range(seq.num_released_window_blocks, self.first_window_block(seq.num_computed_tokens)):
-            if table[i] != NULL_BLOCK:
-                self.window_pool.release(table[i])
-                table[i] = NULL_BLOCK
-        seq.num_released_window_blocks = max(seq.num_released_window_blocks,
-                                             self.first_window_block(seq.num_computed_tokens))
-
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New full-attention blocks `seq` needs so that `num_tokens` tokens fit in its table."""
-        return max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
+        """New blocks `seq` needs in the first group so that `num_tokens` tokens fit."""
+        self._tables(seq)
+        return self.groups[0].blocks_needed(seq, num_tokens)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `num_tokens` tokens fit; first releases `seq`'s out-of-window blocks."""
-        if self.blocks_needed(seq, num_tokens) > len(self.pool.free_blocks):
-            return False
-        if self.window_pool is None:
-            return True
-        self.release_out_of_window(seq)
-        need = max(0, cdiv(num_tokens, self.block_size) - len(seq.window_block_table))
-        return need <= len(self.window_pool.free_blocks)
+    def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
+        """Whether `num_tokens` tokens fit, leaving `reserve` free blocks in every group;
+        first releases `seq`'s unreachable blocks."""
+        self._tables(seq)
+        for g in self.groups:
+            g.release_unreachable(seq)
+            if g.blocks_needed(seq, num_tokens) + reserve > len(g.pool.free_blocks):
+                return False
+        return True
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq`'s block tables to hold `num_tokens` tokens, evicting LRU cached blocks."""
         if not self.can_allocate(seq, num_tokens):
             raise RuntimeError("out of KV blocks; call can_allocate first")
-        for _ in range(self.blocks_needed(seq, num_tokens)):
-            seq.block_table.append(self.pool.take())
-        if self.window_pool is not None:
-            table = seq.window_block_table
-            first = self.first_window_block(seq.num_computed_tokens)
-            while len(table) < first:  # positions already behind the window: never stored
-                table.append(NULL_BLOCK)
-            while len(table) < cdiv(num_tokens, self.block_size):
-                table.append(self.window_pool.take())
+        for g in self.groups:
+            g.allocate(seq, num_tokens)
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Publish the hashes of blocks that are full once `num_computed_tokens`
@@ -265,31 +305,29 @@ class BlockManager:
         if full <= start:
             return
         self._hashes(seq, full)
-        hashes = seq.block_hashes  # memoised, at least `full` long now (no slice copy)
         seq.num_committed_blocks = full
-        for i in range(start, full):
-            self.pool.publish(seq.block_table[i], hashes[i])
-            if self.window_pool is not None and seq.window_block_table[i] != NULL_BLOCK:
-                self.window_pool.publish(seq.window_block_table[i], hashes[i])
+        for g in self.groups:
+            g.publish(seq, start, full)
 
     def drop_cache(self) -> None:
         """Forget every cached block: after a failed step the K/V pools are reset, so
         no hash, published in that step or earlier, names real K/V any more."""
-        for pool in (self.pool, self.window_pool):
-            if pool is not None:
-                pool.drop_cache()
+        for g in self.groups:
+            g.pool.drop_cache()
 
     def free(self, seq: Sequence) -> None:
-        # Tail blocks first, so they are evicted before the shared-prefix heads.
-        for bid in reversed(seq.block_table):
-            self.pool.release(bid)
-        for bid in reversed(seq.window_block_table):
-            if bid != NULL_BLOCK:
-                self.window_pool.release(bid)
-        seq.block_table = []
-        seq.window_block_table = []
+        if len(seq.block_tables) == len(self.groups):
+            for g in self.groups:
+                g.free(seq)
+        seq.block_tables = [[] for _ in self.groups]
+        seq.num_released_blocks = [0] * len(self.groups)
         seq.num_committed_blocks = 0
-        seq.num_released_window_blocks = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def stats(self) -> list[dict]:
+        """Per group: its kind, layers, blocks total and in use."""
+        return [{"kind": g.kind.describe(), "layers": list(g.group.readers), "block_size": self.block_size,
+                 "blocks_total": g.pool.num_usable, "blocks_used": g.pool.num_used,
+                 "blocks_cached": len(g.pool.cached)} for g in self.groups]

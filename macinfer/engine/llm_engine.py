@@ -21,7 +21,8 @@ from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import SpeculativeConfig, record_verdict
 from macinfer.engine.structured import StructuredOutputs
-from macinfer.kv.cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, bytes_per_block, plan_blocks
+from macinfer.kv.cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, layer_bytes_per_token, plan_blocks
+from macinfer.kv.spec import check_sharing, group_layers
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer
@@ -84,22 +85,22 @@ class LLMEngine:
 
         kernels.configure(self_check(kernels.requested_mode()))
         kv_dtype = self._kv_dtype()
-        layers = args.num_hidden_layers
-        windows = list(getattr(self.model, "windows", None) or [None] * layers)
-        window_layers = frozenset(i for i, w in enumerate(windows) if w is not None)
-        if len(window_layers) == layers:  # no full-attention layer to anchor the tables: one pool
-            window_layers = frozenset()
-        window = max((windows[i] for i in window_layers), default=None)
         bs = cfg.block_size
-        # Window blocks every running sequence can hold at once, plus one step's tokens.
-        window_cap = cfg.max_num_seqs * (-(-(window - 1) // bs) + 2) + -(-cfg.max_num_batched_tokens // bs) \
-            if window else 0
-        per_layer_block = bytes_per_block(1, args.num_key_value_heads, args.head_dim, bs, kv_dtype,
-                                          cfg.kv_cache_dtype)
+        # One cache spec per layer, decided by the model at load; layers of one kind form a group.
+        self.layer_specs = list(self.model.layer_specs)
+        check_sharing(self.layer_specs)
+        groups, _ = group_layers(self.layer_specs)
+        for g in groups:
+            g.bytes_per_block = bs * sum(layer_bytes_per_token(self.layer_specs[i], kv_dtype, cfg.kv_cache_dtype)
+                                         for i in g.layers)
+        step_blocks = -(-cfg.max_num_batched_tokens // bs)
+        # A bounded group's pool never needs more than every running sequence's live blocks plus a step's.
+        caps = [cfg.max_num_seqs * (g.kind.live_blocks(bs) or 0) + step_blocks for g in groups]
+        # More blocks than every sequence at full length could use is waste.
+        max_blocks = cfg.max_num_seqs * -(-self.max_model_len // bs)
 
-        def pool_bytes(full: int) -> int:
-            n_win = len(window_layers)
-            return per_layer_block * ((layers - n_win) * full + (n_win * (min(full, window_cap) + 1) if n_win else 0))
+        def pool_bytes(n: int) -> int:
+            return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps))
 
         available = available_memory_bytes()
         if cfg.kv_cache_gb is not None:
@@ -115,9 +116,7 @@ class LLMEngine:
             weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
             wanted = max(self.max_model_len, cfg.max_num_seqs * DEFAULT_TOKENS_PER_SEQ)
             budget = min(int(cfg.kv_cache_fraction * max(available - weights, 0)), pool_bytes(-(-wanted // bs)))
-        num_blocks, _ = plan_blocks(budget, per_layer_block, layers, len(window_layers), window_cap)
-        # More blocks than every sequence at full length could use is waste.
-        num_blocks = min(num_blocks, cfg.max_num_seqs * -(-self.max_model_len // bs))
+        num_blocks = plan_blocks(groups, budget, caps, max_blocks)
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         if num_blocks < 1:
@@ -125,11 +124,9 @@ class LLMEngine:
                 f"KV cache budget {budget / 2**30:.3f} GiB is below one block "
                 f"({pool_bytes(1) / 2**20:.2f} MiB); raise --kv-cache-gb"
             )
-        num_window_blocks = min(num_blocks, window_cap) + 1 if window_layers else 0
-        self.kv_cache = KVCache(
-            layers, num_blocks, bs, args.num_key_value_heads, args.head_dim, kv_dtype, cfg.kv_cache_dtype,
-            window_layers, num_window_blocks,
-        )
+        for g, cap in zip(groups, caps):
+            g.num_blocks = g.blocks_for(num_blocks, cap)
+        self.kv_cache = KVCache(self.layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype)
         if mx.default_device() == mx.cpu:
             # MLX's CPU buffer cache defaults to 32 MiB: a step's attention temporaries
             # (gathered K/V, about the size of the KV in use) would be page-faulted in
@@ -142,9 +139,7 @@ class LLMEngine:
             mx.set_wired_limit(min(weights + self.kv_cache.nbytes, available_memory_bytes()))
         # A sequence must always fit the pool alone, so preemption can always make room.
         self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
-        self.block_manager = BlockManager(num_blocks, bs, cfg.enable_prefix_caching, cache_key=self.loaded.source,
-                                          window=window if window_layers else None,
-                                          num_window_blocks=num_window_blocks)
+        self.block_manager = BlockManager(groups, bs, cfg.enable_prefix_caching, cache_key=self.loaded.source)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_prefill_with_decodes, speculative, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
@@ -157,21 +152,25 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         log.info(
-            "KV cache: %d blocks x %d tokens (%.2f GiB, %s%s)%s; max_model_len %d; decode attention: %s",
-            num_blocks, bs, self.kv_cache.nbytes / 2**30, kv_dtype,
-            " as int8" if self.kv_cache.quantized else "",
-            f"; {len(window_layers)} sliding-window layers (window {window}) in {num_window_blocks} blocks"
-            if window_layers else "",
+            "KV cache: %.2f GiB, %s%s, blocks of %d tokens: %s; max_model_len %d; decode attention: %s",
+            self.kv_cache.nbytes / 2**30, kv_dtype, " as int8" if self.kv_cache.quantized else "", bs,
+            "; ".join(f"{g.kind.describe()}: {len(g.readers)} layers ({len(g.layers)} keep K/V), "
+                      f"{g.num_blocks} blocks, {g.bytes_per_block // bs} bytes a token" for g in groups),
             self.max_model_len, "reference (int8 KV)" if self.kv_cache.quantized else kernels.mode(),
         )
 
+    def cache_groups(self) -> list[dict]:
+        """Per cache group: its kind, layers, block size, blocks total/used, bytes per token."""
+        stats = self.block_manager.stats()
+        for st, g in zip(stats, self.kv_cache.groups):
+            st["layers_with_kv"] = list(g.layers)
+            st["bytes_per_token"] = g.bytes_per_block // self.kv_cache.block_size
+            st["bytes"] = self.kv_cache.group_nbytes(g)
+        return stats
+
     def _kv_dtype(self) -> mx.Dtype:
         """The dtype K/V come out of the projections in (what mlx-lm's cache would hold)."""
-        if hasattr(self.model, "kv_dtype"):
-            return self.model.kv_dtype()
-        layer = self.model.layers[0]
-        h = layer.input_layernorm(self.model.model.embed_tokens(mx.array([0])))
-        return layer.self_attn.project(h)[1].dtype
+        return self.model.kv_dtype()
 
     # -- requests -----------------------------------------------------------
     def validate_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:

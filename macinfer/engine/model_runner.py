@@ -10,33 +10,38 @@ import numpy as np
 
 from macinfer.kv.attention import AttentionMetadata
 from macinfer.kv.prefill_plan import PrefillSpan
-from macinfer.engine.block_manager import BlockManager, cdiv
+from macinfer.engine.block_manager import BlockManager, GroupBlocks
 from macinfer.engine.sampler import SamplerOutput, sample
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import DraftRow, accepted_tokens, verify_rows
 from macinfer.engine.structured import StructuredOutputs, allowed_tokens
-from macinfer.kv.cache import KVCache, kv_rows
+from macinfer.kv.cache import KVCache
+from macinfer.kv.spec import cdiv
 
 
 class _GroupTables:
-    """Slots and block tables of one KV pool for a step, as they are gathered."""
+    """Slots and block tables of one cache group for a step, as they are gathered."""
 
-    def __init__(self, block_size: int):
-        self.bs = block_size
+    def __init__(self, group: GroupBlocks | None, block_size: int):
+        self.group, self.bs = group, block_size
+        self.kind = None if group is None else group.kind
         self.slots: list[int] = []
         self.decode_tables: list[list[int]] = []
         self.decode_lens: list[int] = []
+        self.decode_floors: list[int] = []
         self.decode_groups: list[tuple[int, int]] = []
         self.prefills: list[PrefillSpan] = []
 
-    def add(self, table: list[int], pos: np.ndarray, row: int, first_block: int = 0,
-            as_decodes: bool = False) -> None:
-        """One scheduled sequence: new tokens at `pos`, rows from `row`. Its tables
-        start at `first_block` (a window layer reads nothing before it). A single
-        token, or a speculating sequence (`as_decodes`: its real token and drafts),
-        is attended as decode rows, one per token, each with its own context length:
-        the in-place decode path, with no gathered copy of the context."""
+    def add(self, table: list[int], pos: np.ndarray, row: int, as_decodes: bool = False) -> None:
+        """One scheduled sequence: new tokens at `pos`, rows from `row`. A bounded group's
+        tables start at the first block the step's first query reads. A single token, or
+        a speculating sequence (`as_decodes`: its real token and drafts), is attended as
+        decode rows, one per token, each with its own context length: the in-place
+        decode path, with no gathered copy of the context."""
         bs = self.bs
+        bounded = self.kind is not None and self.kind.bounded
+        first_block = self.group.first_block(int(pos[0])) if bounded else 0
+        origin = first_block * bs
         t = np.asarray(table, dtype=np.int64)
         self.slots.extend((t[pos // bs] * bs + pos % bs).tolist())
         if len(pos) == 1 or as_decodes:
@@ -44,20 +49,23 @@ class _GroupTables:
                 self.decode_groups.append((len(self.decode_tables), len(pos)))
             for p in pos.tolist():
                 self.decode_tables.append(table[first_block : cdiv(p + 1, bs)])
-                self.decode_lens.append(p + 1 - first_block * bs)  # counted from the table's first block
+                self.decode_lens.append(p + 1 - origin)  # counted from the table's first block
+                if bounded:
+                    self.decode_floors.append(int(self.kind.key_floor(p)) - origin)
             return
         context = int(pos[-1]) + 1
         blocks = table[first_block : cdiv(context, bs)]
-        self.prefills.append(PrefillSpan(row, len(pos), context - first_block * bs, mx.array(blocks, dtype=mx.int32)))
+        self.prefills.append(PrefillSpan(row, len(pos), context - origin, mx.array(blocks, dtype=mx.int32), origin))
 
     def metadata(self, kv_cache: KVCache, positions: mx.array, explicit_ops: bool,
                  prefill_tile: int | None) -> AttentionMetadata:
         meta = AttentionMetadata(
             kv_cache=kv_cache,
             positions=positions,
+            slots=np.asarray(self.slots, dtype=np.int64),
+            kind=self.kind,
             explicit_ops=explicit_ops,
             prefill_tile=prefill_tile,
-            kv_rows=mx.array(kv_rows(np.asarray(self.slots), kv_cache.num_kv_heads, self.bs), dtype=mx.int32),
             num_decodes=len(self.decode_tables),
             prefills=self.prefills,
             decode_groups=self.decode_groups,
@@ -73,6 +81,8 @@ class _GroupTables:
             meta.decode_block_tables = mx.array(padded)
             meta.decode_context_lens = mx.array(self.decode_lens, dtype=mx.int32)
             meta.decode_max_context = max(self.decode_lens)
+            if self.decode_floors and max(self.decode_floors) > 0:
+                meta.decode_floors = mx.array(self.decode_floors, dtype=mx.int32)
         return meta
 
 
@@ -86,8 +96,7 @@ class ModelRunner:
         self.structured = structured
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
-        # The window group's tables (models with sliding-window layers only).
-        self.block_manager = block_manager if block_manager is not None and block_manager.window else None
+        self.groups: list[GroupBlocks | None] = block_manager.groups if block_manager is not None else [None]
 
     def prepare(
         self, scheduled: list[tuple[Sequence, int]]
@@ -99,8 +108,7 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence | DraftRow] = []
-        full = _GroupTables(self.block_size)
-        window = _GroupTables(self.block_size) if self.block_manager is not None else None
+        tables = [_GroupTables(g, self.block_size) for g in self.groups]
 
         for seq, n in scheduled:
             start = seq.num_computed_tokens
@@ -111,19 +119,17 @@ class ModelRunner:
             ids.extend(drafts)
             pos = np.arange(start, start + n)
             positions.extend(pos.tolist())
-            full.add(seq.block_table, pos, row, as_decodes=bool(drafts))
-            if window is not None:
-                window.add(seq.window_block_table, pos, row, self.block_manager.first_window_block(start),
-                           as_decodes=bool(drafts))
+            for g, t in enumerate(tables):
+                t.add(seq.block_tables[g], pos, row, as_decodes=bool(drafts))
             if start + real == seq.num_tokens:
                 # A speculating sequence samples at its real token and after each draft.
                 sample_rows.extend(range(row + real - 1, row + n))
                 sample_seqs.extend(verify_rows(seq) if drafts else [seq])
 
         pos_arr = mx.array(positions, dtype=mx.int32)
-        meta = full.metadata(self.kv_cache, pos_arr, self.explicit_ops, self.prefill_tile)
-        if window is not None:
-            meta.window_group = window.metadata(self.kv_cache, pos_arr, self.explicit_ops, self.prefill_tile)
+        metas = [t.metadata(self.kv_cache, pos_arr, self.explicit_ops, self.prefill_tile) for t in tables]
+        meta = metas[0]
+        meta.groups = metas
         return mx.array(ids, dtype=mx.int32), meta, sample_rows, sample_seqs
 
     def forward_logits(

@@ -138,8 +138,7 @@ class Scheduler:
         if seq.spec_token_ids:
             total = seq.num_computed_tokens + n + len(seq.spec_token_ids)
             # Drafts take no block another running sequence may need this step.
-            if not bm.can_allocate(seq, total) or \
-                    bm.num_free_blocks - bm.blocks_needed(seq, total) < len(self.running):
+            if not bm.can_allocate(seq, total, reserve=len(self.running)):
                 seq.spec_token_ids = []
         n += len(seq.spec_token_ids)
         while not bm.can_allocate(seq, seq.num_computed_tokens + n):

@@ -36,7 +36,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per cache group (NULL_BLOCK: released)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # by position; [0] is None
@@ -45,8 +45,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_committed_blocks: int = 0  # leading blocks of block_table already published to the prefix cache
-    window_block_table: list[int] = field(default_factory=list)  # sliding-window layers' pool (NULL_BLOCK: released)
-    num_released_window_blocks: int = 0  # leading window-table entries already given back
+    num_released_blocks: list[int] = field(default_factory=list)  # per group: leading entries given back
     matcher: Any = None  # llguidance matcher of a request with a grammar (state: the output so far)
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (speculative decoding)
     spec_misses: int = 0  # drafts rejected outright in a row
@@ -55,6 +54,11 @@ class Sequence:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first cache group's table (the full-attention one when the model has one)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def token_ids(self) -> list[int]:

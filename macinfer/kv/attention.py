@@ -26,22 +26,27 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 
 from macinfer import kernels
 from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kernels.call import launch
-from macinfer.kv.cache import KVCache
+from macinfer.kv.cache import KVCache, kv_rows
 from macinfer.kv.prefill_plan import PrefillSpan, SpanBatch, batch_mask, plan_prefills
 
 
 @dataclass
 class AttentionMetadata:
+    """One cache group's view of a step (`groups[g]` for every group; the first group's
+    is the one the model is handed, and `for_layer` finds a layer's)."""
     kv_cache: KVCache
     positions: mx.array  # [T] int32
-    kv_rows: mx.array  # [T * kv_heads] int32: pool rows of the new K/V (the slot mapping, per head)
+    slots: np.ndarray  # [T] this group's slot of each new token (vLLM's slot mapping)
+    kind: Any = None  # the group's AttentionKind (None: full attention)
     num_decodes: int = 0
     decode_block_tables: mx.array | None = None  # [B, max_blocks] int32
-    decode_context_lens: mx.array | None = None  # [B] int32
+    decode_context_lens: mx.array | None = None  # [B] int32, counted from the table's first block
+    decode_floors: mx.array | None = None  # [B] int32: first key each row reads, same origin (None: 0)
     decode_max_context: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Decode rows of speculating sequences, (first row, rows), after the plain decodes.
@@ -52,9 +57,7 @@ class AttentionMetadata:
     explicit_ops: bool = False
     # Query tile for causal prefill when `explicit_ops` (None: one call).
     prefill_tile: int | None = None
-    # The sliding-window layers' pool: its own slots and block tables, which start
-    # at the first block the window can reach, so lengths here count from there.
-    window_group: "AttentionMetadata | None" = None
+    groups: "list[AttentionMetadata]" = field(default_factory=list)
     # Arrays every layer of a step shares (built by the first layer that needs them).
     _memo: dict[Any, mx.array] = field(default_factory=dict)
 
@@ -64,9 +67,17 @@ class AttentionMetadata:
         return self._memo[key]
 
     def for_layer(self, layer: int) -> "AttentionMetadata":
-        if self.window_group is not None and layer in self.kv_cache.window_layers:
-            return self.window_group
-        return self
+        return self.groups[self.kv_cache.group_of[layer]] if self.groups else self
+
+    def kv_rows(self, num_kv_heads: int) -> mx.array:
+        """[T * kvh] pool rows of the new K/V, one per head (layers' head counts may differ)."""
+        return self.memo(("kv_rows", num_kv_heads), lambda: mx.array(
+            kv_rows(self.slots, num_kv_heads, self.kv_cache.block_size), dtype=mx.int32))
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window the Metal decode kernel can apply (None: full attention)."""
+        return getattr(self.kind, "window", None)
 
 
 LOG2E = math.log2(math.e)
@@ -95,34 +106,37 @@ def exp2_weights(scores: mx.array, sinks: mx.array | None = None) -> tuple[mx.ar
 
 
 def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
-                      window: int | None = None, sinks: mx.array | None = None,
-                      softcap: float | None = None) -> mx.array:
-    cache = meta.kv_cache
+                      sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
+    pool = meta.kv_cache.pool(layer)
     backend = kernels.mode()
-    if (backend != "reference" and not cache.quantized and sinks is None and softcap is None
-            and paged_kernels.supported(q.shape[-1], q.shape[1] // cache.num_kv_heads)):
-        k_blocks, v_blocks = cache.blocks(layer)
+    if (backend != "reference" and not pool.quantized and sinks is None and softcap is None
+            and (meta.kind is None or meta.window is not None or not meta.kind.bounded)
+            and pool.head_dim == pool.v_head_dim
+            and paged_kernels.supported(q.shape[-1], q.shape[1] // pool.num_kv_heads)):
+        k_blocks, v_blocks = pool.blocks()
         calls = paged_kernels.decode_calls(
             q, k_blocks, v_blocks, meta.decode_block_tables, meta.decode_context_lens, scale,
-            cache.block_size, meta.decode_max_context, window=window,
+            pool.block_size, meta.decode_max_context, window=meta.window,
         )
         return launch(calls, emulate=backend == "emulate")
-    k_blocks, v_blocks, tables = cache.attention_blocks(layer, meta.decode_block_tables)
+    k_blocks, v_blocks, tables = pool.attention_blocks(meta.decode_block_tables)
     # Every layer's tables are the same (int8: the same renumbering), so these are built once a step.
-    kvh, length, lens = cache.num_kv_heads, tables.shape[1] * cache.block_size, meta.decode_context_lens
+    kvh, length, lens, floors = pool.num_kv_heads, tables.shape[1] * pool.block_size, meta.decode_context_lens, \
+        meta.decode_floors
     groups = meta.decode_groups
     plain = groups[0][0] if groups else q.shape[0]
     outs = []
     if plain:
-        heads = meta.memo("block_heads", lambda: block_heads(tables[:plain], kvh))
-        mask = meta.memo(("mask", window), lambda: decode_mask(lens[:plain], length, window))
+        heads = meta.memo(("block_heads", kvh), lambda: block_heads(tables[:plain], kvh))
+        mask = meta.memo("mask", lambda: decode_mask(lens[:plain], length, None if floors is None else floors[:plain]))
         outs.append(reference_decode_attention(q[:plain], k_blocks, v_blocks, heads, mask, scale, sinks, softcap))
     for start, count in groups:
         # A speculating sequence's rows share one table (the last row's is the longest):
         # its queries go through each (block, head) matrix together, read once.
         end = start + count
-        heads = meta.memo(("block_heads", start), lambda: block_heads(tables[end - 1 : end], kvh))
-        mask = meta.memo(("mask", window, start), lambda: decode_mask(lens[start:end], length, window)[None])
+        heads = meta.memo(("block_heads", kvh, start), lambda: block_heads(tables[end - 1 : end], kvh))
+        mask = meta.memo(("mask", start), lambda: decode_mask(
+            lens[start:end], length, None if floors is None else floors[start:end])[None])
         outs.append(reference_decode_attention(q[None, start:end], k_blocks, v_blocks, heads, mask, scale, sinks,
                                                softcap)[0])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
@@ -134,13 +148,13 @@ def block_heads(block_tables: mx.array, num_kv_heads: int) -> mx.array:
     return block_tables[:, :, None] * num_kv_heads + mx.arange(num_kv_heads, dtype=block_tables.dtype)
 
 
-def decode_mask(context_lens: mx.array, length: int, window: int | None = None) -> mx.array:
-    """[B, length]: the keys each decode row attends to (its context; for a
-    sliding-window layer, its last `window` keys)."""
+def decode_mask(context_lens: mx.array, length: int, floors: mx.array | None = None) -> mx.array:
+    """[B, length]: the keys each decode row attends to: its context, from its floor
+    (a sliding window's or a local chunk's first key) when it has one."""
     pos = mx.arange(length)[None, :]
     mask = pos < context_lens[:, None]
-    if window is not None:
-        mask = mask & (pos >= context_lens[:, None] - window)
+    if floors is not None:
+        mask = mask & (pos >= floors[:, None])
     return mask
 
 
@@ -222,17 +236,12 @@ def reference_decode_attention(
 
 
 def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: PrefillSpan, scale: float,
-                       window: int | None = None, sinks: mx.array | None = None,
-                       softcap: float | None = None) -> mx.array:
-    k, v = meta.kv_cache.gather(layer, span.block_table)  # [kvh, L, d]
+                       sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
+    k, v = meta.kv_cache.pool(layer).gather(span.block_table)  # [kvh, L, d]
     k, v = (x[None, :, : span.context_len] for x in (k, v))  # [1, kvh, ctx, d]
-    mask = "causal"
     # "causal" in MLX aligns the last query with the last key, which is exactly
     # a chunk that continues a cached prefix.
-    if window is not None and span.context_len > window:
-        qpos = mx.arange(span.context_len - span.length, span.context_len)[:, None]
-        kpos = mx.arange(span.context_len)[None, :]
-        mask = (kpos <= qpos) & (kpos > qpos - window)
+    mask = meta.memo(("span_mask", span.start), lambda: span_mask(span, meta.kind))
     qh = mx.swapaxes(q, 0, 1)[None]
     tile = meta.prefill_tile
     if isinstance(mask, str) and meta.explicit_ops and tile and span.length > tile:
@@ -240,6 +249,16 @@ def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: P
     else:
         out = _sdpa(qh, k, v, scale, mask, sinks, softcap, explicit=meta.explicit_ops)
     return mx.swapaxes(out[0], 0, 1)  # [n, H, d]
+
+
+def span_mask(span: PrefillSpan, kind) -> mx.array | str:
+    """"causal", or [Lq, Lk] where the group's kind puts a floor above the table's first key."""
+    qpos = np.arange(span.context_len - span.length, span.context_len) + span.key_offset  # absolute
+    floors = kind.key_floor(qpos) - span.key_offset if kind is not None and kind.bounded else None
+    if floors is None or floors.max() <= 0:
+        return "causal"
+    kpos = np.arange(span.context_len)[None, :]
+    return mx.array((kpos <= (qpos - span.key_offset)[:, None]) & (kpos >= floors[:, None]))
 
 
 def _causal_tiles(q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx.array | None,
@@ -260,32 +279,33 @@ def _causal_tiles(q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx
 
 
 def _batched_prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, b: SpanBatch, scale: float,
-                               window: int | None, sinks: mx.array | None, softcap: float | None) -> mx.array:
+                               sinks: mx.array | None, softcap: float | None) -> mx.array:
     """A group of spans in one padded call: [n * length, H, d] (padding rows included)."""
     n, H, d = len(b.spans), q.shape[1], q.shape[2]
     qb = q[b.q_rows].reshape(n, b.length, H, d).transpose(0, 2, 1, 3)
-    k, v = (x[:, :, : b.context] for x in meta.kv_cache.gather(layer, b.tables))  # [n, kvh, context, d]
-    mask = meta.memo(("batch_mask", id(b), window), lambda: batch_mask(b, window))
+    k, v = (x[:, :, : b.context] for x in meta.kv_cache.pool(layer).gather(b.tables))  # [n, kvh, context, d]
+    mask = meta.memo(("batch_mask", id(b)), lambda: batch_mask(b, meta.kind))
     out = _sdpa(qb, k, v, scale, mask, sinks, softcap, explicit=meta.explicit_ops)
     return out.transpose(0, 2, 1, 3).reshape(n * b.length, H, d)
 
 
 def attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
-           window: int | None = None, sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
-    """q: [T, H, d] against the paged cache (this step's K/V already written).
-    `window`: a sliding-window layer's span; `sinks`: per-head attention-sink logits;
-    `softcap`: attention logit soft-capping."""
+           sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
+    """q: [T, H, d] against the paged cache of `layer` (this step's K/V already written;
+    a layer that shares K/V reads its owner's). Which keys each query reads is the
+    layer's cache group's kind. `sinks`: per-head attention-sink logits; `softcap`:
+    attention logit soft-capping."""
     meta = meta.for_layer(layer)
     outs = []
     if meta.num_decodes:
-        outs.append(_decode_attention(q[: meta.num_decodes], meta, layer, scale, window, sinks, softcap))
+        outs.append(_decode_attention(q[: meta.num_decodes], meta, layer, scale, sinks, softcap))
     if meta.prefills:
         batches, alone, index = meta.memo("prefill_plan", lambda: plan_prefills(meta.prefills))
-        parts = [_batched_prefill_attention(q, meta, layer, b, scale, window, sinks, softcap) for b in batches]
+        parts = [_batched_prefill_attention(q, meta, layer, b, scale, sinks, softcap) for b in batches]
         for i in alone:
             span = meta.prefills[i]
             qs = q[span.start : span.start + span.length]
-            parts.append(_prefill_attention(qs, meta, layer, span, scale, window, sinks, softcap))
+            parts.append(_prefill_attention(qs, meta, layer, span, scale, sinks, softcap))
         if index is not None:
             parts = [mx.concatenate(parts, axis=0)[index]]
         outs.extend(parts)
@@ -302,5 +322,6 @@ def paged_attention(
     scale: float,
 ) -> mx.array:
     """q: [T, H, d]; k, v: [T, kv_heads, d] for the new tokens. Returns [T, H, d]."""
-    meta.kv_cache.write(layer, meta.for_layer(layer).kv_rows, k, v)
+    group = meta.for_layer(layer)
+    meta.kv_cache.write(layer, group.kv_rows(k.shape[1]), k, v)
     return attend(q, meta, layer, scale)

@@ -18,6 +18,8 @@ import os
 import mlx.core as mx
 import numpy as np
 
+from macinfer.kv.spec import CacheGroup, LayerKV
+
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -29,14 +31,26 @@ def kv_group_size(head_dim: int) -> int:
     return 64 if head_dim % 64 == 0 else 32
 
 
+def quantized_row_bytes(head_dim: int, scale_itemsize: int) -> int:
+    """Bytes of one int8 row: 1 byte a value + a scale and a bias per group."""
+    return head_dim + 2 * (head_dim // kv_group_size(head_dim)) * scale_itemsize
+
+
 def bytes_per_block(
     num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: mx.Dtype,
     kv_cache_dtype: str = "auto",
 ) -> int:
+    """K + V bytes of one block in `num_layers` layers of one shape."""
     per_head = head_dim * dtype.size
-    if kv_cache_dtype == "int8":  # 1 byte a value + a scale and a bias per group
-        per_head = head_dim + 2 * (head_dim // kv_group_size(head_dim)) * dtype.size
+    if kv_cache_dtype == "int8":
+        per_head = quantized_row_bytes(head_dim, dtype.size)
     return 2 * num_layers * block_size * num_kv_heads * per_head
+
+
+def layer_bytes_per_token(spec: LayerKV, dtype: mx.Dtype, kv_cache_dtype: str = "auto") -> int:
+    if kv_cache_dtype == "int8":
+        return spec.bytes_per_token(dtype.size, lambda d: quantized_row_bytes(d, dtype.size))
+    return spec.bytes_per_token(dtype.size)
 
 
 def kv_rows(slots: np.ndarray, num_kv_heads: int, block_size: int) -> np.ndarray:
@@ -54,23 +68,20 @@ def gather_blocks(blocks: mx.array, block_table: mx.array) -> mx.array:
     return g.reshape(*lead, kvh, nb * bs, x)
 
 
-def plan_blocks(budget_bytes: int, per_layer_block: int, num_layers: int, num_window_layers: int,
-                window_cap: int) -> tuple[int, int]:
-    """(full-attention blocks, window blocks) that fit `budget_bytes`.
+def plan_blocks(groups: list[CacheGroup], budget_bytes: int, caps: list[int], max_blocks: int) -> int:
+    """The most blocks N the unbounded groups can hold within `budget_bytes` (at most
+    `max_blocks`), each bounded group (windows, chunks) holding `min(N, cap) + 1`: once
+    its pool holds every running sequence's live blocks (`caps`), the rest of the
+    budget buys unbounded blocks only. Groups' `bytes_per_block` must be set."""
 
-    Window layers never need more blocks than the full-attention layers hold, nor
-    more than `window_cap` (every running sequence's window plus a step's tokens),
-    so once the window pool reaches its cap the rest of the budget buys
-    full-attention blocks only. The window pool has one more block: the null block.
-    """
-    units = budget_bytes // per_layer_block  # layer-blocks the budget buys
-    if num_window_layers in (0, num_layers):
-        return units // num_layers, 0
-    full = (units - num_window_layers) // num_layers  # while the window pool follows the full one
-    if full > window_cap:
-        full = (units - num_window_layers * (window_cap + 1)) // (num_layers - num_window_layers)
-    full = max(full, 0)
-    return full, min(full, window_cap) + 1
+    def cost(n: int) -> int:
+        return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps))
+
+    lo, hi = 0, max_blocks
+    while lo < hi:  # cost is monotone in n
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= budget_bytes else (lo, mid - 1)
+    return lo
 
 
 def available_memory_bytes() -> int:
@@ -92,119 +103,132 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+class LayerPool:
+    """One layer's K and V pools, `[num_blocks * kvh * bs, d]` rows each; with
+    kv_cache_dtype="int8", each row is stored MLX-affine-quantized (8 bits, group-wise
+    scale and bias) and dequantized on read, which halves (fp16) or quarters (fp32)
+    the KV memory."""
+
+    def __init__(self, layer: int, spec: LayerKV, num_blocks: int, block_size: int, dtype: mx.Dtype,
+                 quantized: bool):
+        self.num_kv_heads, self.head_dim, self.v_head_dim = spec.num_kv_heads, spec.head_dim, spec.v_head_dim
+        self.num_blocks, self.block_size, self.dtype, self.quantized = num_blocks, block_size, dtype, quantized
+        self.group_size = kv_group_size(spec.head_dim)
+        if quantized and (spec.head_dim % 32 or spec.v_head_dim % 32):
+            raise ValueError(f"--kv-cache-dtype int8 needs head sizes divisible by 32; layer {layer} has "
+                             f"{spec.head_dim} (K) and {spec.v_head_dim} (V)")
+        self.reset()
+
+    def _pool(self, d: int) -> list[mx.array]:
+        rows = self.num_blocks * self.block_size * self.num_kv_heads
+        if not self.quantized:
+            return [mx.zeros((rows, d), dtype=self.dtype)]
+        groups = d // kv_group_size(d)
+        return [mx.zeros((rows, d * KV_QUANT_BITS // 32), dtype=mx.uint32),
+                mx.zeros((rows, groups), dtype=self.dtype), mx.zeros((rows, groups), dtype=self.dtype)]
+
+    def reset(self) -> None:
+        # k / v: [values] or [packed values, scales, biases]
+        self.k, self.v = self._pool(self.head_dim), self._pool(self.v_head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k + self.v)
+
+    def _encode(self, x: mx.array) -> list[mx.array]:
+        x = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # one row per (token, head)
+        if not self.quantized:
+            return [x]
+        return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1]), bits=KV_QUANT_BITS))
+
+    def write(self, rows: mx.array, k: mx.array, v: mx.array) -> None:
+        """Scatter new K/V ([T, kv_heads, d]) into their pool rows ([T * kv_heads], from `kv_rows`)."""
+        for pools, x in ((self.k, k), (self.v, v)):
+            for pool, values in zip(pools, self._encode(x)):
+                pool[rows] = values
+
+    def _decode(self, parts: list[mx.array], d: int) -> mx.array:
+        if not self.quantized:
+            return parts[0]
+        return mx.dequantize(*parts, group_size=kv_group_size(d), bits=KV_QUANT_BITS)
+
+    def _blocks(self, pool: mx.array) -> mx.array:
+        return pool.reshape(-1, self.num_kv_heads, self.block_size, pool.shape[-1])
+
+    def gather(self, block_table: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V of the blocks in `block_table` ([..., nb]), dequantized, as [..., kvh, nb*bs, d]."""
+        return (self._decode([gather_blocks(self._blocks(p), block_table) for p in self.k], self.head_dim),
+                self._decode([gather_blocks(self._blocks(p), block_table) for p in self.v], self.v_head_dim))
+
+    def blocks(self) -> tuple[mx.array, mx.array]:
+        """K and V as [num_blocks, kvh, bs, d] views (unquantized caches only)."""
+        assert not self.quantized
+        return self._blocks(self.k[0]), self._blocks(self.v[0])
+
+    def attention_blocks(self, block_tables: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(K blocks, V blocks, block tables) for attention over `block_tables` ([B, nb]).
+        Unquantized: the pools in place. int8: the tables' blocks dequantized into a
+        copy ([B * nb, kvh, bs, d]) with tables renumbered into it."""
+        if not self.quantized:
+            return *self.blocks(), block_tables
+
+        def dequantized(pools: list[mx.array], d: int) -> mx.array:
+            blocks = self._decode([self._blocks(p)[block_tables] for p in pools], d)  # [B, nb, kvh, bs, d]
+            return blocks.reshape(-1, *blocks.shape[-3:])
+
+        k, v = dequantized(self.k, self.head_dim), dequantized(self.v, self.v_head_dim)
+        return k, v, mx.arange(k.shape[0], dtype=mx.int32).reshape(block_tables.shape)
+
+    def state(self) -> list[mx.array]:
+        return self.k + self.v
+
+
 class KVCache:
-    """Per-layer K and V pools; with kv_cache_dtype="int8", each row is stored
-    MLX-affine-quantized (8 bits, group-wise scale and bias) and dequantized on
-    read, which halves (fp16) or quarters (fp32) the KV memory.
+    """The pools of every layer that keeps K/V, each sized by its group's block count
+    (see `macinfer.kv.spec`); a layer that shares K/V reads its owner's pool."""
 
-    Sliding-window layers (`window_layers`) get pools of `num_window_blocks`
-    blocks, addressed by the window block tables (see `BlockManager`)."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: mx.Dtype,
-        kv_cache_dtype: str = "auto",
-        window_layers: frozenset[int] = frozenset(),
-        num_window_blocks: int = 0,
-    ):
+    def __init__(self, layers: list[LayerKV], groups: list[CacheGroup], block_size: int, dtype: mx.Dtype,
+                 kv_cache_dtype: str = "auto"):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        self.num_layers = num_layers
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.kv_cache_dtype = kv_cache_dtype
+        self.layers, self.groups = layers, groups
+        self.block_size, self.dtype, self.kv_cache_dtype = block_size, dtype, kv_cache_dtype
         self.quantized = kv_cache_dtype == "int8"
-        self.group_size = kv_group_size(head_dim)
-        if self.quantized and head_dim % self.group_size:
-            raise ValueError(f"--kv-cache-dtype int8 needs a head size divisible by 32; this model's is {head_dim}")
-        self.window_layers = frozenset(window_layers)
-        self.num_window_blocks = num_window_blocks
+        self.group_of = [0] * len(layers)
+        for g in groups:
+            for i in g.readers:
+                self.group_of[i] = g.index
+        self._pools: dict[int, LayerPool] = {
+            i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.quantized)
+            for g in groups for i in g.layers}
+        mx.eval(self.state())
 
-        def pool(slots: int) -> list[mx.array]:
-            rows = slots * num_kv_heads
-            if not self.quantized:
-                return [mx.zeros((rows, head_dim), dtype=dtype)]
-            groups = head_dim // self.group_size
-            return [mx.zeros((rows, head_dim * KV_QUANT_BITS // 32), dtype=mx.uint32),
-                    mx.zeros((rows, groups), dtype=dtype),
-                    mx.zeros((rows, groups), dtype=dtype)]
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the first group (the full-attention one when the model has one)."""
+        return self.groups[0].num_blocks
 
-        # k[layer] / v[layer]: [values] or [packed values, scales, biases]
-        self._pool = pool
-        self.reset()
+    def pool(self, layer: int) -> LayerPool:
+        spec = self.layers[layer]
+        return self._pools[layer if spec.shares is None else spec.shares]
+
+    def write(self, layer: int, rows: mx.array, k: mx.array, v: mx.array) -> None:
+        self.pool(layer).write(rows, k, v)
 
     def reset(self) -> None:
         """Fresh zeroed pools. After a failed step the old ones cannot be trusted:
         MLX marks an array whose evaluation raised as evaluated, so a pool written
         by the failed graph reads back as whatever its buffer held."""
-        slots = [(self.num_window_blocks if i in self.window_layers else self.num_blocks) * self.block_size
-                 for i in range(self.num_layers)]
-        self.k = [self._pool(n) for n in slots]
-        self.v = [self._pool(n) for n in slots]
+        for p in self._pools.values():
+            p.reset()
         mx.eval(self.state())
 
     @property
     def nbytes(self) -> int:
-        per_layer_block = bytes_per_block(
-            1, self.num_kv_heads, self.head_dim, self.block_size, self.dtype, self.kv_cache_dtype)
-        n_window = len(self.window_layers)
-        return per_layer_block * ((self.num_layers - n_window) * self.num_blocks + n_window * self.num_window_blocks)
+        return sum(p.nbytes for p in self._pools.values())
 
-    def _encode(self, x: mx.array) -> list[mx.array]:
-        x = x.reshape(-1, self.head_dim).astype(self.dtype)  # one row per (token, head)
-        if not self.quantized:
-            return [x]
-        return list(mx.quantize(x, group_size=self.group_size, bits=KV_QUANT_BITS))
-
-    def write(self, layer: int, rows: mx.array, k: mx.array, v: mx.array) -> None:
-        """Scatter new K/V ([T, kv_heads, head_dim]) into their pool rows
-        ([T * kv_heads], from `kv_rows`)."""
-        for pools, x in ((self.k[layer], k), (self.v[layer], v)):
-            for pool, values in zip(pools, self._encode(x)):
-                pool[rows] = values
-
-    def _decode(self, parts: list[mx.array]) -> mx.array:
-        if not self.quantized:
-            return parts[0]
-        return mx.dequantize(*parts, group_size=self.group_size, bits=KV_QUANT_BITS)
-
-    def _blocks(self, pool: mx.array) -> mx.array:
-        return pool.reshape(-1, self.num_kv_heads, self.block_size, pool.shape[-1])
-
-    def gather(self, layer: int, block_table: mx.array) -> tuple[mx.array, mx.array]:
-        """K and V of the blocks in `block_table` ([..., nb]), dequantized, as
-        [..., kvh, nb*bs, d]."""
-        return tuple(
-            self._decode([gather_blocks(self._blocks(p), block_table) for p in pools])
-            for pools in (self.k[layer], self.v[layer])
-        )
-
-    def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
-        """K and V of one layer as [num_blocks, kvh, bs, d] views (unquantized caches only)."""
-        assert not self.quantized
-        return self._blocks(self.k[layer][0]), self._blocks(self.v[layer][0])
-
-    def attention_blocks(self, layer: int, block_tables: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """(K blocks, V blocks, block tables) for attention over `block_tables` ([B, nb]).
-        Unquantized: the pools in place. int8: the tables' blocks dequantized into a
-        copy ([B * nb, kvh, bs, d]) with tables renumbered into it."""
-        if not self.quantized:
-            return *self.blocks(layer), block_tables
-
-        def dequantized(pools: list[mx.array]) -> mx.array:
-            blocks = self._decode([self._blocks(p)[block_tables] for p in pools])  # [B, nb, kvh, bs, d]
-            return blocks.reshape(-1, *blocks.shape[-3:])
-
-        k, v = dequantized(self.k[layer]), dequantized(self.v[layer])
-        return k, v, mx.arange(k.shape[0], dtype=mx.int32).reshape(block_tables.shape)
+    def group_nbytes(self, group: CacheGroup) -> int:
+        return sum(self._pools[i].nbytes for i in group.layers)
 
     def state(self) -> list[mx.array]:
-        return [a for pools in self.k + self.v for a in pools]
+        return [a for p in self._pools.values() for a in p.state()]

@@ -19,6 +19,7 @@ class PrefillSpan:
     length: int  # tokens in this chunk
     context_len: int  # tokens in cache after this chunk (prefix + chunk)
     block_table: mx.array  # [num_blocks_for_context] int32
+    key_offset: int = 0  # position of the table's first key (a bounded group's tables start late)
 
 
 # Prompt chunks this short, with this little context, are attended together in one
@@ -40,6 +41,7 @@ class SpanBatch:
     q_rows: mx.array  # [n * length]: each span's rows of the flat batch (pads repeat its last row)
     tables: mx.array  # [n, nb] block tables, padded
     qpos: np.ndarray  # [n, length] each query's position in its span's context
+    key_offsets: np.ndarray  # [n] position of each span's first key
     length: int
     context: int
 
@@ -75,7 +77,8 @@ def _span_batch(spans: list[PrefillSpan], group: list[int]) -> SpanBatch:
         j = np.minimum(np.arange(length), s.length - 1)
         rows[b] = s.start + j
         qpos[b] = s.context_len - s.length + j
-    return SpanBatch(group, mx.array(rows.reshape(-1)), mx.array(tables), qpos, length, context)
+    offsets = np.array([spans[i].key_offset for i in group])
+    return SpanBatch(group, mx.array(rows.reshape(-1)), mx.array(tables), qpos, offsets, length, context)
 
 
 def plan_prefills(spans: list[PrefillSpan]) -> tuple[list[SpanBatch], list[int], mx.array | None]:
@@ -99,11 +102,13 @@ def plan_prefills(spans: list[PrefillSpan]) -> tuple[list[SpanBatch], list[int],
     return batches, alone, mx.array(index.astype(np.int32))
 
 
-def batch_mask(b: SpanBatch, window: int | None) -> mx.array:
-    """[n, 1, length, context]: causal within each span's context (and its window)."""
+def batch_mask(b: SpanBatch, kind=None) -> mx.array:
+    """[n, 1, length, context]: causal within each span's context, from the floor the
+    group's kind (a sliding window, a local chunk) puts on each query."""
     qpos = b.qpos[:, :, None]
     kpos = np.arange(b.context)[None, None, :]
     mask = kpos <= qpos
-    if window is not None:
-        mask &= kpos > qpos - window
+    if kind is not None and kind.bounded:
+        offsets = b.key_offsets[:, None, None]
+        mask &= kpos >= kind.key_floor(qpos + offsets) - offsets
     return mx.array(mask[:, None])

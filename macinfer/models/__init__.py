@@ -1,16 +1,25 @@
 """Architecture registry: `model_type` (HF config) -> the model that runs it.
 
-The one list of what macinfer runs. Most families run through mlx-lm's own
-model classes on the paged cache (`mlx_lm_adapter`); the Llama family also has
-a hand-written file (`llama`) with fused q/k/v and gate/up matmuls, kept
-because it is measurably faster on the CPU (see the README), and used unless a
-sliding window is configured.
+No allowlist: every architecture mlx-lm implements is built with mlx-lm's own
+classes and probed (`mlx_lm_adapter`): it runs when each of its caches maps to a
+cache spec and its attention goes through the paged path; otherwise it is refused
+at load with the reason. The Llama family also has a hand-written file (`llama`)
+with fused q/k/v and gate/up matmuls, kept because it is measurably faster on the
+CPU (see the README); the same probe decides when it applies (every layer full
+attention).
+
+`ARCHITECTURES` (what `macinfer models` and the CLI help list) is the verdict of
+that probe on a tiny model of every mlx-lm `model_type`, recorded in
+`architectures.json` by `scripts/architectures.py` and checked by the test suite.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
+from macinfer.kv.spec import FullAttention
 from macinfer.models import llama, mlx_lm_adapter
 from macinfer.models.base import ModelArgs
 from macinfer.models.rope import check_rope
@@ -22,13 +31,21 @@ HAND_WRITTEN: dict[str, tuple[Any, dict[str, Any]]] = {
     "qwen2": (llama, {"attention_bias": True}),
     "qwen3": (llama, {"qk_norm": True}),
 }
-# Families verified through mlx-lm's classes by the parity matrix (tests/test_architectures.py).
-MLX_LM_FAMILIES = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "gpt_oss",
-    "phi3", "granite", "olmo2", "glm4", "starcoder2",
-)
-ARCHITECTURES = tuple(sorted(set(HAND_WRITTEN) | set(MLX_LM_FAMILIES)))
 MODEL_IMPLS = ("auto", "mlx-lm")
+VERDICTS_FILE = os.path.join(os.path.dirname(__file__), "architectures.json")
+
+
+def _verdicts() -> dict[str, str]:
+    """model_type -> "runs" or the reason it is refused (see scripts/architectures.py)."""
+    try:
+        with open(VERDICTS_FILE) as f:
+            return json.load(f)
+    except OSError:
+        return {}
+
+
+VERDICTS = _verdicts()
+ARCHITECTURES = tuple(sorted(t for t, v in VERDICTS.items() if v == "runs") or HAND_WRITTEN)
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -36,36 +53,31 @@ class UnsupportedArchitectureError(ValueError):
 
 
 def supported_message() -> str:
-    return "supported: " + ", ".join(ARCHITECTURES)
-
-
-def _sliding_window(config: dict[str, Any]) -> bool:
-    """Per-layer sliding windows, as mlx-lm's llama reads them (`layer_types`); a bare
-    `sliding_window` (Mistral v0.1) is full attention there too."""
-    return "sliding_attention" in (config.get("layer_types") or [])
+    return f"{len(ARCHITECTURES)} architectures run: " + ", ".join(ARCHITECTURES)
 
 
 def build_model(config: dict[str, Any], impl: str = "auto"):
     """Instantiate the (uninitialised) model for an HF-style config dict.
     impl "mlx-lm" runs even the Llama family through mlx-lm's classes."""
     model_type = config.get("model_type")
-    if model_type in mlx_lm_adapter.REFUSED:
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture {model_type!r}: {mlx_lm_adapter.REFUSED[model_type]}; {supported_message()}")
-    if model_type not in ARCHITECTURES:
-        raise UnsupportedArchitectureError(f"unsupported architecture {model_type!r}; {supported_message()}")
     try:
-        check_rope(config)
+        check_rope(mlx_lm_adapter.text_config(config))
     except ValueError as e:
-        raise UnsupportedArchitectureError(str(e)) from None
-    if impl == "auto" and model_type in HAND_WRITTEN and not _sliding_window(config):
+        if model_type in HAND_WRITTEN or "rope_freq_factors" in config:
+            raise UnsupportedArchitectureError(str(e)) from None  # mlx-lm's classes check their own RoPE
+    try:
+        adapted = mlx_lm_adapter.build(config)
+    except mlx_lm_adapter.UnsupportedModelError as e:
+        if "rope_freq_factors" in config and model_type in HAND_WRITTEN:
+            adapted = None  # GGUF rope_freqs: the hand-written file applies them
+        else:
+            raise UnsupportedArchitectureError(f"unsupported architecture {model_type!r}: {e}") from None
+    full = adapted is None or all(type(s.kind) is FullAttention for s in adapted.layer_specs)
+    if impl == "auto" and model_type in HAND_WRITTEN and full:
         module, overrides = HAND_WRITTEN[model_type]
         return module.Model(ModelArgs.from_dict({**config, **overrides}))
     if "rope_freq_factors" in config:  # GGUF rope_freqs: mlx-lm's classes would silently ignore them
         raise UnsupportedArchitectureError(
             "per-pair RoPE factors (GGUF rope_freqs) run on the hand-written Llama path only; "
             "load this model with the default model_impl")
-    try:
-        return mlx_lm_adapter.build(config)
-    except mlx_lm_adapter.UnsupportedModelError as e:
-        raise UnsupportedArchitectureError(f"unsupported architecture {model_type!r}: {e}") from None
+    return adapted

@@ -18,6 +18,7 @@ from macinfer import kernels
 from macinfer.kv.attention import LOG2E, AttentionMetadata, paged_attention
 from macinfer.kernels import quantized as quantized_kernels
 from macinfer.kernels.call import launch
+from macinfer.kv.spec import FullAttention, LayerKV
 from macinfer.models.base import ModelArgs
 from macinfer.models.rope import apply_rope_tables, make_rope, rope_tables
 
@@ -199,3 +200,14 @@ class Model(nn.Module):
     @property
     def layers(self) -> list[TransformerBlock]:
         return self.model.layers
+
+    @property
+    def layer_specs(self) -> list[LayerKV]:
+        """Every layer full attention with the config's K/V shapes."""
+        a = self.args
+        return [LayerKV(FullAttention(), a.num_key_value_heads, a.head_dim, a.head_dim)] * a.num_hidden_layers
+
+    def kv_dtype(self) -> mx.Dtype:
+        """What K/V come out of the projections in: the activations' dtype."""
+        layer = self.layers[0]
+        return layer.self_attn.project(layer.input_layernorm(self.model.embed_tokens(mx.array([0]))))[1].dtype

@@ -1,0 +1,140 @@
+"""Cache specs: what each layer keeps per token, and which keys its queries read.
+
+Decided once at load, from the model itself (the caches its own `make_cache()`
+builds and the K/V its layers actually write), as vLLM v1's KV cache specs are:
+
+- an `AttentionKind` is a visibility rule: full attention, a sliding window of W
+  keys, or chunked local attention (Llama 4: a query reads its own chunk of C
+  tokens). Its `key_floor` is the one place a layer's window is applied: block
+  release, prefix hits, decode masks and prefill masks all ask it.
+- a `LayerKV` is one layer's cache: its kind, K/V heads and head sizes, or the
+  earlier layer whose K/V it reads (Gemma 3n/4, AFM: KV sharing), keeping none.
+- layers of one kind form a `CacheGroup`: one block pool, one block table per
+  sequence. Layers in a group may have different shapes (Gemma 4's global layers
+  are wider): block ids index each layer's own pool, so they need not match.
+
+A future kind (a recurrent state slot, an MLA latent) is one more class here and
+one more manager in the block manager, not a change to the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class FullAttention:
+    """Every earlier key."""
+    bounded = False  # a sequence's live blocks grow with its length
+
+    def key_floor(self, qpos):
+        """Lowest key position a query at `qpos` (int or integer array) reads."""
+        return qpos * 0
+
+    def live_blocks(self, block_size: int) -> int | None:
+        return None
+
+    def describe(self) -> str:
+        return "full attention"
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """The last `window` keys, the query's own included (transformers' and mlx-lm's rule)."""
+    window: int
+    bounded = True
+
+    def key_floor(self, qpos):
+        return np.maximum(qpos - self.window + 1, 0)
+
+    def live_blocks(self, block_size: int) -> int | None:
+        # W keys straddle at most cdiv(W - 1, bs) + 1 blocks; one more for the next token
+        return cdiv(self.window - 1, block_size) + 2
+
+    def describe(self) -> str:
+        return f"sliding window {self.window}"
+
+
+@dataclass(frozen=True)
+class ChunkedLocal:
+    """Keys of the query's own chunk of `chunk` positions (Llama 4's local layers)."""
+    chunk: int
+    bounded = True
+
+    def key_floor(self, qpos):
+        return qpos // self.chunk * self.chunk
+
+    def live_blocks(self, block_size: int) -> int | None:
+        return cdiv(self.chunk, block_size) + 2
+
+    def describe(self) -> str:
+        return f"chunked local attention {self.chunk}"
+
+
+AttentionKind = FullAttention | SlidingWindow | ChunkedLocal
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache: paged K/V rows of its own, or (`shares`) another layer's."""
+    kind: AttentionKind
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    shares: int | None = None  # the layer whose K/V this one reads
+
+    def bytes_per_token(self, itemsize: int, quantized_bytes=None) -> int:
+        """K + V bytes one token costs in this layer (0 for a sharing layer)."""
+        if self.shares is not None:
+            return 0
+        if quantized_bytes is not None:
+            return self.num_kv_heads * (quantized_bytes(self.head_dim) + quantized_bytes(self.v_head_dim))
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * itemsize
+
+
+@dataclass
+class CacheGroup:
+    """Layers of one attention kind: one block pool and one block table per sequence."""
+    index: int
+    kind: AttentionKind
+    layers: tuple[int, ...]  # layers with K/V of their own
+    readers: tuple[int, ...]  # every layer attending over this group's pools (sharing layers too)
+    num_blocks: int = 0  # set when the pools are planned (bounded kinds: + 1 null block)
+    bytes_per_block: int = 0
+
+    def blocks_for(self, num_full_blocks: int, cap: int) -> int:
+        """Blocks this group needs when the unbounded groups hold `num_full_blocks`."""
+        return min(num_full_blocks, cap) + 1 if self.kind.bounded else num_full_blocks
+
+
+def group_layers(layers: list[LayerKV]) -> tuple[list[CacheGroup], list[int]]:
+    """Cache groups (unbounded kinds first, so group 0 anchors the tables when there is
+    one) and each layer's group."""
+    kinds: list[AttentionKind] = []
+    for spec in layers:
+        if spec.shares is None and spec.kind not in kinds:
+            kinds.append(spec.kind)
+    kinds.sort(key=lambda k: k.bounded)
+    group_of = [kinds.index(layers[spec.shares].kind if spec.shares is not None else spec.kind)
+                for spec in layers]
+    groups = [CacheGroup(g, kind,
+                         tuple(i for i, s in enumerate(layers) if s.shares is None and group_of[i] == g),
+                         tuple(i for i in range(len(layers)) if group_of[i] == g))
+              for g, kind in enumerate(kinds)]
+    return groups, group_of
+
+
+def check_sharing(layers: list[LayerKV]) -> None:
+    """A sharing layer must read a layer that keeps K/V, of the same kind, earlier in the stack."""
+    for i, spec in enumerate(layers):
+        j = spec.shares
+        if j is None:
+            continue
+        if not 0 <= j < i or layers[j].shares is not None:
+            raise ValueError(f"layer {i} shares K/V with layer {j}, which keeps none of its own before it")
