@@ -149,6 +149,7 @@ class LLMEngine:
         cpu = mx.default_device() == mx.cpu
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured,
                                   explicit_ops=cpu, prefill_tile=CPU_PREFILL_TILE if cpu else None)
+        self._check_against_mlx_lm()
         self.requests: dict[str, _RequestState] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         log.info(
@@ -158,6 +159,31 @@ class LLMEngine:
                       f"{g.num_blocks} blocks, {g.bytes_per_block // bs} bytes a token" for g in groups),
             self.max_model_len, "reference (int8 KV)" if self.kv_cache.quantized else kernels.mode(),
         )
+
+    def _check_against_mlx_lm(self) -> None:
+        """A model run through mlx-lm's classes must compute what mlx-lm computes. The
+        load-time probe catches what it can see (caches, attention calls); this catches
+        the rest (a layer that reads its cache's length or positions some other way):
+        8 tokens through the paged engine (a 5-token chunk, then decodes) against
+        mlx-lm's own forward, refused when any logit is off by more than 5% of the
+        largest (low-precision weights differ by far less; a wrong position by about
+        the logits themselves)."""
+        reference = getattr(self.model, "reference_logits", None)
+        if reference is None:
+            return
+        vocab = self.model.args.vocab_size
+        tokens, chunks = [1 + (i * 7919) % (vocab - 1) for i in range(8)], [5, 1, 1, 1]
+        ours = self.score([tokens], chunks)[0]
+        want = np.array(reference(tokens, chunks))
+        err, scale = float(np.abs(ours - want).max()), float(np.abs(want).max())
+        if not err <= 0.05 * max(scale, 1e-3):
+            from macinfer.models import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(
+                f"unsupported architecture {self.model.args.model_type!r}: its layers on the paged cache "
+                f"compute other logits than mlx-lm's own forward (off by {err:.3g}, largest logit {scale:.3g}), "
+                "so it would run wrong")
+        self.block_manager.drop_cache()
 
     def cache_groups(self) -> list[dict]:
         """Per cache group: its kind, layers, block size, blocks total/used, bytes per token."""

@@ -33,6 +33,7 @@ mask the model built itself.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -58,6 +59,21 @@ CONFIG_WINDOWS = {
     "starcoder2": lambda cfg, i: cfg.get("sliding_window"),
     "phi3": lambda cfg, i: cfg.get("sliding_window"),
 }
+
+
+def config_windows(config: dict[str, Any], n: int) -> list[int | None]:
+    """The window transformers gives each of `n` layers: `layer_types` (with
+    `sliding_window`), or the family's rule for those whose mlx-lm file applies none.
+    The one place a layer's window is read from a config; a cache mlx-lm's
+    `make_cache()` already windows keeps its own."""
+    w = config.get("sliding_window")
+    if not w or config.get("use_sliding_window") is False or w >= (config.get("max_position_embeddings") or 1 << 62):
+        return [None] * n
+    layer_types = config.get("layer_types")
+    if layer_types and len(layer_types) == n:
+        return [int(w) if t == "sliding_attention" else None for t in layer_types]
+    rule = CONFIG_WINDOWS.get(config.get("model_type"))
+    return [None] * n if rule is None else [int(rule(config, i)) if rule(config, i) else None for i in range(n)]
 
 
 class UnsupportedModelError(ValueError):
@@ -127,6 +143,9 @@ class PagedLayerCache:
 
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None  # rows are single tokens; the paged attention masks by position and kind
+
+    def maybe_trim_front(self) -> None:
+        pass  # chunked caches drop old chunks themselves; the block manager releases blocks here
 
     def __bool__(self) -> bool:
         return True
@@ -199,15 +218,62 @@ def _patch_softcapped_attention(mod: Any) -> None:
     _patched.add(mod.__name__ + ":softcap")
 
 
-# model modules whose attention does not go through SDPA, and how to route it
-_ATTENTION_PATCHES = {"mlx_lm.models.gemma2": _patch_softcapped_attention}
+def _patch_llama4(mod: Any) -> None:
+    """Llama 4 builds its chunk mask and its no-RoPE layers' attention temperature from
+    `cache.offset` as one number; inside our forward the chunks are the cache kind's
+    (ChunkedLocal) and the temperature is taken per row from its position."""
+    if mod.__name__ + ":llama4" in _patched:
+        return
+    model_call, attn_call = mod.LlamaModel.__call__, mod.Attention.__call__
+
+    def model(self, inputs, cache=None):
+        if not cache or not isinstance(cache[0], PagedLayerCache):
+            return model_call(self, inputs, cache)
+        h = self.embed_tokens(inputs)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, None, cache=c)
+        return self.norm(h)
+
+    def attention(self, x, mask=None, cache=None):
+        if not isinstance(cache, PagedLayerCache):
+            return attn_call(self, x, mask, cache)
+        T, L, _ = x.shape
+        q = self.q_proj(x).reshape(T, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(T, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(T, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self.use_rope:
+            q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+        if self.use_qk_norm:
+            q, k = mx.fast.rms_norm(q, weight=None, eps=1e-6), mx.fast.rms_norm(k, weight=None, eps=1e-6)
+        if self.attn_temperature_tuning and not self.use_rope:
+            pos = cache.offset.astype(mx.float32)
+            scales = mx.log(mx.floor((pos + 1) / self.floor_scale) + 1.0) * self.attn_scale + 1.0
+            q = (q * scales[:, None, None, None]).astype(q.dtype)
+        k, v = cache.update_and_fetch(k, v)
+        out = _paged_call(q, k, v, cache, self.scale, None)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(T, L, -1))
+
+    mod.LlamaModel.__call__, mod.Attention.__call__ = model, attention
+    _patched.add(mod.__name__ + ":llama4")
+
+
+# model modules whose attention does not (only) go through SDPA, and how to route it
+_ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
+                      "mlx_lm.models.llama4": [_patch_sdpa, _patch_llama4]}
 
 
 def _patch_modules() -> None:
     """Every mlx-lm model module loaded so far (a model's own and those it borrows from)."""
     for name, mod in list(sys.modules.items()):
         if name.startswith("mlx_lm.models.") and mod is not None:
-            _ATTENTION_PATCHES.get(name, _patch_sdpa)(mod)
+            for patch in _ATTENTION_PATCHES.get(name, [_patch_sdpa]):
+                patch(mod)
+
+
+def _resolve(node: Any, path: str) -> Any:
+    for name in filter(None, path.split(".")):
+        node = getattr(node, name, None)
+    return node
 
 
 class _GivenHidden:
@@ -261,27 +327,26 @@ class MlxLmModel(nn.Module):
             node = node.language_model
         # Plain attributes, not module children (an nn.Module keeps lists in its tree).
         object.__setattr__(self, "_text_path", path)
-        self._inner_name = next((n for n in ("model", "transformer", "backbone")
-                                 if isinstance(getattr(text, n, None), nn.Module)), None)
-        if self._inner_name is None:
+        # The module that returns hidden states: called by the text model, swapped for
+        # given states when its head runs.
+        inner = next((p for p in ("model", "transformer", "backbone", "model.language_model")
+                      if isinstance(_resolve(text, p), nn.Module) and hasattr(_resolve(text, p), "__call__")), None)
+        if inner is None:
             raise UnsupportedModelError(f"{model_type}: no inner model (model, transformer, backbone) to run")
+        object.__setattr__(self, "_inner_path", inner.split("."))
+        params = inspect.signature(_resolve(text, inner).__call__).parameters
+        self._inner_takes_mask = "mask" in params and params["mask"].default is inspect.Parameter.empty
         from mlx_lm.models.cache import make_prompt_cache
 
-        try:
-            caches = make_prompt_cache(lm)
+        try:  # the text model's own caches (a wrapper may not pass its make_cache on)
+            caches = make_prompt_cache(text)
         except Exception as e:  # noqa: BLE001 - a model whose caches cannot be built is refused, with why
             raise UnsupportedModelError(f"{model_type}: its caches cannot be built ({e})") from None
         kinds = [_cache_kind(c, i, model_type) for i, c in enumerate(caches)]
         tcfg = text_config(config)
-        windows = CONFIG_WINDOWS.get(tcfg.get("model_type", model_type)) or CONFIG_WINDOWS.get(model_type)
-        if windows is not None:
-            layer_types = tcfg.get("layer_types")
-            max_len = tcfg.get("max_position_embeddings") or 1 << 62
-            for i, k in enumerate(kinds):
-                w = tcfg.get("sliding_window") if layer_types and layer_types[i] == "sliding_attention" \
-                    else None if layer_types else windows(tcfg, i)
-                if type(k) is FullAttention and w and w < max_len:
-                    kinds[i] = SlidingWindow(int(w))
+        for i, w in enumerate(config_windows(tcfg, len(kinds))):
+            if type(kinds[i]) is FullAttention and w:
+                kinds[i] = SlidingWindow(w)
         object.__setattr__(self, "_kinds", kinds)
         _patch_modules()
         self.num_layers = len(lm.layers) if hasattr(lm, "layers") else len(caches)
@@ -313,7 +378,9 @@ class MlxLmModel(nn.Module):
                   for i in range(len(self._kinds))]
         _state.forward = forward
         try:
-            inner = getattr(self._text, self._inner_name)
+            inner = _resolve(self._text, ".".join(self._inner_path))
+            if self._inner_takes_mask:  # e.g. phixtral's decoder: (x, mask, cache)
+                return inner(input_ids[:, None], mask=None, cache=caches)
             return inner(input_ids[:, None], cache=caches)
         finally:
             _state.forward = None
@@ -333,7 +400,7 @@ class MlxLmModel(nn.Module):
             raise
         except Exception as e:  # noqa: BLE001 - whatever the model's code raises is the reason
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UnsupportedModelError(f"{name}: its layers do not run on paged caches ({msg})") from None
+            raise UnsupportedModelError(f"{name}: its forward fails on paged caches ({msg})") from None
         if f.problems:
             raise UnsupportedModelError(f"{name}: {f.problems[0]}")
         n = len(self._kinds)
@@ -361,12 +428,14 @@ class MlxLmModel(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         # An instance attribute shadows the inner model child for this call only.
-        text, name = self._text, self._inner_name
-        object.__setattr__(text, name, _GivenHidden(getattr(text, name), hidden[:, None, :]))
+        text = self._text
+        parent = _resolve(text, ".".join(self._inner_path[:-1]))
+        name = self._inner_path[-1]
+        object.__setattr__(parent, name, _GivenHidden(getattr(parent, name), hidden[:, None, :]))
         try:
             out = text(mx.zeros((hidden.shape[0], 1), dtype=mx.int32))
         finally:
-            object.__delattr__(text, name)
+            object.__delattr__(parent, name)
         return out[:, 0, :]
 
     def kv_dtype(self) -> mx.Dtype:
@@ -374,6 +443,17 @@ class MlxLmModel(nn.Module):
         f = _Forward(meta=None)
         self._run(mx.array([1, 2], dtype=mx.int32), f)
         return f.writes[0][0][2]
+
+    def reference_logits(self, tokens: list[int], chunks: list[int]) -> mx.array:
+        """mlx-lm's own forward (its caches, its attention): logits at every position of
+        `tokens`, fed in `chunks`. The engine compares its paged forward with it at load."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache, outs, pos = make_prompt_cache(self._text), [], 0
+        for n in chunks:
+            outs.append(self.lm(mx.array([tokens[pos : pos + n]]), cache=cache)[0])
+            pos += n
+        return mx.concatenate(outs, axis=0).astype(mx.float32)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return self.lm.sanitize(weights) if hasattr(self.lm, "sanitize") else weights
@@ -396,8 +476,9 @@ def build(config: dict[str, Any]) -> MlxLmModel:
 
     try:
         model_class, args_class = _get_classes(config)
-    except ValueError as e:
-        raise UnsupportedModelError(str(e)) from None
+    except (ValueError, ImportError, SystemExit) as e:  # olmo's module exits when ai2-olmo is missing
+        raise UnsupportedModelError(str(e) if isinstance(e, ValueError) else
+                                    f"mlx-lm's module for it cannot be imported here ({type(e).__name__})") from None
     try:
         lm = model_class(args_class.from_dict(config))
     except Exception as e:  # noqa: BLE001 - a config mlx-lm's class cannot take

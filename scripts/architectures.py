@@ -1,0 +1,63 @@
+#!/usr/bin/env python
+"""Which mlx-lm architectures macinfer runs, and why the others are refused.
+
+Builds every `model_type` mlx-lm implements (its model files and its remapped
+aliases) as a tiny random model from `tests/zoo.py` and loads it the way
+`macinfer` does (`macinfer.models.build_model`: mlx-lm's class, then the probe
+that maps each cache to a cache spec). Writes the verdicts to
+`macinfer/models/architectures.json`, which `macinfer models` and the CLI help
+read; `tests/test_architectures.py` checks the file is current and that every
+architecture listed as running matches mlx-lm token for token.
+
+    python scripts/architectures.py          # rewrite the table
+    python scripts/architectures.py --check  # exit 1 if it is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def verdicts() -> dict[str, str]:
+    from macinfer.models import UnsupportedArchitectureError, build_model
+    from macinfer.models.mlx_lm_adapter import mlx_lm_model_types
+    from tests.zoo import tiny_config
+
+    out = {}
+    for model_type in mlx_lm_model_types():
+        try:
+            build_model(tiny_config(model_type), "mlx-lm")
+            out[model_type] = "runs"
+        except UnsupportedArchitectureError as e:
+            out[model_type] = str(e).removeprefix(f"unsupported architecture {model_type!r}: ")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="compare with the stored table; exit 1 if it differs")
+    args = ap.parse_args()
+    from macinfer.models import VERDICTS_FILE
+
+    table = verdicts()
+    if args.check:
+        with open(VERDICTS_FILE) as f:
+            stored = json.load(f)
+        if stored != table:
+            print("architectures.json is stale; run python scripts/architectures.py", file=sys.stderr)
+            sys.exit(1)
+        return
+    with open(VERDICTS_FILE, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+        f.write("\n")
+    runs = sum(v == "runs" for v in table.values())
+    print(f"{runs} of {len(table)} model types run; table written to {VERDICTS_FILE}")
+
+
+if __name__ == "__main__":
+    main()
