@@ -23,19 +23,32 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def verdicts() -> dict[str, str]:
+def verdict(model_type: str, load: bool = True) -> str:
+    """"runs", or why `model_type` is refused: at build (the probe), or with `load`, by
+    the engine's load-time comparison with mlx-lm's own forward on random weights."""
+    import tempfile
+
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
     from macinfer.models import UnsupportedArchitectureError, build_model
-    from macinfer.models.mlx_lm_adapter import mlx_lm_model_types
+    from tests.helpers import make_mlx_lm_model, save_model_dir
     from tests.zoo import tiny_config
 
-    out = {}
-    for model_type in mlx_lm_model_types():
-        try:
-            build_model(tiny_config(model_type), "mlx-lm")
-            out[model_type] = "runs"
-        except UnsupportedArchitectureError as e:
-            out[model_type] = str(e).removeprefix(f"unsupported architecture {model_type!r}: ")
-    return out
+    config = tiny_config(model_type)
+    try:
+        build_model(config, "mlx-lm")
+        if load:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = save_model_dir(tmp, config, make_mlx_lm_model(config, seed=7))
+                LLMEngine(path, EngineConfig(kv_cache_gb=0.01, model_impl="mlx-lm"))
+        return "runs"
+    except UnsupportedArchitectureError as e:
+        return str(e).removeprefix(f"unsupported architecture {model_type!r}: ")
+
+
+def verdicts(load: bool = True) -> dict[str, str]:
+    from macinfer.models.mlx_lm_adapter import mlx_lm_model_types
+
+    return {model_type: verdict(model_type, load) for model_type in mlx_lm_model_types()}
 
 
 def main() -> None:

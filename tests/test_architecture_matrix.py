@@ -42,11 +42,17 @@ RUNS = sorted(t for t, v in VERDICTS.items() if v == "runs" and t not in FAMILIE
 REFUSED = sorted(t for t, v in VERDICTS.items() if v != "runs")
 
 
+def _refused_at_load(reason: str) -> bool:
+    return reason.startswith("its layers on the paged cache compute other logits")
+
+
 def test_the_table_covers_every_mlx_lm_model_type_and_is_current():
+    """Build verdicts here (cheap); load verdicts by the tests below, which load every model."""
     from scripts.architectures import verdicts
 
     assert sorted(VERDICTS) == mlx_lm_model_types()
-    assert verdicts() == VERDICTS, f"{VERDICTS_FILE} is stale: run python scripts/architectures.py"
+    built = {t: "runs" if _refused_at_load(v) else v for t, v in VERDICTS.items()}
+    assert verdicts(load=False) == built, f"{VERDICTS_FILE} is stale: run python scripts/architectures.py"
     assert set(FAMILIES) <= set(ARCHITECTURES)
     # The issue's minimum: plain and windowed K/V of these families run.
     assert {"gemma4", "gemma4_text", "gemma4_unified", "gemma3n", "llama4", "mistral3", "qwen3_vl", "minimax_m2",
@@ -54,18 +60,23 @@ def test_the_table_covers_every_mlx_lm_model_type_and_is_current():
 
 
 @pytest.mark.parametrize("model_type", REFUSED)
-def test_refused_with_its_reason(model_type):
+def test_refused_with_its_reason(model_type, tmp_path):
+    config = tiny_config(model_type)
     with pytest.raises(UnsupportedArchitectureError) as e:
-        build_model(tiny_config(model_type))
+        if _refused_at_load(VERDICTS[model_type]):
+            path = save_model_dir(str(tmp_path / "m"), config, make_mlx_lm_model(config, seed=7))
+            LLMEngine(path, EngineConfig(kv_cache_gb=0.01, model_impl="mlx-lm"))
+        build_model(config)
     assert str(e.value) == f"unsupported architecture {model_type!r}: {VERDICTS[model_type]}"
 
 
 def _text_model(model):
     """A vision-language wrapper's language model: mlx-lm's wrappers do not all pass their
     text model's make_cache on (mistral3, pixtral), so their decodes skip its windows."""
-    while hasattr(model, "language_model"):
-        model = model.language_model
-    return model
+    chain = [model]
+    while hasattr(chain[-1], "language_model"):
+        chain.append(chain[-1].language_model)
+    return next((m for m in reversed(chain) if hasattr(m, "make_cache")), model)
 
 
 def _windows(model, config) -> list[int | None] | None:

@@ -24,7 +24,7 @@ BY_NAME: dict[str, Any] = dict(
     head_dim=16, kv_channels=16,
     rms_norm_eps=1e-5, norm_eps=1e-5, layer_norm_eps=1e-5, layer_norm_epsilon=1e-5, layernorm_epsilon=1e-5,
     norm_epsilon=1e-5,
-    vocab_size=300, embedding_size=300,
+    vocab_size=300, embedding_size=300, num_vocab=300, model_dim=64,
     max_position_embeddings=2048, n_positions=2048, n_ctx=2048, max_seq_len=2048, seq_length=2048,
     model_max_length=2048, block_size=2048,
     rope_theta=10000.0, rotary_emb_base=10000.0, rope_parameters=None, rope_scaling=None,

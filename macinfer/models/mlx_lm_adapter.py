@@ -338,8 +338,12 @@ class MlxLmModel(nn.Module):
         self._inner_takes_mask = "mask" in params and params["mask"].default is inspect.Parameter.empty
         from mlx_lm.models.cache import make_prompt_cache
 
-        try:  # the text model's own caches (a wrapper may not pass its make_cache on)
-            caches = make_prompt_cache(text)
+        # The innermost make_cache (a wrapper may not pass its text model's on).
+        chain = [lm] + [_resolve(lm, ".".join(path[: i + 1])) for i in range(len(path))]
+        owner = next((m for m in reversed(chain) if hasattr(m, "make_cache")), lm)
+        object.__setattr__(self, "_cache_owner_path", path[: chain.index(owner)])
+        try:
+            caches = make_prompt_cache(owner)
         except Exception as e:  # noqa: BLE001 - a model whose caches cannot be built is refused, with why
             raise UnsupportedModelError(f"{model_type}: its caches cannot be built ({e})") from None
         kinds = [_cache_kind(c, i, model_type) for i, c in enumerate(caches)]
@@ -449,7 +453,7 @@ class MlxLmModel(nn.Module):
         `tokens`, fed in `chunks`. The engine compares its paged forward with it at load."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        cache, outs, pos = make_prompt_cache(self._text), [], 0
+        cache, outs, pos = make_prompt_cache(_resolve(self.lm, ".".join(self._cache_owner_path))), [], 0
         for n in chunks:
             outs.append(self.lm(mx.array([tokens[pos : pos + n]]), cache=cache)[0])
             pos += n
