@@ -12,10 +12,12 @@ from macinfer import __version__
 from macinfer.tool_parsers import FORMATS
 
 def _model_help() -> str:
-    from macinfer.models import ARCHITECTURES
+    from macinfer.models import ARCHITECTURES, VERDICTS
 
     return ("A .gguf file, an MLX model directory, a Hugging Face repo id (org/Model, org/Model-GGUF:Q4_K_M), "
-            "or 'smollm2' (the bundled test model). Architectures: " + ", ".join(ARCHITECTURES) + ".")
+            f"or 'smollm2' (the bundled test model). {len(ARCHITECTURES)} of the {len(VERDICTS)} architectures "
+            "mlx-lm implements run: " + ", ".join(ARCHITECTURES) + " (`macinfer models architectures`: "
+            "why the others are refused).")
 
 
 MODEL_HELP = _model_help()
@@ -277,6 +279,26 @@ def models_list(as_json):
     for m in found:
         click.echo(f"{m.repo_id:<44} {m.size_bytes / 1e9:>7.2f}GB  {m.architecture or '-':<14} "
                    f"{m.quantization or '-':<20} {'yes' if m.supported else 'no: ' + m.why}")
+
+
+@models.command("architectures")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models_architectures(as_json):
+    """Every architecture (model_type) mlx-lm implements: runs, or why it is refused."""
+    import json
+
+    from macinfer.models import VERDICTS
+
+    if as_json:
+        click.echo(json.dumps(VERDICTS, indent=1, sort_keys=True))
+        return
+    runs = sorted(t for t, v in VERDICTS.items() if v == "runs")
+    click.echo(f"{len(runs)} of {len(VERDICTS)} model types run:")
+    click.echo("  " + ", ".join(runs))
+    click.echo("refused:")
+    for t, why in sorted(VERDICTS.items()):
+        if why != "runs":
+            click.echo(f"  {t}: {why}")
 
 
 @models.command("info")

@@ -55,9 +55,11 @@ def _qwen3moe(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
 
 def _gemma2(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
     # GGUF does not store query_pre_attn_scalar; llama.cpp scales by 1/sqrt(head_dim) as this does.
+    # Even layers slide, as in llama.cpp and transformers (the adapter's `config_windows`).
     return {"query_pre_attn_scalar": float(int(get("attention.key_length"))),
             "attn_logit_softcapping": float(get("attn_logit_softcapping", 50.0)),
-            "final_logit_softcapping": float(get("final_logit_softcapping", 30.0))}
+            "final_logit_softcapping": float(get("final_logit_softcapping", 30.0)),
+            "sliding_window": int(get("attention.sliding_window", 4096))}
 
 
 def _gemma3(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +72,8 @@ def _gemma3(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
 def _phi3(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
     head_dim = int(get("attention.key_length", int(get("embedding_length")) // int(get("attention.head_count"))))
     rot = int(get("rope.dimension_count", head_dim))
-    return {"partial_rotary_factor": rot / head_dim}
+    window = int(get("attention.sliding_window", 0))  # llama.cpp windows every layer when set
+    return {"partial_rotary_factor": rot / head_dim, **({"sliding_window": window} if window else {})}
 
 
 # arch -> (model_type, tensor names, extra config, norms stored as 1 + w, Q/K rows permuted)

@@ -136,7 +136,12 @@ class LLM:
     def __repr__(self) -> str:
         e = self.engine
         return (f"LLM(model={e.loaded.name!r}, architecture={e.model.args.model_type!r}, "
-                f"max_model_len={e.max_model_len}, kv_blocks={e.kv_cache.num_blocks}x{e.kv_cache.block_size})")
+                f"max_model_len={e.max_model_len}, kv_blocks={e.kv_cache.num_blocks}x{e.kv_cache.block_size}, "
+                f"cache_groups={len(e.kv_cache.groups)})")
+
+    def cache_groups(self) -> list[dict]:
+        """Per KV cache group: kind, layers, block size, blocks total/used/cached, bytes per token."""
+        return self._call(self.engine.cache_groups)
 
     def _call(self, fn, *args: Any) -> Any:
         if threading.current_thread() is self._worker.thread:

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from macinfer.models import ARCHITECTURES
+from macinfer.models import ARCHITECTURES, VERDICTS
 
 
 @dataclass
@@ -48,7 +48,8 @@ def _describe_dir(m: CachedModel) -> None:
         else:
             m.quantization = str(cfg.get("torch_dtype") or cfg.get("dtype") or "unquantized")
         m.supported = m.architecture in ARCHITECTURES
-        m.why = "" if m.supported else f"architecture {m.architecture!r} is not in the registry"
+        m.why = "" if m.supported else f"architecture {m.architecture!r}: " + VERDICTS.get(
+            m.architecture, "not one mlx-lm implements")
         return
     if m.gguf_files:
         from macinfer.gguf_arch import ARCHS

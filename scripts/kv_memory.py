@@ -15,6 +15,7 @@ import json
 import mlx.core as mx
 
 from macinfer.kv.cache import bytes_per_block, plan_blocks
+from macinfer.kv.spec import CacheGroup, FullAttention, SlidingWindow
 
 PRESETS = {  # from the published config.json files
     "gemma-3-27b": dict(num_hidden_layers=62, num_key_value_heads=16, head_dim=128, sliding_window=1024,
@@ -42,10 +43,15 @@ def report(name: str, m: dict, budget_gb: float, max_num_seqs: int, step_tokens:
     W = m["sliding_window"]
     dtype = getattr(mx, m["dtype"])
     per_layer_block = bytes_per_block(1, m["num_key_value_heads"], m["head_dim"], block_size, dtype)
-    cap = max_num_seqs * (-(-(W - 1) // block_size) + 2) + -(-step_tokens // block_size)
+    kind = SlidingWindow(W)
+    cap = max_num_seqs * kind.live_blocks(block_size) + -(-step_tokens // block_size)
     budget = int(budget_gb * 2**30)
-    full_plain, _ = plan_blocks(budget, per_layer_block, layers, 0, 0)
-    full, window = plan_blocks(budget, per_layer_block, layers, n_win, cap)
+    plain = [CacheGroup(0, FullAttention(), (), (), bytes_per_block=per_layer_block * layers)]
+    groups = [CacheGroup(0, FullAttention(), (), (), bytes_per_block=per_layer_block * n_full),
+              CacheGroup(1, kind, (), (), bytes_per_block=per_layer_block * n_win)]
+    full_plain = plan_blocks(plain, budget, [0], 1 << 40)
+    full = plan_blocks(groups, budget, [0, cap], 1 << 40)
+    window = groups[1].blocks_for(full, cap)
     per_token_all = per_layer_block * layers / block_size
     per_token_full = per_layer_block * n_full / block_size
     print(f"{name}: {layers} layers ({n_full} full attention, {n_win} with a {W}-token window), "

@@ -1,5 +1,7 @@
 """The CLI on the real bundled model (few tokens) and its error paths."""
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -46,6 +48,17 @@ def test_help_for_every_command():
     for cmd in ([], ["generate"], ["chat"], ["convert"]):
         r = CliRunner().invoke(main, cmd + ["--help"])
         assert r.exit_code == 0 and "Usage:" in r.output
+
+
+def test_models_architectures_lists_every_mlx_lm_model_type_with_its_verdict():
+    from macinfer.models import VERDICTS
+
+    r = CliRunner().invoke(main, ["models", "architectures"], terminal_width=400)
+    runs = sum(v == "runs" for v in VERDICTS.values())
+    assert r.exit_code == 0 and f"{runs} of {len(VERDICTS)} model types run" in r.output
+    assert "  qwen3_5: cache 0 is a ArraysCache: per-sequence recurrent state" in r.output
+    r = CliRunner().invoke(main, ["models", "architectures", "--json"])
+    assert json.loads(r.output) == VERDICTS
 
 
 def test_serve_help_lists_the_registry():

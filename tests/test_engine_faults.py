@@ -221,6 +221,7 @@ def test_interrupted_generate_leaves_nothing_running(tiny_llama):
     assert llm.generate([5, 6, 7], GREEDY)[0].finish_reason == "length"
     assert llm.engine.block_manager.num_used_blocks == 0
     assert "LLM(model=" in repr(llm) and "RequestOutput(" in repr(llm.generate([5], GREEDY)[0])
+    assert [(g["kind"], g["blocks_used"]) for g in llm.cache_groups()] == [("full attention", 0)]
 
 
 def test_kernel_self_check_falls_back_when_a_kernel_is_wrong(tiny_llama, monkeypatch, caplog):

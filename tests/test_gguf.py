@@ -273,6 +273,21 @@ def test_gguf_architectures_match_mlx_lm(tmp_path, arch):
     _assert_logits_match(path, ref, atol=2e-4)
 
 
+@pytest.mark.parametrize("arch,windows", [("gemma2", [8, None]), ("phi3", [8, 8])])
+def test_gguf_sliding_windows_follow_llama_cpp(tmp_path, arch, windows):
+    """mlx-lm's files for Gemma 2 and Phi-3 apply no window; llama.cpp (and transformers) do,
+    from `{arch}.attention.sliding_window`: Gemma 2 on even layers, Phi-3 on every layer."""
+    from tests.gguf_writer import arch_tensors
+    from tests.test_architectures import BASE
+
+    overrides, meta = GGUF_ARCHS[arch]
+    config = {**BASE, **overrides}
+    path = str(tmp_path / f"{arch}.gguf")
+    write_gguf(path, config, arch_tensors(arch, config, make_mlx_lm_model(config, seed=11)),
+               extra_meta={**meta, f"{arch}.attention.sliding_window": 8}, arch=arch)
+    assert [getattr(s.kind, "window", None) for s in load(path).model.layer_specs] == windows
+
+
 def test_unknown_tensor_type_and_corrupt_header_are_one_line_errors(tmp_path):
     import struct
 

@@ -92,14 +92,20 @@ def test_bounded_pool_invariants_under_random_schedules(kind, ops):
     assert all(g.pool.num_used == 0 for g in bm.groups)
 
 
-def test_prefix_hit_needs_the_window_tail():
-    bm = _manager(SlidingWindow(W), 32, 32)
-    window = bm.groups[1]
+def _cached(kind) -> BlockManager:
+    """A manager whose cache holds the blocks of a finished 30-token sequence."""
+    bm = _manager(kind, 32, 32)
     a = _seq(range(30), "a")
     bm.allocate(a, 30)
     bm.commit(a, 30)
     a.num_computed_tokens = 30
     bm.free(a)
+    return bm
+
+
+def test_prefix_hit_needs_the_window_tail():
+    bm = _cached(SlidingWindow(W))
+    window = bm.groups[1]
     b = _seq(range(30), "b")
     assert bm.match_prefix(b) == 28  # 7 full blocks; the last W tokens' blocks are cached
     assert b.block_tables[1][:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in b.block_tables[1][5:]
@@ -114,12 +120,7 @@ def test_prefix_hit_needs_the_window_tail():
 
 def test_prefix_hit_needs_the_current_chunk():
     """Chunked local attention: a hit at position p needs the blocks of p's chunk only."""
-    bm = _manager(ChunkedLocal(W), 32, 32)
-    a = _seq(range(30), "a")
-    bm.allocate(a, 30)
-    bm.commit(a, 30)
-    a.num_computed_tokens = 30
-    bm.free(a)
+    bm = _cached(ChunkedLocal(W))
     b = _seq(range(30), "b")
     assert bm.match_prefix(b) == 28
     # position 28's chunk starts at 24: blocks 0..5 are not needed

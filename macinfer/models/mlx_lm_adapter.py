@@ -193,6 +193,13 @@ def _patch_sdpa(mod: Any) -> None:
     _patched.add(mod.__name__)
 
 
+def _project(attn: nn.Module, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """An mlx-lm attention's q, k, v as [T, heads, L, head_dim] (its own layout)."""
+    T, L, _ = x.shape
+    return tuple(proj(x).reshape(T, L, n, -1).transpose(0, 2, 1, 3) for proj, n in (
+        (attn.q_proj, attn.n_heads), (attn.k_proj, attn.n_kv_heads), (attn.v_proj, attn.n_kv_heads)))
+
+
 def _patch_softcapped_attention(mod: Any) -> None:
     """Gemma 2's attention computes soft-capped scores itself instead of calling
     SDPA: inside our forward, run its projections and RoPE, then the paged
@@ -206,9 +213,7 @@ def _patch_softcapped_attention(mod: Any) -> None:
         if not isinstance(cache, PagedLayerCache):
             return original(self, x, mask, cache)
         T, L, _ = x.shape
-        q = self.q_proj(x).reshape(T, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(T, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(T, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = _project(self, x)
         q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
         out = _paged_call(q, k, v, cache, self.scale, mask, softcap=self.attn_logit_softcapping)
@@ -238,9 +243,7 @@ def _patch_llama4(mod: Any) -> None:
         if not isinstance(cache, PagedLayerCache):
             return attn_call(self, x, mask, cache)
         T, L, _ = x.shape
-        q = self.q_proj(x).reshape(T, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(T, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(T, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = _project(self, x)
         if self.use_rope:
             q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
         if self.use_qk_norm:

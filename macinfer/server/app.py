@@ -130,7 +130,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         kv = {"blocks_total": bm.num_blocks, "blocks_used": bm.num_used_blocks, "block_size": bm.block_size,
               "usage": bm.num_used_blocks / bm.num_blocks, "bytes": engine.kv_cache.nbytes,
               "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
-              "prefix_queried_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits}
+              "prefix_queried_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits,
+              "groups": engine.cache_groups()}
         return {"model": model_name, "max_model_len": engine.max_model_len, "kv": kv,
                 "requests": {"running": engine.num_running, "waiting": engine.num_waiting},
                 "tokens": dict(engine.stats)}
@@ -330,8 +331,9 @@ def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: floa
     logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())  # connection errors, not the access log
     host, port = sock.getsockname()[:2]
     kv = engine.kv_cache
+    groups = ", ".join(f"{g['kind']}: {g['blocks_total']}" for g in engine.cache_groups())
     print(f"macinfer serving {model_name} on http://{host}:{port}/v1  "
-          f"(KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens = {kv.nbytes / 2**30:.2f} GiB; "
+          f"(KV cache: blocks of {kv.block_size} tokens ({groups}) = {kv.nbytes / 2**30:.2f} GiB; "
           f"max_model_len {engine.max_model_len}; max_num_seqs {engine.config.max_num_seqs})", flush=True)
     if kwargs.get("webui", True):
         print(f"chat page: http://{host}:{port}/", flush=True)
