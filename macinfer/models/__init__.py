@@ -60,24 +60,26 @@ def build_model(config: dict[str, Any], impl: str = "auto"):
     """Instantiate the (uninitialised) model for an HF-style config dict.
     impl "mlx-lm" runs even the Llama family through mlx-lm's classes."""
     model_type = config.get("model_type")
+    freq_factors = "rope_freq_factors" in config  # GGUF rope_freqs: only the hand-written file applies them
     try:
-        check_rope(mlx_lm_adapter.text_config(config))
+        check_rope(config)
+        rope_error = None
     except ValueError as e:
-        if model_type in HAND_WRITTEN or "rope_freq_factors" in config:
-            raise UnsupportedArchitectureError(str(e)) from None  # mlx-lm's classes check their own RoPE
+        rope_error = str(e)
     try:
-        adapted = mlx_lm_adapter.build(config)
+        adapted, refusal = mlx_lm_adapter.build(config), None
     except mlx_lm_adapter.UnsupportedModelError as e:
-        if "rope_freq_factors" in config and model_type in HAND_WRITTEN:
-            adapted = None  # GGUF rope_freqs: the hand-written file applies them
-        else:
-            raise UnsupportedArchitectureError(f"unsupported architecture {model_type!r}: {e}") from None
+        adapted, refusal = None, f"unsupported architecture {model_type!r}: {e}"
+    # The probe decides: the hand-written file serves its families when every layer is full attention.
     full = adapted is None or all(type(s.kind) is FullAttention for s in adapted.layer_specs)
-    if impl == "auto" and model_type in HAND_WRITTEN and full:
+    hand_written = model_type in HAND_WRITTEN and impl == "auto" and full
+    if hand_written and rope_error is None:
         module, overrides = HAND_WRITTEN[model_type]
         return module.Model(ModelArgs.from_dict({**config, **overrides}))
-    if "rope_freq_factors" in config:  # GGUF rope_freqs: mlx-lm's classes would silently ignore them
-        raise UnsupportedArchitectureError(
+    if freq_factors:
+        raise UnsupportedArchitectureError(rope_error or (
             "per-pair RoPE factors (GGUF rope_freqs) run on the hand-written Llama path only; "
-            "load this model with the default model_impl")
+            "load this model with the default model_impl"))
+    if adapted is None:
+        raise UnsupportedArchitectureError(rope_error if rope_error and model_type in HAND_WRITTEN else refusal)
     return adapted
