@@ -1,6 +1,7 @@
 """Before/after: the same offline workload on two macinfer checkouts, taking turns.
 
     python scripts/ab_builds.py OLD_CHECKOUT NEW_CHECKOUT [--rounds 3] [--model PATH]
+    python scripts/ab_builds.py . . --impl auto,mlx-lm   # hand-written Llama vs mlx-lm's classes
 
 This machine's speed drifts 15-30% between phases of a run, so the builds alternate
 (one child process per build per round, PYTHONPATH pointing at that checkout) and
@@ -24,7 +25,7 @@ CHILD = r"""
 import hashlib, json, random, sys, time
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.sampling_params import SamplingParams
-engine = LLMEngine(sys.argv[1], EngineConfig(max_num_seqs=32, enable_prefix_caching=False))
+engine = LLMEngine(sys.argv[1], EngineConfig(max_num_seqs=32, enable_prefix_caching=False, model_impl=sys.argv[2]))
 rng = random.Random(0)
 def prompt(n):
     return [rng.randrange(100, 40000) for _ in range(n)]
@@ -68,14 +69,18 @@ def main() -> None:
     ap.add_argument("new")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--impl", default="auto,auto",
+                    help="model_impl of the old and the new run, e.g. 'auto,mlx-lm' with the same checkout twice: "
+                         "the hand-written Llama file against mlx-lm's classes")
     args = ap.parse_args()
+    impls = dict(zip(("old", "new"), args.impl.split(",")))
     model = args.model or bundled_model()
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     for r in range(args.rounds):
         for name, root in (("old", args.old), ("new", args.new)):
             env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
             # Run from the checkout: `python -c` puts the working directory first on sys.path.
-            proc = subprocess.run([sys.executable, "-c", CHILD, model], env=env, cwd=os.path.abspath(root),
+            proc = subprocess.run([sys.executable, "-c", CHILD, model, impls[name]], env=env, cwd=os.path.abspath(root),
                                   capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"{name} build failed:\n{proc.stderr[-2000:]}")
@@ -94,7 +99,7 @@ def main() -> None:
     same = hashes["old"] == hashes["new"] and len(hashes["old"]) == 1
     print("outputs: " + ("identical in both builds" if same else f"DIFFER: {hashes}"))
     print(f"model {model}; medians of {args.rounds} rounds, builds alternating; "
-          f"checkouts {args.old} -> {args.new}")
+          f"checkouts {args.old} -> {args.new}; model_impl {impls['old']} -> {impls['new']}")
 
 
 if __name__ == "__main__":

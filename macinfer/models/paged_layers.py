@@ -1,0 +1,210 @@
+"""mlx-lm's layers on the paged cache: the stand-in cache and the attention routes.
+
+`PagedLayerCache` stands in for each of mlx-lm's caches during one of our forward
+passes (`Forward`); `patch_modules` replaces the `scaled_dot_product_attention`
+that mlx-lm's model modules import by a dispatcher that runs the paged attention
+inside such a forward (and mlx-lm's own function outside one), and gives the few
+families whose attention does not go through it (Gemma 2's soft-capped scores,
+Llama 4's chunk mask and attention temperature) a short route to the same place.
+Each call is recorded on the forward, so the adapter's probe can check that every
+cache is written once and attended through the paged path with its own K/V.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from macinfer.kv.attention import AttentionMetadata, attend
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass
+class Forward:
+    """What one forward pass through the adapter saw (the probe checks it)."""
+    meta: AttentionMetadata | None  # None: the probe (nothing is written or attended)
+    fetched: dict[int, int] = field(default_factory=dict)  # id(K or V handed out) -> cache
+    handed: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)  # cache -> (K, V) handed out
+    writes: dict[int, list[tuple]] = field(default_factory=dict)  # cache -> shapes written
+    calls: list[int] = field(default_factory=list)  # cache each attention call read
+    problems: list[str] = field(default_factory=list)
+
+
+_state = threading.local()
+
+
+def _active() -> Forward | None:
+    return getattr(_state, "forward", None)
+
+
+def set_active(forward: Forward | None) -> None:
+    """The forward the adapter is running on this thread (None: none; mlx-lm's own calls)."""
+    _state.forward = forward
+
+
+class PagedLayerCache:
+    """Stands in for one of mlx-lm's caches during one forward pass."""
+
+    def __init__(self, forward: Forward, index: int, positions: mx.array):
+        self.forward, self.index, self.positions = forward, index, positions
+
+    @property
+    def offset(self) -> mx.array:
+        return self.positions  # [T]: one RoPE offset per row
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # keys/values: [T, kv_heads, 1, head_dim]
+        f = self.forward
+        f.writes.setdefault(self.index, []).append((tuple(keys.shape), tuple(values.shape), keys.dtype))
+        if f.meta is not None:
+            meta = f.meta.for_layer(self.index)
+            meta.kv_cache.write(self.index, meta.kv_rows(keys.shape[1]), keys[:, :, 0], values[:, :, 0])
+        f.fetched[id(keys)] = f.fetched[id(values)] = self.index
+        f.handed[self.index] = (keys, values)
+        return keys, values
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What a layer reading this cache's K/V (without writing) gets: this step's rows,
+        marked, so the attention over them reads the whole paged cache."""
+        if self.index not in self.forward.handed:
+            raise UnsupportedModelError(f"a layer reads cache {self.index}'s K/V before it is written")
+        return self.forward.handed[self.index]
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> None:
+        return None  # rows are single tokens; the paged attention masks by position and kind
+
+    def maybe_trim_front(self) -> None:
+        pass  # chunked caches drop old chunks themselves; the block manager releases blocks here
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def paged_call(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
+                sinks: mx.array | None = None, softcap: float | None = None) -> mx.array | None:
+    """The paged attention for an mlx-lm attention call inside our forward (None: not ours)."""
+    f = _active()
+    if f is None:
+        return None
+    index = cache.index if isinstance(cache, PagedLayerCache) else f.fetched.get(id(keys))
+    if index is None:
+        f.problems.append("an attention call reads K/V that did not come from its cache")
+        return mx.zeros(queries.shape[:-1] + values.shape[-1:], dtype=queries.dtype)
+    handed = f.handed.get(index)
+    if handed is None or keys is not handed[0] or values is not handed[1]:
+        f.problems.append(f"cache {index}'s K/V are changed after the cache (repeated, tiled or concatenated) "
+                          "before attention, which the paged attention cannot follow")
+    if mask is not None and not isinstance(mask, str):
+        f.problems.append(f"the attention over cache {index} takes a mask the model built itself")
+    f.calls.append(index)
+    if f.meta is None:  # the probe: shapes only
+        return mx.zeros(queries.shape[:-1] + values.shape[-1:], dtype=queries.dtype)
+    out = attend(queries[:, :, 0, :], f.meta, index, scale, sinks, softcap)
+    return out[:, :, None, :]
+
+
+_patched: set[str] = set()
+
+
+def _patch_sdpa(mod: Any) -> None:
+    """Route a model module's SDPA through the paged attention inside our forward."""
+    original = getattr(mod, "scaled_dot_product_attention", None)
+    if mod.__name__ in _patched or original is None:
+        return
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
+        out = paged_call(queries, keys, values, cache, scale, mask, sinks) if not kw else None
+        if out is None:
+            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks, **kw)
+        return out
+
+    mod.scaled_dot_product_attention = scaled_dot_product_attention
+    _patched.add(mod.__name__)
+
+
+def _project(attn: nn.Module, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """An mlx-lm attention's q, k, v as [T, heads, L, head_dim] (its own layout)."""
+    T, L, _ = x.shape
+    return tuple(proj(x).reshape(T, L, n, -1).transpose(0, 2, 1, 3) for proj, n in (
+        (attn.q_proj, attn.n_heads), (attn.k_proj, attn.n_kv_heads), (attn.v_proj, attn.n_kv_heads)))
+
+
+def _patch_softcapped_attention(mod: Any) -> None:
+    """Gemma 2's attention computes soft-capped scores itself instead of calling
+    SDPA: inside our forward, run its projections and RoPE, then the paged
+    attention with the cap."""
+    cls = getattr(mod, "Attention", None)
+    if mod.__name__ + ":softcap" in _patched or cls is None:
+        return
+    original = cls.__call__
+
+    def __call__(self, x, mask=None, cache=None):
+        if not isinstance(cache, PagedLayerCache):
+            return original(self, x, mask, cache)
+        T, L, _ = x.shape
+        q, k, v = _project(self, x)
+        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = paged_call(q, k, v, cache, self.scale, mask, softcap=self.attn_logit_softcapping)
+        return self.o_proj(out[:, :, 0, :].reshape(T, L, -1))
+
+    cls.__call__ = __call__
+    _patched.add(mod.__name__ + ":softcap")
+
+
+def _patch_llama4(mod: Any) -> None:
+    """Llama 4 builds its chunk mask and its no-RoPE layers' attention temperature from
+    `cache.offset` as one number; inside our forward the chunks are the cache kind's
+    (ChunkedLocal) and the temperature is taken per row from its position."""
+    if mod.__name__ + ":llama4" in _patched:
+        return
+    model_call, attn_call = mod.LlamaModel.__call__, mod.Attention.__call__
+
+    def model(self, inputs, cache=None):
+        if not cache or not isinstance(cache[0], PagedLayerCache):
+            return model_call(self, inputs, cache)
+        h = self.embed_tokens(inputs)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, None, cache=c)
+        return self.norm(h)
+
+    def attention(self, x, mask=None, cache=None):
+        if not isinstance(cache, PagedLayerCache):
+            return attn_call(self, x, mask, cache)
+        T, L, _ = x.shape
+        q, k, v = _project(self, x)
+        if self.use_rope:
+            q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+        if self.use_qk_norm:
+            q, k = mx.fast.rms_norm(q, weight=None, eps=1e-6), mx.fast.rms_norm(k, weight=None, eps=1e-6)
+        if self.attn_temperature_tuning and not self.use_rope:
+            pos = cache.offset.astype(mx.float32)
+            scales = mx.log(mx.floor((pos + 1) / self.floor_scale) + 1.0) * self.attn_scale + 1.0
+            q = (q * scales[:, None, None, None]).astype(q.dtype)
+        k, v = cache.update_and_fetch(k, v)
+        out = paged_call(q, k, v, cache, self.scale, None)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(T, L, -1))
+
+    mod.LlamaModel.__call__, mod.Attention.__call__ = model, attention
+    _patched.add(mod.__name__ + ":llama4")
+
+
+# model modules whose attention does not (only) go through SDPA, and how to route it
+_ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
+                      "mlx_lm.models.llama4": [_patch_sdpa, _patch_llama4]}
+
+
+def patch_modules() -> None:
+    """Every mlx-lm model module loaded so far (a model's own and those it borrows from)."""
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and mod is not None:
+            for patch in _ATTENTION_PATCHES.get(name, [_patch_sdpa]):
+                patch(mod)
