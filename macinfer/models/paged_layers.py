@@ -88,6 +88,14 @@ class PagedLayerCache:
         return True
 
 
+def _same(x: mx.array, handed: mx.array) -> bool:
+    """`x` is what the cache handed out, or an array of its shape (StableLM casts K to
+    float32 after the cache, a new array of the same values): the paged attention reads
+    the pool. A change of values in place is caught by the engine's load-time comparison
+    with mlx-lm's own forward; a change of shape (heads tiled, K/V concatenated) here."""
+    return x is handed or x.shape == handed.shape
+
+
 def paged_call(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
                 sinks: mx.array | None = None, softcap: float | None = None) -> mx.array | None:
     """The paged attention for an mlx-lm attention call inside our forward (None: not ours)."""
@@ -99,9 +107,9 @@ def paged_call(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, 
         f.problems.append("an attention call reads K/V that did not come from its cache")
         return mx.zeros(queries.shape[:-1] + values.shape[-1:], dtype=queries.dtype)
     handed = f.handed.get(index)
-    if handed is None or keys is not handed[0] or values is not handed[1]:
-        f.problems.append(f"cache {index}'s K/V are changed after the cache (repeated, tiled or concatenated) "
-                          "before attention, which the paged attention cannot follow")
+    if handed is None or not (_same(keys, handed[0]) and _same(values, handed[1])):
+        f.problems.append(f"cache {index}'s K/V are reshaped after the cache (heads repeated or tiled, "
+                          "rows concatenated) before attention, which the paged attention cannot follow")
     if mask is not None and not isinstance(mask, str):
         f.problems.append(f"the attention over cache {index} takes a mask the model built itself")
     f.calls.append(index)
@@ -197,9 +205,29 @@ def _patch_llama4(mod: Any) -> None:
     _patched.add(mod.__name__ + ":llama4")
 
 
+def _patch_gpt_bigcode(mod: Any) -> None:
+    """GPT-BigCode (StarCoder 1, SantaCoder) adds learned position embeddings it numbers
+    from `cache.offset` as one number: inside our forward, from each row's position."""
+    if mod.__name__ + ":positions" in _patched:
+        return
+    original = mod.GPTBigCodeModel.__call__
+
+    def model(self, inputs, cache=None):
+        if not cache or not isinstance(cache[0], PagedLayerCache):
+            return original(self, inputs, cache)
+        h = self.wte(inputs) + self.wpe(cache[0].offset[:, None])
+        for layer, c in zip(self.h, cache):
+            h = layer(h, None, cache=c)
+        return self.ln_f(h)
+
+    mod.GPTBigCodeModel.__call__ = model
+    _patched.add(mod.__name__ + ":positions")
+
+
 # model modules whose attention does not (only) go through SDPA, and how to route it
 _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
-                      "mlx_lm.models.llama4": [_patch_sdpa, _patch_llama4]}
+                      "mlx_lm.models.llama4": [_patch_sdpa, _patch_llama4],
+                      "mlx_lm.models.gpt_bigcode": [_patch_sdpa, _patch_gpt_bigcode]}
 
 
 def patch_modules() -> None:
