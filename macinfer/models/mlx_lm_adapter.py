@@ -224,7 +224,7 @@ class MlxLmModel(nn.Module):
             raise
         except Exception as e:  # noqa: BLE001 - whatever the model's code raises is the reason
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UnsupportedModelError(f"{name}: its forward fails on paged caches ({msg})") from None
+            raise UnsupportedModelError(f"{name}: its forward fails on this backend with paged caches ({msg})") from None
         if f.problems:
             raise UnsupportedModelError(f"{name}: {f.problems[0]}")
         n = len(self._kinds)
