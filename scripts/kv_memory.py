@@ -46,9 +46,9 @@ def report(name: str, m: dict, budget_gb: float, max_num_seqs: int, step_tokens:
     kind = SlidingWindow(W)
     cap = max_num_seqs * kind.live_blocks(block_size) + -(-step_tokens // block_size)
     budget = int(budget_gb * 2**30)
-    plain = [CacheGroup(0, FullAttention(), (), (), bytes_per_block=per_layer_block * layers)]
-    groups = [CacheGroup(0, FullAttention(), (), (), bytes_per_block=per_layer_block * n_full),
-              CacheGroup(1, kind, (), (), bytes_per_block=per_layer_block * n_win)]
+    plain = [CacheGroup(0, FullAttention(), (), bytes_per_block=per_layer_block * layers)]
+    groups = [CacheGroup(0, FullAttention(), (), bytes_per_block=per_layer_block * n_full),
+              CacheGroup(1, kind, (), bytes_per_block=per_layer_block * n_win)]
     full_plain = plan_blocks(plain, budget, [0], 1 << 40)
     full = plan_blocks(groups, budget, [0, cap], 1 << 40)
     window = groups[1].blocks_for(full, cap)

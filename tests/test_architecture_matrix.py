@@ -176,6 +176,9 @@ def test_gemma4_kv_sharing_counts_each_shared_cache_once(tmp_path):
     assert [(s.kind.describe(), s.num_kv_heads, s.head_dim) for s in specs] == \
         [("sliding window 8", 2, 16), ("full attention", 2, 32)]
     groups = engine.cache_groups()
+    # layers 2 and 3 read the caches of layers 0 and 1 (the last ones of their kind)
+    assert [(g["kind"], g["layers"], g["caches"]) for g in groups] == \
+        [("full attention", [1, 3], [1]), ("sliding window 8", [0, 2], [0])]
     per_token = {g["kind"]: g["bytes_per_token"] for g in groups}
     assert per_token == {"full attention": 2 * 2 * 32 * 4, "sliding window 8": 2 * 2 * 16 * 4}
     assert sum(g["bytes"] for g in groups) == engine.kv_cache.nbytes

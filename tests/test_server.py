@@ -41,7 +41,7 @@ def test_models_and_health(server, client):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     kv = httpx.get(f"{server.url}/status").json()["kv"]
     # SmolLM2: 30 full-attention layers, 3 KV heads of 64, float32 K and V
-    assert kv["groups"] == [{"kind": "full attention", "layers": list(range(30)), "layers_with_kv": list(range(30)),
+    assert kv["groups"] == [{"kind": "full attention", "layers": list(range(30)), "caches": list(range(30)),
                              "block_size": 16, "blocks_total": kv["blocks_total"], "blocks_used": kv["blocks_used"],
                              "blocks_cached": kv["groups"][0]["blocks_cached"], "bytes_per_token": 30 * 2 * 3 * 64 * 4,
                              "bytes": kv["bytes"]}]

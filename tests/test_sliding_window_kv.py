@@ -25,8 +25,8 @@ def _seq(tokens, name="s") -> Sequence:
 
 
 def _manager(kind, full_blocks=64, bounded_blocks=40) -> BlockManager:
-    return BlockManager([CacheGroup(0, FullAttention(), (0,), (0,), num_blocks=full_blocks),
-                         CacheGroup(1, kind, (1,), (1,), num_blocks=bounded_blocks)], BS)
+    return BlockManager([CacheGroup(0, FullAttention(), (0,), num_blocks=full_blocks),
+                         CacheGroup(1, kind, (1,), num_blocks=bounded_blocks)], BS)
 
 
 def _check(bm: BlockManager, live: list[Sequence], step_tokens: dict) -> None:

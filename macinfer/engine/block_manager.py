@@ -190,7 +190,7 @@ class BlockManager:
     def __init__(self, groups: list[CacheGroup] | int, block_size: int, enable_prefix_caching: bool = True,
                  cache_key: str = ""):
         if isinstance(groups, int):  # one full-attention group of this many blocks
-            groups = [CacheGroup(0, FullAttention(), (), (), num_blocks=groups)]
+            groups = [CacheGroup(0, FullAttention(), (), num_blocks=groups)]
         if groups[0].num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -328,6 +328,6 @@ class BlockManager:
 
     def stats(self) -> list[dict]:
         """Per group: its kind, layers, blocks total and in use."""
-        return [{"kind": g.kind.describe(), "layers": list(g.group.readers), "block_size": self.block_size,
+        return [{"kind": g.kind.describe(), "layers": list(g.group.layers), "block_size": self.block_size,
                  "blocks_total": g.pool.num_usable, "blocks_used": g.pool.num_used,
                  "blocks_cached": len(g.pool.cached)} for g in self.groups]

@@ -22,7 +22,7 @@ from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import SpeculativeConfig, record_verdict
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.kv.cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, layer_bytes_per_token, plan_blocks
-from macinfer.kv.spec import check_sharing, group_layers
+from macinfer.kv.spec import group_caches
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer
@@ -86,13 +86,12 @@ class LLMEngine:
         kernels.configure(self_check(kernels.requested_mode()))
         kv_dtype = self._kv_dtype()
         bs = cfg.block_size
-        # One cache spec per layer, decided by the model at load; layers of one kind form a group.
+        # One cache spec per layer, decided by the model at load; caches of one kind form a group.
         self.layer_specs = list(self.model.layer_specs)
-        check_sharing(self.layer_specs)
-        groups, _ = group_layers(self.layer_specs)
+        groups, _ = group_caches(self.layer_specs, getattr(self.model, "layer_caches", None))
         for g in groups:
             g.bytes_per_block = bs * sum(layer_bytes_per_token(self.layer_specs[i], kv_dtype, cfg.kv_cache_dtype)
-                                         for i in g.layers)
+                                         for i in g.caches)
         step_blocks = -(-cfg.max_num_batched_tokens // bs)
         # A bounded group's pool never needs more than every running sequence's live blocks plus a step's.
         caps = [cfg.max_num_seqs * (g.kind.live_blocks(bs) or 0) + step_blocks for g in groups]
@@ -155,7 +154,7 @@ class LLMEngine:
         log.info(
             "KV cache: %.2f GiB, %s%s, blocks of %d tokens: %s; max_model_len %d; decode attention: %s",
             self.kv_cache.nbytes / 2**30, kv_dtype, " as int8" if self.kv_cache.quantized else "", bs,
-            "; ".join(f"{g.kind.describe()}: {len(g.readers)} layers ({len(g.layers)} keep K/V), "
+            "; ".join(f"{g.kind.describe()}: {len(g.layers)} layers ({len(g.caches)} keep K/V), "
                       f"{g.num_blocks} blocks, {g.bytes_per_block // bs} bytes a token" for g in groups),
             self.max_model_len, "reference (int8 KV)" if self.kv_cache.quantized else kernels.mode(),
         )
@@ -186,10 +185,11 @@ class LLMEngine:
         self.block_manager.drop_cache()
 
     def cache_groups(self) -> list[dict]:
-        """Per cache group: its kind, layers, block size, blocks total/used, bytes per token."""
+        """Per cache group: its kind, the layers reading it and the caches keeping K/V in it,
+        block size, blocks total/used/cached, bytes per token and in all."""
         stats = self.block_manager.stats()
         for st, g in zip(stats, self.kv_cache.groups):
-            st["layers_with_kv"] = list(g.layers)
+            st["caches"] = list(g.caches)
             st["bytes_per_token"] = g.bytes_per_block // self.kv_cache.block_size
             st["bytes"] = self.kv_cache.group_nbytes(g)
         return stats

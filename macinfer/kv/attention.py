@@ -291,9 +291,9 @@ def _batched_prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int,
 
 def attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
            sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
-    """q: [T, H, d] against the paged cache of `layer` (this step's K/V already written;
-    a layer that shares K/V reads its owner's). Which keys each query reads is the
-    layer's cache group's kind. `sinks`: per-head attention-sink logits; `softcap`:
+    """q: [T, H, d] against the paged cache `layer` (this step's K/V already written; a
+    layer that reads another's K/V passes that cache). Which keys each query reads is
+    the cache group's kind. `sinks`: per-head attention-sink logits; `softcap`:
     attention logit soft-capping."""
     meta = meta.for_layer(layer)
     outs = []

@@ -184,8 +184,9 @@ class LayerPool:
 
 
 class KVCache:
-    """The pools of every layer that keeps K/V, each sized by its group's block count
-    (see `macinfer.kv.spec`); a layer that shares K/V reads its owner's pool."""
+    """The pools of every cache, each sized by its group's block count (see
+    `macinfer.kv.spec`). Indexed by cache; a layer that reads another's K/V is
+    routed to that cache by the model."""
 
     def __init__(self, layers: list[LayerKV], groups: list[CacheGroup], block_size: int, dtype: mx.Dtype,
                  kv_cache_dtype: str = "auto"):
@@ -196,11 +197,11 @@ class KVCache:
         self.quantized = kv_cache_dtype == "int8"
         self.group_of = [0] * len(layers)
         for g in groups:
-            for i in g.readers:
+            for i in g.caches:
                 self.group_of[i] = g.index
         self._pools: dict[int, LayerPool] = {
             i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.quantized)
-            for g in groups for i in g.layers}
+            for g in groups for i in g.caches}
         mx.eval(self.state())
 
     @property
@@ -208,9 +209,8 @@ class KVCache:
         """Blocks of the first group (the full-attention one when the model has one)."""
         return self.groups[0].num_blocks
 
-    def pool(self, layer: int) -> LayerPool:
-        spec = self.layers[layer]
-        return self._pools[layer if spec.shares is None else spec.shares]
+    def pool(self, cache: int) -> LayerPool:
+        return self._pools[cache]
 
     def write(self, layer: int, rows: mx.array, k: mx.array, v: mx.array) -> None:
         self.pool(layer).write(rows, k, v)
@@ -228,7 +228,7 @@ class KVCache:
         return sum(p.nbytes for p in self._pools.values())
 
     def group_nbytes(self, group: CacheGroup) -> int:
-        return sum(self._pools[i].nbytes for i in group.layers)
+        return sum(self._pools[i].nbytes for i in group.caches)
 
     def state(self) -> list[mx.array]:
         return [a for p in self._pools.values() for a in p.state()]

@@ -7,11 +7,11 @@ builds and the K/V its layers actually write), as vLLM v1's KV cache specs are:
   keys, or chunked local attention (Llama 4: a query reads its own chunk of C
   tokens). Its `key_floor` is the one place a layer's window is applied: block
   release, prefix hits, decode masks and prefill masks all ask it.
-- a `LayerKV` is one layer's cache: its kind, K/V heads and head sizes, or the
-  earlier layer whose K/V it reads (Gemma 3n/4, AFM: KV sharing), keeping none.
-- layers of one kind form a `CacheGroup`: one block pool, one block table per
-  sequence. Layers in a group may have different shapes (Gemma 4's global layers
-  are wider): block ids index each layer's own pool, so they need not match.
+- a `LayerKV` is one cache: the K/V one layer writes, its kind, K/V heads and head
+  sizes. Later layers may read it too (Gemma 3n/4, AFM: KV sharing); they keep none.
+- caches of one kind form a `CacheGroup`: one block pool, one block table per
+  sequence. Caches in a group may have different shapes (Gemma 4's global layers
+  are wider): block ids index each cache's own pool, so they need not match.
 
 A future kind (a recurrent state slot, an MLA latent) is one more class here and
 one more manager in the block manager, not a change to the scheduler.
@@ -82,17 +82,14 @@ AttentionKind = FullAttention | SlidingWindow | ChunkedLocal
 
 @dataclass(frozen=True)
 class LayerKV:
-    """One layer's cache: paged K/V rows of its own, or (`shares`) another layer's."""
+    """One cache: the K/V rows one layer writes (later layers may read them too: KV sharing)."""
     kind: AttentionKind
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
-    shares: int | None = None  # the layer whose K/V this one reads
 
     def bytes_per_token(self, itemsize: int, quantized_bytes=None) -> int:
-        """K + V bytes one token costs in this layer (0 for a sharing layer)."""
-        if self.shares is not None:
-            return 0
+        """K + V bytes one token costs in this cache."""
         if quantized_bytes is not None:
             return self.num_kv_heads * (quantized_bytes(self.head_dim) + quantized_bytes(self.v_head_dim))
         return self.num_kv_heads * (self.head_dim + self.v_head_dim) * itemsize
@@ -100,11 +97,11 @@ class LayerKV:
 
 @dataclass
 class CacheGroup:
-    """Layers of one attention kind: one block pool and one block table per sequence."""
+    """Caches of one attention kind: one block pool and one block table per sequence."""
     index: int
     kind: AttentionKind
-    layers: tuple[int, ...]  # layers with K/V of their own
-    readers: tuple[int, ...]  # every layer attending over this group's pools (sharing layers too)
+    caches: tuple[int, ...]  # the model's caches in this group
+    layers: tuple[int, ...] = ()  # the decoder layers attending over them (sharing layers too)
     num_blocks: int = 0  # set when the pools are planned (bounded kinds: + 1 null block)
     bytes_per_block: int = 0
 
@@ -113,28 +110,18 @@ class CacheGroup:
         return min(num_full_blocks, cap) + 1 if self.kind.bounded else num_full_blocks
 
 
-def group_layers(layers: list[LayerKV]) -> tuple[list[CacheGroup], list[int]]:
+def group_caches(caches: list[LayerKV], layer_caches: list[int] | None = None) -> tuple[list[CacheGroup], list[int]]:
     """Cache groups (unbounded kinds first, so group 0 anchors the tables when there is
-    one) and each layer's group."""
+    one) and each cache's group. `layer_caches`: the cache each decoder layer reads
+    (default: layer i reads cache i)."""
     kinds: list[AttentionKind] = []
-    for spec in layers:
-        if spec.shares is None and spec.kind not in kinds:
+    for spec in caches:
+        if spec.kind not in kinds:
             kinds.append(spec.kind)
     kinds.sort(key=lambda k: k.bounded)
-    group_of = [kinds.index(layers[spec.shares].kind if spec.shares is not None else spec.kind)
-                for spec in layers]
-    groups = [CacheGroup(g, kind,
-                         tuple(i for i, s in enumerate(layers) if s.shares is None and group_of[i] == g),
-                         tuple(i for i in range(len(layers)) if group_of[i] == g))
+    group_of = [kinds.index(spec.kind) for spec in caches]
+    readers = list(range(len(caches))) if layer_caches is None else layer_caches
+    groups = [CacheGroup(g, kind, tuple(i for i in range(len(caches)) if group_of[i] == g),
+                         tuple(layer for layer, c in enumerate(readers) if group_of[c] == g))
               for g, kind in enumerate(kinds)]
     return groups, group_of
-
-
-def check_sharing(layers: list[LayerKV]) -> None:
-    """A sharing layer must read a layer that keeps K/V, of the same kind, earlier in the stack."""
-    for i, spec in enumerate(layers):
-        j = spec.shares
-        if j is None:
-            continue
-        if not 0 <= j < i or layers[j].shares is not None:
-            raise ValueError(f"layer {i} shares K/V with layer {j}, which keeps none of its own before it")

@@ -174,8 +174,9 @@ class MlxLmModel(nn.Module):
         object.__setattr__(self, "_kinds", kinds)
         patch_modules()
         self.num_layers = len(lm.layers) if hasattr(lm, "layers") else len(caches)
-        specs, vocab = self._probe()
+        specs, layer_caches, vocab = self._probe()
         object.__setattr__(self, "layer_specs", specs)
+        object.__setattr__(self, "layer_caches", layer_caches)
         self.args = EngineArgs(
             model_type=model_type,
             num_hidden_layers=self.num_layers,
@@ -209,7 +210,7 @@ class MlxLmModel(nn.Module):
         finally:
             set_active(None)
 
-    def _probe(self) -> tuple[list[LayerKV], int]:
+    def _probe(self) -> tuple[list[LayerKV], list[int], int]:
         """One forward of two tokens, built but never evaluated: each cache's K/V shapes,
         the vocabulary, and the checks that the paged path computes what mlx-lm would."""
         name = type(self.lm).__module__.rsplit(".", 1)[-1]
@@ -244,7 +245,7 @@ class MlxLmModel(nn.Module):
             if len(k) != 4 or k[0] != 2 or k[2] != 1 or v[:3] != k[:3]:
                 raise UnsupportedModelError(f"{name}: cache {i} is written K {k} / V {v}, not [T, heads, 1, d]")
             specs.append(LayerKV(kind, num_kv_heads=k[1], head_dim=k[3], v_head_dim=v[3]))
-        return specs, vocab
+        return specs, f.calls, vocab  # calls: the cache each layer attended, in layer order
 
     # -- the interface -----------------------------------------------------------
     def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:
