@@ -184,6 +184,20 @@ def test_gemma4_kv_sharing_counts_each_shared_cache_once(tmp_path):
     assert sum(g["bytes"] for g in groups) == engine.kv_cache.nbytes
 
 
+def test_a_paged_forward_that_differs_from_mlx_lm_is_refused_at_load(tmp_path, monkeypatch):
+    """The load-time comparison: a layer that loses its rows' positions (as AFM's KV-reuse
+    layers did before their route, reading positions from the K/V's length) computes other
+    logits than mlx-lm and is refused, with the figures, instead of running wrong."""
+    from macinfer.models.paged_layers import PagedLayerCache
+
+    config = tiny_config("qwen3")
+    path = save_model_dir(str(tmp_path / "q"), config, make_mlx_lm_model(config, seed=7))
+    monkeypatch.setattr(PagedLayerCache, "offset", property(lambda self: mx.zeros_like(self.positions)))
+    with pytest.raises(UnsupportedArchitectureError, match="unsupported architecture 'qwen3': its layers on the "
+                       r"paged cache compute other logits than mlx-lm's own forward \(off by"):
+        LLMEngine(path, EngineConfig(kv_cache_gb=0.01, model_impl="mlx-lm"))
+
+
 def test_the_table_is_valid_json():
     with open(VERDICTS_FILE) as f:
         assert json.load(f) == VERDICTS

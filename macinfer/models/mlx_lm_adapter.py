@@ -198,9 +198,9 @@ class MlxLmModel(nn.Module):
         return self.lm.layers
 
     def _run(self, input_ids: mx.array, forward: Forward) -> mx.array:
-        caches = [PagedLayerCache(forward, i, forward.meta.positions if forward.meta is not None
-                                  else mx.arange(input_ids.shape[0], dtype=mx.int32))
-                  for i in range(len(self._kinds))]
+        forward.positions = forward.meta.positions if forward.meta is not None \
+            else mx.arange(input_ids.shape[0], dtype=mx.int32)
+        caches = [PagedLayerCache(forward, i, forward.positions) for i in range(len(self._kinds))]
         set_active(forward)
         try:
             inner = _resolve(self._text, ".".join(self._inner_path))

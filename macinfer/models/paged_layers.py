@@ -31,6 +31,7 @@ class UnsupportedModelError(ValueError):
 class Forward:
     """What one forward pass through the adapter saw (the probe checks it)."""
     meta: AttentionMetadata | None  # None: the probe (nothing is written or attended)
+    positions: mx.array | None = None  # [T] each row's position
     fetched: dict[int, int] = field(default_factory=dict)  # id(K or V handed out) -> cache
     handed: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)  # cache -> (K, V) handed out
     writes: dict[int, list[tuple]] = field(default_factory=dict)  # cache -> shapes written
@@ -224,10 +225,32 @@ def _patch_gpt_bigcode(mod: Any) -> None:
     _patched.add(mod.__name__ + ":positions")
 
 
+def _patch_afm7(mod: Any) -> None:
+    """AFM's KV-reuse layers attend over the last layer's K/V and rotate their queries from
+    the K/V's length (`S - L`): inside our forward, each row rotates at its own position."""
+    if mod.__name__ + ":reuse" in _patched:
+        return
+    original = mod.KVReuseAttention.__call__
+
+    def attention(self, x, keys, values, mask=None):
+        f = _active()
+        if f is None or id(keys) not in f.fetched:
+            return original(self, x, keys, values, mask)
+        T, L, _ = x.shape
+        q = self.q_proj(x).reshape(T, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        q = self.q_norm(self.rope(q, offset=f.positions))
+        out = paged_call(q, keys, values, None, self.scale, None)
+        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(T, L, -1))
+
+    mod.KVReuseAttention.__call__ = attention
+    _patched.add(mod.__name__ + ":reuse")
+
+
 # model modules whose attention does not (only) go through SDPA, and how to route it
 _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
                       "mlx_lm.models.llama4": [_patch_sdpa, _patch_llama4],
-                      "mlx_lm.models.gpt_bigcode": [_patch_sdpa, _patch_gpt_bigcode]}
+                      "mlx_lm.models.gpt_bigcode": [_patch_sdpa, _patch_gpt_bigcode],
+                      "mlx_lm.models.afm7": [_patch_sdpa, _patch_afm7]}
 
 
 def patch_modules() -> None:
