@@ -204,7 +204,8 @@ def convert(gguf, out_dir):
 @click.argument("model")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--served-model-name", default=None, help="Model id clients send (default: MODEL's file or directory name).")
+@click.option("--served-model-name", "served_model_names", multiple=True, help="The model id /v1/models shows and responses carry (default: MODEL's file or directory name); repeat it for aliases /v1/models/{id} answers too. Generation requests take any `model` value: one model is served.")
+@click.option("--max-tokens-default", type=click.IntRange(min=1), default=4096, show_default=True, help="Output cap of a request that sets no max_tokens (a max_tokens beyond what the context leaves is clamped to it; both say so in an x-macinfer-max-tokens header).")
 @click.option("--api-key", "api_keys", multiple=True, envvar="MACINFER_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key') on every endpoint but /health. Repeatable: one key per client.")
 @click.option("--cache-isolation", type=click.Choice(["key-and-user", "key", "none"]), default="key-and-user", show_default=True, help="Which requests may share prefix-cache entries: same API key and same `user` field (default), same key, or all.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, help="Extra Host header names to answer (repeatable; '*': any). Loopback names, this machine's names and IP addresses are always answered; other names are refused (DNS-rebinding defence).")
@@ -219,7 +220,7 @@ def convert(gguf, out_dir):
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True, help="Seconds a request may take to send its body (408 beyond).")
 @_engine_options
 @_log_options
-def serve(model, host, port, served_model_name, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, max_body_mb,
+def serve(model, host, port, served_model_names, max_tokens_default, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, max_body_mb,
           max_connections, header_timeout, body_timeout, **engine_opts):
     import os
 
@@ -236,13 +237,15 @@ def serve(model, host, port, served_model_name, api_keys, cache_isolation, allow
     if engine_opts["max_prefill_with_decodes"] is None:
         engine_opts["max_prefill_with_decodes"] = SERVE_PREFILL_WITH_DECODES
     engine = _load_engine(model, **engine_opts)
-    name = served_model_name or os.path.basename(model.rstrip("/")).removesuffix(".gguf")
+    names = list(served_model_names) or [os.path.basename(model.rstrip("/")).removesuffix(".gguf")]
+    name = names[0]
     hosts = allowed_host_names(host, tuple(allowed_hosts))
     code = run_server(engine, name, sock, header_timeout=header_timeout, max_connections=max_connections,
                       log_requests=logging.getLogger().level <= logging.INFO, api_keys=list(api_keys),
                       cors_origins=list(cors_origins), max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20),
-                      allowed_hosts=hosts, cache_isolation=cache_isolation, model_aliases=(model,), webui=not no_webui,
-                      tool_parser=tool_call_parser, body_timeout=body_timeout)
+                      allowed_hosts=hosts, cache_isolation=cache_isolation, model_aliases=(model, *names[1:]),
+                      webui=not no_webui, tool_parser=tool_call_parser, body_timeout=body_timeout,
+                      default_max_tokens=max_tokens_default)
     sys.exit(code)
 
 

@@ -164,8 +164,7 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
     ('{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
     ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, "temperature"),
     ('{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}', 400, "top_p"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400, "max_tokens"),
-    ('{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, "max_tokens"),
 ])
 def test_bad_input_gets_openai_errors(server, body, status, param):
     r = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
@@ -181,9 +180,42 @@ def test_prompt_beyond_context_is_400(server):
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
 
 
+def test_max_tokens_beyond_the_context_is_clamped_and_said(server):
+    """As llama-server and LM Studio do (agents send max_tokens 32,000 to an 8k model): the
+    answer stops where the context ends, finish_reason "length", and a header says so."""
+    prompt = "word " * 1000  # ~1,001 of the 1,024-token context
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": 5000, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    used = r.json()["usage"]
+    room = 1024 - used["prompt_tokens"]
+    assert used["completion_tokens"] == room and r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.headers["x-macinfer-max-tokens"] == \
+        f"{room} (asked 5000; the prompt leaves {room} of the 1024-token context)"
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "word " * 950}], "max_tokens": 5000,
+                            "stream": True}) as s:
+        assert s.status_code == 200 and "(asked 5000; the prompt leaves" in s.headers["x-macinfer-max-tokens"]
+        s.read()
+    within = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert "x-macinfer-max-tokens" not in within.headers
+
+
+def test_any_model_name_is_answered_with_this_servers_id(server):
+    """One model is served: agents' own model names (claude-opus-4-8, gpt-5-codex) reach it;
+    responses carry the server's id."""
+    hi = [{"role": "user", "content": "hi"}]
+    for api, body in (("chat/completions", {"model": "gpt-5", "messages": hi, "max_tokens": 2}),
+                      ("messages", {"model": "claude-opus-4-8", "messages": hi, "max_tokens": 2}),
+                      ("responses", {"model": "gpt-5-codex", "input": "hi", "max_output_tokens": 2})):
+        r = httpx.post(f"{server.url}/v1/{api}", timeout=30, json=body)
+        assert r.status_code == 200 and r.json()["model"] == "smollm2", (api, r.text)
+
+
 @pytest.fixture(scope="module")
 def guarded(smollm2_gguf):
-    s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--kv-cache-gb", "0.05", "--max-model-len", "1024",
+    s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--served-model-name", "HuggingFaceTB/SmolLM2",
+                      "--kv-cache-gb", "0.05", "--max-model-len", "1024", "--max-tokens-default", "3",
                       "--api-key", "sekret", "--max-num-seqs", "2", "--max-queue", "1", "--max-body-mb", "0.01")
     yield s
     assert "Traceback" not in s.stop()
@@ -197,6 +229,18 @@ def test_api_key_required_except_health(guarded):
     assert httpx.get(f"{guarded.url}/metrics").status_code == 401
     ok = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="sekret", max_retries=0)
     assert ok.models.list().data[0].id == "smollm2"
+
+
+def test_default_output_cap_and_aliases(guarded):
+    """--max-tokens-default caps a request that sets none; --served-model-name repeats as aliases."""
+    key = {"Authorization": "Bearer sekret"}
+    r = httpx.post(f"{guarded.url}/v1/chat/completions", headers=key, timeout=30,
+                   json={"messages": [{"role": "user", "content": "Tell me a long story."}], "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert r.headers["x-macinfer-max-tokens"] == "3 (default)"
+    assert [m["id"] for m in httpx.get(f"{guarded.url}/v1/models", headers=key).json()["data"]] == ["smollm2"]
+    alias = httpx.get(f"{guarded.url}/v1/models/HuggingFaceTB/SmolLM2", headers=key)
+    assert alias.status_code == 200 and alias.json()["id"] == "smollm2"
 
 
 def test_oversized_body_is_413(guarded):

@@ -27,7 +27,7 @@ from macinfer.server.middleware import Guard
 from macinfer.server import anthropic, responses
 from macinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                       describe_validation_error)
-from macinfer.server.serving import APIError, OpenAIServing
+from macinfer.server.serving import DEFAULT_MAX_TOKENS, APIError, OpenAIServing
 
 log = logging.getLogger("macinfer.server")
 
@@ -50,7 +50,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 2**20, allowed_hosts: set[str] | None = None,
                on_dead=None, model_aliases: tuple[str, ...] = (), api_keys: list[str] | None = None,
                cache_isolation: str = "key-and-user", webui: bool = True, tool_parser: str | None = None,
-               body_timeout: float = 30.0) -> FastAPI:
+               body_timeout: float = 30.0, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
     """The ASGI app. `allowed_hosts`: Host header names accepted (None: any);
     `on_dead`: called from the engine thread if the engine cannot recover;
     `cache_isolation`: which requests may share prefix-cache entries;
@@ -59,7 +59,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     metrics = ServerMetrics(engine)
     async_engine = AsyncEngine(engine, max_pending=engine.config.max_num_seqs + max_queue, on_dead=on_dead)
     serving = OpenAIServing(async_engine, model_name, metrics, aliases=model_aliases, cache_isolation=cache_isolation,
-                            tool_parser=tool_parser)
+                            tool_parser=tool_parser, default_max_tokens=default_max_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -143,8 +143,9 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def _start(kind: str, req, prompt, max_tokens, logprobs, request: Request, plan=None):
         """Validate, tokenize (never on the event loop: a large prompt takes seconds) and
         admit a request; returns (request id, prompt ids, output stream)."""
-        serving.check_model(req.model)
-        ids, params = await asyncio.to_thread(serving.prepare, req, prompt, max_tokens, logprobs, plan)
+        ids, params, limit = await asyncio.to_thread(serving.prepare, req, prompt, max_tokens, logprobs, plan)
+        if limit is not None:  # the Guard adds these to the response's head
+            request.state.response_headers = [(b"x-macinfer-max-tokens", limit.encode())]
         try:
             client = (getattr(request.state, "api_key_index", None), req.user)
             rid, stream = serving.submit(req, ids, params, kind, client)
@@ -222,7 +223,6 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, request: Request):
-        serving.check_model(req.model)
         if engine.loaded.pooling is None:
             raise APIError(400, "this model does not publish embedding use (no sentence-transformers pooling "
                            "config, no GGUF pooling_type): it has no embeddings endpoint", param="model",

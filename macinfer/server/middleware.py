@@ -163,7 +163,11 @@ class Guard:
 
         async def tracked_send(message: dict) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                extra = (scope.get("state") or {}).get("response_headers")  # set by an endpoint (request.state)
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
         try:

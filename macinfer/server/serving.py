@@ -45,6 +45,11 @@ class ChatTurn:
     prompt_tail: str = ""
 
 
+# The output cap of a request that sets none (`serve --max-tokens-default`): without one a
+# request runs to the end of the context, minutes at CPU speed, which looks like a hang.
+DEFAULT_MAX_TOKENS = 4096
+
+
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                     logprobs: int | None, plan: ChatPlan | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice; choices of a seeded request get seed, seed+1, ..."""
@@ -62,7 +67,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                 seed=None if req.seed is None else req.seed + i, stop=stop,
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-                logprobs=logprobs, strict_max_tokens=max_tokens is not None, logit_bias=bias,
+                logprobs=logprobs, logit_bias=bias,
                 grammar=plan.grammar if plan else None,
                 skip_special_tokens=plan.skip_special_tokens if plan else True,
                 # echo + logprobs: the prompt's tokens get logprobs too (lm-eval-harness scores with them)
@@ -106,8 +111,10 @@ def _generation_error(out: RequestOutput) -> APIError:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 aliases: tuple[str, ...] = (), cache_isolation: str = "key-and-user", tool_parser: str | None = None):
+                 aliases: tuple[str, ...] = (), cache_isolation: str = "key-and-user", tool_parser: str | None = None,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
         self.engine = engine
+        self.default_max_tokens = default_max_tokens
         self.tool_parser = tool_parser
         self.model_name = model_name
         self.aliases = {model_name, *aliases}
@@ -116,6 +123,9 @@ class OpenAIServing:
         self.metrics = metrics
 
     def check_model(self, model: str | None) -> None:
+        """For `GET /v1/models/{id}`: this server's id and aliases only. Generation requests
+        take any `model` value, as llama-server does (one model is served; agents send
+        their own model names), and answer with this server's id."""
         if model is not None and model not in self.aliases:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
@@ -186,11 +196,27 @@ class OpenAIServing:
         params = sampling_params(req, max_tokens, logprobs, plan)
         if logprobs is not None:
             self.tokenizer.token_byte_table()  # built here, off the event loop, before responses need it
-        if isinstance(prompt, str) and len(prompt) > _MAX_CHARS_PER_TOKEN * self.engine.engine.max_model_len:
+        context = self.engine.engine.max_model_len
+        if isinstance(prompt, str) and len(prompt) > _MAX_CHARS_PER_TOKEN * context:
             # Refuse before tokenizing: no tokenizer packs this many characters into a token.
             raise APIError(400, f"prompt is {len(prompt):,} characters, far beyond this model's context of "
-                           f"{self.engine.engine.max_model_len} tokens", param="prompt", code="context_length_exceeded")
-        return self._validate(prompt, params, plan), params
+                           f"{context} tokens", param="prompt", code="context_length_exceeded")
+        ids = self._validate(prompt, params, plan)  # the prompt must leave room for one token
+        return ids, params, self._limit_output(params, max_tokens, context - len(ids), context)
+
+    def _limit_output(self, params: list[SamplingParams], asked: int | None, room: int, context: int) -> str | None:
+        """Output limits as local servers set them: a `max_tokens` beyond what the context
+        leaves is clamped to it (the answer ends with finish_reason "length"), and none
+        given means `default_max_tokens` (also within the room). Returns the
+        `x-macinfer-max-tokens` header's value when the server chose the limit."""
+        limit = min(asked if asked is not None else self.default_max_tokens, room)
+        for p in params:
+            p.max_tokens = limit
+        if asked is None:
+            return f"{limit} (default)"
+        if asked > room:
+            return f"{limit} (asked {asked}; the prompt leaves {room} of the {context}-token context)"
+        return None
 
     def submit(self, req, ids: list[int], params: list[SamplingParams], kind: str,
                client: tuple[int | None, str | None]) -> tuple[str, RequestStream]:
