@@ -212,6 +212,29 @@ def test_any_model_name_is_answered_with_this_servers_id(server):
         assert r.status_code == 200 and r.json()["model"] == "smollm2", (api, r.text)
 
 
+def test_tokenize_detokenize_and_count_tokens(server, smollm2_engine):
+    """vLLM's /tokenize and /detokenize, Anthropic's /v1/messages/count_tokens: the same ids
+    the generation endpoints run."""
+    tok = smollm2_engine.tokenizer
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello there", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello there") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
+    assert r["token_strs"] == [tok.id_to_token(i) for i in r["tokens"]]
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello there"}
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": msgs}).json()
+    used = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()["usage"]
+    assert chat["count"] == used["prompt_tokens"]
+    counted = httpx.post(f"{server.url}/v1/messages/count_tokens", json={"model": "claude-x", "messages": msgs,
+                                                                      "system": "Be brief."}).json()
+    ran = httpx.post(f"{server.url}/v1/messages", json={"model": "claude-x", "messages": msgs, "system": "Be brief.",
+                                                        "max_tokens": 1}).json()
+    assert counted == {"input_tokens": ran["usage"]["input_tokens"]}
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(f"{server.url}/tokenize", json={"prompt": "a", "messages": msgs})
+    assert both.status_code == 400
+
+
 @pytest.fixture(scope="module")
 def guarded(smollm2_gguf):
     s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--served-model-name", "HuggingFaceTB/SmolLM2",

@@ -367,3 +367,15 @@ def test_head_probes_and_model_lookup(server):
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["created"] == listed["created"]
     missing = httpx.get(f"{server.url}/v1/models/other")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_verbose_logs_each_client_error_with_its_reason(tiny_llama):
+    """-v: a 4xx is logged with the message and the field, not only as an access line."""
+    s = ServerProcess(tiny_llama, "-v", "--kv-cache-gb", "0.01")
+    try:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "temperature": "hot"})
+        assert r.status_code == 400
+    finally:
+        out = s.stop()
+    assert "400 on /v1/chat/completions: " in out and "(param: temperature)" in out, out[-2000:]

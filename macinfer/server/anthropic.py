@@ -193,6 +193,11 @@ class MessagesRequest(BaseModel):
         )
 
 
+class CountTokensRequest(MessagesRequest):
+    """`POST /v1/messages/count_tokens`: a Messages request without `max_tokens`."""
+    max_tokens: int = Field(default=1, ge=1)
+
+
 def stop_reason(out, calls: bool) -> tuple[str, str | None]:
     if out.finish_reason == "length":
         return "max_tokens", None

@@ -25,8 +25,8 @@ from macinfer.server.metrics import ServerMetrics
 from macinfer.server import webui as chat_page
 from macinfer.server.middleware import Guard
 from macinfer.server import anthropic, responses
-from macinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
-                                      describe_validation_error)
+from macinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                      TokenizeRequest, describe_validation_error)
 from macinfer.server.serving import DEFAULT_MAX_TOKENS, APIError, OpenAIServing
 
 log = logging.getLogger("macinfer.server")
@@ -39,6 +39,8 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404:
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
            type: str | None = None, headers: dict | None = None, path: str = "") -> JSONResponse:
+    if 400 <= status < 500 and status != 499:  # with -v, the reason a client got, not only its status
+        log.info("%d on %s: %s%s", status, path, message, f" (param: {param})" if param else "")
     if path.startswith("/v1/messages"):  # Anthropic clients read Anthropic-shaped errors
         return JSONResponse(anthropic.error_body(status, message), status_code=status, headers=headers)
     return JSONResponse(APIError(status, message, type or _STATUS_TYPES.get(status, "server_error"),
@@ -193,11 +195,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             prompt = prompt[0]
         return await _run("completion", req, prompt, req.max_tokens or 16, req.logprobs, request)
 
-    async def _translated(req, param: str, request: Request, events, whole):
-        """Serve a request of another API through the chat path: `events(turn, stream)`
-        streams it, `whole(final, turn)` answers it at once."""
+    def _to_chat(req, param: str) -> ChatCompletionRequest:
+        """A request of another API as a chat request, or a 400 in the client's terms."""
         try:
-            chat = req.to_chat()
+            return req.to_chat()
         except ValidationError as e:  # the translated request breaks a chat rule: say it in the client's terms
             msg, _ = describe_validation_error(e.errors())
             raise APIError(400, msg, param=param) from None
@@ -206,7 +207,11 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             # Messages start with the field they are about ("text.format ...", "tools[0]: ...").
             named = re.match(r"(system|tools|tool_choice|text|thinking)\b", msg)
             raise APIError(400, msg, param=named.group(1) if named else param) from None
-        turn, stream, final = await _chat_translated(chat, request)
+
+    async def _translated(req, param: str, request: Request, events, whole):
+        """Serve a request of another API through the chat path: `events(turn, stream)`
+        streams it, `whole(final, turn)` answers it at once."""
+        turn, stream, final = await _chat_translated(_to_chat(req, param), request)
         if final is None:
             return _sse(events(turn, stream), stream)
         return whole(final, turn)
@@ -215,6 +220,34 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def messages(req: anthropic.MessagesRequest, request: Request):
         return await _translated(req, "messages", request, lambda t, s: anthropic.events(model_name, t, s),
                                  lambda f, t: anthropic.message(req, model_name, f, t))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: anthropic.CountTokensRequest):
+        """Anthropic's token count: the prompt the same request to /v1/messages would run."""
+        turn = await asyncio.to_thread(serving.chat_prompt, _to_chat(req, "messages"))
+        return {"input_tokens": len(turn.ids)}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        """vLLM's /tokenize: a prompt, or messages through the chat template."""
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send either `prompt` or `messages`", param="prompt")
+        if req.messages is not None:
+            chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+            ids = (await asyncio.to_thread(serving.chat_prompt, chat)).ids
+        else:
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [engine.tokenizer.id_to_token(i) for i in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        vocab = engine.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/responses")
     async def responses_create(req: responses.ResponsesRequest, request: Request):

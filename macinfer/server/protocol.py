@@ -223,6 +223,25 @@ class CompletionRequest(_Request):
     echo: bool = False
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: `prompt`, or `messages` rendered by the chat template."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
