@@ -69,6 +69,18 @@ def test_errors_are_anthropic_shaped(server, client):
         client.messages.create(model="smollm2", max_tokens=5, messages=ASK, extra_body={"mcp_servers": [{"x": 1}]})
     # Claude Code's own model names reach the one model served
     assert client.messages.create(model="claude-opus-4-8", max_tokens=2, messages=ASK).model == "smollm2"
+
+
+def test_claude_code_fields_are_accepted(server, client):
+    """What Claude Code sends besides the basics: a system message amid the conversation,
+    `thinking: {type: adaptive}`, `service_tier` and a top-level `cache_control` (bookkeeping)."""
+    msgs = [*ASK, {"role": "assistant", "content": "Paris."}, {"role": "system", "content": "Answer in French."},
+            {"role": "user", "content": "And Spain?"}]
+    r = client.messages.create(model="claude-opus-4-8", max_tokens=3, messages=msgs, thinking={"type": "adaptive"},
+                               extra_body={"service_tier": "auto", "cache_control": {"type": "ephemeral"}})
+    assert r.stop_reason in ("max_tokens", "end_turn")
+    with pytest.raises(anthropic.BadRequestError, match="mcp_servers"):  # still refused: it would change the answer
+        client.messages.create(model="x", max_tokens=3, messages=ASK, extra_body={"mcp_servers": [{"y": 1}]})
     r = httpx.post(f"{server.url}/v1/messages", json={"model": "smollm2", "max_tokens": 5, "messages": ASK})
     assert r.status_code == 401 and r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
     r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": "sekret"},

@@ -210,6 +210,22 @@ def test_reasoning_content_from_a_template_that_thinks(tmp_path):
                            for ch in c.chat.completions.create(model="tiny", messages=ASK, max_tokens=8,
                                                                temperature=0, stream=True) if ch.choices)
         assert streamed == msg.model_extra["reasoning_content"]
+        # Codex asks for reasoning.encrypted_content (and sends `reasoning: {}`, `client_metadata`):
+        # the reasoning item carries its text there, streamed and not; the item sent back is accepted.
+        body = {"model": "gpt-5-codex", "input": "Hi", "max_output_tokens": 8, "temperature": 0,
+                "include": ["reasoning.encrypted_content"], "reasoning": {}, "client_metadata": {"x": "y"}}
+        item = httpx.post(f"{s.url}/v1/responses", json=body, timeout=30).json()["output"][0]
+        assert item["type"] == "reasoning" and item["encrypted_content"] == item["content"][0]["text"]
+        with httpx.stream("POST", f"{s.url}/v1/responses", json={**body, "stream": True}, timeout=30) as r:
+            done = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        done = [e["item"] for e in done if e["type"] == "response.output_item.done"]
+        assert done[0]["encrypted_content"] == item["encrypted_content"]
+        again = httpx.post(f"{s.url}/v1/responses", timeout=30, json={**body, "input": [
+            {"type": "message", "role": "user", "content": "Hi"}, item,
+            {"type": "message", "role": "user", "content": "And?"}]})
+        assert again.status_code == 200, again.text
+        bad = httpx.post(f"{s.url}/v1/responses", json={**body, "include": ["file_search_call.results"]})
+        assert bad.status_code == 400 and "include" in bad.json()["error"]["message"]
     finally:
         assert "Traceback" not in s.stop()
 

@@ -26,7 +26,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                500: "api_error", 503: "overloaded_error"}
 _REFUSED = ("mcp_servers", "container")
-_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+           "system": ("text",)}
+# Accepted, without effect on the output: billing and provider-side caching hints.
+_BOOKKEEPING = ("service_tier", "cache_control")
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -43,7 +46,7 @@ class TextBlock(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: Claude Code puts some mid-conversation
     content: str | list[dict[str, Any]]
 
     @model_validator(mode="after")
@@ -104,7 +107,7 @@ class ToolChoice(BaseModel):
 class Thinking(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "disabled", "adaptive"]  # adaptive: the model decides; thinking is on
     budget_tokens: int | None = Field(default=None, ge=1)
 
 
@@ -139,7 +142,7 @@ class MessagesRequest(BaseModel):
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         for name, value in (self.model_extra or {}).items():
-            if name in _REFUSED and value in (None, [], {}):
+            if name in _BOOKKEEPING or (name in _REFUSED and value in (None, [], {})):
                 continue
             raise ValueError(f"`{name}` is not supported by this server")
         return self
@@ -149,6 +152,11 @@ class MessagesRequest(BaseModel):
         out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         for m in self.messages:
             blocks = m.blocks()
+            if m.role == "system":
+                # A system message amid the conversation (Claude Code sends them) is kept in place;
+                # a template that takes one system message only refuses it with a 400 naming `messages`.
+                out.append({"role": "system", "content": "".join(b["text"] for b in blocks)})
+                continue
             text = "".join(b["text"] for b in blocks if b["type"] == "text")
             if m.role == "assistant":
                 calls = [{"id": b["id"], "type": "function",
@@ -181,7 +189,7 @@ class MessagesRequest(BaseModel):
                 choice = {"any": "required"}.get(tc.type, tc.type)
         kwargs = None
         if self.thinking is not None:
-            kwargs = {"enable_thinking": self.thinking.type == "enabled"}
+            kwargs = {"enable_thinking": self.thinking.type != "disabled"}
         last = self.messages[-1]
         continues = last.role == "assistant" and not any(b["type"] == "tool_use" for b in last.blocks())
         return ChatCompletionRequest(

@@ -21,9 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from macinfer.server import chat_output
 from macinfer.server.protocol import ChatCompletionRequest
 
-_NOOP = {"previous_response_id": (None,), "store": (None, False), "reasoning": (None,),
-         "truncation": (None, "disabled"), "include": (None, []), "metadata": None, "background": (None, False),
-         "service_tier": None, "safety_identifier": None, "prompt_cache_key": None}
+_NOOP = {"previous_response_id": (None,), "store": (None, False), "reasoning": (None, {}),
+         "truncation": (None, "disabled"), "metadata": None, "background": (None, False),
+         "service_tier": None, "safety_identifier": None, "prompt_cache_key": None, "client_metadata": None}
+# `include` values served: reasoning items carry their text as `encrypted_content` (this server
+# keeps no state and encrypts nothing; Codex sends the item back, and it is dropped on input as
+# chat templates drop earlier reasoning).
+_INCLUDE = ("reasoning.encrypted_content",)
 
 
 class ResponsesRequest(BaseModel):
@@ -41,6 +45,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
+    include: list[str] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -49,6 +54,9 @@ class ResponsesRequest(BaseModel):
             if name in _NOOP and (allowed is None or value in allowed):
                 continue
             raise ValueError(f"`{name}` is not supported by this server")
+        for value in self.include or []:
+            if value not in _INCLUDE:
+                raise ValueError(f"include: {value!r} is not supported (only {', '.join(_INCLUDE)})")
         return self
 
     def messages(self) -> list[dict[str, Any]]:
@@ -154,9 +162,13 @@ def _usage(prompt_tokens: int, out) -> dict[str, Any]:
             "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt_tokens + n}
 
 
-def _reasoning_item(rid: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": f"rs_{rid}", "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]}
+def _encrypted(req: ResponsesRequest) -> bool:
+    return "reasoning.encrypted_content" in (req.include or [])
+
+
+def _reasoning_item(rid: str, text: str, encrypted: bool = False) -> dict[str, Any]:
+    item = {"type": "reasoning", "id": f"rs_{rid}", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+    return {**item, "encrypted_content": text} if encrypted else item
 
 
 def _message_item(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -174,7 +186,7 @@ def response(req: ResponsesRequest, model_name: str, out, turn) -> dict[str, Any
     msg, proc = chat_output.message(turn.plan, out.text, turn.prompt_tail)
     output = []
     if msg.get("reasoning_content"):
-        output.append(_reasoning_item(rid, msg["reasoning_content"]))
+        output.append(_reasoning_item(rid, msg["reasoning_content"], _encrypted(req)))
     if msg.get("content") or not proc.calls:
         output.append(_message_item(rid, msg.get("content") or ""))
     output += [_call_item(c.id, c.name, c.arguments) for c in proc.calls]
@@ -186,8 +198,8 @@ def response(req: ResponsesRequest, model_name: str, out, turn) -> dict[str, Any
 class _Items:
     """Streaming events for output items, opened and closed as the parts arrive."""
 
-    def __init__(self, rid: str, event):
-        self.rid, self.event = rid, event
+    def __init__(self, rid: str, event, encrypted: bool = False):
+        self.rid, self.event, self.encrypted = rid, event, encrypted
         self.items: list[dict[str, Any]] = []  # finished and open items, in output order
         self.open: str | None = None
         self.calls: dict[int, int] = {}  # OpenAI tool-call index -> output index
@@ -211,6 +223,8 @@ class _Items:
         item["status"] = "completed"
         if self.open == "reasoning":
             item.pop("status")
+            if self.encrypted:
+                item["encrypted_content"] = item["content"][0]["text"]
         self.open = None
         return out + [self.event("response.output_item.done", {"output_index": i, "item": item})]
 
@@ -269,7 +283,7 @@ async def events(req: ResponsesRequest, model_name: str, turn, gen) -> AsyncIter
     yield event("response.created", {"response": _response(req, model_name, rid, "in_progress", [], None)})
     yield event("response.in_progress", {"response": _response(req, model_name, rid, "in_progress", [], None)})
     proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
-    items = _Items(rid, event)
+    items = _Items(rid, event, _encrypted(req))
     try:
         async for out, parts in chat_output.parts_stream(proc, gen):
             if parts is None:
