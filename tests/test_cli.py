@@ -16,6 +16,19 @@ def test_generate_streams_text(smollm2_gguf):
     assert "tokens, TTFT" in r.stderr
 
 
+def test_llama_cpp_and_ollama_habits(tiny_llama):
+    """-m/--model for MODEL, -c/--ctx-size for --max-model-len, `run` for `chat`."""
+    args = ["-p", "hello world", "-n", "4", "--kv-cache-gb", "0.01", "--no-chat-template"]
+    plain = CliRunner().invoke(main, ["generate", tiny_llama, *args, "--max-model-len", "64"])
+    flag = CliRunner().invoke(main, ["generate", "-m", tiny_llama, *args, "-c", "64"])
+    assert plain.exit_code == 0 and flag.exit_code == 0, flag.output
+    assert flag.stdout == plain.stdout
+    for bad in (["generate", *args], ["generate", tiny_llama, "-m", tiny_llama, *args]):
+        r = CliRunner().invoke(main, bad)
+        assert r.exit_code == 2 and "give the model once: as MODEL or as -m/--model" in r.output
+    assert CliRunner().invoke(main, ["run", "--help"]).exit_code == 0
+
+
 def test_generate_with_speculation_prints_the_same_text(tiny_llama):
     args = ["generate", tiny_llama, "-p", "hello world", "-n", "24", "--kv-cache-gb", "0.01", "--no-chat-template"]
     plain = CliRunner().invoke(main, args)

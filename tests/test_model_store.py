@@ -57,6 +57,7 @@ def test_models_list(cache):
     assert rows["mlx-community/Tiny-4bit"]["supported"] and rows["mlx-community/Tiny-4bit"]["size_bytes"] > 1000
     assert not rows["someone/Mamba-tiny"]["supported"] and "mamba" in rows["someone/Mamba-tiny"]["why"]
     assert rows["someone/Tiny-GGUF"]["architecture"] == "llama" and rows["someone/Tiny-GGUF"]["supported"]
+    assert rows["smollm2"]["supported"] and rows["smollm2"]["path"].endswith(".gguf")  # the bundled model, servable
     table = CliRunner().invoke(main, ["models", "list"]).output
     assert "mlx-community/Tiny-4bit" in table and "no: architecture 'mamba'" in table
 
