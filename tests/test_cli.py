@@ -27,6 +27,9 @@ def test_llama_cpp_and_ollama_habits(tiny_llama):
         r = CliRunner().invoke(main, bad)
         assert r.exit_code == 2 and "give the model once: as MODEL or as -m/--model" in r.output
     assert CliRunner().invoke(main, ["run", "--help"]).exit_code == 0
+    beyond = CliRunner().invoke(main, ["generate", tiny_llama, *args, "-c", "4096"])  # trained on 2,048
+    assert beyond.exit_code == 1 and "--max-model-len 4096 is beyond this model's trained context of 2048" \
+        in beyond.output
 
 
 def test_generate_with_speculation_prints_the_same_text(tiny_llama):

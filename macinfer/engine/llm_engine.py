@@ -79,7 +79,12 @@ class LLMEngine:
         args = self.model.args
         cfg = self.config
         model_len = args.max_position_embeddings
-        self.max_model_len = min(cfg.max_model_len or model_len, model_len)
+        if cfg.max_model_len is not None and cfg.max_model_len > model_len:
+            # Positions beyond the trained ones give garbage without a RoPE extension the
+            # model's config does not declare: refused, never silently capped.
+            raise ValueError(f"--max-model-len {cfg.max_model_len} is beyond this model's trained context of "
+                             f"{model_len} tokens; use at most {model_len}")
+        self.max_model_len = cfg.max_model_len or model_len
 
         from macinfer.kernels.selfcheck import self_check
 
