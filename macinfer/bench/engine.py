@@ -19,13 +19,16 @@ from macinfer.bench.common import energy, hardware, process_peak_rss_gb, same_we
 class MacinferRunner:
     name = "macinfer"
 
-    def __init__(self, model: str, max_num_seqs: int, kv_cache_gb: float, max_model_len: int):
+    def __init__(self, model: str, max_num_seqs: int, kv_cache_gb: float, needed_len: int):
         from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
         # Prefix caching off: repeats reuse prompts; this measures compute (`bench prefix` measures the cache).
+        # The model's own context (the KV budget is --kv-cache-gb either way).
         self.config = EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_num_batched_tokens=2048,
-                                   max_model_len=max_model_len, enable_prefix_caching=False)
+                                   enable_prefix_caching=False)
         self.engine = LLMEngine(model, self.config)
+        if self.engine.max_model_len < needed_len:
+            raise ValueError(f"this run needs {needed_len} tokens of context; the model has {self.engine.max_model_len}")
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
         """(time to the first token of any request, total seconds)."""
@@ -77,7 +80,7 @@ def run(model: str, vs: list[str], prompt_len: int = 32, gen_len: int = 64, pref
     """Results for macinfer and each of `vs` ("mlx-lm"); `tick(label)` after each measurement."""
     from macinfer.loader import resolve
 
-    runners: list = [MacinferRunner(model, max(concurrency), kv_cache_gb, max(4096, prefill_len + gen_len + 8))]
+    runners: list = [MacinferRunner(model, max(concurrency), kv_cache_gb, prefill_len + gen_len + 8)]
     weights = None
     if "mlx-lm" in vs:
         model_dir, weights = same_weights_dir(model)

@@ -99,7 +99,7 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
     from macinfer.engine.structured import json_schema_grammar
     from macinfer.loader import resolve
 
-    base = dict(max_num_seqs=4, kv_cache_gb=0.5, max_model_len=4096, enable_prefix_caching=False)
+    base = dict(max_num_seqs=4, kv_cache_gb=0.5, enable_prefix_caching=False)  # the model's own context
     plain = LLMEngine(model, EngineConfig(**base))
     spec = LLMEngine(plain.loaded, EngineConfig(**base, num_speculative_tokens=num_speculative_tokens))
     tok = plain.tokenizer
