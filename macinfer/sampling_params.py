@@ -29,6 +29,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS, stop token ids and stop strings cannot end the output before this many tokens
     logprobs: int | None = None  # number of top alternatives; 0 = sampled token only
     # Logprob of each prompt token given the ones before it, with this many top
     # alternatives (vLLM's `prompt_logprobs`). Such a request skips prefix-cache hits:
@@ -61,6 +62,8 @@ class SamplingParams:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -163,3 +163,21 @@ def test_top_k_one_at_temperature_one_is_greedy_for_every_seed():
         for s in seqs:
             s.output_token_ids = list(range(seed0 % 97))  # other output positions too
         assert np.array_equal(np.array(sample(logits, seqs).token_ids), greedy)
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(tiny_llama):
+    """vLLM's min_tokens: EOS, stop token ids and stop strings cannot end the output before
+    it has that many tokens, then end it as usual; speculation changes nothing."""
+    for spec in (0, 4):
+        engine = LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01, num_speculative_tokens=spec, prompt_lookup_min=1))
+        e = min(engine.tokenizer.eos_token_ids)
+        eos = SamplingParams(temperature=0, max_tokens=20, logit_bias={e: 100.0})
+        assert generate(engine, [[5, 6, 7]], eos)[0].token_ids == [e]  # EOS first (token ids end with it)
+        out = generate(engine, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, logit_bias={e: 100.0},
+                                                           min_tokens=5))[0]
+        assert len(out.token_ids) == 6 and out.finish_reason == "stop" and out.token_ids.index(e) == 5
+        out = generate(engine, [[5, 6, 7]], SamplingParams(temperature=0.8, seed=1, max_tokens=20, min_tokens=3,
+                                                           stop_token_ids=[9], logit_bias={9: 100.0}))[0]
+        assert len(out.token_ids) == 4 and out.token_ids.index(9) == 3 and out.stop_reason == 9
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)

@@ -72,6 +72,12 @@ def test_chat_streaming_with_usage_and_logprobs(client):
     assert "".join(text_parts) == full.choices[0].message.content
     assert usage.completion_tokens == full.usage.completion_tokens == len(lps)
     assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in lps)
+    # vLLM's continuous_usage_stats: the tokens so far in every chunk, growing to the total
+    counts = [ch.usage.completion_tokens for ch in client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0,
+        max_tokens=6, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+        if ch.usage]
+    assert counts == sorted(counts) and counts[-1] == full.usage.completion_tokens and len(counts) > 2
 
 
 def test_speculative_stream_matches_the_plain_answer(server, client):
@@ -199,6 +205,15 @@ def test_max_tokens_beyond_the_context_is_clamped_and_said(server):
         s.read()
     within = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert "x-macinfer-max-tokens" not in within.headers
+
+
+def test_min_tokens_is_honoured(server):
+    ask = {"messages": [{"role": "user", "content": "What is 2+2? Answer with one number."}], "temperature": 0,
+           "max_tokens": 12}  # answered in 7 tokens alone
+    short = httpx.post(f"{server.url}/v1/chat/completions", json=ask, timeout=30).json()
+    assert short["usage"]["completion_tokens"] < 12 and short["choices"][0]["finish_reason"] == "stop"
+    held = httpx.post(f"{server.url}/v1/chat/completions", json={**ask, "min_tokens": 12}, timeout=30).json()
+    assert held["usage"]["completion_tokens"] == 12 and held["choices"][0]["finish_reason"] == "length"
 
 
 def test_any_model_name_is_answered_with_this_servers_id(server):

@@ -152,7 +152,8 @@ class LLMEngine:
         # there and long causal prompts are attended in query tiles.
         cpu = mx.default_device() == mx.cpu
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured,
-                                  explicit_ops=cpu, prefill_tile=CPU_PREFILL_TILE if cpu else None)
+                                  explicit_ops=cpu, prefill_tile=CPU_PREFILL_TILE if cpu else None,
+                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         self._check_against_mlx_lm()
         self.requests: dict[str, _RequestState] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}

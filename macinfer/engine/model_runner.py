@@ -89,8 +89,9 @@ class _GroupTables:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_manager: BlockManager | None = None,
                  structured: StructuredOutputs | None = None, explicit_ops: bool = False,
-                 prefill_tile: int | None = None):
+                 prefill_tile: int | None = None, eos_token_ids: tuple[int, ...] = ()):
         self.model = model
+        self.eos_token_ids = tuple(eos_token_ids)  # what `min_tokens` holds back
         self.explicit_ops = explicit_ops  # see AttentionMetadata
         self.prefill_tile = prefill_tile
         self.structured = structured
@@ -191,14 +192,15 @@ class ModelRunner:
         owners = _owners(rows)
         failed: dict[Sequence, Exception] = {}
         try:
-            out = sample(logits, rows, allowed)
+            out = sample(logits, rows, allowed, self.eos_token_ids)
         except Exception:
             out = SamplerOutput([0] * len(rows), [None] * len(rows))
             for i, row in enumerate(rows):
                 if owners[i] in failed:
                     continue
                 try:
-                    one = sample(logits[i : i + 1], [row], None if allowed is None else allowed[i : i + 1])
+                    one = sample(logits[i : i + 1], [row], None if allowed is None else allowed[i : i + 1],
+                                 self.eos_token_ids)
                 except Exception as e:
                     failed[owners[i]] = e
                     continue

@@ -78,7 +78,7 @@ class _RequestState:
         self.text += self.detok.add(token)
         if grammar_done:
             return "stop"
-        if p.stop and len(self.text) > checked:
+        if p.stop and len(self.text) > checked and seq.num_output_tokens >= p.min_tokens:
             search_from = max(0, checked - self.max_stop_len + 1)
             hits = [(i, s) for s in p.stop if (i := self.text.find(s, search_from)) >= 0]
             if hits:

@@ -67,11 +67,13 @@ def _penalty_arrays(seqs: list[Sequence], vocab: int) -> tuple[mx.array, mx.arra
     return mx.array(counts), mx.array(seen)
 
 
-def sample(logits: mx.array, seqs: list[Sequence], mask: mx.array | None = None) -> SamplerOutput:
+def sample(logits: mx.array, seqs: list[Sequence], mask: mx.array | None = None,
+           eos_token_ids: tuple[int, ...] = ()) -> SamplerOutput:
     """logits: [N, vocab] for the N sequences that get a token this step; `mask`
     (bool, [N, vocab]): tokens a grammar allows. Logprobs are the model's own
     distribution, before the mask and penalties (as vLLM reports them), so they
-    stay finite for a token a grammar forces."""
+    stay finite for a token a grammar forces. A row short of its `min_tokens` cannot
+    draw `eos_token_ids` or its stop token ids."""
     logits = logits.astype(mx.float32)
     n, vocab = logits.shape
     params = [s.params for s in seqs]
@@ -90,6 +92,12 @@ def sample(logits: mx.array, seqs: list[Sequence], mask: mx.array | None = None)
         freq = mx.array([p.frequency_penalty for p in params])[:, None]
         pres = mx.array([p.presence_penalty for p in params])[:, None]
         logits = logits - freq * counts - pres * (counts > 0)
+
+    early = [(i, t) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens
+             for t in {*eos_token_ids, *s.params.stop_token_ids} if t < vocab]
+    if early:
+        rows, cols = zip(*early)
+        logits = logits.at[mx.array(rows), mx.array(cols)].add(mx.array(-mx.inf, dtype=mx.float32))
 
     if any(p.logit_bias for p in params):
         rows, cols, vals = [], [], []

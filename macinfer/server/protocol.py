@@ -45,6 +45,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's: no EOS or stop before this many tokens
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @model_validator(mode="before")
@@ -85,6 +86,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # an option we do not implement is a 400, not ignored
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (with include_usage)
 
 
 class TextPart(BaseModel):

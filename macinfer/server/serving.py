@@ -66,7 +66,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
                 min_p=req.min_p, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                 seed=None if req.seed is None else req.seed + i, stop=stop,
-                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                 logprobs=logprobs, logit_bias=bias,
                 grammar=plan.grammar if plan else None,
                 skip_special_tokens=plan.skip_special_tokens if plan else True,
@@ -315,8 +315,15 @@ class OpenAIServing:
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+        so_far: dict[int, int] = {}  # tokens each choice has generated
+        opts = req.stream_options
+        continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
+
         def chunk(choice: dict) -> str:
-            return event({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]})
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            if continuous:
+                body["usage"] = usage(len(ids), sum(so_far.values()), cached_tokens)
+            return event(body)
 
         echoed = self._echo(req, ids) if kind == "completion" else ""
         offsets: dict[int, TextOffsets] = {}
@@ -331,6 +338,7 @@ class OpenAIServing:
                 if out.finish_reason == "error":
                     yield event(_generation_error(out).body())
                     break
+                so_far[i] = len(out.token_ids)
                 new_lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs else []
                 if kind == "chat":
                     proc = procs.setdefault(i, chat_output.ChatOutput(turn.plan, turn.prompt_tail))
