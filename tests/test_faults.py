@@ -15,10 +15,10 @@ def poisoned_sampler(monkeypatch):
     """Sampling raises whenever the request 'bad' is in the rows (a late-found bad parameter)."""
     real = model_runner.sample
 
-    def sample(logits, seqs, mask=None):
+    def sample(logits, seqs, mask=None, eos_token_ids=()):
         if any(s.request_id.startswith("bad") or s.params.stop_token_ids == [299] for s in seqs):
             raise ValueError("poisoned request")
-        return real(logits, seqs, mask)
+        return real(logits, seqs, mask, eos_token_ids)
 
     monkeypatch.setattr(model_runner, "sample", sample)
 
