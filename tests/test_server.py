@@ -207,6 +207,18 @@ def test_max_tokens_beyond_the_context_is_clamped_and_said(server):
     assert "x-macinfer-max-tokens" not in within.headers
 
 
+def test_hosted_tools_are_left_out_and_named(server):
+    """Codex sends a `web_search` tool: this server cannot run it, so the model never sees it,
+    the response header names it, and the function tools still reach the prompt."""
+    fn = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
+    body = {"model": "gpt-5-codex", "input": "hi", "max_output_tokens": 2, "tool_choice": "none"}
+    plain = httpx.post(f"{server.url}/v1/responses", json={**body, "tools": [fn]}, timeout=30)
+    hosted = httpx.post(f"{server.url}/v1/responses", json={**body, "tools": [fn, {"type": "web_search"}]}, timeout=30)
+    assert plain.status_code == hosted.status_code == 200, hosted.text
+    assert hosted.headers["x-macinfer-dropped-tools"] == "web_search" and "x-macinfer-dropped-tools" not in plain.headers
+    assert hosted.json()["usage"]["input_tokens"] == plain.json()["usage"]["input_tokens"]
+
+
 def test_min_tokens_is_honoured(server):
     ask = {"messages": [{"role": "user", "content": "What is 2+2? Answer with one number."}], "temperature": 0,
            "max_tokens": 12}  # answered in 7 tokens alone

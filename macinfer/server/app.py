@@ -142,12 +142,17 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def _add_header(request: Request, name: str, value: str) -> None:
+        """A header for this response's head (the Guard middleware adds them)."""
+        extra = getattr(request.state, "response_headers", [])
+        request.state.response_headers = [*extra, (name.encode(), value.encode())]
+
     async def _start(kind: str, req, prompt, max_tokens, logprobs, request: Request, plan=None):
         """Validate, tokenize (never on the event loop: a large prompt takes seconds) and
         admit a request; returns (request id, prompt ids, output stream)."""
         ids, params, limit = await asyncio.to_thread(serving.prepare, req, prompt, max_tokens, logprobs, plan)
-        if limit is not None:  # the Guard adds these to the response's head
-            request.state.response_headers = [(b"x-macinfer-max-tokens", limit.encode())]
+        if limit is not None:
+            _add_header(request, "x-macinfer-max-tokens", limit)
         try:
             client = (getattr(request.state, "api_key_index", None), req.user)
             rid, stream = serving.submit(req, ids, params, kind, client)
@@ -251,6 +256,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/responses")
     async def responses_create(req: responses.ResponsesRequest, request: Request):
+        dropped = req.hosted_tools()
+        if dropped:
+            log.info("responses: hosted tools left out (this server cannot run them): %s", ", ".join(dropped))
+            _add_header(request, "x-macinfer-dropped-tools", ",".join(dropped))
         return await _translated(req, "input", request, lambda t, s: responses.events(req, model_name, t, s),
                                  lambda f, t: responses.response(req, model_name, f, t))
 

@@ -28,6 +28,10 @@ _NOOP = {"previous_response_id": (None,), "store": (None, False), "reasoning": (
 # keeps no state and encrypts nothing; Codex sends the item back, and it is dropped on input as
 # chat templates drop earlier reasoning).
 _INCLUDE = ("reasoning.encrypted_content",)
+# Tools the provider runs itself: this server cannot, so they are left out of what the model
+# sees and named in an `x-macinfer-dropped-tools` header and the log, never passed off as run.
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+                "image_generation", "local_shell", "mcp")
 
 
 class ResponsesRequest(BaseModel):
@@ -110,6 +114,8 @@ class ResponsesRequest(BaseModel):
     def _tools(self) -> list[dict[str, Any]] | None:
         tools = []
         for i, t in enumerate(self.tools or []):
+            if t.get("type") in HOSTED_TOOLS:
+                continue
             if t.get("type") != "function":
                 raise ValueError(f"tools[{i}]: {t.get('type')!r} tools are not supported (only function tools)")
             if not isinstance(t.get("name"), str) or not isinstance(t.get("parameters", {}), (dict, type(None))):
@@ -132,6 +138,10 @@ class ResponsesRequest(BaseModel):
             return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"),
                                                            "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
         raise ValueError(f"text.format type {fmt.get('type')!r} is not supported")
+
+    def hosted_tools(self) -> list[str]:
+        """The hosted tools asked for (dropped: see HOSTED_TOOLS)."""
+        return [t["type"] for t in self.tools or [] if t.get("type") in HOSTED_TOOLS]
 
     def to_chat(self) -> ChatCompletionRequest:
         choice = self.tool_choice
