@@ -1,9 +1,15 @@
 #!/usr/bin/env python
-"""KV memory of a sliding-window model under macinfer's pool plan, against the same
-model with every layer kept in full: bytes per token of context and the tokens a
-budget holds. No weights needed: the layer pattern comes from the config.
+"""KV memory under macinfer's pool plan. No weights needed.
 
-    python scripts/kv_memory.py                      # Gemma 3 27B and gpt-oss-20b shapes
+Sliding-window models against the same model with every layer kept in full: bytes per
+token of context and the tokens a budget holds (the layer pattern from the config).
+
+Hybrid models (recurrent + attention layers): each sequence's recurrent state and each
+token's K/V, measured on mlx-lm's own classes built from the published config (lazily:
+nothing is allocated), and how many conversations of a given length fit a budget,
+against a dense model with the same attention in every layer.
+
+    python scripts/kv_memory.py                      # Gemma 3 27B, gpt-oss-20b; Qwen3.5-35B-A3B, Qwen3-Next-80B
     python scripts/kv_memory.py --config config.json --kv-cache-gb 8 --max-num-seqs 32
 """
 
@@ -23,6 +29,48 @@ PRESETS = {  # from the published config.json files
     "gpt-oss-20b": dict(num_hidden_layers=24, num_key_value_heads=8, head_dim=64, sliding_window=128,
                         full_every=2, dtype="bfloat16"),
 }
+
+
+_QWEN_LINEAR = dict(num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                    linear_conv_kernel_dim=4, full_attention_interval=4, hidden_size=2048, rms_norm_eps=1e-6,
+                    rope_theta=10000000.0, partial_rotary_factor=0.25, max_position_embeddings=262144,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120,
+                    decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[], tie_word_embeddings=False)
+HYBRID_PRESETS = {  # from the published config.json files (text part)
+    "Qwen3.5-35B-A3B": dict(_QWEN_LINEAR, model_type="qwen3_5_moe", num_hidden_layers=40, num_experts=256,
+                            num_experts_per_tok=8, vocab_size=248320),
+    "Qwen3-Next-80B-A3B": dict(_QWEN_LINEAR, model_type="qwen3_next", num_hidden_layers=48, num_experts=512,
+                               num_experts_per_tok=10, vocab_size=151936),
+}
+
+
+def hybrid_report(name: str, config: dict, budget_gb: float, context: int, max_num_seqs: int) -> None:
+    """State bytes a sequence and K/V bytes a token, from mlx-lm's classes (bf16 weights)."""
+    from macinfer.models.mlx_lm_adapter import build
+
+    if config["model_type"] == "qwen3_5_moe":
+        config = {"model_type": "qwen3_5_moe", "text_config": dict(config, model_type="qwen3_5_moe")}
+    model = build(config)
+    model.lm.set_dtype(mx.bfloat16)  # lazily: nothing is allocated
+    states, kv = model.state_specs(), model.layer_specs
+    state = sum(s.nbytes for s in states)
+    per_token = sum(spec.bytes_per_token(2) for spec in kv)
+    dense_per_token = per_token * model.num_layers // max(len(kv), 1)
+    budget = budget_gb * 2**30
+    # macinfer keeps a running slot and a mark slot a sequence (plus snapshots, not counted here)
+    hybrid_conv = budget // (context * per_token + 2 * state)
+    dense_conv = budget // (context * dense_per_token)
+    print(f"{name}: {model.num_layers} layers, {len(kv)} attention ({kv[0].num_kv_heads} KV heads x "
+          f"{kv[0].head_dim}), {len(states)} recurrent")
+    print(f"  recurrent state: {state / 2**20:.1f} MiB a sequence ({states[0].describe()} per layer, "
+          f"{', '.join(str(d).removeprefix('mlx.core.') for d in states[0].dtypes)}), whatever its length")
+    print(f"  K/V: {per_token / 1024:.0f} KiB a token (a dense model with this attention in all "
+          f"{model.num_layers} layers: {dense_per_token / 1024:.0f} KiB)")
+    print(f"  a {context // 1024}k-token conversation: {(context * per_token + 2 * state) / 2**30:.2f} GiB "
+          f"(dense: {context * dense_per_token / 2**30:.2f} GiB); {budget_gb:g} GiB holds {hybrid_conv} of them "
+          f"(dense: {dense_conv}); --max-num-seqs {max_num_seqs} reserves {2 * max_num_seqs * state / 2**30:.2f} GiB "
+          "of state slots")
 
 
 def from_config(cfg: dict) -> dict:
@@ -69,13 +117,21 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=16.0)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--context", type=int, default=32768, help="conversation length for the hybrid figures")
     args = ap.parse_args()
-    models = PRESETS
+    models, hybrids = PRESETS, HYBRID_PRESETS
     if args.config:
         with open(args.config) as f:
-            models = {args.config: from_config(json.load(f))}
+            cfg = json.load(f)
+        text = {**cfg, **cfg.get("text_config", {})}
+        if "linear_num_value_heads" in text or "mamba_d_state" in text or "conv_L_cache" in text:
+            models, hybrids = {}, {args.config: cfg}
+        else:
+            models, hybrids = {args.config: from_config(cfg)}, {}
     for name, m in models.items():
         report(name, m, args.kv_cache_gb, args.max_num_seqs, args.max_num_batched_tokens)
+    for name, cfg in hybrids.items():
+        hybrid_report(name, cfg, args.kv_cache_gb, args.context, args.max_num_seqs)
 
 
 if __name__ == "__main__":

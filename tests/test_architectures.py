@@ -125,7 +125,7 @@ def test_prefix_cache_and_preemption_give_the_same_tokens(family):
 
 
 @pytest.mark.parametrize("model_type,why", [("deepseek_v2", "latent attention"),
-                                            ("qwen3_5", "recurrent state .*issue #22")])
+                                            ("baichuan_m1", "convolution over K/V inside attention")])
 def test_unsupported_kinds_are_refused_with_the_reason(model_type, why):
     from tests.zoo import tiny_config
 

@@ -94,11 +94,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                       blocksparse_block_size=8, blocksparse_num_local_blocks=2, blocksparse_vert_stride=2),
     "phi3": dict(sliding_window=WINDOW),
     "qwen2_moe": dict(shared_expert_intermediate_size=32),
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_d_conv=4,
+                      mamba_chunk_size=8, num_hidden_layers=2),
+    "plamo2": dict(hidden_size_per_head=16, mamba_d_state=8, mamba_num_heads=4, mamba_chunk_size=8),
     "qwen3_next": dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
                        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
                        shared_expert_intermediate_size=32),
-    "olmo_hybrid": dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_conv_kernel_dim=4),
+    "gear": dict(num_hidden_layers=3, layer_types=["conv_mixer", "sliding_attention", "full_attention"]),
     "recurrent_gemma": dict(conv1d_width=4, logits_soft_cap=30.0, attention_window_size=WINDOW,
                             block_types=["recurrent", "attention"], lru_width=64, embeddings_scale_by_sqrt_dim=True),
     "rwkv7": dict(a_low_rank_dim=8, v_low_rank_dim=8, gate_low_rank_dim=8, decay_low_rank_dim=8),
@@ -113,8 +115,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                                     for t in ("sliding_attention", "full_attention")}),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
                              mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2),
-    "olmo_hybrid": dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_conv_kernel_dim=4, linear_allow_neg_eigval=False),
+    "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                        linear_conv_kernel_dim=4, linear_allow_neg_eigval=False),
     "phi3small": dict(dense_attention_every_n_layers=2, ff_intermediate_size=128, gegelu_limit=20.0,
                       blocksparse_block_size=32, blocksparse_num_local_blocks=2, blocksparse_vert_stride=2),
     "llama4.text": dict(num_hidden_layers=4, attention_chunk_size=WINDOW, interleave_moe_layer_step=2, use_qk_norm=True,
@@ -174,6 +177,9 @@ def tiny_config(model_type: str, **extra: Any) -> dict[str, Any]:
         cfg["text_config"] = text
         cfg["vocab_size"] = text.get("vocab_size", BY_NAME["vocab_size"])
     cfg.update(OVERRIDES.get(model_type, {}))
+    if model_type == "qwen3_5_moe":  # the MoE text model: qwen3_5's tiny text config, with experts
+        cfg["text_config"] = {**tiny_config("qwen3_5")["text_config"], "model_type": "qwen3_5_moe", "num_experts": 4,
+                              "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32}
     cfg.update(extra)
     cfg.setdefault("eos_token_id", 2)
     return cfg

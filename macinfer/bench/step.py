@@ -121,6 +121,12 @@ class MlxLmStep:
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self.model)
+        if not all(type(c).__name__ == "KVCache" for c in cache):
+            # Recurrent state (hybrid models): fill by prefilling the context, 512 tokens a call.
+            for start in range(0, context, 512):
+                self.model(mx.full((batch, min(512, context - start)), 7, dtype=mx.int32), cache=cache)
+                mx.eval([c.state for c in cache])
+            return cache
         for c, layer in zip(cache, self.model.layers):
             attn = layer.self_attn
             kvh = attn.n_kv_heads
@@ -136,8 +142,9 @@ class MlxLmStep:
         def step() -> None:
             logits = self.model(tokens, cache=cache)
             mx.eval(mx.argmax(logits[:, -1], axis=-1), [c.state for c in cache])
-            for c in cache:  # stay at context L
-                c.offset -= 1
+            for c in cache:  # stay at context L (K/V; a recurrent state just moves on)
+                if isinstance(getattr(c, "offset", None), int):
+                    c.offset -= 1
 
         return _median_ms(step, repeats)
 

@@ -20,6 +20,7 @@ from array import array
 from collections import OrderedDict
 
 from macinfer.engine.sequence import Sequence
+from macinfer.engine.state_manager import StateSlots
 from macinfer.kv.spec import CacheGroup, FullAttention, cdiv
 
 
@@ -188,19 +189,22 @@ class BlockManager:
     in every group. A prefix hit is the longest that every group can serve."""
 
     def __init__(self, groups: list[CacheGroup] | int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_key: str = ""):
+                 cache_key: str = "", state: StateSlots | None = None):
         if isinstance(groups, int):  # one full-attention group of this many blocks
             groups = [CacheGroup(0, FullAttention(), (), num_blocks=groups)]
-        if groups[0].num_blocks < 1:
+        if groups and groups[0].num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
+        # Recurrent state (hybrid and recurrent models): a slot per sequence, snapshots for hits.
+        self.state = state
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # Root of every hash chain: the model (and adapter, when there are any), so
         # a cache can never be matched across weights.
         self.root_hash = hashlib.blake2b(b"macinfer:" + cache_key.encode(), digest_size=16).digest()
         self.groups = [GroupBlocks(g, block_size) for g in groups]
-        self.pool = self.groups[0].pool
-        self.num_blocks = groups[0].num_blocks
+        # A model with no attention (Mamba, RWKV) has no K/V groups: nothing to count.
+        self.pool = self.groups[0].pool if self.groups else BlockPool(0)
+        self.num_blocks = groups[0].num_blocks if groups else 0
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found in the cache
 
@@ -265,20 +269,26 @@ class BlockManager:
             prev = hits
             for g in self.groups:
                 hits = g.longest_hit(hashes, hits)
+            if self.state is not None:
+                hits = self.state.longest_hit(hashes, hits)
         for g in self.groups:
             g.attach(seq, hashes, hits)
+        if self.state is not None:
+            self.state.attach(seq, hashes, hits)
         self.prefix_hits += hits * self.block_size
         return hits * self.block_size
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs in the first group so that `num_tokens` tokens fit."""
         self._tables(seq)
-        return self.groups[0].blocks_needed(seq, num_tokens)
+        return self.groups[0].blocks_needed(seq, num_tokens) if self.groups else 0
 
     def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
         """Whether `num_tokens` tokens fit, leaving `reserve` free blocks in every group;
         first releases `seq`'s unreachable blocks."""
         self._tables(seq)
+        if self.state is not None and seq.state_slot is None and not self.state.free_running:
+            return False  # every state slot is held (embedding jobs beside max_num_seqs requests)
         for g in self.groups:
             g.release_unreachable(seq)
             if g.blocks_needed(seq, num_tokens) + reserve > len(g.pool.free_blocks):
@@ -291,6 +301,8 @@ class BlockManager:
             raise RuntimeError("out of KV blocks; call can_allocate first")
         for g in self.groups:
             g.allocate(seq, num_tokens)
+        if self.state is not None:
+            self.state.assign(seq)
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Publish the hashes of blocks that are full once `num_computed_tokens`
@@ -314,11 +326,15 @@ class BlockManager:
         no hash, published in that step or earlier, names real K/V any more."""
         for g in self.groups:
             g.pool.drop_cache()
+        if self.state is not None:
+            self.state.drop_cache()
 
     def free(self, seq: Sequence) -> None:
         if len(seq.block_tables) == len(self.groups):
             for g in self.groups:
                 g.free(seq)
+        if self.state is not None:
+            self.state.release(seq)
         seq.block_tables = [[] for _ in self.groups]
         seq.num_released_blocks = [0] * len(self.groups)
         seq.num_committed_blocks = 0
@@ -330,4 +346,5 @@ class BlockManager:
         """Per group: its kind, layers, blocks total and in use."""
         return [{"kind": g.kind.describe(), "layers": list(g.group.layers), "block_size": self.block_size,
                  "blocks_total": g.pool.num_usable, "blocks_used": g.pool.num_used,
-                 "blocks_cached": len(g.pool.cached)} for g in self.groups]
+                 "blocks_cached": len(g.pool.cached)} for g in self.groups] + \
+            ([self.state.stats()] if self.state is not None else [])

@@ -20,9 +20,11 @@ from macinfer.engine.outputs import RequestOutput, _RequestState
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import SpeculativeConfig, record_verdict
+from macinfer.engine.state_manager import StateSlots
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.kv.cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, layer_bytes_per_token, plan_blocks
 from macinfer.kv.spec import group_caches
+from macinfer.kv.state import StatePool
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer
@@ -59,6 +61,9 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_max_batch: int = 4
+    # Recurrent layers (hybrid models): tokens between state snapshots kept for the prefix
+    # cache (None: where a snapshot costs about the K/V of the tokens it spans, 256 to 4096).
+    state_snapshot_interval: int | None = None
 
 
 class LLMEngine:
@@ -103,8 +108,17 @@ class LLMEngine:
         # More blocks than every sequence at full length could use is waste.
         max_blocks = cfg.max_num_seqs * -(-self.max_model_len // bs)
 
+        # Recurrent state: a slot per running sequence and one for its mark, fixed; snapshots
+        # in proportion to the cached tokens (one per interval), bought with the blocks.
+        self.state_specs = list(self.model.state_specs()) if hasattr(self.model, "state_specs") else []
+        slot_bytes = sum(s.nbytes for s in self.state_specs)
+        interval = self._snapshot_interval(groups, slot_bytes)
+        fixed_state = 2 * cfg.max_num_seqs * slot_bytes
+        per_block = slot_bytes * bs / interval if slot_bytes else 0.0
+
         def pool_bytes(n: int) -> int:
-            return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps))
+            return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps)) + \
+                fixed_state + int(n * per_block)
 
         available = available_memory_bytes()
         if cfg.kv_cache_gb is not None:
@@ -120,17 +134,28 @@ class LLMEngine:
             weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
             wanted = max(self.max_model_len, cfg.max_num_seqs * DEFAULT_TOKENS_PER_SEQ)
             budget = min(int(cfg.kv_cache_fraction * max(available - weights, 0)), pool_bytes(-(-wanted // bs)))
-        num_blocks = plan_blocks(groups, budget, caps, max_blocks)
+        num_blocks = plan_blocks(groups, budget - fixed_state, caps, max_blocks, per_block)
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
-        if num_blocks < 1:
+        if budget < pool_bytes(1) and not groups:
+            raise ValueError(f"KV cache budget {budget / 2**30:.3f} GiB is below the recurrent state of "
+                             f"{cfg.max_num_seqs} sequences ({pool_bytes(1) / 2**20:.1f} MiB); raise --kv-cache-gb "
+                             "or lower --max-num-seqs")
+        if groups and num_blocks < 1:
             raise ValueError(
                 f"KV cache budget {budget / 2**30:.3f} GiB is below one block "
                 f"({pool_bytes(1) / 2**20:.2f} MiB); raise --kv-cache-gb"
             )
         for g, cap in zip(groups, caps):
             g.num_blocks = g.blocks_for(num_blocks, cap)
-        self.kv_cache = KVCache(self.layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype)
+        states = None
+        if self.state_specs:
+            if groups:
+                snapshots = -(-num_blocks * bs // interval)
+            else:  # no K/V: the budget left after the running states buys snapshots
+                snapshots = min(max(budget - fixed_state, 0) // slot_bytes, max_blocks * bs // interval)
+            states = StatePool(self.state_specs, 2 * cfg.max_num_seqs + snapshots)
+        self.kv_cache = KVCache(self.layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype, states)
         if mx.default_device() == mx.cpu:
             # MLX's CPU buffer cache defaults to 32 MiB: a step's attention temporaries
             # (gathered K/V, about the size of the KV in use) would be page-faulted in
@@ -142,8 +167,12 @@ class LLMEngine:
             weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
             mx.set_wired_limit(min(weights + self.kv_cache.nbytes, available_memory_bytes()))
         # A sequence must always fit the pool alone, so preemption can always make room.
-        self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
-        self.block_manager = BlockManager(groups, bs, cfg.enable_prefix_caching, cache_key=self.loaded.source)
+        if groups:
+            self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
+        slots = None if states is None else StateSlots(states, cfg.max_num_seqs, bs, interval,
+                                                       cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(groups, bs, cfg.enable_prefix_caching, cache_key=self.loaded.source,
+                                          state=slots)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_prefill_with_decodes, speculative, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
@@ -156,6 +185,10 @@ class LLMEngine:
                                   eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         self._check_against_mlx_lm()
         self.requests: dict[str, _RequestState] = {}
+        if states is not None:
+            log.info("recurrent state: %d caches, %.2f MiB a sequence; %d slots (%d running), a snapshot every "
+                     "%d tokens", len(self.state_specs), slot_bytes / 2**20, states.num_slots, cfg.max_num_seqs,
+                     interval)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         log.info(
             "KV cache: %.2f GiB, %s%s, blocks of %d tokens: %s; max_model_len %d; decode attention: %s",
@@ -190,14 +223,29 @@ class LLMEngine:
                 "so it would run wrong")
         self.block_manager.drop_cache()
 
+    def _snapshot_interval(self, groups: list, slot_bytes: int) -> int:
+        """Tokens between recurrent-state snapshots: the configured interval, or where one
+        snapshot costs about the K/V of the tokens it spans (256 to 4096)."""
+        bs, want = self.config.block_size, self.config.state_snapshot_interval
+        if want is not None:
+            if want < bs or want % bs:
+                raise ValueError(f"state_snapshot_interval must be a multiple of the block size ({bs})")
+            return want
+        kv_per_token = sum(g.bytes_per_block for g in groups) / bs
+        tokens = slot_bytes / kv_per_token if kv_per_token else 1024
+        return int(min(max(-(-tokens // bs) * bs, 256), 4096)) // bs * bs or bs
+
     def cache_groups(self) -> list[dict]:
         """Per cache group: its kind, the layers reading it and the caches keeping K/V in it,
-        block size, blocks total/used/cached, bytes per token and in all."""
+        block size, blocks total/used/cached, bytes per token and in all; for a model with
+        recurrent layers, last, the state: slots total/running, snapshots, bytes."""
         stats = self.block_manager.stats()
         for st, g in zip(stats, self.kv_cache.groups):
             st["caches"] = list(g.caches)
             st["bytes_per_token"] = g.bytes_per_block // self.kv_cache.block_size
             st["bytes"] = self.kv_cache.group_nbytes(g)
+        if self.kv_cache.states is not None:  # the recurrent state: slots, not blocks
+            stats[-1].update(caches=len(self.state_specs), bytes=self.kv_cache.states.nbytes)
         return stats
 
     def _kv_dtype(self) -> mx.Dtype:

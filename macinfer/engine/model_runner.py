@@ -17,6 +17,7 @@ from macinfer.engine.speculative import DraftRow, accepted_tokens, verify_rows
 from macinfer.engine.structured import StructuredOutputs, allowed_tokens
 from macinfer.kv.cache import KVCache
 from macinfer.kv.spec import cdiv
+from macinfer.kv.state import SeqChunk, plan_state
 
 
 class _GroupTables:
@@ -98,18 +99,22 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.groups: list[GroupBlocks | None] = block_manager.groups if block_manager is not None else [None]
+        self.state = block_manager.state if block_manager is not None else None
 
     def prepare(
-        self, scheduled: list[tuple[Sequence, int]]
+        self, scheduled: list[tuple[Sequence, int]], snapshots: bool = False
     ) -> tuple[mx.array, AttentionMetadata, list[int], list[Sequence | DraftRow]]:
         """Flat inputs for `scheduled` (decodes and speculating sequences first, then
         prompt chunks: the scheduler's order). Returns (input_ids, metadata,
-        rows to sample, what each row samples for: a sequence, or one of its drafts)."""
+        rows to sample, what each row samples for: a sequence, or one of its drafts).
+        `snapshots`: keep recurrent states at block boundaries for the prefix cache
+        (generation steps; their caller publishes them once the forward is built)."""
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence | DraftRow] = []
         tables = [_GroupTables(g, self.block_size) for g in self.groups]
+        chunks: list[SeqChunk] = []
 
         for seq, n in scheduled:
             start = seq.num_computed_tokens
@@ -122,6 +127,12 @@ class ModelRunner:
             positions.extend(pos.tolist())
             for g, t in enumerate(tables):
                 t.add(seq.block_tables[g], pos, row, as_decodes=bool(drafts))
+            if self.state is not None:
+                cuts = self.state.cuts(seq, start, real) if snapshots else []
+                # A speculating sequence's state after each of its tokens: the runner keeps
+                # the one after the last accepted draft.
+                cuts += [(j, ("capture", (id(seq), j))) for j in range(1, len(drafts) + 1)]
+                chunks.append(SeqChunk(row, n, seq.state_slot, start == 0, cuts))
             if start + real == seq.num_tokens:
                 # A speculating sequence samples at its real token and after each draft.
                 sample_rows.extend(range(row + real - 1, row + n))
@@ -129,8 +140,10 @@ class ModelRunner:
 
         pos_arr = mx.array(positions, dtype=mx.int32)
         metas = [t.metadata(self.kv_cache, pos_arr, self.explicit_ops, self.prefill_tile) for t in tables]
-        meta = metas[0]
+        meta = metas[0] if metas else AttentionMetadata(self.kv_cache, pos_arr, np.zeros(0, dtype=np.int64))
         meta.groups = metas
+        if self.state is not None:
+            meta.state = plan_state(chunks)
         return mx.array(ids, dtype=mx.int32), meta, sample_rows, sample_seqs
 
     def forward_logits(
@@ -138,8 +151,11 @@ class ModelRunner:
     ) -> tuple[mx.array | None, list[Sequence | DraftRow]]:
         """Run the model; logits [N, vocab] for the rows that produce a token. Prompt
         logprobs of requests that ask for them are recorded on their sequences."""
-        input_ids, meta, rows, seqs = self.prepare(scheduled)
+        input_ids, meta, rows, seqs = self.prepare(scheduled, snapshots=True)
         hidden = self.model(input_ids, meta)
+        if self.state is not None:
+            self.state.publish_pending()
+            self._last_plan = meta.state
         logits = self.model.logits(hidden[mx.array(rows)]) if rows else None
         spans = _prompt_logprob_spans(scheduled)
         if spans:
@@ -213,8 +229,18 @@ class ModelRunner:
             if seq not in failed:
                 tokens = accepted_tokens(seq.spec_token_ids if k else [], out.token_ids[i : i + k + 1])
                 results.append(StepResult(seq, tokens, out.logprobs[i : i + len(tokens)]))
+                if k and len(tokens) <= k and self.state is not None:
+                    self._rewind_state(seq, len(tokens))
             i += k + 1
         return results, list(failed.items())
+
+
+    def _rewind_state(self, seq: Sequence, consumed: int) -> None:
+        """A speculating sequence with rejected drafts: its state is the one after its
+        real token and the accepted drafts (`consumed` tokens of the step), not after all."""
+        pool, slot = self.kv_cache.states, mx.array([seq.state_slot], dtype=mx.int32)
+        for c in range(len(pool.specs)):
+            pool.scatter(c, slot, self._last_plan.captured[(c, (id(seq), consumed))])
 
 
 @dataclass

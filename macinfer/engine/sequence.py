@@ -47,6 +47,8 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks of block_table already published to the prefix cache
     num_released_blocks: list[int] = field(default_factory=list)  # per group: leading entries given back
     matcher: Any = None  # llguidance matcher of a request with a grammar (state: the output so far)
+    state_slot: int | None = None  # recurrent-state slot while running (hybrid models)
+    state_mark: int = 0  # position of the state kept in its mark slot (`engine/state_manager.py`)
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (speculative decoding)
     spec_misses: int = 0  # drafts rejected outright in a row
     spec_skip: int = 0  # decode steps left before this sequence drafts again

@@ -58,6 +58,7 @@ class AttentionMetadata:
     # Query tile for causal prefill when `explicit_ops` (None: one call).
     prefill_tile: int | None = None
     groups: "list[AttentionMetadata]" = field(default_factory=list)
+    state: Any = None  # the step's recurrent-state plan (`kv/state.py`; None: no recurrent layers)
     # Arrays every layer of a step shares (built by the first layer that needs them).
     _memo: dict[Any, mx.array] = field(default_factory=dict)
 

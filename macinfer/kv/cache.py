@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.kv.spec import CacheGroup, LayerKV
+from macinfer.kv.state import StatePool
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -68,14 +69,17 @@ def gather_blocks(blocks: mx.array, block_table: mx.array) -> mx.array:
     return g.reshape(*lead, kvh, nb * bs, x)
 
 
-def plan_blocks(groups: list[CacheGroup], budget_bytes: int, caps: list[int], max_blocks: int) -> int:
+def plan_blocks(groups: list[CacheGroup], budget_bytes: int, caps: list[int], max_blocks: int,
+                extra_per_block: float = 0.0) -> int:
     """The most blocks N the unbounded groups can hold within `budget_bytes` (at most
     `max_blocks`), each bounded group (windows, chunks) holding `min(N, cap) + 1`: once
     its pool holds every running sequence's live blocks (`caps`), the rest of the
-    budget buys unbounded blocks only. Groups' `bytes_per_block` must be set."""
+    budget buys unbounded blocks only. Groups' `bytes_per_block` must be set.
+    `extra_per_block`: what else each block brings (recurrent-state snapshots)."""
 
     def cost(n: int) -> int:
-        return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps))
+        return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps)) + \
+            int(n * extra_per_block)
 
     lo, hi = 0, max_blocks
     while lo < hi:  # cost is monotone in n
@@ -189,7 +193,7 @@ class KVCache:
     routed to that cache by the model."""
 
     def __init__(self, layers: list[LayerKV], groups: list[CacheGroup], block_size: int, dtype: mx.Dtype,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", states: StatePool | None = None):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.layers, self.groups = layers, groups
@@ -202,12 +206,13 @@ class KVCache:
         self._pools: dict[int, LayerPool] = {
             i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.quantized)
             for g in groups for i in g.caches}
+        self.states = states  # recurrent layers' state pool (hybrid and recurrent models)
         mx.eval(self.state())
 
     @property
     def num_blocks(self) -> int:
         """Blocks of the first group (the full-attention one when the model has one)."""
-        return self.groups[0].num_blocks
+        return self.groups[0].num_blocks if self.groups else 0
 
     def pool(self, cache: int) -> LayerPool:
         return self._pools[cache]
@@ -221,14 +226,17 @@ class KVCache:
         by the failed graph reads back as whatever its buffer held."""
         for p in self._pools.values():
             p.reset()
+        if self.states is not None:
+            self.states.reset()
         mx.eval(self.state())
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self._pools.values())
+        return sum(p.nbytes for p in self._pools.values()) + (self.states.nbytes if self.states else 0)
 
     def group_nbytes(self, group: CacheGroup) -> int:
         return sum(self._pools[i].nbytes for i in group.caches)
 
     def state(self) -> list[mx.array]:
-        return [a for p in self._pools.values() for a in p.state()]
+        return [a for p in self._pools.values() for a in p.state()] + \
+            (self.states.state() if self.states is not None else [])

@@ -13,8 +13,10 @@ builds and the K/V its layers actually write), as vLLM v1's KV cache specs are:
   sequence. Caches in a group may have different shapes (Gemma 4's global layers
   are wider): block ids index each cache's own pool, so they need not match.
 
-A future kind (a recurrent state slot, an MLA latent) is one more class here and
-one more manager in the block manager, not a change to the scheduler.
+- a `StateSpec` is a recurrent layer's per-sequence state (conv windows, SSM or
+  linear-attention state: mlx-lm's `ArraysCache` entries): fixed bytes a sequence,
+  whatever its length, kept in a slot of a state pool (`kv/state.py`), not in blocks.
+  Its prefix-hit rule is a snapshot taken at a block boundary (`engine/state_manager.py`).
 """
 
 from __future__ import annotations
@@ -93,6 +95,22 @@ class LayerKV:
         if quantized_bytes is not None:
             return self.num_kv_heads * (quantized_bytes(self.head_dim) + quantized_bytes(self.v_head_dim))
         return self.num_kv_heads * (self.head_dim + self.v_head_dim) * itemsize
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One recurrent cache: the arrays one sequence's state holds (shapes without the
+    batch axis, and dtypes), as the layer writes them."""
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple  # mx.Dtype of each entry
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one sequence's state in this cache."""
+        return sum(int(np.prod(s)) * d.size for s, d in zip(self.shapes, self.dtypes))
+
+    def describe(self) -> str:
+        return "recurrent state " + " + ".join("x".join(map(str, s)) for s in self.shapes)
 
 
 @dataclass

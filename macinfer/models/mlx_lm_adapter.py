@@ -41,8 +41,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.kv.attention import AttentionMetadata
-from macinfer.kv.spec import ChunkedLocal, FullAttention, LayerKV, SlidingWindow
+from macinfer.kv.spec import ChunkedLocal, FullAttention, LayerKV, SlidingWindow, StateSpec
+from macinfer.kv.state import probe_plan
 from macinfer.models.paged_layers import Forward, PagedLayerCache, UnsupportedModelError, patch_modules, set_active
+from macinfer.models.paged_state import CacheListStandIn, PagedStateCache, patch_receiver, trace_receivers
 
 MLA = "multi-head latent attention (MLA) caches compressed latents, not K/V rows (issue #23)"
 # Families mlx-lm runs whose caches look like K/V to the probe but hold something else.
@@ -122,11 +124,22 @@ def _cache_kind(cache: Any, index: int, model_type: str) -> FullAttention | Slid
         return SlidingWindow(cache.max_size)
     if kind is c.ChunkedKVCache:
         return ChunkedLocal(cache.chunk_size)
-    if kind in (c.ArraysCache, c.CacheList) or "Mamba" in kind.__name__ or "Arrays" in kind.__name__:
-        raise UnsupportedModelError(
-            f"cache {index} is a {kind.__name__}: per-sequence recurrent state (a hybrid or recurrent "
-            "architecture), which the paged cache does not hold yet (issue #22)")
     raise UnsupportedModelError(f"cache {index} is a {kind.__name__}, which the paged cache cannot hold")
+
+
+def _template(cache: Any, kinds: list, states: list[int], model_type: str) -> Any:
+    """What stands in for one of mlx-lm's caches: ("kv", K/V cache index), ("state",
+    state cache index), or a list of those for a `CacheList`. Fills `kinds` (each K/V
+    cache's kind) and `states` (each state cache's entry count)."""
+    from mlx_lm.models import cache as c
+
+    if type(cache) is c.CacheList:
+        return [_template(x, kinds, states, model_type) for x in cache.caches]
+    if type(cache) is c.ArraysCache:
+        states.append(len(cache.cache))
+        return ("state", len(states) - 1)
+    kinds.append(_cache_kind(cache, len(kinds), model_type))
+    return ("kv", len(kinds) - 1)
 
 
 class MlxLmModel(nn.Module):
@@ -166,14 +179,19 @@ class MlxLmModel(nn.Module):
             caches = make_prompt_cache(owner)
         except Exception as e:  # noqa: BLE001 - a model whose caches cannot be built is refused, with why
             raise UnsupportedModelError(f"{model_type}: its caches cannot be built ({e})") from None
-        kinds = [_cache_kind(c, i, model_type) for i, c in enumerate(caches)]
+        kinds, state_sizes = [], []
+        templates = [_template(c, kinds, state_sizes, model_type) for c in caches]
         tcfg = text_config(config)
-        for i, w in enumerate(config_windows(tcfg, len(kinds))):
-            if type(kinds[i]) is FullAttention and w:
-                kinds[i] = SlidingWindow(w)
+        for t, w in zip(templates, config_windows(tcfg, len(templates))):
+            if isinstance(t, tuple) and t[0] == "kv" and type(kinds[t[1]]) is FullAttention and w:
+                kinds[t[1]] = SlidingWindow(w)
         object.__setattr__(self, "_kinds", kinds)
+        object.__setattr__(self, "_templates", templates)
+        object.__setattr__(self, "_state_sizes", state_sizes)
         patch_modules()
         self.num_layers = len(lm.layers) if hasattr(lm, "layers") else len(caches)
+        # Layers whose only cache is recurrent state make no attention call.
+        self._num_state_only = sum(isinstance(t, tuple) and t[0] == "state" for t in templates)
         specs, layer_caches, vocab = self._probe()
         object.__setattr__(self, "layer_specs", specs)
         object.__setattr__(self, "layer_caches", layer_caches)
@@ -200,7 +218,17 @@ class MlxLmModel(nn.Module):
     def _run(self, input_ids: mx.array, forward: Forward) -> mx.array:
         forward.positions = forward.meta.positions if forward.meta is not None \
             else mx.arange(input_ids.shape[0], dtype=mx.int32)
-        caches = [PagedLayerCache(forward, i, forward.positions) for i in range(len(self._kinds))]
+        if forward.state_plan is None and self._state_sizes:  # the probe: the rows are one sequence
+            forward.state_plan = probe_plan(input_ids.shape[0])
+
+        def stand_in(t):
+            if isinstance(t, list):
+                return CacheListStandIn(stand_in(x) for x in t)
+            if t[0] == "state":
+                return PagedStateCache(forward, t[1], self._state_sizes[t[1]])
+            return PagedLayerCache(forward, t[1], forward.positions)
+
+        caches = [stand_in(t) for t in self._templates]
         set_active(forward)
         try:
             inner = _resolve(self._text, ".".join(self._inner_path))
@@ -214,8 +242,10 @@ class MlxLmModel(nn.Module):
         """One forward of two tokens, built but never evaluated: each cache's K/V shapes,
         the vocabulary, and the checks that the paged path computes what mlx-lm would."""
         name = type(self.lm).__module__.rsplit(".", 1)[-1]
-        f = Forward(meta=None)
         ids = mx.array([1, 2], dtype=mx.int32)
+        if self._state_sizes:
+            self._wrap_recurrent_modules(name, ids)
+        f = Forward(meta=None)
         try:
             hidden = self._run(ids, f)
             if not isinstance(hidden, mx.array) or hidden.ndim != 3 or hidden.shape[:2] != (2, 1):
@@ -234,9 +264,10 @@ class MlxLmModel(nn.Module):
             if len(w) != 1:
                 raise UnsupportedModelError(f"{name}: cache {i} is written {len(w)} times in one forward (once "
                                             "expected): K/V the paged cache would keep wrong")
-        if len(f.calls) != self.num_layers or set(f.calls) != set(range(n)):
+        attending = self.num_layers - self._num_state_only
+        if len(f.calls) != attending or set(f.calls) != set(range(n)):
             raise UnsupportedModelError(
-                f"{name}: {self.num_layers} layers but {len(f.calls)} attention calls through mlx-lm's "
+                f"{name}: {attending} attending layers but {len(f.calls)} attention calls through mlx-lm's "
                 "scaled_dot_product_attention over the caches (attention computed by hand or over K/V "
                 "that bypass the cache is not something the paged cache can serve)")
         specs = []
@@ -245,11 +276,47 @@ class MlxLmModel(nn.Module):
             if len(k) != 4 or k[0] != 2 or k[2] != 1 or v[:3] != k[:3]:
                 raise UnsupportedModelError(f"{name}: cache {i} is written K {k} / V {v}, not [T, heads, 1, d]")
             specs.append(LayerKV(kind, num_kv_heads=k[1], head_dim=k[3], v_head_dim=v[3]))
+        self._state_specs_from(f, name)
         return specs, f.calls, vocab  # calls: the cache each layer attended, in layer order
+
+    def _state_specs_from(self, f: Forward, name: str) -> list[StateSpec]:
+        state_specs = []
+        for i, size in enumerate(self._state_sizes):
+            entries = f.state_shapes.get(i, {})
+            if sorted(entries) != list(range(size)):
+                raise UnsupportedModelError(f"{name}: state cache {i} has {size} entries but its layers write "
+                                            f"{sorted(entries)} in a forward")
+            shapes = [entries[e] for e in range(size)]
+            if any(s[0][0] != 1 for s in shapes):
+                raise UnsupportedModelError(f"{name}: state cache {i} is not one state a sequence")
+            state_specs.append(StateSpec(tuple(s[0][1:] for s in shapes), tuple(s[1] for s in shapes)))
+        return state_specs
+
+    def _wrap_recurrent_modules(self, name: str, ids: mx.array) -> None:
+        """Find the module each recurrent state is passed to (a traced probe forward) and
+        wrap its class to run on the step's dense calls (`paged_state.py`)."""
+        f = Forward(meta=None, tracing=True)
+        try:
+            receivers, problems = trace_receivers(self.lm, lambda: self._run(ids, f))
+        except UnsupportedModelError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the model's code raises is the reason
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UnsupportedModelError(f"{name}: its forward fails on this backend with paged caches ({msg})") from None
+        if problems:
+            raise UnsupportedModelError(f"{name}: {problems[0]}")
+        for i in range(len(self._state_sizes)):
+            if i not in receivers:
+                raise UnsupportedModelError(
+                    f"{name}: state cache {i} is used inside a module that is not given it (e.g. a convolution "
+                    "over K/V inside attention), which the paged path cannot regroup by sequence")
+        for classes in receivers.values():
+            for cls in classes:
+                patch_receiver(cls)
 
     # -- the interface -----------------------------------------------------------
     def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:
-        return self._run(input_ids, Forward(meta=meta))[:, 0, :]
+        return self._run(input_ids, Forward(meta=meta, state_plan=meta.state))[:, 0, :]
 
     def logits(self, hidden: mx.array) -> mx.array:
         # An instance attribute shadows the inner model child for this call only.
@@ -266,8 +333,16 @@ class MlxLmModel(nn.Module):
     def kv_dtype(self) -> mx.Dtype:
         """What K/V come out of the projections in (the loaded weights' activations)."""
         f = Forward(meta=None)
+        hidden = self._run(mx.array([1, 2], dtype=mx.int32), f)
+        return f.writes[0][0][2] if f.writes else hidden.dtype
+
+    def state_specs(self) -> list[StateSpec]:
+        """Each recurrent cache's per-sequence state, with the loaded weights' dtypes."""
+        if not self._state_sizes:
+            return []
+        f = Forward(meta=None)
         self._run(mx.array([1, 2], dtype=mx.int32), f)
-        return f.writes[0][0][2]
+        return self._state_specs_from(f, self.args.model_type)
 
     def reference_logits(self, tokens: list[int], chunks: list[int]) -> mx.array:
         """mlx-lm's own forward (its caches, its attention): logits at every position of

@@ -37,6 +37,11 @@ class Forward:
     writes: dict[int, list[tuple]] = field(default_factory=dict)  # cache -> shapes written
     calls: list[int] = field(default_factory=list)  # cache each attention call read
     problems: list[str] = field(default_factory=list)
+    # Recurrent state (`paged_state.py`): the step's plan, and what the probe and the tracer see.
+    state_plan: Any = None
+    tracing: bool = False
+    state_shapes: dict[int, dict[int, tuple]] = field(default_factory=dict)  # cache -> entry -> (shape, dtype)
+    state_touched: set[int] = field(default_factory=set)
 
 
 _state = threading.local()
@@ -246,11 +251,38 @@ def _patch_afm7(mod: Any) -> None:
     _patched.add(mod.__name__ + ":reuse")
 
 
+def _patch_plamo2(mod: Any) -> None:
+    """PLaMo 2's attention calls MLX's fused SDPA directly: inside our forward, its
+    projections, q/k norms and RoPE, then the paged attention."""
+    if mod.__name__ + ":sdpa" in _patched:
+        return
+    original = mod.Attention.__call__
+
+    def attention(self, hidden_states, mask=None, cache=None):
+        if not isinstance(cache, PagedLayerCache):
+            return original(self, hidden_states, mask, cache)
+        T, L, _ = hidden_states.shape
+        q, k, v = mx.split(self.qkv_proj(hidden_states), [self.q_proj_dim, self.q_proj_dim + self.k_proj_dim], axis=-1)
+        q = q.reshape(T, L, self.q_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(T, L, self.k_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+        v = v.reshape(T, L, self.v_num_heads, self.v_dim).transpose(0, 2, 1, 3)
+        q = mx.fast.rms_norm(q, weight=None, eps=1e-6) * self.q_weight[:, None]
+        k = mx.fast.rms_norm(k, weight=None, eps=1e-6) * self.k_weight[:, None]
+        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = paged_call(q, k, v, cache, self.scale, None)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(T, L, -1))
+
+    mod.Attention.__call__ = attention
+    _patched.add(mod.__name__ + ":sdpa")
+
+
 # model modules whose attention does not (only) go through SDPA, and how to route it
 _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
                       "mlx_lm.models.llama4": [_patch_sdpa, _patch_llama4],
                       "mlx_lm.models.gpt_bigcode": [_patch_sdpa, _patch_gpt_bigcode],
-                      "mlx_lm.models.afm7": [_patch_sdpa, _patch_afm7]}
+                      "mlx_lm.models.afm7": [_patch_sdpa, _patch_afm7],
+                      "mlx_lm.models.plamo2": [_patch_sdpa, _patch_plamo2]}
 
 
 def patch_modules() -> None:

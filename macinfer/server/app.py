@@ -130,7 +130,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         """What the chat page shows: the model, KV usage and the queue (Prometheus has the rest)."""
         bm = engine.block_manager
         kv = {"blocks_total": bm.num_blocks, "blocks_used": bm.num_used_blocks, "block_size": bm.block_size,
-              "usage": bm.num_used_blocks / bm.num_blocks, "bytes": engine.kv_cache.nbytes,
+              "usage": bm.num_used_blocks / bm.num_blocks if bm.num_blocks else 0.0, "bytes": engine.kv_cache.nbytes,
               "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
               "prefix_queried_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits,
               "groups": engine.cache_groups()}
@@ -373,7 +373,8 @@ def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: floa
     logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())  # connection errors, not the access log
     host, port = sock.getsockname()[:2]
     kv = engine.kv_cache
-    groups = ", ".join(f"{g['kind']}: {g['blocks_total']}" for g in engine.cache_groups())
+    groups = ", ".join(f"{g['kind']}: {g['blocks_total']}" if "blocks_total" in g else
+                       f"{g['kind']}: {g['slots_total']} slots" for g in engine.cache_groups())
     print(f"macinfer serving {model_name} on http://{host}:{port}/v1  "
           f"(KV cache: blocks of {kv.block_size} tokens ({groups}) = {kv.nbytes / 2**30:.2f} GiB; "
           f"max_model_len {engine.max_model_len}; max_num_seqs {engine.config.max_num_seqs})", flush=True)

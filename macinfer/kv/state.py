@@ -1,0 +1,147 @@
+"""Recurrent state on the flat ragged batch: the state pool and a step's plan for it.
+
+A recurrent layer (Gated DeltaNet, Mamba, short convolutions, RWKV) keeps a fixed
+state per sequence instead of K/V rows: mlx-lm's `ArraysCache` entries. Here each
+entry of each such cache is one array `[num_slots, *shape]`; a running sequence
+owns a slot, and snapshots of states at block boundaries (the prefix cache of
+recurrent layers, `engine/state_manager.py`) live in other slots of the same pool.
+
+A step's rows are ragged (decode rows and prompt chunks of several sequences),
+but a recurrence must see each sequence's tokens in order. `plan_state` groups
+the scheduled sequences into *calls* of equal chunk length, so the model's own
+recurrent module runs on a dense `[n, L]` batch with no padding (nothing to mask,
+so every family's code computes exactly what it computes alone); decodes are one
+call. A sequence's chunk may be cut into segments where its state is wanted
+mid-chunk (a snapshot at a block boundary, or after each draft token of a
+speculating sequence): the segments run in *rounds*, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import mlx.core as mx
+import numpy as np
+
+from macinfer.kv.spec import StateSpec
+
+
+class StatePool:
+    """Every recurrent cache's entries, one `[num_slots, *shape]` array each."""
+
+    def __init__(self, specs: list[StateSpec], num_slots: int):
+        self.specs, self.num_slots = specs, num_slots
+        self.reset()
+
+    def reset(self) -> None:
+        self.arrays = [[mx.zeros((self.num_slots, *s), dtype=d) for s, d in zip(spec.shapes, spec.dtypes)]
+                       for spec in self.specs]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for entries in self.arrays for a in entries)
+
+    def gather(self, cache: int, slots: mx.array) -> list[mx.array]:
+        return [a[slots] for a in self.arrays[cache]]
+
+    def scatter(self, cache: int, slots: mx.array, values: list[mx.array | None]) -> None:
+        for a, v in zip(self.arrays[cache], values):
+            if v is not None:
+                a[slots] = v.astype(a.dtype)
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """Slots `src` into slots `dst`, in every cache (restoring or keeping a snapshot)."""
+        if not src:
+            return
+        s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+        for entries in self.arrays:
+            for a in entries:
+                a[d] = a[s]
+
+    def state(self) -> list[mx.array]:
+        return [a for entries in self.arrays for a in entries]
+
+
+@dataclass
+class StateCall:
+    """One run of a recurrent module: `n` sequences' next `length` tokens each."""
+    rows: mx.array  # [n * length] rows of the step's flat batch, sequence-major
+    n: int
+    length: int
+    slots: mx.array  # [n] each sequence's slot (read before, written after)
+    fresh: bool  # no state yet (first tokens): the module starts from its own initial state
+    saves: list[tuple[mx.array, mx.array]] = field(default_factory=list)  # (indices into n, snapshot slots)
+    captures: list[tuple[int, Hashable]] = field(default_factory=list)  # (index into n, key) kept for the runner
+
+
+@dataclass
+class StatePlan:
+    """A step's recurrent calls, round by round, and how to put their rows back in order."""
+    rounds: list[list[StateCall]]
+    inverse: mx.array | None  # row order of the concatenated calls' outputs (None: already in order)
+    captured: dict[tuple[int, Hashable], list[mx.array]] = field(default_factory=dict)  # (cache, key) -> state
+
+
+@dataclass
+class SeqChunk:
+    """One scheduled sequence as the state plan sees it."""
+    row: int  # first row in the flat batch
+    n: int  # rows (tokens) this step
+    slot: int
+    fresh: bool
+    cuts: list[tuple[int, Any]] = field(default_factory=list)  # (tokens into the chunk, slot or ("capture", key))
+
+
+def plan_state(chunks: list[SeqChunk]) -> StatePlan:
+    segments = []
+    for c in chunks:
+        ends = sorted({e for e, _ in c.cuts if 0 < e < c.n} | {c.n})
+        segs, a = [], 0
+        for e in ends:
+            segs.append((a, e, [d for off, d in c.cuts if off == e]))
+            a = e
+        segments.append(segs)
+    rounds, order = [], []
+    r = 0
+    while True:
+        live = [(i, segs[r]) for i, segs in enumerate(segments) if len(segs) > r]
+        if not live:
+            break
+        by_key: dict[tuple[int, bool], list] = {}
+        for i, seg in live:
+            by_key.setdefault((seg[1] - seg[0], chunks[i].fresh and r == 0), []).append((i, seg))
+        calls = []
+        for (length, fresh), members in by_key.items():
+            rows = np.concatenate([np.arange(chunks[i].row + a, chunks[i].row + b) for i, (a, b, _) in members])
+            order.append(rows)
+            saves: dict[int, list[tuple[int, int]]] = {}
+            captures = []
+            for j, (i, (_, _, dests)) in enumerate(members):
+                for k, d in enumerate(dests):
+                    if isinstance(d, tuple):
+                        captures.append((j, d[1]))
+                    else:
+                        saves.setdefault(k, []).append((j, d))  # one save per destination rank
+            calls.append(StateCall(
+                rows=mx.array(rows, dtype=mx.int32), n=len(members), length=length,
+                slots=mx.array([chunks[i].slot for i, _ in members], dtype=mx.int32), fresh=fresh,
+                saves=[(mx.array([j for j, _ in s], dtype=mx.int32), mx.array([d for _, d in s], dtype=mx.int32))
+                       for s in saves.values()],
+                captures=captures))
+        rounds.append(calls)
+        r += 1
+    flat = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
+    inverse = None if np.array_equal(flat, np.arange(len(flat))) else mx.array(np.argsort(flat), dtype=mx.int32)
+    return StatePlan(rounds, inverse)
+
+
+def probe_plan(num_rows: int) -> StatePlan:
+    """The load-time probe's rows as one fresh sequence (no pool: nothing is written)."""
+    call = StateCall(rows=mx.arange(num_rows, dtype=mx.int32), n=1, length=num_rows,
+                     slots=mx.zeros((1,), dtype=mx.int32), fresh=True)
+    return StatePlan([[call]], None)

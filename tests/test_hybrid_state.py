@@ -1,0 +1,199 @@
+"""Hybrid and recurrent models on the paged engine (issue #22): the state plan, slots,
+snapshots for prefix hits, agent loops, speculation and grammars on recurrent state.
+
+Every family's parity with mlx-lm (chunked prefill, requests joining and leaving,
+preemption, a prefix hit) is in tests/test_architecture_matrix.py; here the
+mechanisms, on tiny Qwen3-Next (Gated DeltaNet + attention) and Mamba-2 (no attention).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.engine.structured import json_schema_grammar
+from macinfer.kv.state import SeqChunk, plan_state
+from macinfer.sampling_params import SamplingParams
+from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+from tests.test_architecture_matrix import _reference_greedy
+from tests.zoo import tiny_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "mamba2"])
+def hybrid(request, tmp_path_factory):
+    config = tiny_config(request.param)
+    model = make_mlx_lm_model(config, seed=3)
+    return save_model_dir(str(tmp_path_factory.mktemp(request.param)), config, model), model
+
+
+def _engine(path, **kw):
+    kw = {"kv_cache_gb": 0.02, "state_snapshot_interval": 32, **kw}
+    return LLMEngine(path, EngineConfig(model_impl="mlx-lm", **kw))
+
+
+def test_plan_groups_equal_chunks_and_cuts_segments():
+    """Decodes run as one call, prompt chunks of equal length as another; a cut splits a
+    chunk into rounds; the inverse permutation puts rows back in order."""
+    chunks = [SeqChunk(0, 1, 5, False), SeqChunk(1, 1, 6, False), SeqChunk(2, 4, 7, True),
+              SeqChunk(6, 4, 8, True), SeqChunk(10, 3, 9, False, cuts=[(1, 40), (3, 41)])]
+    plan = plan_state(chunks)
+    first = [(c.n, c.length, c.fresh, c.slots.tolist()) for c in plan.rounds[0]]
+    # the cut sequence's first token runs with the decodes
+    assert first == [(3, 1, False, [5, 6, 9]), (2, 4, True, [7, 8])]
+    assert [(c.n, c.length) for c in plan.rounds[1]] == [(1, 2)]
+    assert [(i.tolist(), d.tolist()) for i, d in plan.rounds[0][0].saves] == [([2], [40])]
+    assert [(i.tolist(), d.tolist()) for i, d in plan.rounds[1][0].saves] == [([0], [41])]
+    order = np.concatenate([np.array(c.rows) for r in plan.rounds for c in r])
+    assert np.array(order)[np.array(plan.inverse)].tolist() == list(range(13))
+
+
+def test_state_slots_are_budgeted_and_given_back(hybrid):
+    path, _ = hybrid
+    engine = _engine(path, max_num_seqs=4)
+    pool = engine.kv_cache.states
+    assert pool is not None and pool.num_slots >= 2 * 4
+    assert pool.bytes_per_slot == sum(s.nbytes for s in engine.state_specs) > 0
+    assert engine.kv_cache.nbytes >= pool.nbytes  # counted with the K/V
+    generate(engine, [list(range(5, 60)), list(range(70, 90))], GREEDY)
+    assert len(engine.block_manager.state.free_running) == 4  # every running slot is back
+    assert engine.block_manager.stats()[-1]["kind"] == "recurrent state"
+
+
+def test_agent_loop_hits_the_previous_turn(hybrid):
+    """Five turns, each the previous prompt + its answer + a tool result: from turn 2 on
+    most of the prompt is cached and the tokens equal a cold engine's."""
+    path, _ = hybrid
+    warm, cold = _engine(path), _engine(path, enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 290, 70).tolist()
+    fractions = []
+    for turn in range(5):
+        out = generate(warm, [prompt], GREEDY)[0]
+        assert out.token_ids == generate(cold, [prompt], GREEDY)[0].token_ids
+        if turn:
+            fractions.append(out.num_cached_tokens / len(prompt))
+        prompt = prompt + out.token_ids + rng.integers(3, 290, 9).tolist()
+    assert min(fractions) > 0.6, fractions
+
+
+def test_snapshots_are_evicted_least_recently_used(hybrid):
+    path, _ = hybrid
+    engine = _engine(path, max_num_seqs=2)
+    state = engine.block_manager.state
+    total = state.pool.num_slots - state.num_running
+    rng = np.random.default_rng(1)
+    for _ in range(total + 3):  # more distinct prompts than snapshot slots
+        generate(engine, [rng.integers(3, 290, 40).tolist()], SamplingParams(temperature=0, max_tokens=2))
+    assert len(state.snapshots) + len(state.free_snapshots) == total
+    assert len(state.snapshots) <= total
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, seed=4, max_tokens=30, ignore_eos=True)])
+def test_speculation_gives_the_same_tokens(hybrid, params):
+    """Rejected drafts leave nothing in the recurrent state: the state after the last
+    accepted token is kept (captured per draft position in the verify step)."""
+    path, _ = hybrid
+    prompts = [[7, 8, 9, 10, 11] * 8, list(range(20, 60)), [40, 41, 42] * 10]
+    plain = generate(_engine(path), prompts, params)
+    engine = _engine(path, num_speculative_tokens=3, prompt_lookup_min=1)
+    spec = generate(engine, prompts, params)
+    assert engine.stats["spec_draft_tokens"] > engine.stats["spec_accepted_tokens"]  # some rejected
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_speculation_matches_mlx_lm_greedy(hybrid):
+    path, model = hybrid
+    prompt = [7, 8, 9, 10, 11] * 8
+    engine = _engine(path, num_speculative_tokens=4, prompt_lookup_min=1)
+    out = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))[0]
+    assert engine.stats["spec_draft_tokens"] > 0
+    assert out.token_ids == _reference_greedy(model, prompt, 25, None)
+
+
+def test_grammar_on_a_hybrid_model(hybrid):
+    """Constrained decoding keeps working, speculation on or off."""
+    path, _ = hybrid
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    params = SamplingParams(temperature=0.7, seed=2, max_tokens=40, grammar=json_schema_grammar(schema))
+    outs = [generate(_engine(path, num_speculative_tokens=k, prompt_lookup_min=1), [list(range(30, 70))], params)[0]
+            for k in (0, 3)]
+    assert outs[0].token_ids == outs[1].token_ids
+    import json
+
+    assert isinstance(json.loads(outs[0].text)["a"], int) or outs[0].finish_reason == "length"
+
+
+def test_a_failed_step_resets_states_and_snapshots(hybrid, monkeypatch):
+    path, _ = hybrid
+    engine = _engine(path)
+    want = generate(engine, [list(range(5, 50))], GREEDY)[0].token_ids
+    state = engine.block_manager.state
+    assert state.snapshots
+    calls = {"n": 0}
+    original = engine.runner.forward_logits
+
+    def failing(scheduled):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return original(scheduled)
+
+    monkeypatch.setattr(engine.runner, "forward_logits", failing)
+    out = generate(engine, [list(range(5, 50)), list(range(100, 130))], GREEDY)
+    assert all(o.finish_reason == "error" for o in out)
+    assert not state.snapshots and len(state.free_running) == state.num_running
+    monkeypatch.setattr(engine.runner, "forward_logits", original)
+    assert generate(engine, [list(range(5, 50))], GREEDY)[0].token_ids == want
+
+
+def test_accepted_and_rejected_drafts_keep_the_right_state(hybrid, monkeypatch):
+    """An oracle drafter (the true continuation, its last draft wrong every other step):
+    accepted runs and rejections both leave the state after the last accepted token."""
+    from macinfer.engine import scheduler
+
+    path, _ = hybrid
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = list(range(30, 70))
+    want = generate(_engine(path), [prompt], params)[0].token_ids
+    calls = {"n": 0}
+
+    def oracle(seq, k, min_n, max_n):
+        drafts = list(want[seq.num_output_tokens : seq.num_output_tokens + k])
+        calls["n"] += 1
+        if calls["n"] % 2 and len(drafts) > 1:
+            drafts[-1] = 3 + (drafts[-1] + 1) % 290
+        return drafts
+
+    monkeypatch.setattr(scheduler, "propose", oracle)
+    engine = _engine(path, num_speculative_tokens=3)
+    assert generate(engine, [prompt], params)[0].token_ids == want
+    st = engine.stats
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], st
+
+
+def test_served_over_http(hybrid):
+    """A recurrent model behind the server: completions, streamed chat, status and metrics."""
+    import httpx
+
+    from tests.server_process import ServerProcess
+
+    path, _ = hybrid
+    s = ServerProcess(path, "--served-model-name", "h", "--kv-cache-gb", "0.02", "--max-num-seqs", "4")
+    try:
+        body = {"model": "h", "prompt": "abc abc", "max_tokens": 5, "temperature": 0}
+        a, b = (httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).json() for _ in range(2))
+        assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"]["completion_tokens"] == 5
+        with httpx.stream("POST", f"{s.url}/v1/chat/completions", timeout=60, json={
+                "model": "h", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}) as r:
+            assert r.status_code == 200 and "data: [DONE]" in r.read().decode()
+        kv = httpx.get(f"{s.url}/status").json()["kv"]
+        assert kv["groups"][-1]["kind"] == "recurrent state" and kv["groups"][-1]["bytes"] > 0
+        assert httpx.get(f"{s.url}/metrics").status_code == 200
+    finally:
+        assert "Traceback" not in s.stop()
