@@ -45,8 +45,8 @@ def test_plan_groups_equal_chunks_and_cuts_segments():
     # the cut sequence's first token runs with the decodes
     assert first == [(3, 1, False, [5, 6, 9]), (2, 4, True, [7, 8])]
     assert [(c.n, c.length) for c in plan.rounds[1]] == [(1, 2)]
-    assert [(i.tolist(), d.tolist()) for i, d in plan.rounds[0][0].saves] == [([2], [40])]
-    assert [(i.tolist(), d.tolist()) for i, d in plan.rounds[1][0].saves] == [([0], [41])]
+    assert plan.rounds[0][0].saves == [(2, 40)] and plan.rounds[1][0].saves == [(0, 41)]
+    assert plan.rounds[0][0].runs == [(0, 5, 2), (2, 9, 1)]  # slots 5, 6 then 9
     order = np.concatenate([np.array(c.rows) for r in plan.rounds for c in r])
     assert np.array(order)[np.array(plan.inverse)].tolist() == list(range(13))
 

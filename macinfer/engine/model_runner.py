@@ -238,9 +238,9 @@ class ModelRunner:
     def _rewind_state(self, seq: Sequence, consumed: int) -> None:
         """A speculating sequence with rejected drafts: its state is the one after its
         real token and the accepted drafts (`consumed` tokens of the step), not after all."""
-        pool, slot = self.kv_cache.states, mx.array([seq.state_slot], dtype=mx.int32)
+        pool = self.kv_cache.states
         for c in range(len(pool.specs)):
-            pool.scatter(c, slot, self._last_plan.captured[(c, (id(seq), consumed))])
+            pool.write(c, seq.state_slot, self._last_plan.captured[(c, (id(seq), consumed))])
 
 
 @dataclass

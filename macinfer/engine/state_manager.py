@@ -38,7 +38,8 @@ class StateSlots:
         self.pool, self.block_size, self.interval = pool, block_size, interval
         self.enable_prefix_caching = enable_prefix_caching
         self.num_running = num_running
-        self.free_running = list(range(num_running - 1, -1, -1))
+        self.free_running = list(range(num_running - 1, -1, -1))  # popped lowest first
+        self.owners: dict[int, Sequence] = {}  # running slot -> its sequence
         self.free_snapshots = list(range(pool.num_slots - 1, num_running - 1, -1))
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # hash of the blocks before it -> slot
         self.marks: dict[int, int] = {}  # id(seq) -> its mark slot
@@ -50,6 +51,7 @@ class StateSlots:
             if not self.free_running:
                 raise RuntimeError("no free state slot (more running sequences than max_num_seqs)")
             seq.state_slot = self.free_running.pop()
+            self.owners[seq.state_slot] = seq
 
     def _take(self) -> int | None:
         """A free snapshot slot, evicting the least recently used snapshot if need be."""
@@ -62,7 +64,7 @@ class StateSlots:
     def release(self, seq: Sequence) -> None:
         """`seq` finished or was preempted: its slot is free, its mark becomes a snapshot."""
         if seq.state_slot is not None:
-            self.free_running.append(seq.state_slot)
+            self._free_running_slot(seq.state_slot)
             seq.state_slot = None
         mark, p = self.marks.pop(id(seq), None), seq.state_mark
         seq.state_mark = 0
@@ -73,6 +75,19 @@ class StateSlots:
             self.free_snapshots.append(mark)
         else:
             self.snapshots[h] = mark
+
+    def _free_running_slot(self, slot: int) -> None:
+        """Keep running slots packed low: the highest one moves into the hole (one state
+        copy), so a decode batch's slots stay one run (see `StatePool`)."""
+        del self.owners[slot]
+        top = max(self.owners, default=-1)
+        if top > slot:
+            moved = self.owners.pop(top)
+            self.pool.copy(top, slot)
+            moved.state_slot, self.owners[slot] = slot, moved
+            slot = top
+        self.free_running.append(slot)
+        self.free_running.sort(reverse=True)
 
     # -- prefix hits -------------------------------------------------------------
     def longest_hit(self, hashes: list[bytes], limit: int) -> int:
@@ -87,7 +102,7 @@ class StateSlots:
         if hits:
             slot = self.snapshots[hashes[hits - 1]]
             self.snapshots.move_to_end(hashes[hits - 1])
-            self.pool.copy([slot], [seq.state_slot])
+            self.pool.copy(slot, seq.state_slot)
 
     # -- snapshots during a step -------------------------------------------------
     def cuts(self, seq: Sequence, start: int, n: int) -> list[tuple[int, Any]]:

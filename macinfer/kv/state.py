@@ -46,25 +46,53 @@ class StatePool:
     def nbytes(self) -> int:
         return sum(a.nbytes for entries in self.arrays for a in entries)
 
-    def gather(self, cache: int, slots: mx.array) -> list[mx.array]:
-        return [a[slots] for a in self.arrays[cache]]
+    # MLX's CPU scatter costs ~5 ns an element (a decode step of 32 sequences of a small
+    # Gated DeltaNet model: 31 of 104 ms), a slice update writes in place at memory speed:
+    # calls list their slots in runs of consecutive ones, and a running batch's slots are
+    # kept packed (`StateSlots`), so a decode call is one run.
+    def gather(self, cache: int, call: "StateCall") -> list[mx.array]:
+        return [a[call.slots] for a in self.arrays[cache]]
 
-    def scatter(self, cache: int, slots: mx.array, values: list[mx.array | None]) -> None:
+    def scatter(self, cache: int, call: "StateCall", values: list[mx.array | None]) -> None:
+        for a, v in zip(self.arrays[cache], values):
+            if v is None:
+                continue
+            v = v.astype(a.dtype)
+            if len(call.runs) > MAX_RUNS:
+                a[call.slots] = v
+                continue
+            for off, start, n in call.runs:
+                a[start : start + n] = v[off : off + n]
+
+    def write(self, cache: int, slot: int, values: list[mx.array | None]) -> None:
+        """One sequence's state (`values` of shape [1, ...]) into `slot`."""
         for a, v in zip(self.arrays[cache], values):
             if v is not None:
-                a[slots] = v.astype(a.dtype)
+                a[slot : slot + 1] = v.astype(a.dtype)
 
-    def copy(self, src: list[int], dst: list[int]) -> None:
-        """Slots `src` into slots `dst`, in every cache (restoring or keeping a snapshot)."""
-        if not src:
-            return
-        s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+    def copy(self, src: int, dst: int) -> None:
+        """Slot `src` into slot `dst`, in every cache (a snapshot restored or kept, a state moved)."""
         for entries in self.arrays:
             for a in entries:
-                a[d] = a[s]
+                a[dst : dst + 1] = a[src : src + 1]
 
     def state(self) -> list[mx.array]:
         return [a for entries in self.arrays for a in entries]
+
+
+MAX_RUNS = 8  # more runs of consecutive slots than this: one scatter
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(offset, first slot, length) of each run of consecutive slots."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == s:
+            off, start, n = runs[-1]
+            runs[-1] = (off, start, n + 1)
+        else:
+            runs.append((i, s, 1))
+    return runs
 
 
 @dataclass
@@ -73,9 +101,10 @@ class StateCall:
     rows: mx.array  # [n * length] rows of the step's flat batch, sequence-major
     n: int
     length: int
-    slots: mx.array  # [n] each sequence's slot (read before, written after)
+    slots: mx.array  # [n] each sequence's slot (read before, written after), increasing
     fresh: bool  # no state yet (first tokens): the module starts from its own initial state
-    saves: list[tuple[mx.array, mx.array]] = field(default_factory=list)  # (indices into n, snapshot slots)
+    runs: list[tuple[int, int, int]] = field(default_factory=list)  # `slot_runs` of the slots
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (index into n, snapshot slot)
     captures: list[tuple[int, Hashable]] = field(default_factory=list)  # (index into n, key) kept for the runner
 
 
@@ -117,22 +146,20 @@ def plan_state(chunks: list[SeqChunk]) -> StatePlan:
             by_key.setdefault((seg[1] - seg[0], chunks[i].fresh and r == 0), []).append((i, seg))
         calls = []
         for (length, fresh), members in by_key.items():
+            members.sort(key=lambda m: chunks[m[0]].slot)
             rows = np.concatenate([np.arange(chunks[i].row + a, chunks[i].row + b) for i, (a, b, _) in members])
             order.append(rows)
-            saves: dict[int, list[tuple[int, int]]] = {}
-            captures = []
+            slots = [chunks[i].slot for i, _ in members]
+            saves, captures = [], []
             for j, (i, (_, _, dests)) in enumerate(members):
-                for k, d in enumerate(dests):
+                for d in dests:
                     if isinstance(d, tuple):
                         captures.append((j, d[1]))
                     else:
-                        saves.setdefault(k, []).append((j, d))  # one save per destination rank
-            calls.append(StateCall(
-                rows=mx.array(rows, dtype=mx.int32), n=len(members), length=length,
-                slots=mx.array([chunks[i].slot for i, _ in members], dtype=mx.int32), fresh=fresh,
-                saves=[(mx.array([j for j, _ in s], dtype=mx.int32), mx.array([d for _, d in s], dtype=mx.int32))
-                       for s in saves.values()],
-                captures=captures))
+                        saves.append((j, d))
+            calls.append(StateCall(rows=mx.array(rows, dtype=mx.int32), n=len(members), length=length,
+                                   slots=mx.array(slots, dtype=mx.int32), fresh=fresh, runs=slot_runs(slots),
+                                   saves=saves, captures=captures))
         rounds.append(calls)
         r += 1
     flat = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
@@ -143,5 +170,5 @@ def plan_state(chunks: list[SeqChunk]) -> StatePlan:
 def probe_plan(num_rows: int) -> StatePlan:
     """The load-time probe's rows as one fresh sequence (no pool: nothing is written)."""
     call = StateCall(rows=mx.arange(num_rows, dtype=mx.int32), n=1, length=num_rows,
-                     slots=mx.zeros((1,), dtype=mx.int32), fresh=True)
+                     slots=mx.zeros((1,), dtype=mx.int32), fresh=True, runs=[(0, 0, 1)])
     return StatePlan([[call]], None)

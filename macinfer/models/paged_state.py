@@ -167,7 +167,7 @@ def patch_receiver(cls: type) -> None:
             for call in calls:
                 cache = ArraysCache(stand_in.size)
                 if not call.fresh and pool is not None:
-                    cache.cache = pool.gather(stand_in.index, call.slots)
+                    cache.cache = pool.gather(stand_in.index, call)
                 before = list(cache.cache)
 
                 def swap(a):
@@ -183,9 +183,9 @@ def patch_receiver(cls: type) -> None:
                         if v is not None:
                             f.state_shapes.setdefault(stand_in.index, {})[e] = (tuple(v.shape), v.dtype)
                     continue
-                pool.scatter(stand_in.index, call.slots, new)
-                for idx, dst in call.saves:
-                    pool.scatter(stand_in.index, dst, [None if v is None else v[idx] for v in new])
+                pool.scatter(stand_in.index, call, new)
+                for j, dst in call.saves:
+                    pool.write(stand_in.index, dst, [None if v is None else v[j : j + 1] for v in new])
                 for j, key in call.captures:
                     got = plan.captured.setdefault((stand_in.index, key), [None] * stand_in.size)
                     for e, v in enumerate(new):
