@@ -113,7 +113,8 @@ class LLMEngine:
         self.state_specs = list(self.model.state_specs()) if hasattr(self.model, "state_specs") else []
         slot_bytes = sum(s.nbytes for s in self.state_specs)
         interval = self._snapshot_interval(groups, slot_bytes)
-        fixed_state = 2 * cfg.max_num_seqs * slot_bytes
+        num_verify = cfg.speculative_max_batch if cfg.num_speculative_tokens else 0  # states kept across a verify
+        fixed_state = (2 * cfg.max_num_seqs + num_verify) * slot_bytes
         per_block = slot_bytes * bs / interval if slot_bytes else 0.0
 
         def pool_bytes(n: int) -> int:
@@ -154,7 +155,7 @@ class LLMEngine:
                 snapshots = -(-num_blocks * bs // interval)
             else:  # no K/V: the budget left after the running states buys snapshots
                 snapshots = min(max(budget - fixed_state, 0) // slot_bytes, max_blocks * bs // interval)
-            states = StatePool(self.state_specs, 2 * cfg.max_num_seqs + snapshots)
+            states = StatePool(self.state_specs, 2 * cfg.max_num_seqs + num_verify + snapshots)
         self.kv_cache = KVCache(self.layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype, states)
         if mx.default_device() == mx.cpu:
             # MLX's CPU buffer cache defaults to 32 MiB: a step's attention temporaries
@@ -170,7 +171,7 @@ class LLMEngine:
         if groups:
             self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
         slots = None if states is None else StateSlots(states, cfg.max_num_seqs, bs, interval,
-                                                       cfg.enable_prefix_caching)
+                                                       cfg.enable_prefix_caching, num_verify)
         self.block_manager = BlockManager(groups, bs, cfg.enable_prefix_caching, cache_key=self.loaded.source,
                                           state=slots)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -408,6 +409,8 @@ class LLMEngine:
                     self.stats["spec_accepted_tokens"] += len(r.token_ids) - 1
                     seq.num_computed_tokens += len(r.token_ids) - 1  # the accepted drafts' K/V are written
                     record_verdict(seq, len(r.token_ids) - 1)
+                    if r.recompute_from is not None:  # recurrent state rewound (`ModelRunner.step`)
+                        seq.num_computed_tokens = r.recompute_from
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 finished = False

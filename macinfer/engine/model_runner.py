@@ -115,6 +115,8 @@ class ModelRunner:
         sample_seqs: list[Sequence | DraftRow] = []
         tables = [_GroupTables(g, self.block_size) for g in self.groups]
         chunks: list[SeqChunk] = []
+        if self.state is not None:
+            self.state.end_step()
 
         for seq, n in scheduled:
             start = seq.num_computed_tokens
@@ -128,10 +130,9 @@ class ModelRunner:
             for g, t in enumerate(tables):
                 t.add(seq.block_tables[g], pos, row, as_decodes=bool(drafts))
             if self.state is not None:
+                if drafts:  # its state before the drafts, restored if one is rejected
+                    self.state.keep_before_verify(seq)
                 cuts = self.state.cuts(seq, start, real) if snapshots else []
-                # A speculating sequence's state after each of its tokens: the runner keeps
-                # the one after the last accepted draft.
-                cuts += [(j, ("capture", (id(seq), j))) for j in range(1, len(drafts) + 1)]
                 chunks.append(SeqChunk(row, n, seq.state_slot, start == 0, cuts))
             if start + real == seq.num_tokens:
                 # A speculating sequence samples at its real token and after each draft.
@@ -155,7 +156,6 @@ class ModelRunner:
         hidden = self.model(input_ids, meta)
         if self.state is not None:
             self.state.publish_pending()
-            self._last_plan = meta.state
         logits = self.model.logits(hidden[mx.array(rows)]) if rows else None
         spans = _prompt_logprob_spans(scheduled)
         if spans:
@@ -230,17 +230,14 @@ class ModelRunner:
                 tokens = accepted_tokens(seq.spec_token_ids if k else [], out.token_ids[i : i + k + 1])
                 results.append(StepResult(seq, tokens, out.logprobs[i : i + len(tokens)]))
                 if k and len(tokens) <= k and self.state is not None:
-                    self._rewind_state(seq, len(tokens))
+                    # A draft was rejected: the recurrent state consumed it. Back to the state
+                    # before the step; the real token and the accepted drafts are computed
+                    # again with the next one (cheaper than running each draft position
+                    # separately to keep its state: measured in the README).
+                    self.state.restore_before_verify(seq)
+                    results[-1].recompute_from = seq.num_computed_tokens
             i += k + 1
         return results, list(failed.items())
-
-
-    def _rewind_state(self, seq: Sequence, consumed: int) -> None:
-        """A speculating sequence with rejected drafts: its state is the one after its
-        real token and the accepted drafts (`consumed` tokens of the step), not after all."""
-        pool = self.kv_cache.states
-        for c in range(len(pool.specs)):
-            pool.write(c, seq.state_slot, self._last_plan.captured[(c, (id(seq), consumed))])
 
 
 @dataclass
@@ -248,6 +245,7 @@ class StepResult:
     seq: Sequence
     token_ids: list[int]  # new tokens: accepted drafts, then one sampled token
     logprobs: list  # per token: (logprob, top) or None
+    recompute_from: int | None = None  # recurrent state rewound: tokens from here are computed again
 
 
 def _prompt_logprob_spans(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int, int]]:

@@ -33,14 +33,17 @@ from macinfer.kv.state import StatePool
 
 class StateSlots:
     def __init__(self, pool: StatePool, num_running: int, block_size: int, interval: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, num_verify: int = 0):
         assert interval % block_size == 0
         self.pool, self.block_size, self.interval = pool, block_size, interval
         self.enable_prefix_caching = enable_prefix_caching
         self.num_running = num_running
         self.free_running = list(range(num_running - 1, -1, -1))  # popped lowest first
         self.owners: dict[int, Sequence] = {}  # running slot -> its sequence
-        self.free_snapshots = list(range(pool.num_slots - 1, num_running - 1, -1))
+        # Spares for speculating sequences' states before their verify step.
+        self.verify_slots = list(range(num_running, num_running + num_verify))
+        self.verifying: dict[int, int] = {}  # id(seq) -> its spare, this step
+        self.free_snapshots = list(range(pool.num_slots - 1, num_running + num_verify - 1, -1))
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # hash of the blocks before it -> slot
         self.marks: dict[int, int] = {}  # id(seq) -> its mark slot
         self.pending: list[tuple[bytes, int]] = []  # snapshots written by the step being built
@@ -52,6 +55,18 @@ class StateSlots:
                 raise RuntimeError("no free state slot (more running sequences than max_num_seqs)")
             seq.state_slot = self.free_running.pop()
             self.owners[seq.state_slot] = seq
+
+    def keep_before_verify(self, seq: Sequence) -> None:
+        """Copy a speculating sequence's state aside before its verify step."""
+        spare = self.verify_slots[len(self.verifying) % len(self.verify_slots)]
+        self.verifying[id(seq)] = spare
+        self.pool.copy(seq.state_slot, spare)
+
+    def restore_before_verify(self, seq: Sequence) -> None:
+        self.pool.copy(self.verifying[id(seq)], seq.state_slot)
+
+    def end_step(self) -> None:
+        self.verifying.clear()
 
     def _take(self) -> int | None:
         """A free snapshot slot, evicting the least recently used snapshot if need be."""

@@ -72,9 +72,10 @@ class StatePool:
 
     def copy(self, src: int, dst: int) -> None:
         """Slot `src` into slot `dst`, in every cache (a snapshot restored or kept, a state moved)."""
-        for entries in self.arrays:
+        index = mx.array([src], dtype=mx.int32)  # a gathered copy: a view of the pool would keep
+        for entries in self.arrays:              # the update below from writing in place
             for a in entries:
-                a[dst : dst + 1] = a[src : src + 1]
+                a[dst : dst + 1] = a[index]
 
     def state(self) -> list[mx.array]:
         return [a for entries in self.arrays for a in entries]
