@@ -95,8 +95,8 @@ def test_snapshots_are_evicted_least_recently_used(hybrid):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                                     SamplingParams(temperature=0.8, seed=4, max_tokens=30, ignore_eos=True)])
 def test_speculation_gives_the_same_tokens(hybrid, params):
-    """Rejected drafts leave nothing in the recurrent state: the state after the last
-    accepted token is kept (captured per draft position in the verify step)."""
+    """Rejected drafts leave nothing in the recurrent state: the state before the verify
+    step is restored and the accepted tokens are computed again."""
     path, _ = hybrid
     prompts = [[7, 8, 9, 10, 11] * 8, list(range(20, 60)), [40, 41, 42] * 10]
     plain = generate(_engine(path), prompts, params)

@@ -12,14 +12,12 @@ the scheduled sequences into *calls* of equal chunk length, so the model's own
 recurrent module runs on a dense `[n, L]` batch with no padding (nothing to mask,
 so every family's code computes exactly what it computes alone); decodes are one
 call. A sequence's chunk may be cut into segments where its state is wanted
-mid-chunk (a snapshot at a block boundary, or after each draft token of a
-speculating sequence): the segments run in *rounds*, in order.
+mid-chunk (a snapshot at a block boundary): the segments run in *rounds*, in order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable
 
 import mlx.core as mx
 import numpy as np
@@ -106,7 +104,6 @@ class StateCall:
     fresh: bool  # no state yet (first tokens): the module starts from its own initial state
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # `slot_runs` of the slots
     saves: list[tuple[int, int]] = field(default_factory=list)  # (index into n, snapshot slot)
-    captures: list[tuple[int, Hashable]] = field(default_factory=list)  # (index into n, key) kept for the runner
 
 
 @dataclass
@@ -114,7 +111,6 @@ class StatePlan:
     """A step's recurrent calls, round by round, and how to put their rows back in order."""
     rounds: list[list[StateCall]]
     inverse: mx.array | None  # row order of the concatenated calls' outputs (None: already in order)
-    captured: dict[tuple[int, Hashable], list[mx.array]] = field(default_factory=dict)  # (cache, key) -> state
 
 
 @dataclass
@@ -124,7 +120,7 @@ class SeqChunk:
     n: int  # rows (tokens) this step
     slot: int
     fresh: bool
-    cuts: list[tuple[int, Any]] = field(default_factory=list)  # (tokens into the chunk, slot or ("capture", key))
+    cuts: list[tuple[int, int]] = field(default_factory=list)  # (tokens into the chunk, snapshot slot)
 
 
 def plan_state(chunks: list[SeqChunk]) -> StatePlan:
@@ -151,16 +147,10 @@ def plan_state(chunks: list[SeqChunk]) -> StatePlan:
             rows = np.concatenate([np.arange(chunks[i].row + a, chunks[i].row + b) for i, (a, b, _) in members])
             order.append(rows)
             slots = [chunks[i].slot for i, _ in members]
-            saves, captures = [], []
-            for j, (i, (_, _, dests)) in enumerate(members):
-                for d in dests:
-                    if isinstance(d, tuple):
-                        captures.append((j, d[1]))
-                    else:
-                        saves.append((j, d))
+            saves = [(j, d) for j, (_, (_, _, dests)) in enumerate(members) for d in dests]
             calls.append(StateCall(rows=mx.array(rows, dtype=mx.int32), n=len(members), length=length,
                                    slots=mx.array(slots, dtype=mx.int32), fresh=fresh, runs=slot_runs(slots),
-                                   saves=saves, captures=captures))
+                                   saves=saves))
         rounds.append(calls)
         r += 1
     flat = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)

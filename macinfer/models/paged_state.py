@@ -176,7 +176,7 @@ def patch_receiver(cls: type) -> None:
                 y = original(self, *[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
                 outs.append((y, call))
                 # Only what this module wrote: RWKV's channel mixing keeps one entry, its time
-                # mixing two, each in its own wrapped call.
+                # mixing two, each in its own wrapped call (a snapshot taken by each).
                 new = [None if v is b else v for v, b in zip(cache.cache, before)]
                 if pool is None:  # the probe: what one sequence's state is
                     for e, v in enumerate(new):
@@ -186,11 +186,6 @@ def patch_receiver(cls: type) -> None:
                 pool.scatter(stand_in.index, call, new)
                 for j, dst in call.saves:
                     pool.write(stand_in.index, dst, [None if v is None else v[j : j + 1] for v in new])
-                for j, key in call.captures:
-                    got = plan.captured.setdefault((stand_in.index, key), [None] * stand_in.size)
-                    for e, v in enumerate(new):
-                        if v is not None:
-                            got[e] = v[j : j + 1]
         return _combine(outs, plan)
 
     cls.__call__ = __call__
