@@ -74,6 +74,7 @@ class MacinferStep:
             self.engine.block_manager.allocate(s, context + 1)
             s.num_computed_tokens = context
             s.output_token_ids.append(7)
+        mx.eval(self.engine.kv_cache.state())  # (recurrent states moved when slots were freed)
         return seqs
 
     def _graph(self, seqs: list) -> list[mx.array]:
