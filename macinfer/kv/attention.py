@@ -166,7 +166,7 @@ def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, sinks: mx.a
     where MLX's SDPA is not a fused kernel, so each op's cost is what it is; and for
     logit soft-capping, which the fused SDPA lacks): GQA by folding each KV head's
     query heads into the rows of one matmul, softmax by `exp2_weights`."""
-    if softcap is None and not explicit:
+    if softcap is None and not explicit and v.shape[-1] == q.shape[-1]:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
     B, H, Lq, d = q.shape
     kvh, Lk = k.shape[1], k.shape[2]
@@ -184,7 +184,7 @@ def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, sinks: mx.a
     sink = None if sinks is None else (sinks.astype(scores.dtype) * LOG2E).reshape(1, kvh, g, 1, 1)
     weights, total = exp2_weights(scores, sink)
     out = (weights.reshape(B, kvh, g * Lq, Lk) @ v) / total.reshape(B, kvh, g * Lq, 1)
-    return out.reshape(B, H, Lq, d)
+    return out.reshape(B, H, Lq, v.shape[-1])  # V may be narrower than K (MLA)
 
 
 def reference_decode_attention(
@@ -229,10 +229,11 @@ def reference_decode_attention(
     else:
         probs = mx.softmax(scores, axis=-1, precise=True)
     probs = probs.reshape(B, kvh, rows, nb, bs).transpose(0, 3, 1, 2, 4)  # [B, nb, kvh, rows, bs]
-    out = mx.gather_mm(probs, v_blocks.reshape(-1, bs, d), None, heads).sum(axis=1)  # [B, kvh, rows, d]
+    dv = v_blocks.shape[-1]  # V may be narrower than K (MLA)
+    out = mx.gather_mm(probs, v_blocks.reshape(-1, bs, dv), None, heads).sum(axis=1)  # [B, kvh, rows, dv]
     if total is not None:
         out = out / total.reshape(B, kvh, rows, 1)
-    out = out.reshape(B, kvh, Q, g, d).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, d)
+    out = out.reshape(B, kvh, Q, g, dv).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, dv)
     return out[:, 0] if single else out
 
 
@@ -287,7 +288,7 @@ def _batched_prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int,
     k, v = (x[:, :, : b.context] for x in meta.kv_cache.pool(layer).gather(b.tables))  # [n, kvh, context, d]
     mask = meta.memo(("batch_mask", id(b)), lambda: batch_mask(b, meta.kind))
     out = _sdpa(qb, k, v, scale, mask, sinks, softcap, explicit=meta.explicit_ops)
-    return out.transpose(0, 2, 1, 3).reshape(n * b.length, H, d)
+    return out.transpose(0, 2, 1, 3).reshape(n * b.length, H, v.shape[-1])
 
 
 def attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
@@ -311,6 +312,9 @@ def attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
             parts = [mx.concatenate(parts, axis=0)[index]]
         outs.extend(parts)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    pool = meta.kv_cache.pool(layer)
+    if pool.v_in_k:  # MLA: values were read as all of K; V is its leading columns (the latent)
+        out = out[..., : pool.v_head_dim]
     return out.astype(q.dtype)
 
 

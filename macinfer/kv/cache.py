@@ -117,8 +117,9 @@ class LayerPool:
                  quantized: bool):
         self.num_kv_heads, self.head_dim, self.v_head_dim = spec.num_kv_heads, spec.head_dim, spec.v_head_dim
         self.num_blocks, self.block_size, self.dtype, self.quantized = num_blocks, block_size, dtype, quantized
+        self.v_in_k = spec.v_in_k  # MLA: V is K's leading values (the latent), not stored
         self.group_size = kv_group_size(spec.head_dim)
-        if quantized and (spec.head_dim % 32 or spec.v_head_dim % 32):
+        if quantized and (spec.head_dim % 32 or (spec.v_head_dim % 32 and not spec.v_in_k)):
             raise ValueError(f"--kv-cache-dtype int8 needs head sizes divisible by 32; layer {layer} has "
                              f"{spec.head_dim} (K) and {spec.v_head_dim} (V)")
         self.reset()
@@ -133,7 +134,7 @@ class LayerPool:
 
     def reset(self) -> None:
         # k / v: [values] or [packed values, scales, biases]
-        self.k, self.v = self._pool(self.head_dim), self._pool(self.v_head_dim)
+        self.k, self.v = self._pool(self.head_dim), [] if self.v_in_k else self._pool(self.v_head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -145,9 +146,9 @@ class LayerPool:
             return [x]
         return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1]), bits=KV_QUANT_BITS))
 
-    def write(self, rows: mx.array, k: mx.array, v: mx.array) -> None:
+    def write(self, rows: mx.array, k: mx.array, v: mx.array | None) -> None:
         """Scatter new K/V ([T, kv_heads, d]) into their pool rows ([T * kv_heads], from `kv_rows`)."""
-        for pools, x in ((self.k, k), (self.v, v)):
+        for pools, x in ((self.k, k),) if self.v_in_k else ((self.k, k), (self.v, v)):
             for pool, values in zip(pools, self._encode(x)):
                 pool[rows] = values
 
@@ -160,14 +161,19 @@ class LayerPool:
         return pool.reshape(-1, self.num_kv_heads, self.block_size, pool.shape[-1])
 
     def gather(self, block_table: mx.array) -> tuple[mx.array, mx.array]:
-        """K and V of the blocks in `block_table` ([..., nb]), dequantized, as [..., kvh, nb*bs, d]."""
-        return (self._decode([gather_blocks(self._blocks(p), block_table) for p in self.k], self.head_dim),
-                self._decode([gather_blocks(self._blocks(p), block_table) for p in self.v], self.v_head_dim))
+        """K and V of the blocks in `block_table` ([..., nb]), dequantized, as [..., kvh, nb*bs, d]
+        (`v_in_k`: K twice; the attention keeps V's columns of its output, cheaper than
+        copying a strided view of K)."""
+        k = self._decode([gather_blocks(self._blocks(p), block_table) for p in self.k], self.head_dim)
+        if self.v_in_k:  # V is K's leading values: the attention reads K and keeps those columns
+            return k, k
+        return k, self._decode([gather_blocks(self._blocks(p), block_table) for p in self.v], self.v_head_dim)
 
     def blocks(self) -> tuple[mx.array, mx.array]:
         """K and V as [num_blocks, kvh, bs, d] views (unquantized caches only)."""
         assert not self.quantized
-        return self._blocks(self.k[0]), self._blocks(self.v[0])
+        k = self._blocks(self.k[0])
+        return k, k if self.v_in_k else self._blocks(self.v[0])
 
     def attention_blocks(self, block_tables: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(K blocks, V blocks, block tables) for attention over `block_tables` ([B, nb]).
@@ -180,7 +186,8 @@ class LayerPool:
             blocks = self._decode([self._blocks(p)[block_tables] for p in pools], d)  # [B, nb, kvh, bs, d]
             return blocks.reshape(-1, *blocks.shape[-3:])
 
-        k, v = dequantized(self.k, self.head_dim), dequantized(self.v, self.v_head_dim)
+        k = dequantized(self.k, self.head_dim)
+        v = k if self.v_in_k else dequantized(self.v, self.v_head_dim)
         return k, v, mx.arange(k.shape[0], dtype=mx.int32).reshape(block_tables.shape)
 
     def state(self) -> list[mx.array]:

@@ -89,12 +89,16 @@ class LayerKV:
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
+    # V is K's first v_head_dim values, not stored (multi-head latent attention: K is one
+    # "head" of the compressed latent and the rope key, V the latent).
+    v_in_k: bool = False
 
     def bytes_per_token(self, itemsize: int, quantized_bytes=None) -> int:
         """K + V bytes one token costs in this cache."""
+        v = 0 if self.v_in_k else self.v_head_dim
         if quantized_bytes is not None:
-            return self.num_kv_heads * (quantized_bytes(self.head_dim) + quantized_bytes(self.v_head_dim))
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * itemsize
+            return self.num_kv_heads * (quantized_bytes(self.head_dim) + (quantized_bytes(v) if v else 0))
+        return self.num_kv_heads * (self.head_dim + v) * itemsize
 
 
 @dataclass(frozen=True)

@@ -46,12 +46,12 @@ from macinfer.kv.state import probe_plan
 from macinfer.models.paged_layers import Forward, PagedLayerCache, UnsupportedModelError, patch_modules, set_active
 from macinfer.models.paged_state import CacheListStandIn, PagedStateCache, patch_receiver, trace_receivers
 
-MLA = "multi-head latent attention (MLA) caches compressed latents, not K/V rows (issue #23)"
-# Families mlx-lm runs whose caches look like K/V to the probe but hold something else.
-REFUSED = {name: MLA for name in (
-    "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v41", "deepseek_v41_text", "kimi_k2", "kimi_k25",
-    "kimi_vl", "minicpm3", "glm4_moe_lite", "glm_moe_dsa", "mistral4", "joyai_llm_flash", "bailing_moe_v3",
-    "youtu_llm", "longcat_flash", "longcat_flash_ngram", "kimi_linear", "kimi_k3", "bailing_hybrid")}
+SPARSE = ("a sparse attention indexer (DeepSeek Sparse Attention, MiniMax M3's block selection) picks each "
+          "query's keys from an index cache; the paged path does not run it yet, and dense attention would not "
+          "be this model past the indexer's budget (issue #23)")
+# Families mlx-lm runs that the probe would pass (the indexer keeps every key of a short
+# context) but that the paged path would run wrong on long ones.
+REFUSED = {name: SPARSE for name in ("deepseek_v32", "glm_moe_dsa", "minimax_m3_vl")}
 
 # Families whose mlx-lm file applies no sliding window although transformers (and
 # llama.cpp) do: the window of layer i, from the config. `layer_types` wins when given.
@@ -192,6 +192,10 @@ class MlxLmModel(nn.Module):
         self.num_layers = len(lm.layers) if hasattr(lm, "layers") else len(caches)
         # Layers whose only cache is recurrent state make no attention call.
         self._num_state_only = sum(isinstance(t, tuple) and t[0] == "state" for t in templates)
+        # Multi-head latent attention: the rope key's width marks the caches that hold latents.
+        margs = getattr(text, "args", None) or getattr(lm, "args", None)
+        mla = {k: getattr(margs, k, None) or tcfg.get(k) for k in ("kv_lora_rank", "qk_rope_head_dim")}
+        self._mla_rope = mla["qk_rope_head_dim"] if mla["kv_lora_rank"] else None
         specs, layer_caches, vocab = self._probe()
         object.__setattr__(self, "layer_specs", specs)
         object.__setattr__(self, "layer_caches", layer_caches)
@@ -218,6 +222,7 @@ class MlxLmModel(nn.Module):
     def _run(self, input_ids: mx.array, forward: Forward) -> mx.array:
         forward.positions = forward.meta.positions if forward.meta is not None \
             else mx.arange(input_ids.shape[0], dtype=mx.int32)
+        forward.mla_rope = self._mla_rope
         if forward.state_plan is None and self._state_sizes:  # the probe: the rows are one sequence
             forward.state_plan = probe_plan(input_ids.shape[0])
 
@@ -265,7 +270,8 @@ class MlxLmModel(nn.Module):
                 raise UnsupportedModelError(f"{name}: cache {i} is written {len(w)} times in one forward (once "
                                             "expected): K/V the paged cache would keep wrong")
         attending = self.num_layers - self._num_state_only
-        if len(f.calls) != attending or set(f.calls) != set(range(n)):
+        # (more calls than layers: several attentions a layer, LongCat's, each over its own cache)
+        if len(f.calls) < attending or len(f.calls) > max(attending, n) or set(f.calls) != set(range(n)):
             raise UnsupportedModelError(
                 f"{name}: {attending} attending layers but {len(f.calls)} attention calls through mlx-lm's "
                 "scaled_dot_product_attention over the caches (attention computed by hand or over K/V "
@@ -275,8 +281,16 @@ class MlxLmModel(nn.Module):
             (k, v, _), = f.writes[i]
             if len(k) != 4 or k[0] != 2 or k[2] != 1 or v[:3] != k[:3]:
                 raise UnsupportedModelError(f"{name}: cache {i} is written K {k} / V {v}, not [T, heads, 1, d]")
-            specs.append(LayerKV(kind, num_kv_heads=k[1], head_dim=k[3], v_head_dim=v[3]))
-        self._state_specs_from(f, name)
+            specs.append(LayerKV(kind, num_kv_heads=k[1], head_dim=k[3], v_head_dim=v[3], v_in_k=i in f.latent))
+        states = self._state_specs_from(f, name)
+        if states:  # a state is fixed bytes a sequence: the same after 3 tokens as after 2
+            f3 = Forward(meta=None)
+            self._run(mx.array([1, 2, 3], dtype=mx.int32), f3)
+            for i, (a, b) in enumerate(zip(states, self._state_specs_from(f3, name))):
+                if a != b:
+                    raise UnsupportedModelError(
+                        f"{name}: state cache {i} changes shape with the tokens seen ({a.describe()} after 2, "
+                        f"{b.describe()} after 3: a window still filling up), which a fixed state slot cannot hold")
         return specs, f.calls, vocab  # calls: the cache each layer attended, in layer order
 
     def _state_specs_from(self, f: Forward, name: str) -> list[StateSpec]:
@@ -370,8 +384,6 @@ def build(config: dict[str, Any]) -> MlxLmModel:
     model_type = config.get("model_type")
     if model_type in REFUSED:
         raise UnsupportedModelError(REFUSED[model_type])
-    if "kv_lora_rank" in text_config(config):
-        raise UnsupportedModelError(MLA)
     from mlx_lm.utils import _get_classes
 
     try:

@@ -42,6 +42,10 @@ class Forward:
     tracing: bool = False
     state_shapes: dict[int, dict[int, tuple]] = field(default_factory=dict)  # cache -> entry -> (shape, dtype)
     state_touched: set[int] = field(default_factory=set)
+    # Multi-head latent attention (`mla_rope`: the rope key's width; None: not an MLA model):
+    # the caches holding latents, and how wide each latent is.
+    mla_rope: int | None = None
+    latent: dict[int, int] = field(default_factory=dict)
 
 
 _state = threading.local()
@@ -69,6 +73,9 @@ class PagedLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         # keys/values: [T, kv_heads, 1, head_dim]
         f = self.forward
+        rope = f.mla_rope
+        if rope and keys.shape[1] == 1 and values.shape[-1] == rope and keys.shape[-1] != rope:
+            return self._latent(keys, values)
         f.writes.setdefault(self.index, []).append((tuple(keys.shape), tuple(values.shape), keys.dtype))
         if f.meta is not None:
             meta = f.meta.for_layer(self.index)
@@ -76,6 +83,23 @@ class PagedLayerCache:
         f.fetched[id(keys)] = f.fetched[id(values)] = self.index
         f.handed[self.index] = (keys, values)
         return keys, values
+
+    def _latent(self, latent: mx.array, k_rope: mx.array) -> tuple[mx.array, mx.array]:
+        """MLA (mlx-lm's absorbed form): the compressed latent and the rope key are cached as
+        one K "head" (V is the latent, read from K). The rope key is handed back as an
+        identity, so the rope scores mlx-lm computes by hand, `(q_rope * scale) @ k_rope^T`,
+        come to the attention call as the scaled rope queries themselves (see `paged_call`)."""
+        f, T, rope = self.forward, latent.shape[0], k_rope.shape[-1]
+        k = mx.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
+        f.writes.setdefault(self.index, []).append((tuple(k.shape), tuple(latent.shape), latent.dtype))
+        if f.meta is not None:
+            meta = f.meta.for_layer(self.index)
+            meta.kv_cache.write(self.index, meta.kv_rows(1), k[:, :, 0], None)
+        eye = mx.broadcast_to(mx.eye(rope, dtype=k_rope.dtype), (T, 1, rope, rope))
+        f.fetched[id(latent)] = self.index
+        f.handed[self.index] = (latent, eye)
+        f.latent[self.index] = latent.shape[-1]
+        return latent, eye
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """What a layer reading this cache's K/V (without writing) gets: this step's rows,
@@ -113,6 +137,8 @@ def paged_call(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, 
         f.problems.append("an attention call reads K/V that did not come from its cache")
         return mx.zeros(queries.shape[:-1] + values.shape[-1:], dtype=queries.dtype)
     handed = f.handed.get(index)
+    if index in f.latent:
+        return _latent_call(f, index, queries, keys, values, scale, mask, handed)
     if handed is None or not (_same(keys, handed[0]) and _same(values, handed[1])):
         f.problems.append(f"cache {index}'s K/V are reshaped after the cache (heads repeated or tiled, "
                           "rows concatenated) before attention, which the paged attention cannot follow")
@@ -123,6 +149,24 @@ def paged_call(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, 
         return mx.zeros(queries.shape[:-1] + values.shape[-1:], dtype=queries.dtype)
     out = attend(queries[:, :, 0, :], f.meta, index, scale, sinks, softcap)
     return out[:, :, None, :]
+
+
+def _latent_call(f: Forward, index: int, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                 mask: Any, handed: tuple[mx.array, mx.array]) -> mx.array:
+    """mlx-lm's absorbed MLA attention: queries projected into the latent space, keys and
+    values the latent, and `mask` the scaled rope queries (the rope scores against the
+    identity handed out for the rope key). The paged attention reads K = [latent, rope key]
+    with queries [q_latent, q_rope]: the same scores, one read of the cache."""
+    rope = handed[1].shape[-1]
+    if not (keys is handed[0] and values is handed[0] and isinstance(mask, mx.array)
+            and mask.shape == queries.shape[:-1] + (rope,)):
+        f.problems.append(f"cache {index} holds MLA latents but its attention is not mlx-lm's absorbed form")
+        return mx.zeros(queries.shape, dtype=queries.dtype)
+    f.calls.append(index)
+    if f.meta is None:  # the probe: shapes only
+        return mx.zeros(queries.shape, dtype=queries.dtype)
+    q = mx.concatenate([queries, (mask * (1.0 / scale)).astype(queries.dtype)], axis=-1)
+    return attend(q[:, :, 0, :], f.meta, index, scale)[:, :, None, :]
 
 
 _patched: set[str] = set()
