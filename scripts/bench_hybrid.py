@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Hybrid models on macinfer against mlx-lm, on the same random weights.
+"""Hybrid, recurrent and MLA models on macinfer against mlx-lm, on the same random weights.
 
 Builds tiny-but-not-toy random models with mlx-lm's own classes (hidden 512, 8 layers,
 vocab 32k; Qwen3-Next: 6 Gated DeltaNet + 2 attention layers, dense MLP; Mamba-2: 8
-SSM layers), then runs `macinfer bench`'s two measurements on each:
+SSM layers; DeepSeek-V3 MLA: 16 heads, latent 256, rope 32), then runs `macinfer bench`'s two measurements on each:
 
 - offline (`bench engine`): single-stream decode and prefill, and throughput at 1, 8
   and 32 concurrent requests against mlx-lm's `BatchGenerator` (its `batch_generate`);
@@ -32,6 +32,13 @@ CONFIGS = {
                        shared_expert_intermediate_size=256, decoder_sparse_step=1, mlp_only_layers=[],
                        norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.25,
                        max_position_embeddings=4096, tie_word_embeddings=False),
+    # MLA with realistic ratios (16 heads, latent 256, rope 32), dense MLP (no MoE layer).
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=512, num_hidden_layers=8, num_attention_heads=16,
+                        num_key_value_heads=16, kv_lora_rank=256, q_lora_rank=128, qk_rope_head_dim=32,
+                        qk_nope_head_dim=64, v_head_dim=64, intermediate_size=1408, moe_intermediate_size=256,
+                        first_k_dense_replace=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        vocab_size=32000, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                        max_position_embeddings=4096, tie_word_embeddings=False),
     "mamba2": dict(model_type="mamba2", hidden_size=512, num_hidden_layers=8, num_heads=16, head_dim=64,
                    state_size=64, conv_kernel=4, n_groups=1, expand=2, vocab_size=32000, use_bias=False,
                    use_conv_bias=True, layer_norm_epsilon=1e-5, chunk_size=64, tie_word_embeddings=True,

@@ -9,7 +9,10 @@ token's K/V, measured on mlx-lm's own classes built from the published config (l
 nothing is allocated), and how many conversations of a given length fit a budget,
 against a dense model with the same attention in every layer.
 
-    python scripts/kv_memory.py                      # Gemma 3 27B, gpt-oss-20b; Qwen3.5-35B-A3B, Qwen3-Next-80B
+Multi-head latent attention: the latent a token against K/V expanded per head, and the
+context 16/64/256 GiB hold (DeepSeek V3, Kimi K2.5, GLM-4.7-Flash).
+
+    python scripts/kv_memory.py                      # all of the above
     python scripts/kv_memory.py --config config.json --kv-cache-gb 8 --max-num-seqs 32
 """
 
@@ -43,6 +46,23 @@ HYBRID_PRESETS = {  # from the published config.json files (text part)
     "Qwen3-Next-80B-A3B": dict(_QWEN_LINEAR, model_type="qwen3_next", num_hidden_layers=48, num_experts=512,
                                num_experts_per_tok=10, vocab_size=151936),
 }
+
+
+MLA_PRESETS = {  # from the published config.json files: layers, heads, kv_lora_rank, rope, nope, v dims
+    "DeepSeek-V3": dict(layers=61, heads=128, kv_lora_rank=512, rope=64, nope=128, v=128),
+    "Kimi-K2.5": dict(layers=61, heads=64, kv_lora_rank=512, rope=64, nope=128, v=128),
+    "GLM-4.7-Flash": dict(layers=47, heads=20, kv_lora_rank=512, rope=64, nope=192, v=256),
+}
+
+
+def mla_report(name: str, m: dict, budgets: tuple[float, ...] = (16, 64, 256), itemsize: int = 2) -> None:
+    """Latent bytes a token (what macinfer caches: one K head of latent + rope key, V read
+    from it) against K/V expanded per head, and the context each budget holds."""
+    latent = m["layers"] * (m["kv_lora_rank"] + m["rope"]) * itemsize
+    expanded = m["layers"] * m["heads"] * (m["nope"] + m["rope"] + m["v"]) * itemsize
+    held = ", ".join(f"{b:g} GiB: {int(b * 2**30 // latent):,} tokens" for b in budgets)
+    print(f"{name} (MLA): {m['layers']} layers x ({m['kv_lora_rank']} + {m['rope']}) bf16 = {latent / 1024:.1f} KiB a "
+          f"token ({expanded / latent:.0f}x less than K/V expanded over {m['heads']} heads); {held}")
 
 
 def hybrid_report(name: str, config: dict, budget_gb: float, context: int, max_num_seqs: int) -> None:
@@ -132,6 +152,9 @@ def main() -> None:
         report(name, m, args.kv_cache_gb, args.max_num_seqs, args.max_num_batched_tokens)
     for name, cfg in hybrids.items():
         hybrid_report(name, cfg, args.kv_cache_gb, args.context, args.max_num_seqs)
+    if not args.config:
+        for name, m in MLA_PRESETS.items():
+            mla_report(name, m)
 
 
 if __name__ == "__main__":

@@ -122,8 +122,9 @@ class MlxLmStep:
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self.model)
-        if not all(type(c).__name__ == "KVCache" for c in cache):
-            # Recurrent state (hybrid models): fill by prefilling the context, 512 tokens a call.
+        if not all(type(c).__name__ == "KVCache" and hasattr(getattr(layer, "self_attn", None), "n_kv_heads")
+                   for c, layer in zip(cache, self.model.layers)):
+            # Recurrent state (hybrid models), MLA latents: fill by prefilling the context, 512 tokens a call.
             for start in range(0, context, 512):
                 self.model(mx.full((batch, min(512, context - start)), 7, dtype=mx.int32), cache=cache)
                 mx.eval([c.state for c in cache])
