@@ -50,6 +50,9 @@ def _log_options(f):
 
 
 def _engine_options(f):
+    f = click.option("--chat-template", "chat_template", default=None, metavar="FILE|NAME",
+                     help="Replace the model's chat template: a Jinja file, inline Jinja, or a built-in "
+                          "(chatml, llama3, hermes: ChatML with tools and <tool_call> calls).")(f)
     f = click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8"]), default="auto", show_default=True, help="int8: 8-bit affine KV cache (about half the memory of fp16).")(f)
     f = click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True, help="Reuse KV blocks of repeated prompt prefixes.")(f)
     f = click.option("--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV cache budget in GiB (default: a share of free memory).")(f)
@@ -93,7 +96,7 @@ def _sampling_options(f):
 
 def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
                  kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
-                 num_speculative_tokens=0):
+                 num_speculative_tokens=0, chat_template=None):
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
     start = time.perf_counter()
@@ -110,7 +113,8 @@ def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len
                                                enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                max_prefill_with_decodes=max_prefill_with_decodes,
-                                               num_speculative_tokens=num_speculative_tokens),
+                                               num_speculative_tokens=num_speculative_tokens,
+                                               chat_template=chat_template),
                            progress=progress)
     except (FileNotFoundError, ValueError, MemoryError) as e:
         raise click.ClickException(str(e)) from None
@@ -165,16 +169,17 @@ def main(verbose: bool, log_level: str | None) -> None:
 @main.command(help="Generate a completion for one prompt, streamed to stdout.\n\nMODEL: " + MODEL_HELP)
 @_model_argument
 @click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads stdin).")
-@click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Wrap the prompt as a user message in the model's chat template.")
+@click.option("--no-chat-template", "raw", is_flag=True, help="Send the prompt as it is, not as a user message "
+              "in the chat template.")
 @_sampling_options
 @_engine_options
 @_log_options
-def generate(model, prompt, chat_template, temperature, max_tokens, top_p, top_k, seed, **engine_opts):
+def generate(model, prompt, raw, temperature, max_tokens, top_p, top_k, seed, **engine_opts):
     if prompt == "-":
         prompt = sys.stdin.read()
     params = _params(temperature, max_tokens, top_p, top_k, seed)
     engine = _load_engine(model, **engine_opts)
-    if chat_template and engine.tokenizer.chat_template:
+    if not raw and engine.tokenizer.chat_template:
         try:
             prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         except ValueError as e:

@@ -104,6 +104,16 @@ class TokenizerWrapper:
     def chat_template(self) -> str | dict | None:
         return self.hf.chat_template
 
+    def set_chat_template(self, source: str) -> list[str]:
+        """Use `source` (Jinja) instead of the model's template. Returns the `<|...|>`
+        markers it writes that this vocabulary lacks as tokens (they would be spelled out
+        in pieces: likely a template for another model family)."""
+        import re
+
+        self.hf.chat_template = source
+        vocab = self.tokenizer.get_vocab()
+        return sorted({m for m in re.findall(r"<\|[A-Za-z0-9_]+\|>", source) if m not in vocab})
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -64,6 +64,9 @@ class EngineConfig:
     # Recurrent layers (hybrid models): tokens between state snapshots kept for the prefix
     # cache (None: where a snapshot costs about the K/V of the tokens it spans, 256 to 4096).
     state_snapshot_interval: int | None = None
+    # Replaces the model's chat template: a Jinja file, inline Jinja, or a built-in name
+    # (`macinfer.chat_templates`: chatml, llama3, hermes).
+    chat_template: str | None = None
 
 
 class LLMEngine:
@@ -81,6 +84,13 @@ class LLMEngine:
         self.loaded = model if isinstance(model, LoadedModel) else load(model, self.config.model_impl, progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
+        if cfg.chat_template is not None:
+            from macinfer.chat_templates import resolve_chat_template
+
+            missing = self.tokenizer.set_chat_template(resolve_chat_template(cfg.chat_template))
+            if missing:
+                log.warning("--chat-template %s writes %s, which this model's vocabulary lacks as tokens "
+                            "(a template for another model family?)", cfg.chat_template, ", ".join(missing))
         args = self.model.args
         cfg = self.config
         model_len = args.max_position_embeddings
