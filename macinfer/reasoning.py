@@ -16,6 +16,20 @@ def template_reasons(chat_template: str | dict | None) -> bool:
     return END in (chat_template or "")
 
 
+def effort_kwargs(effort: str | None, chat_template: str | dict | None) -> dict | None:
+    """Chat-template variables for a reasoning effort, as the template offers them: its own
+    `reasoning_effort` (gpt-oss: low/medium/high), else `enable_thinking` (Qwen3, SmolLM3...:
+    off for "none"/"minimal", on otherwise). None: the template has no thinking control."""
+    if effort is None:
+        return {}
+    source = chat_template if isinstance(chat_template, str) else " ".join(str(v) for v in (chat_template or {}).values())
+    if "reasoning_effort" in source:
+        return {"reasoning_effort": {"none": "low", "minimal": "low", "xhigh": "high", "max": "high"}.get(effort, effort)}
+    if "enable_thinking" in source:
+        return {"enable_thinking": effort not in ("none", "minimal")}
+    return None
+
+
 def prompt_opens_think(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(START)
 

@@ -42,6 +42,12 @@ class SamplingParams:
     # Constrained decoding: an llguidance grammar (see engine/structured.py:
     # json_schema_grammar, or llguidance's grammar_from_regex / grammar_from_lark).
     grammar: str | None = None
+    # A thinking budget: once the think block is open (`<think>` in the output, or
+    # `thinking_open`: the prompt opened it), at most this many output tokens before
+    # `thinking_end` (the closing marker's ids) is forced, unless the model closed it itself.
+    thinking_budget: int | None = None
+    thinking_end: tuple[int, ...] = ()
+    thinking_open: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +104,11 @@ class SamplingParams:
                 raise bad("logit_bias", f"maps at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to values in [-100, 100]")
         if len(self.stop_token_ids) > MAX_STOP_STRINGS * 4:
             raise bad("stop_token_ids", f"takes at most {MAX_STOP_STRINGS * 4} ids")
+        if self.thinking_budget is not None:
+            if not isinstance(self.thinking_budget, int) or self.thinking_budget < 1 or not self.thinking_end:
+                raise bad("thinking_budget", "must be an integer >= 1, with the closing marker's token ids")
+            if self.grammar is not None:
+                raise bad("thinking_budget", "cannot be combined with a grammar")
 
     @property
     def greedy(self) -> bool:

@@ -332,7 +332,7 @@ def test_server_starts_under_a_low_fd_limit(tiny_llama):
 
 @pytest.mark.parametrize("extra,field", [
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"frobnicate": 1}, "frobnicate"),
 ])
 def test_unimplemented_fields_are_refused_by_name(server, extra, field):

@@ -237,3 +237,54 @@ def test_every_choice_of_n_follows_the_schema(client):
     assert len(r.choices) == 2
     for c in r.choices:
         jsonschema.validate(json.loads(c.message.content), PERSON)
+
+
+def test_reasoning_effort_and_thinking_budget(tmp_path):
+    """Effort fields from every API map onto the template's `enable_thinking`; a thinking
+    budget closes the think block at that many tokens (the tiny model never closes it);
+    a template with no thinking control says it ignored the effort."""
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    cfg_path = f"{path}/tokenizer_config.json"
+    cfg = json.load(open(cfg_path))
+    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+                            "{% if enable_thinking is defined and not enable_thinking %}<think></think>"
+                            "{% else %}<think>\n{% endif %}{# reasoning ends with </think> #}")
+    json.dump(cfg, open(cfg_path, "w"))
+    s = ServerProcess(path, "--kv-cache-gb", "0.01", "--served-model-name", "tiny")
+    try:
+        def chat(**extra):
+            r = httpx.post(f"{s.url}/v1/chat/completions", timeout=30, json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "temperature": 0, **extra})
+            assert r.status_code == 200, r.text
+            return r
+
+        on, off = chat(reasoning_effort="high").json(), chat(reasoning_effort="none").json()
+        assert off["usage"]["prompt_tokens"] == on["usage"]["prompt_tokens"] + len("</think>") - 1
+        assert on["choices"][0]["message"]["reasoning_content"] and not on["choices"][0]["message"]["content"]
+        # (byte tokenizer: a token a character) the block is closed after 1 + 5 tokens of it
+        budget = chat(thinking_budget=5).json()["choices"][0]["message"]
+        assert 0 < len(budget["reasoning_content"]) <= 6 + 1 < len(on["choices"][0]["message"]["reasoning_content"])
+        # Anthropic: thinking.budget_tokens, output_config.effort; Responses: reasoning.effort
+        a = httpx.post(f"{s.url}/v1/messages", timeout=30, json={
+            "model": "claude-x", "max_tokens": 24, "messages": [{"role": "user", "content": "Hi"}],
+            "thinking": {"type": "enabled", "budget_tokens": 5}, "output_config": {"effort": "high"}}).json()
+        assert a["content"][0]["type"] == "thinking" and len(a["content"][0]["thinking"]) <= 7, a
+        r = httpx.post(f"{s.url}/v1/responses", timeout=30, json={
+            "model": "x", "input": "Hi", "max_output_tokens": 8, "reasoning": {"effort": "minimal"}})
+        assert r.status_code == 200 and r.json()["usage"]["input_tokens"] == off["usage"]["prompt_tokens"], r.text
+        bad = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                "thinking_budget": 5, "reasoning_effort": "none"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_budget"
+    finally:
+        assert "Traceback" not in s.stop()
+    plain, _ = tiny_model_dir(tmp_path / "plain", "llama")
+    s = ServerProcess(plain, "--kv-cache-gb", "0.01")
+    try:
+        r = httpx.post(f"{s.url}/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "reasoning_effort": "high"})
+        assert r.status_code == 200 and r.headers["x-macinfer-ignored"] == "reasoning_effort"
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "thinking_budget": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_budget"
+    finally:
+        assert "Traceback" not in s.stop()

@@ -426,6 +426,8 @@ class LLMEngine:
                 finished = False
                 for token, lp in zip(r.token_ids, r.logprobs):
                     seq.output_token_ids.append(token)
+                    if seq.params.thinking_budget is not None and seq.thinking != "closed":
+                        self._track_thinking(seq)
                     self.stats["generation_tokens"] += 1
                     if lp is not None:
                         seq.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
@@ -461,6 +463,27 @@ class LLMEngine:
         out = state.output(finished=True)
         out.error = f"{type(error).__name__}: {error}"
         return out
+
+    def _track_thinking(self, seq: Sequence) -> None:
+        """A thinking budget: count the think block's tokens; at the budget, the closing
+        marker is forced as the next tokens (the model may close it earlier itself)."""
+        from macinfer.reasoning import END, START
+
+        p, out = seq.params, seq.output_token_ids
+        tail = self.tokenizer.decode(out[-16:], skip_special_tokens=False)
+        if seq.thinking == "before":
+            if p.thinking_open or START in tail:
+                seq.thinking = "open"
+            elif len(out) > 16:  # no think block: nothing to budget
+                seq.thinking = "closed"
+            return
+        if END in tail:
+            seq.thinking = "closed"
+            return
+        seq.thinking_tokens += 1
+        if seq.thinking_tokens >= p.thinking_budget:
+            seq.forced_token_ids = list(p.thinking_end)
+            seq.thinking = "closed"
 
     def _add_token(self, seq: Sequence, token: int) -> bool:
         """One new output token through the output processor; True (and the sequence

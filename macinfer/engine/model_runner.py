@@ -228,6 +228,10 @@ class ModelRunner:
             k = len(seq.spec_token_ids) if isinstance(rows[i], Sequence) and seq.spec_token_ids else 0
             if seq not in failed:
                 tokens = accepted_tokens(seq.spec_token_ids if k else [], out.token_ids[i : i + k + 1])
+                if seq.forced_token_ids:  # (a thinking budget's closing marker: no drafts meanwhile)
+                    results.append(StepResult(seq, [seq.forced_token_ids.pop(0)], [None]))
+                    i += k + 1
+                    continue
                 results.append(StepResult(seq, tokens, out.logprobs[i : i + len(tokens)]))
                 if k and len(tokens) <= k and self.state is not None:
                     # A draft was rejected: the recurrent state consumed it. Back to the state

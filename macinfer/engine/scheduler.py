@@ -162,6 +162,8 @@ class Scheduler:
         spec = self.speculative
         if not self._speculate:
             return []
+        if seq.forced_token_ids or (seq.params.thinking_budget is not None and seq.thinking != "closed"):
+            return []  # a thinking budget may replace the next token: nothing to verify drafts against
         if seq.spec_skip > 0:  # backing off after rejected drafts
             seq.spec_skip -= 1
             return []

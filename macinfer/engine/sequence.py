@@ -49,6 +49,9 @@ class Sequence:
     matcher: Any = None  # llguidance matcher of a request with a grammar (state: the output so far)
     state_slot: int | None = None  # recurrent-state slot while running (hybrid models)
     state_mark: int = 0  # position of the state kept in its mark slot (`engine/state_manager.py`)
+    thinking: str = "before"  # thinking budget: "before" the think block, "open", or "closed"
+    thinking_tokens: int = 0  # output tokens inside the open think block
+    forced_token_ids: list[int] = field(default_factory=list)  # the next tokens, whatever is sampled
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (speculative decoding)
     spec_misses: int = 0  # drafts rejected outright in a row
     spec_skip: int = 0  # decode steps left before this sequence drafts again

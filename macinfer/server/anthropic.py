@@ -104,6 +104,12 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool = False
 
 
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    effort: Literal["low", "medium", "high", "max"] | None = None  # mapped as `reasoning_effort`
+
+
 class Thinking(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -138,6 +144,7 @@ class MessagesRequest(BaseModel):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -187,9 +194,12 @@ class MessagesRequest(BaseModel):
                 choice = {"type": "function", "function": {"name": tc.name}}
             else:
                 choice = {"any": "required"}.get(tc.type, tc.type)
-        kwargs = None
+        kwargs, budget = None, None
         if self.thinking is not None:
             kwargs = {"enable_thinking": self.thinking.type != "disabled"}
+            if self.thinking.budget_tokens is not None and self.thinking.type != "disabled":
+                budget = self.thinking.budget_tokens  # the think block is closed at this many tokens
+        effort = self.output_config.effort if self.output_config else None
         last = self.messages[-1]
         continues = last.role == "assistant" and not any(b["type"] == "tool_use" for b in last.blocks())
         return ChatCompletionRequest(
@@ -198,6 +208,7 @@ class MessagesRequest(BaseModel):
             stream=self.stream, user=user if isinstance(user, str) else None,
             continue_final_message=continues, add_generation_prompt=not continues,
             tools=tools or None, tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=kwargs,
+            reasoning_effort={"max": "high"}.get(effort, effort), thinking_budget=budget,
         )
 
 

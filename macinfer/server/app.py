@@ -147,6 +147,13 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         extra = getattr(request.state, "response_headers", [])
         request.state.response_headers = [*extra, (name.encode(), value.encode())]
 
+    def _say_ignored(request: Request, turn) -> None:
+        """Fields this model cannot act on (a reasoning effort for a template with no thinking
+        control): named in `x-macinfer-ignored` and the log, not refused (every agent sends them)."""
+        if turn.ignored:
+            log.info("request fields this model cannot act on: %s", ", ".join(turn.ignored))
+            _add_header(request, "x-macinfer-ignored", ",".join(turn.ignored))
+
     async def _start(kind: str, req, prompt, max_tokens, logprobs, request: Request, plan=None):
         """Validate, tokenize (never on the event loop: a large prompt takes seconds) and
         admit a request; returns (request id, prompt ids, output stream)."""
@@ -178,6 +185,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def _chat_translated(chat: ChatCompletionRequest, request: Request):
         """Start a chat translated from another API; (chat turn, stream, final output or None)."""
         turn = await asyncio.to_thread(serving.chat_prompt, chat)
+        _say_ignored(request, turn)
         _, _, stream = await _start("chat", chat, turn.ids, chat.max_tokens, None, request, turn.plan)
         if chat.stream:
             return turn, stream, None
@@ -188,6 +196,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         turn = await asyncio.to_thread(serving.chat_prompt, req)
+        _say_ignored(request, turn)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await _run("chat", req, turn.ids, req.max_completion_tokens or req.max_tokens, logprobs, request, turn)
 

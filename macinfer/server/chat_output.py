@@ -39,6 +39,11 @@ class ChatPlan:
     grammar_param: str | None = None  # the request field the grammar comes from
     parallel: bool = True  # False: at most one tool call (parallel_tool_calls)
     tool_specs: list[dict] = field(default_factory=list)
+    # A thinking budget: output tokens before the think block is closed with `thinking_end`
+    # (token ids), counted once it is open (in the output, or opened by the prompt).
+    thinking_budget: int | None = None
+    thinking_end: tuple[int, ...] = ()
+    thinking_open: bool = False
 
 
 def _fn_schema(fn: dict) -> dict:

@@ -17,7 +17,7 @@ _NOOP_VALUES: dict[str, tuple] = {
     "functions": (None, []), "function_call": (None, "none", "auto"),  # the legacy form of `tools`
     "best_of": (None, 1), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
-    "reasoning_effort": (None,), "top_logprobs_per_token": (None,),
+    "top_logprobs_per_token": (None,),
 }
 # Accepted and without effect on the output: bookkeeping and routing hints.
 _HARMLESS = {"store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key"}
@@ -217,6 +217,10 @@ class ChatCompletionRequest(_Request):
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # How much to think: mapped onto what the chat template offers (`reasoning.py`).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # Most tokens of thinking before the think block is closed (Anthropic's budget_tokens).
+    thinking_budget: int | None = Field(default=None, ge=1)
 
 
 class CompletionRequest(_Request):

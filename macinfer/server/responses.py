@@ -14,14 +14,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from macinfer.server import chat_output
 from macinfer.server.protocol import ChatCompletionRequest
 
-_NOOP = {"previous_response_id": (None,), "store": (None, False), "reasoning": (None, {}),
+_NOOP = {"previous_response_id": (None,), "store": (None, False),
          "truncation": (None, "disabled"), "metadata": None, "background": (None, False),
          "service_tier": None, "safety_identifier": None, "prompt_cache_key": None, "client_metadata": None}
 # `include` values served: reasoning items carry their text as `encrypted_content` (this server
@@ -32,6 +32,13 @@ _INCLUDE = ("reasoning.encrypted_content",)
 # sees and named in an `x-macinfer-dropped-tools` header and the log, never passed off as run.
 HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
                 "image_generation", "local_shell", "mcp")
+
+
+class Reasoning(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # as `reasoning_effort`
+    summary: Literal["auto", "concise", "detailed"] | None = None  # the reasoning text is returned whole
 
 
 class ResponsesRequest(BaseModel):
@@ -50,6 +57,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
     include: list[str] | None = None
+    reasoning: Reasoning | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -153,7 +161,8 @@ class ResponsesRequest(BaseModel):
                                      temperature=self.temperature, top_p=self.top_p, stream=self.stream,
                                      user=self.user, tools=self._tools(), tool_choice=choice,
                                      parallel_tool_calls=self.parallel_tool_calls,
-                                     response_format=self._response_format())
+                                     response_format=self._response_format(),
+                                     reasoning_effort=self.reasoning.effort if self.reasoning else None)
 
 
 def _response(req: ResponsesRequest, model_name: str, rid: str, status: str, output: list[dict[str, Any]],

@@ -8,9 +8,10 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from macinfer import reasoning
 from macinfer.engine.llm_engine import RequestOutput
 from macinfer.engine.sequence import TokenLogprob
 from macinfer.engine.structured import GrammarError
@@ -43,6 +44,7 @@ class ChatTurn:
     ids: list[int]
     plan: ChatPlan
     prompt_tail: str = ""
+    ignored: list[str] = field(default_factory=list)  # fields this model cannot act on (a response header)
 
 
 # The output cap of a request that sets none (`serve --max-tokens-default`): without one a
@@ -69,6 +71,9 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                 logprobs=logprobs, logit_bias=bias,
                 grammar=plan.grammar if plan else None,
+                thinking_budget=plan.thinking_budget if plan else None,
+                thinking_end=plan.thinking_end if plan else (),
+                thinking_open=plan.thinking_open if plan else False,
                 skip_special_tokens=plan.skip_special_tokens if plan else True,
                 # echo + logprobs: the prompt's tokens get logprobs too (lm-eval-harness scores with them)
                 prompt_logprobs=logprobs if getattr(req, "echo", False) and logprobs is not None else None,
@@ -161,16 +166,34 @@ class OpenAIServing:
             raise APIError(400, str(e), param=e.param) from None
         messages = chat_output.template_messages(
             [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages])
+        template, ignored = self.tokenizer.chat_template, []
+        effort = reasoning.effort_kwargs(req.reasoning_effort, template)
+        if effort is None:  # no thinking control in this template: nothing to map it onto
+            effort, ignored = {}, ["reasoning_effort"]
+        kwargs = {**effort, **(req.chat_template_kwargs or {})} or None
         try:
             ids = self.tokenizer.encode_chat(
                 messages, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, documents=req.documents,
-                chat_template_kwargs=req.chat_template_kwargs, tools=plan.tools,
+                chat_template_kwargs=kwargs, tools=plan.tools,
             )
         except ValueError as e:  # a template that refuses the conversation (roles, order), bad kwargs
             raise APIError(400, str(e), param="messages") from None
         tail = self.tokenizer.decode(ids[-8:], skip_special_tokens=False) if plan.reasoning else ""
-        return ChatTurn(ids, plan, tail)
+        if req.thinking_budget is not None:
+            self._thinking_budget(req, plan, kwargs or {}, tail)
+        return ChatTurn(ids, plan, tail, ignored)
+
+    def _thinking_budget(self, req: ChatCompletionRequest, plan: ChatPlan, kwargs: dict, tail: str) -> None:
+        """Close the think block after `thinking_budget` tokens of it (the template's marker, forced)."""
+        if not reasoning.template_reasons(self.tokenizer.chat_template) or kwargs.get("enable_thinking") is False:
+            raise APIError(400, "a thinking budget needs thinking on, in a chat template with a think block",
+                           param="thinking_budget")
+        if plan.grammar is not None:
+            raise APIError(400, "a thinking budget with a response format or a forced tool call is not supported",
+                           param="thinking_budget")
+        plan.thinking_budget, plan.thinking_open = req.thinking_budget, reasoning.prompt_opens_think(tail)
+        plan.thinking_end = tuple(self.tokenizer.encode("\n" + reasoning.END + "\n\n", add_special_tokens=False))
 
     def _token(self, token_id: int) -> tuple[str, list[int]]:
         """A token's logprob `token` string and exact `bytes` (joined, they rebuild the text)."""
