@@ -62,8 +62,8 @@ def test_streaming_events_in_order(client):
 
 
 def test_errors_are_anthropic_shaped(server, client):
-    with pytest.raises(anthropic.BadRequestError, match="tool-call format"):  # "auto" needs one in the template
-        client.messages.create(model="smollm2", max_tokens=5, messages=ASK,
+    with pytest.raises(anthropic.BadRequestError, match="not in `tools`"):
+        client.messages.create(model="smollm2", max_tokens=5, messages=ASK, tool_choice={"type": "tool", "name": "g"},
                                tools=[{"name": "f", "description": "d", "input_schema": {"type": "object"}}])
     with pytest.raises(anthropic.BadRequestError, match="mcp_servers"):
         client.messages.create(model="smollm2", max_tokens=5, messages=ASK, extra_body={"mcp_servers": [{"x": 1}]})

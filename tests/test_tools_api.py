@@ -130,7 +130,6 @@ def test_json_object_and_parse_with_pydantic(client):
 
 
 @pytest.mark.parametrize("body,param,fragment", [
-    ({"tools": TOOLS}, "tool_choice", "tool-call format"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not in `tools`"),
     ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
@@ -288,3 +287,49 @@ def test_reasoning_effort_and_thinking_budget(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_budget"
     finally:
         assert "Traceback" not in s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tools_on_a_template_without_tools(server, client, stream):
+    """SmolLM2's template renders no tools: they are described in a system block (the generic
+    format) and the answer is held to a call of a listed tool or a text reply."""
+    plain = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=2, temperature=0)
+    kw = dict(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0)
+    if stream:
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        calls = {}
+        for ch in chunks:
+            for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+                calls.setdefault(d.index, {"name": "", "arguments": ""})
+                calls[d.index]["name"] += d.function.name or ""
+                calls[d.index]["arguments"] += d.function.arguments or ""
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        usage = chunks[-1].usage
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    else:
+        r = client.chat.completions.create(**kw)
+        calls = {i: {"name": c.function.name, "arguments": c.function.arguments}
+                 for i, c in enumerate(r.choices[0].message.tool_calls or [])}
+        text, usage, finish = r.choices[0].message.content or "", r.usage, [r.choices[0].finish_reason]
+    assert usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools reached the prompt
+    if calls:
+        for c in calls.values():
+            jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+        assert finish == ["tool_calls"]
+    else:
+        assert text and not text.lstrip().startswith('{"response"')
+
+
+def test_auto_tools_without_template_support_through_anthropic_and_responses(server):
+    a = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    msg = a.messages.create(model="smollm2", max_tokens=80, messages=ASK, tools=[
+        {"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER}])
+    blocks = [b for b in msg.content if b.type in ("tool_use", "text")]
+    assert blocks and all(b.type == "text" or (b.name == "get_weather" and jsonschema.validate(b.input, WEATHER) is None)
+                          for b in blocks)
+    r = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+        "model": "smollm2", "input": "What is the weather in Paris?", "max_output_tokens": 80,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER}]})
+    assert r.status_code == 200, r.text
+    kinds = {o["type"] for o in r.json()["output"]}
+    assert kinds & {"function_call", "message"}

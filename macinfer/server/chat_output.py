@@ -51,9 +51,11 @@ def _fn_schema(fn: dict) -> dict:
 
 
 def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool, response_format: dict | None,
-         chat_template: Any, tool_parser: str | None = None, reasoning: bool | None = None) -> ChatPlan:
+         chat_template: Any, tool_parser: str | None = None, reasoning: bool | None = None,
+         renders_tools: bool = True) -> ChatPlan:
     """tools: OpenAI tool dicts; tool_choice: "none"/"auto"/"required"/{"type": "function", ...};
-    response_format: OpenAI's dict. `tool_parser` overrides the format found in the template."""
+    response_format: OpenAI's dict. `tool_parser` overrides the format found in the template.
+    `renders_tools`: whether the template puts `tools` in the prompt at all (see `generic`)."""
     p = ChatPlan(tools=tools or None, tool_specs=[t["function"] for t in tools or []], parallel=parallel)
     p.reasoning = reasoning_mod.template_reasons(chat_template) if reasoning is None else reasoning
     names = {f["name"]: f for f in p.tool_specs}
@@ -67,20 +69,18 @@ def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool, response_fo
         p.forced = name
         p.grammar, p.grammar_param = _grammar(_fn_schema(names[name]), "tools"), "tools"
     elif choice == "required":
-        call = [{"type": "object", "properties": {"name": {"const": n}, "parameters": _fn_schema(f)},
-                 "required": ["name", "parameters"], "additionalProperties": False} for n, f in names.items()]
-        array = {"type": "array", "items": {"anyOf": call}, "minItems": 1}
-        if not parallel:
-            array["maxItems"] = 1
         p.forced = "required"
-        p.grammar, p.grammar_param = _grammar(array, "tools"), "tools"
+        p.grammar, p.grammar_param = _grammar(_calls_schema(names, parallel), "tools"), "tools"
     elif choice == "auto":
         p.tool_format = tool_parser or tool_parsers.detect(chat_template)
-        if p.tool_format is None:
-            raise PlanError('this model\'s chat template teaches no tool-call format, so tool_choice "auto" cannot '
-                            'find calls in its output; use tool_choice "required" or a named function (enforced by '
-                            "constrained decoding), or start the server with --tool-call-parser", "tool_choice")
-        p.skip_special_tokens = tool_parsers.FORMATS[p.tool_format].skip_special_tokens
+        if p.tool_format is None or not renders_tools:
+            # The template teaches no call format, or never shows the model its tools: describe
+            # them in a system block and hold the answer to a call or a text reply (llama.cpp's
+            # generic format), so tools are never silently dropped.
+            p.tool_format, p.forced, p.tools = None, "generic", None
+            p.grammar, p.grammar_param = _grammar(generic_schema(names, parallel), "tools"), "tools"
+        else:
+            p.skip_special_tokens = tool_parsers.FORMATS[p.tool_format].skip_special_tokens
     if response_format and response_format.get("type") != "text":
         if p.grammar is not None:
             raise PlanError("response_format cannot be combined with a forced tool call", "response_format")
@@ -95,6 +95,51 @@ def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool, response_fo
     if p.grammar is not None:
         p.reasoning = False  # the grammar holds from the first token
     return p
+
+
+def _calls_schema(names: dict[str, dict], parallel: bool) -> dict:
+    call = [{"type": "object", "properties": {"name": {"const": n}, "parameters": _fn_schema(f)},
+             "required": ["name", "parameters"], "additionalProperties": False} for n, f in names.items()]
+    array = {"type": "array", "items": {"anyOf": call}, "minItems": 1}
+    if not parallel:
+        array["maxItems"] = 1
+    return array
+
+
+def generic_schema(names: dict[str, dict], parallel: bool) -> dict:
+    """The generic format's answer: {"tool_calls": [{"name", "parameters"}...]} or {"response": text}."""
+    return {"anyOf": [
+        {"type": "object", "properties": {"tool_calls": _calls_schema(names, parallel)}, "required": ["tool_calls"],
+         "additionalProperties": False},
+        {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+         "additionalProperties": False}]}
+
+
+def generic_system_block(tool_specs: list[dict]) -> str:
+    """What the model is told in the generic format: the tools, and the two answer shapes."""
+    listed = "\n".join(json.dumps({k: f[k] for k in ("name", "description", "parameters") if k in f},
+                                  ensure_ascii=False) for f in tool_specs)
+    return ("You can call these tools (JSON Schema of each tool's parameters):\n" + listed +
+            '\nAnswer with JSON only: {"tool_calls": [{"name": "<tool name>", "parameters": {...}}]} to call tools, '
+            'or {"response": "<your answer>"} to answer in text.')
+
+
+def with_generic_tools(messages: list[dict], tool_specs: list[dict]) -> list[dict]:
+    """The conversation with the generic format's system block first (merged into a leading
+    system message), and earlier tool calls and results written as text in that format."""
+    block = generic_system_block(tool_specs)
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "parameters": c["function"].get("arguments")}
+                     for c in m["tool_calls"]]
+            m = {"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)}
+        elif m.get("role") == "tool":
+            m = {"role": "user", "content": f"Tool result: {m.get('content', '')}"}
+        out.append(m)
+    if out and out[0].get("role") == "system":
+        return [{"role": "system", "content": f"{out[0]['content']}\n\n{block}"}] + out[1:]
+    return [{"role": "system", "content": block}] + out
 
 
 def _grammar(schema: dict | None, param: str) -> str:
@@ -162,7 +207,7 @@ class ChatOutput:
 
     def _forced(self, delta: str, final: bool) -> dict[str, Any]:
         self.forced_text += delta
-        if self.plan.forced != "required":  # arguments of the named function, streamed as they come
+        if self.plan.forced not in ("required", "generic"):  # the named function's arguments, streamed as they come
             out: list[dict] = []
             if self._named is None:
                 self._named = ToolCall(self.plan.forced, "")
@@ -176,6 +221,10 @@ class ChatOutput:
             return {}
         try:
             items = json.loads(self.forced_text)
+            if self.plan.forced == "generic":  # {"tool_calls": [...]} or {"response": text}
+                if "response" in items:
+                    return {"content": items["response"]}
+                items = items["tool_calls"]
             calls = [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
         except (ValueError, KeyError, TypeError):  # cut short (max_tokens): no calls to return
             return {"content": self.forced_text} if self.forced_text else {}
@@ -191,7 +240,7 @@ class ChatOutput:
         return merge(parts, self.finish()) if out.finished else parts
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        if engine_reason == "stop" and self.calls and self.plan.forced in (None, "required"):
+        if engine_reason == "stop" and self.calls and self.plan.forced in (None, "required", "generic"):
             return "tool_calls"
         return engine_reason
 

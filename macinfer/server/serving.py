@@ -121,6 +121,7 @@ class OpenAIServing:
         self.engine = engine
         self.default_max_tokens = default_max_tokens
         self.tool_parser = tool_parser
+        self._template_renders_tools: bool | None = None  # (`_renders_tools`, decided on first use)
         self.model_name = model_name
         self.aliases = {model_name, *aliases}
         self.cache_isolation = cache_isolation
@@ -161,11 +162,13 @@ class OpenAIServing:
         fmt = req.response_format.model_dump(exclude_none=True, by_alias=True) if req.response_format else None
         try:
             plan = chat_output.plan(tools, choice, req.parallel_tool_calls, fmt, self.tokenizer.chat_template,
-                                    self.tool_parser)
+                                    self.tool_parser, renders_tools=not tools or self._renders_tools())
         except chat_output.PlanError as e:
             raise APIError(400, str(e), param=e.param) from None
         messages = chat_output.template_messages(
             [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages])
+        if plan.forced == "generic":
+            messages = chat_output.with_generic_tools(messages, plan.tool_specs)
         template, ignored = self.tokenizer.chat_template, []
         effort = reasoning.effort_kwargs(req.reasoning_effort, template)
         if effort is None:  # no thinking control in this template: nothing to map it onto
@@ -183,6 +186,17 @@ class OpenAIServing:
         if req.thinking_budget is not None:
             self._thinking_budget(req, plan, kwargs or {}, tail)
         return ChatTurn(ids, plan, tail, ignored)
+
+    def _renders_tools(self) -> bool:
+        """Whether the chat template puts `tools` in the prompt (rendered with and without one)."""
+        if self._template_renders_tools is None:
+            probe = [{"role": "user", "content": "x"}]
+            tool = [{"type": "function", "function": {"name": "probe_tool_name", "parameters": {"type": "object"}}}]
+            try:
+                self._template_renders_tools = "probe_tool_name" in self.tokenizer.apply_chat_template(probe, tools=tool)
+            except ValueError:  # a template that refuses the probe: trust its own tool handling
+                self._template_renders_tools = True
+        return self._template_renders_tools
 
     def _thinking_budget(self, req: ChatCompletionRequest, plan: ChatPlan, kwargs: dict, tail: str) -> None:
         """Close the think block after `thinking_budget` tokens of it (the template's marker, forced)."""
