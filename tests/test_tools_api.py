@@ -333,3 +333,29 @@ def test_auto_tools_without_template_support_through_anthropic_and_responses(ser
     assert r.status_code == 200, r.text
     kinds = {o["type"] for o in r.json()["output"]}
     assert kinds & {"function_call", "message"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_namespace_tools_are_flattened_and_calls_split_back(server, stream):
+    """Codex groups MCP tools as `namespace` tools: the model sees `<namespace>__<name>`
+    functions, and calls come back with `name` and `namespace` apart, as Codex routes them."""
+    body = {"model": "codex", "input": "What is the weather in Paris?", "max_output_tokens": 60, "temperature": 0,
+            "tools": [{"type": "namespace", "name": "mcp__weather", "description": "Weather tools",
+                       "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER}]},
+                      {"type": "function", "name": "get_time", "parameters": TIME}],
+            "tool_choice": {"type": "function", "name": "mcp__weather__get_weather"}}
+    if stream:
+        with httpx.stream("POST", f"{server.url}/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        call = next(e["item"] for e in events if e["type"] == "response.output_item.done"
+                    and e["item"]["type"] == "function_call")
+    else:
+        r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        call = next(o for o in r.json()["output"] if o["type"] == "function_call")
+    assert (call["namespace"], call["name"]) == ("mcp__weather", "get_weather")
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER)
+    follow = httpx.post(f"{server.url}/v1/responses", timeout=60, json={**body, "tool_choice": "none", "input": [
+        {"type": "message", "role": "user", "content": "What is the weather in Paris?"}, call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "21 C"}]})
+    assert follow.status_code == 200, follow.text

@@ -30,6 +30,7 @@ _NOOP = {"previous_response_id": (None,), "store": (None, False),
 _INCLUDE = ("reasoning.encrypted_content",)
 # Tools the provider runs itself: this server cannot, so they are left out of what the model
 # sees and named in an `x-macinfer-dropped-tools` header and the log, never passed off as run.
+NAMESPACE_SEP = "__"  # a namespace's function as the model sees it: "<namespace>__<name>"
 HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
                 "image_generation", "local_shell", "mcp")
 
@@ -78,8 +79,11 @@ class ResponsesRequest(BaseModel):
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind == "function_call":
+                name = item.get("name")
+                if isinstance(item.get("namespace"), str) and isinstance(name, str):
+                    name = f"{item['namespace']}{NAMESPACE_SEP}{name}"  # as the model saw it
                 call = {"id": item.get("call_id"), "type": "function",
-                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                        "function": {"name": name, "arguments": item.get("arguments", "{}")}}
                 if not (isinstance(call["id"], str) and isinstance(item.get("name"), str)
                         and isinstance(call["function"]["arguments"], str)):
                     raise ValueError(f"input[{i}]: a function_call item needs `call_id`, `name` and text `arguments`")
@@ -119,9 +123,33 @@ class ResponsesRequest(BaseModel):
             out.append({"role": "system" if role == "developer" else role, "content": content})
         return out
 
+    def namespaces(self) -> dict[str, tuple[str, str]]:
+        """Flattened name -> (namespace, name) of each function in a `namespace` tool group
+        (Codex groups MCP tools so). The model sees flat functions; calls go back split, as
+        Codex routes them by both fields."""
+        out = {}
+        for t in self.tools or []:
+            if t.get("type") == "namespace" and isinstance(t.get("name"), str):
+                for child in t.get("tools") or []:
+                    if isinstance(child, dict) and isinstance(child.get("name"), str):
+                        out[f"{t['name']}{NAMESPACE_SEP}{child['name']}"] = (t["name"], child["name"])
+        return out
+
     def _tools(self) -> list[dict[str, Any]] | None:
         tools = []
+        flat = []
         for i, t in enumerate(self.tools or []):
+            if t.get("type") == "namespace":
+                children = t.get("tools")
+                if not isinstance(t.get("name"), str) or not isinstance(children, list):
+                    raise ValueError(f"tools[{i}]: a namespace tool needs a `name` and a list of `tools`")
+                flat += [{**c, "name": f"{t['name']}{NAMESPACE_SEP}{c.get('name')}"} if isinstance(c, dict) else c
+                         for c in children]
+            else:
+                flat.append(t)
+        for i, t in enumerate(flat):
+            if not isinstance(t, dict):
+                raise ValueError(f"tools[{i}] must be an object")
             if t.get("type") in HOSTED_TOOLS:
                 continue
             if t.get("type") != "function":
@@ -195,9 +223,13 @@ def _message_item(rid: str, text: str, status: str = "completed") -> dict[str, A
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": f"fc_{call_id.removeprefix('call_')}", "call_id": call_id,
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed",
+               namespaces: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+    item = {"type": "function_call", "id": f"fc_{call_id.removeprefix('call_')}", "call_id": call_id,
             "name": name, "arguments": arguments, "status": status}
+    if namespaces and name in namespaces:
+        item["namespace"], item["name"] = namespaces[name]
+    return item
 
 
 def response(req: ResponsesRequest, model_name: str, out, turn) -> dict[str, Any]:
@@ -208,7 +240,7 @@ def response(req: ResponsesRequest, model_name: str, out, turn) -> dict[str, Any
         output.append(_reasoning_item(rid, msg["reasoning_content"], _encrypted(req)))
     if msg.get("content") or not proc.calls:
         output.append(_message_item(rid, msg.get("content") or ""))
-    output += [_call_item(c.id, c.name, c.arguments) for c in proc.calls]
+    output += [_call_item(c.id, c.name, c.arguments, namespaces=req.namespaces()) for c in proc.calls]
     length = out.finish_reason == "length"
     return _response(req, model_name, rid, "incomplete" if length else "completed", output,
                      _usage(len(turn.ids), out), "max_output_tokens" if length else None)
@@ -217,8 +249,8 @@ def response(req: ResponsesRequest, model_name: str, out, turn) -> dict[str, Any
 class _Items:
     """Streaming events for output items, opened and closed as the parts arrive."""
 
-    def __init__(self, rid: str, event, encrypted: bool = False):
-        self.rid, self.event, self.encrypted = rid, event, encrypted
+    def __init__(self, rid: str, event, encrypted: bool = False, namespaces: dict | None = None):
+        self.rid, self.event, self.encrypted, self.namespaces = rid, event, encrypted, namespaces
         self.items: list[dict[str, Any]] = []  # finished and open items, in output order
         self.open: str | None = None
         self.calls: dict[int, int] = {}  # OpenAI tool-call index -> output index
@@ -277,7 +309,7 @@ class _Items:
         for d in parts.get("tool_calls", []):
             fn = d.get("function", {})
             if "id" in d:
-                out += self._add("function_call", _call_item(d["id"], fn["name"], "", "in_progress"))
+                out += self._add("function_call", _call_item(d["id"], fn["name"], "", "in_progress", self.namespaces))
                 self.calls[d["index"]] = len(self.items) - 1
             if fn.get("arguments"):
                 i = self.calls[d["index"]]
@@ -302,7 +334,7 @@ async def events(req: ResponsesRequest, model_name: str, turn, gen) -> AsyncIter
     yield event("response.created", {"response": _response(req, model_name, rid, "in_progress", [], None)})
     yield event("response.in_progress", {"response": _response(req, model_name, rid, "in_progress", [], None)})
     proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
-    items = _Items(rid, event, _encrypted(req))
+    items = _Items(rid, event, _encrypted(req), req.namespaces())
     try:
         async for out, parts in chat_output.parts_stream(proc, gen):
             if parts is None:
