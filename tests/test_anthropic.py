@@ -87,3 +87,32 @@ def test_claude_code_fields_are_accepted(server, client):
                    json={"model": "smollm2", "messages": ASK})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in r.json()["error"]["message"]
+
+
+def test_context_management_clears_old_tool_results(server, client):
+    """Claude Code's `context_management`: past the trigger, the oldest tool results are
+    replaced by a placeholder, the last `keep` kept; the answer says what was cleared."""
+    def turn(i):
+        return [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "read",
+                                                    "input": {"path": f"f{i}"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
+                                              "content": f"file {i}: " + "lorem ipsum " * 40}]}]
+    msgs = [*ASK, *[m for i in range(4) for m in turn(i)], {"role": "user", "content": "Summarize."}]
+    tools = [{"name": "read", "description": "read a file", "input_schema": {"type": "object"}}]
+    body = {"model": "x", "max_tokens": 2, "messages": msgs, "tools": tools, "tool_choice": {"type": "none"}}
+    full = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": "sekret"}, json=body).json()["usage"]["input_tokens"]
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 100},
+            "keep": {"type": "tool_uses", "value": 1}, "clear_tool_inputs": True}
+    r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": "sekret"},
+                   json={**body, "context_management": {"edits": [edit, {"type": "clear_thinking_20251015"}]}})
+    assert r.status_code == 200, r.text
+    (applied,) = r.json()["context_management"]["applied_edits"]
+    assert applied["type"] == "clear_tool_uses_20250919" and applied["cleared_tool_uses"] == 3
+    assert r.json()["usage"]["input_tokens"] < full - applied["cleared_input_tokens"] // 2
+    quiet = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": "sekret"}, json={
+        **body, "context_management": {"edits": [{**edit, "trigger": {"type": "input_tokens", "value": 10**6}}]}})
+    assert quiet.json()["context_management"] == {"applied_edits": []}
+    assert quiet.json()["usage"]["input_tokens"] == full
+    bad = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": "sekret"},
+                     json={**body, "context_management": {"edits": [{"type": "compact_20260101"}]}})
+    assert bad.status_code == 400 and "context_management" in bad.text

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from macinfer.server import chat_output
+from macinfer.server.context_editing import ContextManagement
 from macinfer.server.protocol import _NO_INPUT, ChatCompletionRequest
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -145,6 +146,7 @@ class MessagesRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None  # applied in `context_editing`
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -235,7 +237,7 @@ def _tool_use(call) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name, "input": args}
 
 
-def message(req: MessagesRequest, model_name: str, out, turn) -> dict[str, Any]:
+def message(req: MessagesRequest, model_name: str, out, turn, applied: list[dict] | None = None) -> dict[str, Any]:
     msg, proc = chat_output.message(turn.plan, out.text, turn.prompt_tail)
     content: list[dict[str, Any]] = []
     if msg.get("reasoning_content"):
@@ -246,9 +248,12 @@ def message(req: MessagesRequest, model_name: str, out, turn) -> dict[str, Any]:
     if not content:
         content.append({"type": "text", "text": ""})
     reason, seq = stop_reason(out, bool(proc.calls))
-    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model_name,
-            "content": content, "stop_reason": reason, "stop_sequence": seq,
-            "usage": {"input_tokens": len(turn.ids), "output_tokens": len(out.token_ids)}}
+    answer = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model_name,
+              "content": content, "stop_reason": reason, "stop_sequence": seq,
+              "usage": {"input_tokens": len(turn.ids), "output_tokens": len(out.token_ids)}}
+    if applied is not None:
+        answer["context_management"] = {"applied_edits": applied}
+    return answer
 
 
 def _event(kind: str, payload: dict[str, Any]) -> str:
@@ -303,7 +308,7 @@ class _Call:
         self.id, self.name, self.arguments = id, name, arguments
 
 
-async def events(model_name: str, turn, gen) -> AsyncIterator[str]:
+async def events(model_name: str, turn, gen, applied: list[dict] | None = None) -> AsyncIterator[str]:
     """message_start, ping, then per block content_block_start, deltas, content_block_stop;
     message_delta, message_stop; an `error` event if generation fails."""
     yield _event("message_start", {"message": {
@@ -329,8 +334,11 @@ async def events(model_name: str, turn, gen) -> AsyncIterator[str]:
                 for e in blocks.close():
                     yield e
                 reason, seq = stop_reason(out, bool(proc.calls))
-                yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                               "usage": {"output_tokens": len(out.token_ids)}})
+                delta = {"delta": {"stop_reason": reason, "stop_sequence": seq},
+                         "usage": {"output_tokens": len(out.token_ids)}}
+                if applied is not None:
+                    delta["context_management"] = {"applied_edits": applied}
+                yield _event("message_delta", delta)
                 yield _event("message_stop", {})
     finally:
         gen.close()

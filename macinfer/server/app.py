@@ -24,7 +24,7 @@ from macinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFull
 from macinfer.server.metrics import ServerMetrics
 from macinfer.server import webui as chat_page
 from macinfer.server.middleware import Guard
-from macinfer.server import anthropic, responses
+from macinfer.server import anthropic, context_editing, responses
 from macinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                       TokenizeRequest, describe_validation_error)
 from macinfer.server.serving import DEFAULT_MAX_TOKENS, APIError, OpenAIServing
@@ -232,8 +232,13 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/messages")
     async def messages(req: anthropic.MessagesRequest, request: Request):
-        return await _translated(req, "messages", request, lambda t, s: anthropic.events(model_name, t, s),
-                                 lambda f, t: anthropic.message(req, model_name, f, t))
+        applied = None
+        if req.context_management is not None:  # Anthropic's context editing, before the prompt is built
+            req, applied = await asyncio.to_thread(
+                context_editing.apply, req, lambda r: len(serving.chat_prompt(_to_chat(r, "messages")).ids),
+                lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
+        return await _translated(req, "messages", request, lambda t, s: anthropic.events(model_name, t, s, applied),
+                                 lambda f, t: anthropic.message(req, model_name, f, t, applied))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: anthropic.CountTokensRequest):
