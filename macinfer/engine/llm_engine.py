@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from macinfer import kernels
 from macinfer.engine.block_manager import BlockManager
@@ -22,9 +21,8 @@ from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import SpeculativeConfig, record_verdict
 from macinfer.engine.state_manager import StateSlots
 from macinfer.engine.structured import StructuredOutputs
-from macinfer.kv.cache import DEFAULT_BLOCK_SIZE, KVCache, available_memory_bytes, layer_bytes_per_token, plan_blocks
-from macinfer.kv.spec import group_caches
-from macinfer.kv.state import StatePool
+from macinfer.engine.cache_plan import plan_caches
+from macinfer.kv.cache import DEFAULT_BLOCK_SIZE
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer
@@ -33,7 +31,6 @@ log = logging.getLogger("macinfer")
 
 
 CPU_PREFILL_TILE = 128  # measured: a 1,024-token prompt 8.1 -> 5.4 s (256: 6.4 s, 64: 5.2 s)
-DEFAULT_TOKENS_PER_SEQ = 512  # default KV budget: max_num_seqs x this, or one full context
 
 
 class PromptTooLongError(ValueError):
@@ -104,84 +101,16 @@ class LLMEngine:
         from macinfer.kernels.selfcheck import self_check
 
         kernels.configure(self_check(kernels.requested_mode()))
-        kv_dtype = self._kv_dtype()
-        bs = cfg.block_size
-        # One cache spec per layer, decided by the model at load; caches of one kind form a group.
-        self.layer_specs = list(self.model.layer_specs)
-        groups, _ = group_caches(self.layer_specs, getattr(self.model, "layer_caches", None))
-        for g in groups:
-            g.bytes_per_block = bs * sum(layer_bytes_per_token(self.layer_specs[i], kv_dtype, cfg.kv_cache_dtype)
-                                         for i in g.caches)
-        step_blocks = -(-cfg.max_num_batched_tokens // bs)
-        # A bounded group's pool never needs more than every running sequence's live blocks plus a step's.
-        caps = [cfg.max_num_seqs * (g.kind.live_blocks(bs) or 0) + step_blocks for g in groups]
-        # More blocks than every sequence at full length could use is waste.
-        max_blocks = cfg.max_num_seqs * -(-self.max_model_len // bs)
-
-        # Recurrent state: a slot per running sequence and one for its mark, fixed; snapshots
-        # in proportion to the cached tokens (one per interval), bought with the blocks.
-        self.state_specs = list(self.model.state_specs()) if hasattr(self.model, "state_specs") else []
-        slot_bytes = sum(s.nbytes for s in self.state_specs)
-        interval = self._snapshot_interval(groups, slot_bytes)
-        num_verify = cfg.speculative_max_batch if cfg.num_speculative_tokens else 0  # states kept across a verify
-        fixed_state = (2 * cfg.max_num_seqs + num_verify) * slot_bytes
-        per_block = slot_bytes * bs / interval if slot_bytes else 0.0
-
-        def pool_bytes(n: int) -> int:
-            return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps)) + \
-                fixed_state + int(n * per_block)
-
-        available = available_memory_bytes()
-        if cfg.kv_cache_gb is not None:
-            budget = int(cfg.kv_cache_gb * 2**30)
-            if budget > available:
-                raise ValueError(
-                    f"--kv-cache-gb {cfg.kv_cache_gb:g} is more memory than this machine can give "
-                    f"({available / 2**30:.1f} GiB available now); lower it"
-                )
-        else:
-            # What the configuration needs (one full context, or max_num_seqs typical
-            # conversations), but never more than a share of the free memory.
-            weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-            wanted = max(self.max_model_len, cfg.max_num_seqs * DEFAULT_TOKENS_PER_SEQ)
-            budget = min(int(cfg.kv_cache_fraction * max(available - weights, 0)), pool_bytes(-(-wanted // bs)))
-        num_blocks = plan_blocks(groups, budget - fixed_state, caps, max_blocks, per_block)
-        if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        if budget < pool_bytes(1) and not groups:
-            raise ValueError(f"KV cache budget {budget / 2**30:.3f} GiB is below the recurrent state of "
-                             f"{cfg.max_num_seqs} sequences ({pool_bytes(1) / 2**20:.1f} MiB); raise --kv-cache-gb "
-                             "or lower --max-num-seqs")
-        if groups and num_blocks < 1:
-            raise ValueError(
-                f"KV cache budget {budget / 2**30:.3f} GiB is below one block "
-                f"({pool_bytes(1) / 2**20:.2f} MiB); raise --kv-cache-gb"
-            )
-        for g, cap in zip(groups, caps):
-            g.num_blocks = g.blocks_for(num_blocks, cap)
-        states = None
-        if self.state_specs:
-            if groups:
-                snapshots = -(-num_blocks * bs // interval)
-            else:  # no K/V: the budget left after the running states buys snapshots
-                snapshots = min(max(budget - fixed_state, 0) // slot_bytes, max_blocks * bs // interval)
-            states = StatePool(self.state_specs, 2 * cfg.max_num_seqs + num_verify + snapshots)
-        self.kv_cache = KVCache(self.layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype, states)
-        if mx.default_device() == mx.cpu:
-            # MLX's CPU buffer cache defaults to 32 MiB: a step's attention temporaries
-            # (gathered K/V, about the size of the KV in use) would be page-faulted in
-            # fresh every step. Measured at 16 sequences x 1k context on SmolLM2:
-            # 289k -> 10k page faults per decode step.
-            mx.set_cache_limit(max(256 << 20, min(self.kv_cache.nbytes, available // 4)))
-        if mx.metal.is_available():
-            # Keep weights + KV resident (wired) up to what Metal recommends, as mlx-lm does.
-            weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-            mx.set_wired_limit(min(weights + self.kv_cache.nbytes, available_memory_bytes()))
+        # One cache spec per layer, decided by the model at load; caches of one kind form a
+        # group; the budget buys each group's pool (`cache_plan.py`).
+        plan = plan_caches(self.model, cfg, self._kv_dtype(), self.max_model_len)
+        self.layer_specs, self.state_specs, self.kv_cache = plan.layer_specs, plan.state_specs, plan.kv_cache
+        groups, num_blocks, states, bs = plan.groups, plan.num_blocks, plan.kv_cache.states, cfg.block_size
         # A sequence must always fit the pool alone, so preemption can always make room.
         if groups:
             self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
-        slots = None if states is None else StateSlots(states, cfg.max_num_seqs, bs, interval,
-                                                       cfg.enable_prefix_caching, num_verify)
+        slots = None if states is None else StateSlots(states, cfg.max_num_seqs, bs, plan.interval,
+                                                       cfg.enable_prefix_caching, plan.num_verify)
         self.block_manager = BlockManager(groups, bs, cfg.enable_prefix_caching, cache_key=self.loaded.source,
                                           state=slots)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -198,12 +127,12 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         if states is not None:
             log.info("recurrent state: %d caches, %.2f MiB a sequence; %d slots (%d running), a snapshot every "
-                     "%d tokens", len(self.state_specs), slot_bytes / 2**20, states.num_slots, cfg.max_num_seqs,
-                     interval)
+                     "%d tokens", len(self.state_specs), states.bytes_per_slot / 2**20, states.num_slots,
+                     cfg.max_num_seqs, plan.interval)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         log.info(
             "KV cache: %.2f GiB, %s%s, blocks of %d tokens: %s; max_model_len %d; decode attention: %s",
-            self.kv_cache.nbytes / 2**30, kv_dtype, " as int8" if self.kv_cache.quantized else "", bs,
+            self.kv_cache.nbytes / 2**30, self.kv_cache.dtype, " as int8" if self.kv_cache.quantized else "", bs,
             "; ".join(f"{g.kind.describe()}: {len(g.layers)} layers ({len(g.caches)} keep K/V), "
                       f"{g.num_blocks} blocks, {g.bytes_per_block // bs} bytes a token" for g in groups),
             self.max_model_len, "reference (int8 KV)" if self.kv_cache.quantized else kernels.mode(),
@@ -233,18 +162,6 @@ class LLMEngine:
                 f"compute other logits than mlx-lm's own forward (off by {err:.3g}, largest logit {scale:.3g}), "
                 "so it would run wrong")
         self.block_manager.drop_cache()
-
-    def _snapshot_interval(self, groups: list, slot_bytes: int) -> int:
-        """Tokens between recurrent-state snapshots: the configured interval, or where one
-        snapshot costs about the K/V of the tokens it spans (256 to 4096)."""
-        bs, want = self.config.block_size, self.config.state_snapshot_interval
-        if want is not None:
-            if want < bs or want % bs:
-                raise ValueError(f"state_snapshot_interval must be a multiple of the block size ({bs})")
-            return want
-        kv_per_token = sum(g.bytes_per_block for g in groups) / bs
-        tokens = slot_bytes / kv_per_token if kv_per_token else 1024
-        return int(min(max(-(-tokens // bs) * bs, 256), 4096)) // bs * bs or bs
 
     def cache_groups(self) -> list[dict]:
         """Per cache group: its kind, the layers reading it and the caches keeping K/V in it,

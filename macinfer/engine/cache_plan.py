@@ -1,0 +1,122 @@
+"""The memory plan at load: each cache group's pool and the recurrent-state pool, bought
+from one budget (`--kv-cache-gb`, or a share of what the machine can give after weights).
+
+- Unbounded groups (full attention) get N blocks; a bounded one (window, chunk) gets
+  `min(N, cap) + 1`, cap being every running sequence's live blocks plus a step's.
+- Recurrent state (hybrid models): two slots a running sequence (its state and its mark),
+  a spare per speculating sequence, and one snapshot per `interval` tokens of cached K/V,
+  bought with the blocks; with no K/V at all, what the budget leaves buys snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from macinfer.kv.cache import KVCache, available_memory_bytes, layer_bytes_per_token, plan_blocks
+from macinfer.kv.spec import CacheGroup, LayerKV, StateSpec, group_caches
+from macinfer.kv.state import StatePool
+
+DEFAULT_TOKENS_PER_SEQ = 512  # default KV budget: max_num_seqs x this, or one full context
+
+
+@dataclass
+class CachePlan:
+    layer_specs: list[LayerKV]
+    state_specs: list[StateSpec]
+    groups: list[CacheGroup]
+    num_blocks: int  # of the unbounded groups
+    interval: int  # tokens between recurrent-state snapshots
+    num_verify: int  # state spares for speculating sequences
+    kv_cache: KVCache
+
+
+def snapshot_interval(cfg: Any, groups: list[CacheGroup], slot_bytes: int) -> int:
+    """Tokens between recurrent-state snapshots: the configured interval, or where one
+    snapshot costs about the K/V of the tokens it spans (256 to 4096)."""
+    bs, want = cfg.block_size, cfg.state_snapshot_interval
+    if want is not None:
+        if want < bs or want % bs:
+            raise ValueError(f"state_snapshot_interval must be a multiple of the block size ({bs})")
+        return want
+    kv_per_token = sum(g.bytes_per_block for g in groups) / bs
+    tokens = slot_bytes / kv_per_token if kv_per_token else 1024
+    return int(min(max(-(-tokens // bs) * bs, 256), 4096)) // bs * bs or bs
+
+
+def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int) -> CachePlan:
+    """The pools for `model` under `cfg` (an `EngineConfig`); a ValueError a user can act on
+    when the budget cannot hold them."""
+    bs = cfg.block_size
+    layer_specs = list(model.layer_specs)
+    groups, _ = group_caches(layer_specs, getattr(model, "layer_caches", None))
+    for g in groups:
+        g.bytes_per_block = bs * sum(layer_bytes_per_token(layer_specs[i], kv_dtype, cfg.kv_cache_dtype)
+                                     for i in g.caches)
+    step_blocks = -(-cfg.max_num_batched_tokens // bs)
+    # A bounded group's pool never needs more than every running sequence's live blocks plus a step's.
+    caps = [cfg.max_num_seqs * (g.kind.live_blocks(bs) or 0) + step_blocks for g in groups]
+    # More blocks than every sequence at full length could use is waste.
+    max_blocks = cfg.max_num_seqs * -(-max_model_len // bs)
+
+    state_specs = list(model.state_specs()) if hasattr(model, "state_specs") else []
+    slot_bytes = sum(s.nbytes for s in state_specs)
+    interval = snapshot_interval(cfg, groups, slot_bytes)
+    num_verify = cfg.speculative_max_batch if cfg.num_speculative_tokens else 0  # states kept across a verify
+    fixed_state = (2 * cfg.max_num_seqs + num_verify) * slot_bytes
+    per_block = slot_bytes * bs / interval if slot_bytes else 0.0
+
+    def pool_bytes(n: int) -> int:
+        return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps)) + \
+            fixed_state + int(n * per_block)
+
+    available = available_memory_bytes()
+    if cfg.kv_cache_gb is not None:
+        budget = int(cfg.kv_cache_gb * 2**30)
+        if budget > available:
+            raise ValueError(f"--kv-cache-gb {cfg.kv_cache_gb:g} is more memory than this machine can give "
+                             f"({available / 2**30:.1f} GiB available now); lower it")
+    else:
+        # What the configuration needs (one full context, or max_num_seqs typical
+        # conversations), but never more than a share of the free memory.
+        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        wanted = max(max_model_len, cfg.max_num_seqs * DEFAULT_TOKENS_PER_SEQ)
+        budget = min(int(cfg.kv_cache_fraction * max(available - weights, 0)), pool_bytes(-(-wanted // bs)))
+    num_blocks = plan_blocks(groups, budget - fixed_state, caps, max_blocks, per_block)
+    if cfg.num_kv_blocks is not None:
+        num_blocks = cfg.num_kv_blocks
+    if budget < pool_bytes(1) and not groups:
+        raise ValueError(f"KV cache budget {budget / 2**30:.3f} GiB is below the recurrent state of "
+                         f"{cfg.max_num_seqs} sequences ({pool_bytes(1) / 2**20:.1f} MiB); raise --kv-cache-gb "
+                         "or lower --max-num-seqs")
+    if groups and num_blocks < 1:
+        raise ValueError(f"KV cache budget {budget / 2**30:.3f} GiB is below one block "
+                         f"({pool_bytes(1) / 2**20:.2f} MiB); raise --kv-cache-gb")
+    for g, cap in zip(groups, caps):
+        g.num_blocks = g.blocks_for(num_blocks, cap)
+    states = None
+    if state_specs:
+        if groups:
+            snapshots = -(-num_blocks * bs // interval)
+        else:  # no K/V: the budget left after the running states buys snapshots
+            snapshots = min(max(budget - fixed_state, 0) // slot_bytes, max_blocks * bs // interval)
+        states = StatePool(state_specs, 2 * cfg.max_num_seqs + num_verify + snapshots)
+    kv_cache = KVCache(layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype, states)
+    set_memory_limits(model, kv_cache, available)
+    return CachePlan(layer_specs, state_specs, groups, num_blocks, interval, num_verify, kv_cache)
+
+
+def set_memory_limits(model: Any, kv_cache: KVCache, available: int) -> None:
+    if mx.default_device() == mx.cpu:
+        # MLX's CPU buffer cache defaults to 32 MiB: a step's attention temporaries
+        # (gathered K/V, about the size of the KV in use) would be page-faulted in
+        # fresh every step. Measured at 16 sequences x 1k context on SmolLM2:
+        # 289k -> 10k page faults per decode step.
+        mx.set_cache_limit(max(256 << 20, min(kv_cache.nbytes, available // 4)))
+    if mx.metal.is_available():
+        # Keep weights + KV resident (wired) up to what Metal recommends, as mlx-lm does.
+        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        mx.set_wired_limit(min(weights + kv_cache.nbytes, available_memory_bytes()))
