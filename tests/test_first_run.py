@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from macinfer.cli import main
-from macinfer.engine.llm_engine import DEFAULT_TOKENS_PER_SEQ, EngineConfig, LLMEngine
+from macinfer.engine.cache_plan import DEFAULT_TOKENS_PER_SEQ
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 
