@@ -10,10 +10,15 @@ from __future__ import annotations
 START, END = "<think>", "</think>"
 
 
-def template_reasons(chat_template: str | dict | None) -> bool:
+def _source(chat_template: str | dict | None) -> str:
+    """A chat template's Jinja (all of a named set of templates)."""
     if isinstance(chat_template, dict):
-        chat_template = " ".join(str(v) for v in chat_template.values())
-    return END in (chat_template or "")
+        return " ".join(str(v) for v in chat_template.values())
+    return chat_template or ""
+
+
+def template_reasons(chat_template: str | dict | None) -> bool:
+    return END in _source(chat_template)
 
 
 def effort_kwargs(effort: str | None, chat_template: str | dict | None) -> dict | None:
@@ -22,7 +27,7 @@ def effort_kwargs(effort: str | None, chat_template: str | dict | None) -> dict 
     off for "none"/"minimal", on otherwise). None: the template has no thinking control."""
     if effort is None:
         return {}
-    source = chat_template if isinstance(chat_template, str) else " ".join(str(v) for v in (chat_template or {}).values())
+    source = _source(chat_template)
     if "reasoning_effort" in source:
         return {"reasoning_effort": {"none": "low", "minimal": "low", "xhigh": "high", "max": "high"}.get(effort, effort)}
     if "enable_thinking" in source:

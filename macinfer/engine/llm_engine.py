@@ -389,11 +389,13 @@ class LLMEngine:
         p, out = seq.params, seq.output_token_ids
         tail = self.tokenizer.decode(out[-16:], skip_special_tokens=False)
         if seq.thinking == "before":
-            if p.thinking_open or START in tail:
-                seq.thinking = "open"
-            elif len(out) > 16:  # no think block: nothing to budget
-                seq.thinking = "closed"
-            return
+            if not p.thinking_open:  # the block opens in the output (its marker is not counted)
+                if START in tail:
+                    seq.thinking = "open"
+                elif len(out) > 16:  # no think block: nothing to budget
+                    seq.thinking = "closed"
+                return
+            seq.thinking = "open"  # opened by the prompt: this token is the block's first
         if END in tail:
             seq.thinking = "closed"
             return

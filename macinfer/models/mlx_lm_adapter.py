@@ -263,6 +263,10 @@ class MlxLmModel(nn.Module):
             raise UnsupportedModelError(f"{name}: its forward fails on this backend with paged caches ({msg})") from None
         if f.problems:
             raise UnsupportedModelError(f"{name}: {f.problems[0]}")
+        if f.state_touched:  # the wrapped modules run on real caches: anything else would read nothing
+            raise UnsupportedModelError(
+                f"{name}: state cache {min(f.state_touched)} is read or written outside the module it is passed "
+                "to, which the paged path cannot regroup by sequence")
         n = len(self._kinds)
         for i in range(n):
             w = f.writes.get(i, [])

@@ -24,8 +24,9 @@ from macinfer.models.paged_layers import PagedLayerCache, _active
 
 class PagedStateCache:
     """Stands in for one of mlx-lm's `ArraysCache`s during one forward pass. Outside its
-    receiving module it is only passed along; the tracer (`forward.tracing`) lets the
-    module read and write it as an empty cache to see who does."""
+    receiving module it is only passed along: the tracer (`forward.tracing`) lets the
+    module read and write it as an empty cache to see who does, and any read or write
+    in the probe after wrapping (`forward.state_touched`) refuses the model."""
 
     def __init__(self, forward: Any, index: int, size: int):
         self.forward, self.index, self.size = forward, index, size
