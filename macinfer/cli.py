@@ -59,6 +59,9 @@ def _engine_options(f):
     f = click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True, help="Most sequences in one batch.")(f)
     f = click.option("--max-model-len", "-c", "--ctx-size", "max_model_len", type=click.IntRange(min=2), default=None,
                      help="Cap the context length (-c/--ctx-size: llama.cpp's names).")(f)
+    f = click.option("--rope-scaling", type=click.Choice(["yarn", "linear"]), default=None,
+                     help="Stretch RoPE from the model's trained context to --max-model-len (YaRN or linear "
+                          "position interpolation), as llama.cpp's --rope-scaling does.")(f)
     f = click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
                      help="Tokens per step (prompts are prefilled in chunks of at most this).")(f)
     f = click.option("--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True,
@@ -96,7 +99,7 @@ def _sampling_options(f):
 
 def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
                  kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
-                 num_speculative_tokens=0, chat_template=None):
+                 num_speculative_tokens=0, chat_template=None, rope_scaling=None):
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
     start = time.perf_counter()
@@ -114,7 +117,7 @@ def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                max_prefill_with_decodes=max_prefill_with_decodes,
                                                num_speculative_tokens=num_speculative_tokens,
-                                               chat_template=chat_template),
+                                               chat_template=chat_template, rope_scaling=rope_scaling),
                            progress=progress)
     except (FileNotFoundError, ValueError, MemoryError) as e:
         raise click.ClickException(str(e)) from None
@@ -242,10 +245,19 @@ def convert(gguf, out_dir):
 @click.option("--max-connections", type=click.IntRange(min=1), default=None, help="Open connections held at once (503 beyond; default: from the open-file limit, at most 1024).")
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds a connection may take to send a request head.")
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True, help="Seconds a request may take to send its body (408 beyond).")
+@click.option("--temperature", "-t", "default_temperature", type=click.FloatRange(0, 2), default=None,
+              help="Temperature of requests that set none (default 1.0, as OpenAI's API; 0 is greedy).")
+@click.option("--top-p", "default_top_p", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="top_p of requests that set none (default 1.0).")
+@click.option("--top-k", "default_top_k", type=click.IntRange(min=0), default=None,
+              help="top_k of requests that set none (default 0: off).")
+@click.option("--seed", "default_seed", type=int, default=None,
+              help="Seed of requests that set none (default: unseeded).")
 @_engine_options
 @_log_options
 def serve(model, host, port, served_model_names, max_tokens_default, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, max_body_mb,
-          max_connections, header_timeout, body_timeout, **engine_opts):
+          max_connections, header_timeout, body_timeout, default_temperature, default_top_p, default_top_k,
+          default_seed, **engine_opts):
     import os
 
     try:
@@ -269,7 +281,10 @@ def serve(model, host, port, served_model_names, max_tokens_default, api_keys, c
                       cors_origins=list(cors_origins), max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20),
                       allowed_hosts=hosts, cache_isolation=cache_isolation, model_aliases=(model, *names[1:]),
                       webui=not no_webui, tool_parser=tool_call_parser, body_timeout=body_timeout,
-                      default_max_tokens=max_tokens_default)
+                      default_max_tokens=max_tokens_default,
+                      sampling_defaults={k: v for k, v in (("temperature", default_temperature), ("top_p", default_top_p),
+                                                           ("top_k", default_top_k), ("seed", default_seed))
+                                         if v is not None})
     sys.exit(code)
 
 

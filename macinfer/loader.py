@@ -16,6 +16,7 @@ import mlx.nn as nn
 from macinfer import pooling as pooling_mod
 from macinfer.gguf_file import ModelLoadError
 from macinfer.models import UnsupportedArchitectureError, build_model
+from macinfer.models.rope import extend_context, uses_scaled_rope
 from macinfer.tokenizer import TokenizerWrapper
 
 log = logging.getLogger("macinfer")
@@ -234,12 +235,14 @@ def should_dequantize(model: nn.Module) -> bool:
     return f32_bytes < available_memory_bytes() // 4
 
 
-def load(ref: str, impl: str = "auto", progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+def load(ref: str, impl: str = "auto", progress: Callable[[int, int], None] | None = None,
+         context: tuple[int, str] | None = None) -> LoadedModel:
     """Load weights and tokenizer. Raises ModelNotFoundError, UnsupportedArchitectureError
-    or ModelLoadError, each with a one-line message naming the file and the problem."""
+    or ModelLoadError, each with a one-line message naming the file and the problem.
+    `context` (max_model_len, "yarn"|"linear") stretches RoPE past the trained context."""
     path = resolve(ref)
     try:
-        return _load_path(ref, path, impl, progress)
+        return _load_path(ref, path, impl, progress, context)
     except (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError):
         raise
     except (ValueError, KeyError, OSError, RuntimeError) as e:  # shapes/names that do not fit the architecture
@@ -247,7 +250,8 @@ def load(ref: str, impl: str = "auto", progress: Callable[[int, int], None] | No
         raise ModelLoadError(f"{os.path.basename(path.rstrip('/'))}: cannot load this model: {msg}") from None
 
 
-def _load_path(ref: str, path: str, impl: str = "auto", progress=None) -> LoadedModel:
+def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
+               context: tuple[int, str] | None = None) -> LoadedModel:
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelNotFoundError(f"{path}: expected a .gguf file or a model directory")
@@ -259,7 +263,12 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None) -> Loaded
     else:
         config, weights, tokenizer = _load_mlx_dir(path, progress)
         pooling = pooling_mod.from_dir(path)
-    model = build_model(config, impl)
+    extended = extend_context(config, *context) if context is not None else config
+    model = build_model(extended, impl)
+    if extended is not config and not uses_scaled_rope(model, context[1]):
+        raise UnsupportedArchitectureError(f"--rope-scaling {context[1]}: this architecture "
+                                           f"({config.get('model_type')}) does not take RoPE scaling from its config")
+    config = extended
     weights = model.sanitize(weights)
     _quantize_like_weights(model, config, weights)
     model.load_weights(list(weights.items()), strict=True)
@@ -268,5 +277,8 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None) -> Loaded
         log.info("CPU backend: %d quantized layers expanded to float32 for BLAS matmuls", n)
     model.fuse_projections()
     mx.eval(model.parameters())
+    # Private arrays too (YaRN's `_freqs`): left lazy, they would be computed on the first
+    # forward, in the engine's thread, against a stream of the loading thread.
+    mx.eval([v for _, m in model.named_modules() for v in m.values() if isinstance(v, mx.array)])
     model.eval()
     return LoadedModel(model, tokenizer, config, path, ref, pooling)

@@ -79,6 +79,16 @@ def test_claude_code_fields_are_accepted(server, client):
     r = client.messages.create(model="claude-opus-4-8", max_tokens=3, messages=msgs, thinking={"type": "adaptive"},
                                extra_body={"service_tier": "auto", "cache_control": {"type": "ephemeral"}})
     assert r.stop_reason in ("max_tokens", "end_turn")
+    # Claude Code 2.1.3xx: an effort change as an empty system message carrying `output_config`
+    # (adds nothing to the prompt), `thinking.display`, and its `HEAD /api/hello` probe.
+    base = client.messages.create(model="x", max_tokens=1, messages=ASK)
+    r = client.messages.create(model="x", max_tokens=1, thinking={"type": "adaptive", "display": "omitted"},
+                               messages=[*ASK, {"role": "system", "content": [], "output_config": {"effort": "low"}}])
+    assert r.usage.input_tokens == base.usage.input_tokens
+    assert httpx.head(f"{server.url}/api/hello", headers={"x-api-key": "sekret"}).status_code == 200
+    with pytest.raises(anthropic.BadRequestError, match="effort"):
+        client.messages.create(model="x", max_tokens=1, messages=[
+            *ASK, {"role": "system", "content": [], "output_config": {"effort": "extreme"}}])
     with pytest.raises(anthropic.BadRequestError, match="mcp_servers"):  # still refused: it would change the answer
         client.messages.create(model="x", max_tokens=3, messages=ASK, extra_body={"mcp_servers": [{"y": 1}]})
     r = httpx.post(f"{server.url}/v1/messages", json={"model": "smollm2", "max_tokens": 5, "messages": ASK})

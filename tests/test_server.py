@@ -396,3 +396,20 @@ def test_responses_api(client):
     assert "response.output_text.done" in kinds and text == r.output_text
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model="smollm2", input="hi", previous_response_id="resp_123")
+
+
+def test_server_sampling_defaults_fill_what_a_request_leaves_unset():
+    """`serve --temperature/--top-p/--top-k/--seed`: defaults for requests that set none
+    (agents send no temperature), never over a value the request gives."""
+    from macinfer.server.protocol import ChatCompletionRequest
+    from macinfer.server.serving import SAMPLING_DEFAULTS, sampling_params
+
+    msgs = [{"role": "user", "content": "hi"}]
+    defaults = {**SAMPLING_DEFAULTS, "temperature": 0.0, "top_k": 5, "seed": 7}
+    unset = sampling_params(ChatCompletionRequest(messages=msgs, n=2), 4, None, defaults=defaults)
+    assert [(p.temperature, p.top_k, p.top_p, p.seed) for p in unset] == [(0.0, 5, 1.0, 7), (0.0, 5, 1.0, 8)]
+    given = sampling_params(ChatCompletionRequest(messages=msgs, temperature=0.5, top_k=0, seed=1), 4, None,
+                            defaults=defaults)[0]
+    assert (given.temperature, given.top_k, given.seed) == (0.5, 0, 1)
+    plain = sampling_params(ChatCompletionRequest(messages=msgs), 4, None)[0]
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.seed) == (1.0, 1.0, 0, None)

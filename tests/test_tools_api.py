@@ -268,6 +268,13 @@ def test_reasoning_effort_and_thinking_budget(tmp_path):
             "model": "claude-x", "max_tokens": 24, "messages": [{"role": "user", "content": "Hi"}],
             "thinking": {"type": "enabled", "budget_tokens": 5}, "output_config": {"effort": "high"}}).json()
         assert a["content"][0]["type"] == "thinking" and len(a["content"][0]["thinking"]) <= 7, a
+        # display "omitted": the thinking block is there, its text is not (streamed: no thinking deltas)
+        hidden = {"model": "claude-x", "max_tokens": 24, "messages": [{"role": "user", "content": "Hi"}],
+                  "thinking": {"type": "adaptive", "display": "omitted"}}
+        a = httpx.post(f"{s.url}/v1/messages", timeout=30, json=hidden).json()
+        assert a["content"][0] == {"type": "thinking", "thinking": "", "signature": ""}, a
+        events = httpx.post(f"{s.url}/v1/messages", timeout=30, json={**hidden, "stream": True}).text
+        assert '"content_block": {"type": "thinking"' in events and "thinking_delta" not in events
         r = httpx.post(f"{s.url}/v1/responses", timeout=30, json={
             "model": "x", "input": "Hi", "max_output_tokens": 8, "reasoning": {"effort": "minimal"}})
         assert r.status_code == 200 and r.json()["usage"]["input_tokens"] == off["usage"]["prompt_tokens"], r.text
@@ -359,3 +366,15 @@ def test_responses_namespace_tools_are_flattened_and_calls_split_back(server, st
         {"type": "message", "role": "user", "content": "What is the weather in Paris?"}, call,
         {"type": "function_call_output", "call_id": call["call_id"], "output": "21 C"}]})
     assert follow.status_code == 200, follow.text
+    # Codex also sends outputs without a call (its `agent` namespace's goal_objective), and
+    # outputs as text parts: the first becomes a tool message named as namespace tools are
+    # flattened, the second a text.
+    base = {**body, "tool_choice": "none", "max_output_tokens": 1}
+    extra = httpx.post(f"{server.url}/v1/responses", timeout=60, json={**base, "input": [
+        {"type": "message", "role": "user", "content": "Hi"}, call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": [{"type": "input_text", "text": "21 C"}]},
+        {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "say hi"}]})
+    assert extra.status_code == 200, extra.text
+    bad = httpx.post(f"{server.url}/v1/responses", timeout=60, json={**base, "input": [
+        {"type": "function_call_output", "output": "x"}]})
+    assert bad.status_code == 400 and "call_id" in bad.json()["error"]["message"]

@@ -64,6 +64,8 @@ class EngineConfig:
     # Replaces the model's chat template: a Jinja file, inline Jinja, or a built-in name
     # (`macinfer.chat_templates`: chatml, llama3, hermes).
     chat_template: str | None = None
+    # Stretch RoPE ("yarn" or "linear") so max_model_len may exceed the trained context.
+    rope_scaling: str | None = None
 
 
 class LLMEngine:
@@ -78,7 +80,10 @@ class LLMEngine:
             raise ValueError("num_speculative_tokens must be 0 (off) or more")
         speculative = SpeculativeConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                                         cfg.speculative_max_batch) if cfg.num_speculative_tokens else None
-        self.loaded = model if isinstance(model, LoadedModel) else load(model, self.config.model_impl, progress)
+        if cfg.rope_scaling and not cfg.max_model_len:
+            raise ValueError("--rope-scaling needs --max-model-len: the context to stretch RoPE to")
+        context = (cfg.max_model_len, cfg.rope_scaling) if cfg.rope_scaling and cfg.max_model_len else None
+        self.loaded = model if isinstance(model, LoadedModel) else load(model, cfg.model_impl, progress, context)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         if cfg.chat_template is not None:
@@ -92,10 +97,11 @@ class LLMEngine:
         cfg = self.config
         model_len = args.max_position_embeddings
         if cfg.max_model_len is not None and cfg.max_model_len > model_len:
-            # Positions beyond the trained ones give garbage without a RoPE extension the
-            # model's config does not declare: refused, never silently capped.
+            # Positions beyond the trained ones give garbage without a RoPE extension:
+            # refused, never silently capped (`--rope-scaling` stretches RoPE at load).
             raise ValueError(f"--max-model-len {cfg.max_model_len} is beyond this model's trained context of "
-                             f"{model_len} tokens; use at most {model_len}")
+                             f"{model_len} tokens; use at most {model_len}, or add --rope-scaling yarn to "
+                             "stretch RoPE to it (YaRN)")
         self.max_model_len = cfg.max_model_len or model_len
 
         from macinfer.kernels.selfcheck import self_check

@@ -31,6 +31,51 @@ def check_rope(config: dict[str, Any]) -> None:
         )
 
 
+# Kinds `--rope-scaling` can stretch a model's trained context with (llama.cpp's
+# --rope-scaling takes the same two).
+CONTEXT_EXTENSIONS = ("yarn", "linear")
+
+
+def trained_context(config: dict[str, Any]) -> int | None:
+    text = config.get("text_config") or config
+    return text.get("max_position_embeddings") or text.get("max_seq_len")
+
+
+def extend_context(config: dict[str, Any], max_model_len: int, kind: str) -> dict[str, Any]:
+    """The config with RoPE scaled by `kind` from its trained context to `max_model_len`
+    (factor = max_model_len / trained, `original_max_position_embeddings` = trained), as
+    model cards tell users to edit config.json (Qwen3's YaRN). Unchanged if it fits."""
+    if kind not in CONTEXT_EXTENSIONS:
+        raise ValueError(f"--rope-scaling {kind!r}: supported: {', '.join(CONTEXT_EXTENSIONS)}")
+    trained = trained_context(config)
+    if trained is None or max_model_len <= trained:
+        return config
+    config = dict(config)
+    text = config["text_config"] = dict(config["text_config"]) if "text_config" in config else config
+    if rope_kind(text.get("rope_scaling")) != "default":
+        raise ValueError(f"--rope-scaling {kind}: this model already scales RoPE "
+                         f"({rope_kind(text['rope_scaling'])}) to its {trained}-token context")
+    text["rope_scaling"] = {"rope_type": kind, "type": kind, "factor": max_model_len / trained,
+                            "original_max_position_embeddings": trained}
+    text["max_position_embeddings"] = max_model_len
+    if "max_seq_len" in text:
+        text["max_seq_len"] = max_model_len
+    return config
+
+
+def uses_scaled_rope(model: nn.Module, kind: str) -> bool:
+    """Whether the built model's RoPE modules took a `kind` scaling from the config
+    (an architecture that reads RoPE settings from elsewhere would silently not)."""
+    from mlx_lm.models.rope_utils import YarnRoPE
+
+    for _, m in model.named_modules():
+        if kind == "yarn" and isinstance(m, YarnRoPE):
+            return True
+        if kind == "linear" and isinstance(m, nn.RoPE) and m.scale != 1.0:
+            return True
+    return False
+
+
 class FreqFactorRoPE(nn.Module):
     """Rotary embedding whose pair i rotates with period base^(2i/d) * factors[i]:
     llama.cpp divides each pair's frequency by the stored factor."""

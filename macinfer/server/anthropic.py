@@ -44,11 +44,20 @@ class TextBlock(BaseModel):
     text: str
 
 
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    effort: Literal["low", "medium", "high", "max"] | None = None  # mapped as `reasoning_effort`
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["user", "assistant", "system"]  # system: Claude Code puts some mid-conversation
     content: str | list[dict[str, Any]]
+    # A mid-conversation system message may change the effort from there on (Claude Code
+    # sends one, with empty content); the latest one in the conversation wins over the top level.
+    output_config: OutputConfig | None = None
 
     @model_validator(mode="after")
     def _known_blocks(self):
@@ -105,17 +114,13 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool = False
 
 
-class OutputConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    effort: Literal["low", "medium", "high", "max"] | None = None  # mapped as `reasoning_effort`
-
-
 class Thinking(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["enabled", "disabled", "adaptive"]  # adaptive: the model decides; thinking is on
     budget_tokens: int | None = Field(default=None, ge=1)
+    # omitted: thinking blocks come back with empty text (the model still thinks), as Anthropic does
+    display: Literal["summarized", "omitted"] | None = None
 
 
 def _result_text(content: Any) -> str:
@@ -137,9 +142,9 @@ class MessagesRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=1 << 20)
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # None: the server's default
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=1 << 20)
     stream: bool = False
     metadata: dict[str, Any] | None = None
     tools: list[Tool] | None = Field(default=None, max_length=128)
@@ -164,7 +169,9 @@ class MessagesRequest(BaseModel):
             if m.role == "system":
                 # A system message amid the conversation (Claude Code sends them) is kept in place;
                 # a template that takes one system message only refuses it with a 400 naming `messages`.
-                out.append({"role": "system", "content": "".join(b["text"] for b in blocks)})
+                # One without text (an effort change only) adds nothing to the prompt.
+                if text := "".join(b["text"] for b in blocks):
+                    out.append({"role": "system", "content": text})
                 continue
             text = "".join(b["text"] for b in blocks if b["type"] == "text")
             if m.role == "assistant":
@@ -201,7 +208,8 @@ class MessagesRequest(BaseModel):
             kwargs = {"enable_thinking": self.thinking.type != "disabled"}
             if self.thinking.budget_tokens is not None and self.thinking.type != "disabled":
                 budget = self.thinking.budget_tokens  # the think block is closed at this many tokens
-        effort = self.output_config.effort if self.output_config else None
+        configs = [self.output_config] + [m.output_config for m in self.messages]
+        effort = next((c.effort for c in reversed(configs) if c is not None and c.effort is not None), None)
         last = self.messages[-1]
         continues = last.role == "assistant" and not any(b["type"] == "tool_use" for b in last.blocks())
         return ChatCompletionRequest(
@@ -237,11 +245,16 @@ def _tool_use(call) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name, "input": args}
 
 
+def thinking_omitted(req: MessagesRequest) -> bool:
+    return req.thinking is not None and req.thinking.display == "omitted"
+
+
 def message(req: MessagesRequest, model_name: str, out, turn, applied: list[dict] | None = None) -> dict[str, Any]:
     msg, proc = chat_output.message(turn.plan, out.text, turn.prompt_tail)
     content: list[dict[str, Any]] = []
     if msg.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
+        shown = "" if thinking_omitted(req) else msg["reasoning_content"]
+        content.append({"type": "thinking", "thinking": shown, "signature": ""})
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     content += [_tool_use(c) for c in proc.calls]
@@ -263,7 +276,8 @@ def _event(kind: str, payload: dict[str, Any]) -> str:
 class _Blocks:
     """Open/close content blocks as the chat output's parts arrive, in order."""
 
-    def __init__(self):
+    def __init__(self, omit_thinking: bool = False):
+        self.omit_thinking = omit_thinking
         self.index = -1
         self.kind: str | None = None
         self.tool_ids: dict[int, int] = {}  # OpenAI tool-call index -> block index
@@ -285,8 +299,9 @@ class _Blocks:
         if parts.get("reasoning_content"):
             if self.kind != "thinking":
                 out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            out.append(_event("content_block_delta", {"index": self.index, "delta": {
-                "type": "thinking_delta", "thinking": parts["reasoning_content"]}}))
+            if not self.omit_thinking:
+                    out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "thinking_delta", "thinking": parts["reasoning_content"]}}))
         if parts.get("content"):
             if self.kind != "text":
                 out += self._open("text", {"type": "text", "text": ""})
@@ -308,7 +323,8 @@ class _Call:
         self.id, self.name, self.arguments = id, name, arguments
 
 
-async def events(model_name: str, turn, gen, applied: list[dict] | None = None) -> AsyncIterator[str]:
+async def events(model_name: str, turn, gen, applied: list[dict] | None = None,
+                 omit_thinking: bool = False) -> AsyncIterator[str]:
     """message_start, ping, then per block content_block_start, deltas, content_block_stop;
     message_delta, message_stop; an `error` event if generation fails."""
     yield _event("message_start", {"message": {
@@ -316,7 +332,7 @@ async def events(model_name: str, turn, gen, applied: list[dict] | None = None) 
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": len(turn.ids), "output_tokens": 0}}})
     yield _event("ping", {})
     proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
-    blocks = _Blocks()
+    blocks = _Blocks(omit_thinking)
     try:
         async for out, parts in chat_output.parts_stream(proc, gen):
             if parts is None:

@@ -52,7 +52,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 2**20, allowed_hosts: set[str] | None = None,
                on_dead=None, model_aliases: tuple[str, ...] = (), api_keys: list[str] | None = None,
                cache_isolation: str = "key-and-user", webui: bool = True, tool_parser: str | None = None,
-               body_timeout: float = 30.0, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+               body_timeout: float = 30.0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+               sampling_defaults: dict | None = None) -> FastAPI:
     """The ASGI app. `allowed_hosts`: Host header names accepted (None: any);
     `on_dead`: called from the engine thread if the engine cannot recover;
     `cache_isolation`: which requests may share prefix-cache entries;
@@ -61,7 +62,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     metrics = ServerMetrics(engine)
     async_engine = AsyncEngine(engine, max_pending=engine.config.max_num_seqs + max_queue, on_dead=on_dead)
     serving = OpenAIServing(async_engine, model_name, metrics, aliases=model_aliases, cache_isolation=cache_isolation,
-                            tool_parser=tool_parser, default_max_tokens=default_max_tokens)
+                            tool_parser=tool_parser, default_max_tokens=default_max_tokens,
+                            sampling_defaults=sampling_defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -102,6 +104,10 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         return _error(e.status_code, str(e.detail), path=request.url.path)
+
+    @app.api_route("/api/hello", methods=["GET", "HEAD"], include_in_schema=False)
+    async def hello():  # Anthropic's connectivity probe; Claude Code sends `HEAD /api/hello` first
+        return {"status": "ok"}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -237,7 +243,9 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             req, applied = await asyncio.to_thread(
                 context_editing.apply, req, lambda r: len(serving.chat_prompt(_to_chat(r, "messages")).ids),
                 lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
-        return await _translated(req, "messages", request, lambda t, s: anthropic.events(model_name, t, s, applied),
+        omit = anthropic.thinking_omitted(req)
+        return await _translated(req, "messages", request,
+                                 lambda t, s: anthropic.events(model_name, t, s, applied, omit),
                                  lambda f, t: anthropic.message(req, model_name, f, t, applied))
 
     @app.post("/v1/messages/count_tokens")

@@ -49,8 +49,8 @@ class ResponsesRequest(BaseModel):
     input: str | list[dict[str, Any]] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: the server's default
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool = False
     user: str | None = None
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
@@ -93,10 +93,25 @@ class ResponsesRequest(BaseModel):
                     out.append({"role": "assistant", "content": "", "tool_calls": [call]})
                 continue
             if kind == "function_call_output":
+                if isinstance(item.get("call_id"), str):
+                    message = {"role": "tool", "tool_call_id": item["call_id"]}
+                elif isinstance(item.get("name"), str) and "call_id" not in item:
+                    # An output the client adds without a call (Codex: `agent` namespace's goal_objective):
+                    # a tool message named as namespace tools are flattened.
+                    ns = item.get("namespace")
+                    message = {"role": "tool", "name": f"{ns}__{item['name']}" if isinstance(ns, str) else item["name"]}
+                else:
+                    raise ValueError(f"input[{i}]: a function_call_output item needs a string `call_id` (or a `name`)")
                 output = item.get("output")
-                if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
-                    raise ValueError(f"input[{i}]: a function_call_output item needs `call_id` and a text `output`")
-                out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+                if isinstance(output, list):  # content parts: text only
+                    if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+                               and isinstance(p.get("text"), str) for p in output):
+                        raise ValueError(f"input[{i}].output: only text parts are supported "
+                                         "(this model has no image or file input)")
+                    output = "".join(p["text"] for p in output)
+                if not isinstance(output, str):
+                    raise ValueError(f"input[{i}]: a function_call_output item needs a text `output`")
+                out.append({**message, "content": output})
                 continue
             if kind == "reasoning":  # earlier reasoning is not fed back, as chat templates drop it
                 continue

@@ -50,11 +50,18 @@ class ChatTurn:
 # The output cap of a request that sets none (`serve --max-tokens-default`): without one a
 # request runs to the end of the context, minutes at CPU speed, which looks like a hang.
 DEFAULT_MAX_TOKENS = 4096
+# Sampling of a request that leaves a field unset; `serve --temperature/--top-p/--top-k/--seed`
+# replace them, as llama-server's flags do.
+SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None}
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                    logprobs: int | None, plan: ChatPlan | None = None) -> list[SamplingParams]:
-    """One SamplingParams per choice; choices of a seeded request get seed, seed+1, ..."""
+                    logprobs: int | None, plan: ChatPlan | None = None,
+                    defaults: dict[str, Any] = SAMPLING_DEFAULTS) -> list[SamplingParams]:
+    """One SamplingParams per choice; choices of a seeded request get seed, seed+1, ...
+    Fields the request leaves unset take the server's `defaults`."""
+    given = {k: getattr(req, k) for k in SAMPLING_DEFAULTS}
+    temperature, top_p, top_k, seed = (v if v is not None else defaults[k] for k, v in given.items())
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()} or None
@@ -64,10 +71,10 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
     for i in range(req.n):
         try:
             out.append(SamplingParams(
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                 min_p=req.min_p, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                seed=None if req.seed is None else req.seed + i, stop=stop,
+                seed=None if seed is None else seed + i, stop=stop,
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                 logprobs=logprobs, logit_bias=bias,
                 grammar=plan.grammar if plan else None,
@@ -117,9 +124,10 @@ def _generation_error(out: RequestOutput) -> APIError:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
                  aliases: tuple[str, ...] = (), cache_isolation: str = "key-and-user", tool_parser: str | None = None,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, sampling_defaults: dict[str, Any] | None = None):
         self.engine = engine
         self.default_max_tokens = default_max_tokens
+        self.sampling_defaults = {**SAMPLING_DEFAULTS, **(sampling_defaults or {})}
         self.tool_parser = tool_parser
         self._template_renders_tools: bool | None = None  # (`_renders_tools`, decided on first use)
         self.model_name = model_name
@@ -230,7 +238,7 @@ class OpenAIServing:
     def prepare(self, req, prompt: str | list[int], max_tokens, logprobs,
                 plan: ChatPlan | None = None) -> tuple[list[int], list[SamplingParams]]:
         """Sampling params and validated prompt ids. Tokenizes: call it off the event loop."""
-        params = sampling_params(req, max_tokens, logprobs, plan)
+        params = sampling_params(req, max_tokens, logprobs, plan, self.sampling_defaults)
         if logprobs is not None:
             self.tokenizer.token_byte_table()  # built here, off the event loop, before responses need it
         context = self.engine.engine.max_model_len

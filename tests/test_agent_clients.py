@@ -1,0 +1,132 @@
+"""Claude Code and Codex CLI, installed from npm by `make setup`, run against
+`macinfer serve` on the bundled SmolLM2 with their defaults: only a base URL and a
+dummy key (Claude Code: `claude --bare -p`), a provider block (Codex: `codex exec`).
+Every request they send goes through a recording proxy and must get a 2xx with a
+complete answer.
+
+Claude Code's server samples greedily (`serve --temperature 0`: the agents send
+no temperature). Greedy SmolLM2 answers every Claude Code prompt tried with a
+tool call, again after each result, so the agent loop never ends: the run with
+its default tools is checked over its first turns (each a valid call of a listed
+tool, fed back as a tool result), and the run that must exit 0 with a printed
+answer is the same command with `--tools ""`. Greedy SmolLM2 under Codex's
+prompt repeats itself for thousands of tokens, so Codex's server samples with a
+fixed seed (`--seed 0`, temperature 1) and caps answers (`--max-tokens-default 512`).
+
+Codex's own prompt (instructions and ~40 tools) is ~9,000 tokens, more than
+SmolLM2's 8,192-token trained context, so its server stretches RoPE to 16k with
+YaRN (`-c 16384 --rope-scaling yarn`), as a user of this model would."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from tests.recording_proxy import RecordingProxy
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+BIN = os.path.join(os.path.dirname(__file__), "agent_clients", "node_modules", ".bin")
+
+
+def _client(name: str) -> str:
+    path = os.path.join(BIN, name)
+    if not os.path.exists(path):
+        message = f"{name} is not installed (make setup installs it with npm into tests/agent_clients)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def _run(cmd: list[str], env: dict[str, str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _check(proxy: RecordingProxy, result: subprocess.CompletedProcess, api_path: str) -> None:
+    summary = [(r["method"], r["path"], r["status"], r.get("response", "")[-300:]) for r in proxy.records]
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:], summary)
+    assert [r for r in proxy.records if r["path"].startswith(api_path)], summary
+    failed = [s for s in summary if not 200 <= s[2] < 300]
+    assert not failed, failed
+
+
+def _env(home: str) -> dict[str, str]:
+    keep = ("PATH", "LANG", "TMPDIR", "SYSTEMROOT")
+    return {**{k: os.environ[k] for k in keep if k in os.environ}, "HOME": home, "NO_COLOR": "1"}
+
+
+def _claude_env(home: str, proxy: RecordingProxy) -> dict[str, str]:
+    return {**_env(home), "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{proxy.port}", "ANTHROPIC_API_KEY": "sk-dummy"}
+
+
+def _sse_events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_claude_code_with_its_defaults(tmp_path):
+    claude = _client("claude")
+    server = ServerProcess("smollm2", "--temperature", "0")
+    proxy = RecordingProxy(server.port)
+    try:
+        # Its default tools: followed over three model turns (the agent loop does not end, see above).
+        proc = subprocess.Popen([claude, "--bare", "-p", "Say hello in one word."], env=_claude_env(str(tmp_path), proxy),
+                                cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 240
+        turns = lambda: [r for r in proxy.records if r["path"].startswith("/v1/messages")]  # noqa: E731
+        while len(turns()) < 3 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        proc.kill()
+        out, err = proc.communicate()
+        assert proc.returncode == 0 or len(turns()) >= 3, (out[-2000:], err[-2000:], proxy.records)
+        statuses = [(r["method"], r["path"], r["status"]) for r in proxy.records]
+        assert all(200 <= s < 300 for *_, s in statuses), statuses
+        listed = {t["name"] for t in turns()[0]["body"]["tools"]}
+        for i, turn in enumerate(turns()[:3]):
+            events = _sse_events(turn["response"])
+            assert events[-1]["type"] == "message_stop", turn["response"][-500:]
+            calls = [e["content_block"] for e in events if e["type"] == "content_block_start"
+                     and e["content_block"]["type"] == "tool_use"]
+            assert {c["name"] for c in calls} <= listed
+            if i and calls:  # Claude Code ran the previous call and sent its result back
+                assert any(b.get("type") == "tool_result" for m in turn["body"]["messages"]
+                           if isinstance(m["content"], list) for b in m["content"])
+
+        # The same command without tools: exits 0 and prints the answer.
+        proxy.records.clear()
+        result = _run([claude, "--bare", "--tools", "", "-p", "Say hello in one word."],
+                      _claude_env(str(tmp_path), proxy), str(tmp_path), 180)
+        _check(proxy, result, "/v1/messages")
+        assert result.stdout.strip()  # the model's answer, printed
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def test_codex_exec_with_its_defaults(tmp_path):
+    codex = _client("codex")
+    server = ServerProcess("smollm2", "--seed", "0", "--max-tokens-default", "512", "-c", "16384",
+                           "--rope-scaling", "yarn")
+    proxy = RecordingProxy(server.port)
+    try:
+        home, work = tmp_path / "home", tmp_path / "work"
+        (home / ".codex").mkdir(parents=True)
+        work.mkdir()
+        (home / ".codex" / "config.toml").write_text(
+            'model = "smollm2"\nmodel_provider = "macinfer"\n\n[model_providers.macinfer]\nname = "macinfer"\n'
+            f'base_url = "http://127.0.0.1:{proxy.port}/v1"\nwire_api = "responses"\n')
+        if shutil.which("git"):  # codex exec runs in a git repository unless told otherwise
+            subprocess.run(["git", "init", "-q"], cwd=work, check=True)
+        result = _run([codex, "exec", "Say hello in one word."], _env(str(home)), str(work), 480)
+        _check(proxy, result, "/v1/responses")
+        assert result.stdout.strip()  # codex exec prints the final answer on stdout
+    finally:
+        proxy.close()
+        server.stop()
