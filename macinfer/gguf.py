@@ -18,7 +18,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from macinfer import gguf_arch
+from macinfer import gguf_arch, gguf_hybrid
 from macinfer.gguf_file import GGUFFile, ModelLoadError
 
 log = logging.getLogger("macinfer")
@@ -67,22 +67,18 @@ def _scalar(v: Any) -> Any:
     return v.item() if isinstance(v, mx.array) else v
 
 
-def _unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
-    """Undo llama.cpp's Q/K row permutation (HF half-split RoPE -> interleaved).
+def gguf_config(meta: dict[str, Any], names: set[str] = frozenset()) -> dict[str, Any]:
+    arch = gguf_arch.arch_of(meta)
+    if arch in gguf_hybrid.ARCHS:
+        def need(key: str, default: Any = ...) -> Any:
+            value = meta.get(f"{arch}.{key}", None if default is ... else default)
+            if value is None and default is ...:
+                raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+            return value if hasattr(value, "tolist") and getattr(value, "size", 1) > 1 else _scalar(value)
 
-    Rows are output features; quantization groups run along columns, so the
-    same row permutation applies to weight, scales and biases alike.
-    """
-    rows = w.shape[0]
-    return (
-        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def gguf_config(meta: dict[str, Any]) -> dict[str, Any]:
-    arch, config = gguf_arch.config_for(meta, _scalar)
+        config = gguf_hybrid.config_for(arch, need, meta, names)
+    else:
+        arch, config = gguf_arch.config_for(meta, _scalar)
 
     def get(key: str, default: Any = None) -> Any:
         return _scalar(meta.get(f"{arch}.{key}", default))
@@ -190,12 +186,20 @@ def _requantize(f: GGUFFile, progress: Progress | None = None) -> dict[str, mx.a
     return out
 
 
+def _skeleton(config: dict[str, Any]):
+    """mlx-lm's model for `config`, for its parameter names (arrays stay lazy: nothing is allocated)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
 def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
     """Returns (HF-style config, HF-named weights, raw GGUF metadata).
     Raises ModelLoadError (one line, naming the file) for broken files."""
     f = GGUFFile(path)
     meta = f.metadata
-    config = gguf_config(meta)
+    config = gguf_config(meta, set(f.tensors))
     if any(n.startswith("rope_factors_") for n in f.tensors):
         raise ModelLoadError(f"{os.path.basename(path)}: LongRoPE factors (rope_factors_long/short) are not supported")
     unknown = f.types() - set(_FLOAT_TYPES) - set(_REQUANT_BITS)
@@ -212,7 +216,9 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
         raw = _requantize(f, progress)
     arch = gguf_arch.arch_of(meta)
     weights: dict[str, mx.array] = {}
-    for name, value in raw.items():
+    if arch in gguf_hybrid.ARCHS:  # named by the model class's own parameters
+        weights = gguf_hybrid.to_model_names(arch, _skeleton(config), raw, config)
+    for name, value in raw.items() if arch not in gguf_hybrid.ARCHS else ():
         hf = gguf_arch.hf_name(arch, name)
         if hf is not None:
             weights[hf] = value
@@ -227,9 +233,9 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
         for name in list(weights):
             for proj, n in heads.items():
                 if f"self_attn.{proj}." in name:
-                    weights[name] = _unpermute_rows(weights[name], n)
+                    weights[name] = gguf_arch.unpermute_rows(weights[name], n)
 
-    config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    config.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)  # (hybrids: set from the file)
     quant: dict[str, Any] = {}
     for name in weights:
         if name.endswith(".scales"):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+import mlx.core as mx
+
 from macinfer.gguf_file import ModelLoadError
 
 # llama.cpp block tensor name -> HF/mlx-lm name under model.layers.N
@@ -89,13 +91,29 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
 }
 
 
+def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
+    """Undo llama.cpp's Q/K row permutation (HF half-split RoPE -> interleaved).
+
+    Rows are output features; quantization groups run along columns, so the
+    same row permutation applies to weight, scales and biases alike.
+    """
+    rows = w.shape[0]
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
 def arch_of(meta: dict[str, Any]) -> str:
+    from macinfer.gguf_hybrid import ARCHS as HYBRID
+
     arch = meta.get("general.architecture")
-    if arch not in ARCHS:
+    if arch not in ARCHS and arch not in HYBRID:
         from macinfer.models import UnsupportedArchitectureError
 
         raise UnsupportedArchitectureError(
-            f"unsupported architecture {arch!r} in GGUF; supported: " + ", ".join(sorted(ARCHS)))
+            f"unsupported architecture {arch!r} in GGUF; supported: " + ", ".join(sorted({*ARCHS, *HYBRID})))
     return arch
 
 
@@ -130,8 +148,8 @@ def hf_name(arch: str, name: str) -> str | None:
 
 
 def norms_stored_plus_one(arch: str) -> bool:
-    return ARCHS[arch][3]
+    return arch in ARCHS and ARCHS[arch][3]
 
 
 def qk_permuted(arch: str) -> bool:
-    return ARCHS[arch][4]
+    return arch in ARCHS and ARCHS[arch][4]

@@ -117,9 +117,16 @@ def write_gguf(path: str, config: dict, tensors: dict[str, np.ndarray], quant: d
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     w.add_string("tokenizer.chat_template", "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    _write_tensors(w, tensors, quant)
+
+
+def _write_tensors(w, tensors: dict[str, np.ndarray], quant: dict[str, Q] | None, encode: bool = False) -> None:
+    """Tensors as float32, or (names in `quant`) as that block type: raw bytes already, or
+    float32 encoded by the gguf package when `encode`. Then the file is written and closed."""
     for name, t in tensors.items():
         if quant and name in quant:
-            w.add_tensor(name, t, raw_shape=t.shape, raw_dtype=quant[name])
+            raw = gguf.quants.quantize(np.ascontiguousarray(t, dtype=np.float32), quant[name]) if encode else t
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=quant[name])
         else:
             w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
     w.write_header_to_file()
@@ -130,3 +137,160 @@ def write_gguf(path: str, config: dict, tensors: dict[str, np.ndarray], quant: d
 
 def dequantized(t: np.ndarray, qtype: Q) -> np.ndarray:
     return dequantize(t, qtype)
+
+
+def hybrid_tensors(arch: str, config: dict, model) -> dict[str, np.ndarray]:
+    """GGUF tensors of an mlx-lm Mamba-2 / LFM2 / Qwen3-Next model as llama.cpp's converter
+    writes them: its tensor map's names; A as -exp(A_log); convolution kernels squeezed to
+    [channels, width]; Mamba-2's A and D as [heads, 1] and its norm per group; Qwen3-Next's
+    in_proj_qkvz split into attn_qkv (all q, all k, all v) and attn_gate (z)."""
+    config = config.get("text_config", config)
+    layers = len(config["hybrid_override_pattern"]) if "hybrid_override_pattern" in config else config["num_hidden_layers"]
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    mamba2 = arch in ("mamba2", "nemotron_h", "nemotron_h_moe")  # Mamba2Model's conversion
+    out = {}
+    for name, w in tree_flatten(model.parameters()):
+        w = np.array(w.astype(mx.float32), dtype=np.float32)
+        name = name.removeprefix("language_model.")  # Qwen3.5's text model
+        if arch.startswith("qwen35"):
+            w = tile_v_heads(name, w, config)
+        base, kind = name.rsplit(".", 1)
+        if kind in ("A_log", "D"):
+            gname = tmap.get_name(name)
+            if kind == "A_log":
+                w = -np.exp(w)
+            out[gname] = w.reshape(-1, 1) if mamba2 else w
+            continue
+        if kind == "dt_bias":
+            base, kind = f"{base}.dt_proj", "bias"
+        if kind == "e_score_correction_bias":
+            base, kind = f"{base}.e_score_correction", "bias"
+        for mine, theirs in (("mixer.switch_mlp.fc1", "mlp.experts.up_proj"), ("mixer.switch_mlp.fc2", "mlp.experts.down_proj")):
+            if base.endswith(mine):  # the converter merges experts under these names
+                base = f"model.layers.{base.split('.')[2]}.{theirs}"
+        gname = tmap.get_name(base.replace(".switch_mlp.", ".experts."))
+        assert gname is not None, f"no GGUF name for {name}"
+        if base.endswith(("conv1d", "conv.conv")) and kind == "weight":
+            w = w[..., 0]
+        if mamba2 and base.endswith("mixer.norm"):
+            w = w.reshape(config["n_groups"], -1)
+        if arch.startswith("nemotron_h") and base.endswith(("mixer.q_proj", "mixer.k_proj")):
+            w = permute_qk(w, config["num_attention_heads" if base.endswith("q_proj") else "num_key_value_heads"])
+        if base.endswith("in_proj_qkvz"):
+            nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+            dv = config["linear_num_value_heads"] * config["linear_value_head_dim"] // nk
+            per_head = w.reshape(nk, 2 * dk + 2 * dv, -1)
+            q, k, v, z = np.split(per_head, [dk, 2 * dk, 2 * dk + dv], axis=1)
+            out[gname.replace("ssm_in", "attn_qkv") + ".weight"] = np.concatenate(
+                [q.reshape(-1, w.shape[1]), k.reshape(-1, w.shape[1]), v.reshape(-1, w.shape[1])])
+            out[gname.replace("ssm_in", "attn_gate") + ".weight"] = z.reshape(-1, w.shape[1])
+            continue
+        out[f"{gname}.{kind}"] = w
+    return out
+
+
+def tile_v_heads(name: str, w: np.ndarray, config: dict) -> np.ndarray:
+    """Qwen3.5's value heads from grouped by key head [k, r] to llama.cpp's tiled [r, k]."""
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if nk == nv or ".linear_attn." not in name:
+        return w
+
+    def tile(x: np.ndarray, axis: int) -> np.ndarray:
+        axis %= x.ndim
+        shape = x.shape
+        x = x.reshape(*shape[:axis], nk, nv // nk, shape[axis] // nv, *shape[axis + 1 :])
+        return np.swapaxes(x, axis, axis + 1).reshape(shape)
+
+    qk = 2 * nk * config["linear_key_head_dim"]
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight", "conv1d.bias")):
+        return np.concatenate([w[:qk], tile(w[qk:], 0)])
+    if name.endswith(("in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return tile(w, 0)
+    if name.endswith("out_proj.weight"):
+        return tile(w, 1)
+    return w
+
+
+def _ssm_meta(w, conv: int, state: int, groups: int, inner: int, heads: int) -> None:
+    w.add_ssm_conv_kernel(conv)
+    w.add_ssm_state_size(state)
+    w.add_ssm_group_count(groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(heads)
+
+
+def _moe_meta(w, count: int, used: int, ff: int, shared_ff: int) -> None:
+    w.add_expert_count(count)
+    w.add_expert_used_count(used)
+    w.add_expert_feed_forward_length(ff)
+    w.add_expert_shared_feed_forward_length(shared_ff)
+
+
+def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.ndarray],
+                      quant: dict[str, Q] | None = None) -> None:
+    """The metadata llama.cpp's converter writes for `arch`, a byte vocabulary, the tensors
+    (those named in `quant` stored in that block type)."""
+    w = gguf.GGUFWriter(path, arch)
+    config = config.get("text_config", config)
+    layers = len(config["hybrid_override_pattern"]) if "hybrid_override_pattern" in config else config["num_hidden_layers"]
+    w.add_context_length(config.get("max_position_embeddings", 2048))
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(layers)
+    if arch.startswith("nemotron_h"):
+        pattern = config["hybrid_override_pattern"]
+        w.add_head_count(config["num_attention_heads"])
+        w.add_head_count_kv([config["num_key_value_heads"] if c == "*" else 0 for c in pattern])
+        ff = config.get("moe_intermediate_size") if arch.endswith("moe") else config["intermediate_size"]
+        w.add_feed_forward_length([ff if c in "-E" else 0 for c in pattern])
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+        _ssm_meta(w, config["conv_kernel"], config["ssm_state_size"], config["n_groups"],
+                  config["mamba_num_heads"] * config["mamba_head_dim"], config["mamba_num_heads"])
+        w.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
+        if arch.endswith("moe"):
+            _moe_meta(w, config["n_routed_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
+                      config["moe_shared_expert_intermediate_size"])
+            w.add_expert_shared_count(config["n_shared_experts"])
+            w.add_expert_weights_norm(config["norm_topk_prob"])
+            w.add_expert_weights_scale(config["routed_scaling_factor"])
+            w.add_expert_group_count(config["n_group"])
+    elif arch == "mamba2":
+        w.add_feed_forward_length(0)
+        w.add_head_count(0)
+        _ssm_meta(w, config["conv_kernel"], config["state_size"], config["n_groups"],
+                  config["num_heads"] * config["head_dim"], config["num_heads"])
+        w.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
+    elif arch == "lfm2":
+        full = set(config["full_attn_idxs"])
+        w.add_head_count(config["num_attention_heads"])
+        w.add_head_count_kv([config["num_key_value_heads"] if i in full else 0
+                             for i in range(config["num_hidden_layers"])])
+        w.add_rope_freq_base(config.get("rope_theta", 1e6))
+        w.add_shortconv_l_cache(config["conv_L_cache"])
+        w.add_layer_norm_rms_eps(config["norm_eps"])
+        w.add_feed_forward_length(config.get("block_ff_dim") or config["intermediate_size"])
+    elif arch in ("qwen3next", "qwen35", "qwen35moe"):
+        head_dim = config["head_dim"]
+        w.add_head_count(config["num_attention_heads"])
+        w.add_head_count_kv(config["num_key_value_heads"])
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_freq_base(config["rope_theta"])
+        w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        w.add_feed_forward_length(config["intermediate_size"])
+        if config.get("num_experts"):
+            _moe_meta(w, config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
+                      config["shared_expert_intermediate_size"])
+        _ssm_meta(w, config.get("linear_conv_kernel_dim", 4), config["linear_key_head_dim"],  # (mlx-lm's default)
+                  config["linear_num_key_heads"], config["linear_value_head_dim"] * config["linear_num_value_heads"],
+                  config["linear_num_value_heads"])
+        w.add_full_attention_interval(config.get("full_attention_interval", 4))
+        w.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", 0.25)))
+    tokens, scores, types = spm_vocab(config["vocab_size"])
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    _write_tensors(w, tensors, quant, encode=True)

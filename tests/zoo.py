@@ -87,8 +87,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "mistral": dict(layer_types=_layer_types(2)),
     "nemotron-nas": dict(block_configs=[dict(attention=dict(n_heads_in_group=2), ffn=dict(ffn_mult=1.0)),
                                         dict(attention=dict(n_heads_in_group=4), ffn=dict(ffn_mult=1.0))]),
+    # Every block kind: Mamba, attention, MLP and MoE (the last two have no cache at all).
     "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=8, conv_kernel=4,
-                       n_groups=1, use_conv_bias=True, hybrid_override_pattern="M*"),
+                       n_groups=1, use_conv_bias=True, hybrid_override_pattern="M*-E", moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                       num_experts_per_tok=2, n_group=1, topk_group=1, norm_topk_prob=True,
+                       routed_scaling_factor=1.0),
     "openelm": dict(num_transformer_layers=2, model_dim=64, ffn_dim_divisor=8, num_query_heads=[4, 4],
                     num_kv_heads=[2, 2], ffn_multipliers=[1.0, 1.0], head_dim=16, normalize_qk_projections=True),
     "phi3small": dict(dense_attention_every_n_layers=2, ff_intermediate_size=128, gegelu_limit=20.0,

@@ -274,8 +274,9 @@ class MlxLmModel(nn.Module):
                 raise UnsupportedModelError(f"{name}: cache {i} is written {len(w)} times in one forward (once "
                                             "expected): K/V the paged cache would keep wrong")
         attending = self.num_layers - self._num_state_only
-        # (more calls than layers: several attentions a layer, LongCat's, each over its own cache)
-        if len(f.calls) < attending or len(f.calls) > max(attending, n) or set(f.calls) != set(range(n)):
+        # Fewer calls than layers only where layers have no cache at all (Nemotron-H's MLP and MoE
+        # layers); more calls than layers: several attentions a layer, LongCat's, each over its own cache.
+        if len(f.calls) < min(attending, n) or len(f.calls) > max(attending, n) or set(f.calls) != set(range(n)):
             raise UnsupportedModelError(
                 f"{name}: {attending} attending layers but {len(f.calls)} attention calls through mlx-lm's "
                 "scaled_dot_product_attention over the caches (attention computed by hand or over K/V "

@@ -1,0 +1,253 @@
+"""llama.cpp's recurrent and hybrid architectures in GGUF: Mamba-2, LFM2, Qwen3-Next,
+Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE).
+
+The config comes from the `{arch}.ssm.*` / `shortconv.*` metadata llama.cpp's
+converter writes; tensors are renamed onto mlx-lm's parameters with llama.cpp's own
+tensor map (the `gguf` package: the same table its converter used, read the other
+way), and the converter's value changes are undone:
+- `ssm_a` holds A = -exp(A_log): A_log = log(-A);
+- convolution kernels were squeezed to [channels, width]: MLX's Conv1d takes
+  [channels, width, 1];
+- Mamba-2's `ssm_d` / `ssm_a` were given a trailing 1 and its gated norm split per group
+  (Nemotron-H's Mamba layers too);
+- Nemotron-H's attention Q/K rows were permuted as for Llama (undone; it has no RoPE, so
+  the scores would not change, but the weights are the model's);
+- Qwen3-Next's `in_proj_qkvz` was split into `attn_qkv` (all q, all k, all v) and
+  `attn_gate` (z): the per-key-head [q, k, v, z] rows are put back together;
+- Qwen3.5's value heads were reordered from grouped by key head to tiled (for ggml's
+  broadcast) wherever they appear: V rows of `attn_qkv`, `attn_gate`, alpha/beta, A,
+  dt, the convolution's V channels and `ssm_out`'s columns; put back in mlx-lm's order.
+Norm weights need nothing: llama.cpp stores Qwen3-Next's as 1 + w, which is what
+mlx-lm's class holds once its own `sanitize` has run on a Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from macinfer.gguf_arch import unpermute_rows
+from macinfer.gguf_file import ModelLoadError
+
+# GGUF architecture -> mlx-lm model_type
+ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
+         "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+# mlx-lm parameter (under a layer) -> the name llama.cpp's converter gave it before its tensor map
+_ALIASES = {"mixer.switch_mlp.fc1": "mlp.experts.up_proj", "mixer.switch_mlp.fc2": "mlp.experts.down_proj"}
+
+
+def _mamba2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    heads, inner = int(get("ssm.time_step_rank")), int(get("ssm.inner_size"))
+    # mlx-lm's gated norm runs over the whole inner size (llama.cpp's per group): equal for one group
+    return {"num_heads": heads, "head_dim": inner // heads, "intermediate_size": inner,
+            "state_size": int(get("ssm.state_size")), "conv_kernel": int(get("ssm.conv_kernel")),
+            "n_groups": int(get("ssm.group_count", 1)), "layer_norm_epsilon": float(get("attention.layer_norm_rms_epsilon")),
+            "use_bias": "blk.0.ssm_in.bias" in names, "use_conv_bias": "blk.0.ssm_conv1d.bias" in names,
+            "time_step_limit": (0.0, math.inf), "time_step_rank": heads}
+
+
+def _lfm2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    kv = get("attention.head_count_kv")
+    kv = [int(x) for x in (kv.tolist() if hasattr(kv, "tolist") else kv)]
+    if not isinstance(kv, list) or len(kv) != int(get("block_count")):
+        raise ModelLoadError("LFM2 GGUF: attention.head_count_kv must list every layer (0: a convolution layer)")
+    full = [i for i, n in enumerate(kv) if n > 0]
+    return {"num_attention_heads": int(get("attention.head_count")), "num_key_value_heads": max(kv),
+            "norm_eps": float(get("attention.layer_norm_rms_epsilon")), "conv_L_cache": int(get("shortconv.l_cache")),
+            "conv_bias": "blk.0.shortconv.in_proj.bias" in names, "block_dim": int(get("embedding_length")),
+            "block_ff_dim": int(get("feed_forward_length")), "block_auto_adjust_ff_dim": False,
+            "block_multiple_of": 1, "block_ffn_dim_multiplier": 1.0, "rope_theta": float(get("rope.freq_base")),
+            "full_attn_idxs": full,
+            "layer_types": ["full_attention" if i in full else "conv" for i in range(len(kv))]}
+
+
+def _gated_deltanet(get: Callable) -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5: attention every `full_attention_interval` layers, Gated DeltaNet between."""
+    value_heads = int(get("ssm.time_step_rank"))
+    head_dim = int(get("attention.key_length"))
+    interval = get("full_attention_interval", None)
+    return {"num_attention_heads": int(get("attention.head_count")),
+            "num_key_value_heads": int(get("attention.head_count_kv")), "head_dim": head_dim,
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
+            "partial_rotary_factor": int(get("rope.dimension_count", head_dim)) / head_dim,
+            "intermediate_size": int(get("feed_forward_length", 0)) or int(get("expert_feed_forward_length", 0)),
+            "linear_num_value_heads": value_heads, "linear_num_key_heads": int(get("ssm.group_count")),
+            "linear_key_head_dim": int(get("ssm.state_size")),
+            "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads,
+            "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
+            "full_attention_interval": int(interval) if interval is not None else 4}
+
+
+def _moe(get: Callable, names: set[str]) -> dict[str, Any]:
+    if not any(n.endswith(".ffn_gate_inp.weight") for n in names):
+        return {"num_experts": 0, "num_experts_per_tok": 0, "mlp_only_layers": []}
+    return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+
+
+def _qwen3next(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    return {**_gated_deltanet(get), **_moe(get, names)}
+
+
+def _qwen35(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    config = {**_gated_deltanet(get), **_moe(get, names)}
+    # Text-only positions: mlx-lm rotates the partial rotary dims as plain RoPE (its mrope
+    # sections matter only for image positions, which this server does not take).
+    config["rope_parameters"] = {"type": "default", "rope_theta": config.pop("rope_theta"),
+                                 "partial_rotary_factor": config.pop("partial_rotary_factor")}
+    return config
+
+
+def _per_layer(get: Callable, key: str, n: int) -> list[int]:
+    value = get(key, 0)
+    value = value.tolist() if hasattr(value, "tolist") else value
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)] * n
+
+
+def _nemotron_h(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    # The layer kinds are in per-layer arrays: K/V heads (attention), FFN length (MLP or MoE), else Mamba.
+    n = int(get("block_count"))
+    kv, ff = _per_layer(get, "attention.head_count_kv", n), _per_layer(get, "feed_forward_length", n)
+    moe = "blk.0.ffn_gate_inp.weight" in names or any(f"blk.{i}.ffn_gate_inp.weight" in names for i in range(n))
+    pattern = "".join("*" if kv[i] else ("E" if moe else "-") if ff[i] else "M" for i in range(n))
+    heads, inner = int(get("ssm.time_step_rank")), int(get("ssm.inner_size"))
+    first_m, first_a = pattern.find("M"), pattern.find("*")
+    config = {"hybrid_override_pattern": pattern, "num_attention_heads": int(get("attention.head_count")),
+              "num_key_value_heads": max(kv) or 1, "head_dim": int(get("attention.key_length")),
+              "intermediate_size": max(ff) or 1, "mamba_num_heads": heads, "mamba_head_dim": inner // heads,
+              "ssm_state_size": int(get("ssm.state_size")), "conv_kernel": int(get("ssm.conv_kernel")),
+              "n_groups": int(get("ssm.group_count", 1)), "layer_norm_epsilon": float(get("attention.layer_norm_rms_epsilon")),
+              "use_conv_bias": f"blk.{first_m}.ssm_conv1d.bias" in names,
+              "mamba_proj_bias": f"blk.{first_m}.ssm_in.bias" in names, "use_bias": f"blk.{first_m}.ssm_in.bias" in names,
+              "attention_bias": f"blk.{first_a}.attn_q.bias" in names, "mlp_bias": False,
+              "time_step_limit": (0.0, math.inf)}
+    if moe:
+        latent = get("moe_latent_size", None)
+        config.update({"n_routed_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+                       "moe_intermediate_size": int(get("expert_feed_forward_length")),
+                       "moe_shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
+                       "n_shared_experts": int(get("expert_shared_count", 1)) or None,
+                       "norm_topk_prob": bool(get("expert_weights_norm", True)),
+                       "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+                       "n_group": int(get("expert_group_count", 1)), "topk_group": int(get("expert_group_used_count", 1)),
+                       **({"moe_latent_size": int(latent)} if latent else {})})
+    return config
+
+
+_CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
+            "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35}
+
+
+def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    config = {"model_type": ARCHS[arch], "hidden_size": int(get("embedding_length")),
+              "num_hidden_layers": int(get("block_count")), "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+              "max_position_embeddings": int(get("context_length", 4096)),
+              "tie_word_embeddings": "output.weight" not in names}
+    config.update(_CONFIGS[arch](get, meta, names))
+    return config
+
+
+def _rows(parts: list[mx.array], per_head: list[int], heads: int) -> mx.array:
+    """Interleave row blocks per head: part i holds `heads` blocks of per_head[i] rows each."""
+    blocks = [p.reshape(heads, n, *p.shape[1:]) for p, n in zip(parts, per_head)]
+    out = mx.concatenate(blocks, axis=1)
+    return out.reshape(-1, *out.shape[2:])
+
+
+def _untile_v_heads(w: mx.array, axis: int, nk: int, per_k: int) -> mx.array:
+    """llama.cpp's tiled value-head order [r, k] back to mlx-lm's grouped [k, r] along `axis`,
+    whole heads at a time (so a quantized array's packed columns move with their head)."""
+    axis %= w.ndim
+    shape = w.shape
+    if shape[axis] % (per_k * nk):
+        raise ModelLoadError(f"a value head of a {shape} tensor does not span whole quantization groups")
+    w = w.reshape(*shape[:axis], per_k, nk, shape[axis] // (per_k * nk), *shape[axis + 1 :])
+    return mx.swapaxes(w, axis, axis + 1).reshape(shape)
+
+
+def _untile_qwen35(config: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if nk == nv:
+        return tensors
+    per_k, qk = nv // nk, 2 * nk * config["linear_key_head_dim"]
+    out = dict(tensors)
+    for name, w in tensors.items():
+        part = name.split(".")[2] if name.startswith("blk.") else ""
+        if part == "attn_qkv":  # only the V rows
+            out[name] = mx.concatenate([w[:qk], _untile_v_heads(w[qk:], 0, nk, per_k)])
+        elif part in ("attn_gate", "ssm_alpha", "ssm_beta", "ssm_a", "ssm_dt"):
+            out[name] = _untile_v_heads(w, 0, nk, per_k)
+        elif part == "ssm_conv1d":  # only the V channels (weight and bias)
+            out[name] = mx.concatenate([w[:qk], _untile_v_heads(w[qk:], 0, nk, per_k)])
+        elif part == "ssm_out":  # columns; quantized arrays move whole heads of packed columns
+            out[name] = _untile_v_heads(w, -1, nk, per_k)
+    return out
+
+
+def _undo_conversion(arch: str, config: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    if arch.startswith("qwen35"):
+        tensors = _untile_qwen35(config, tensors)
+    out = dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith(".ssm_a"):
+            out[name] = mx.log(-w.astype(mx.float32)).reshape(-1).astype(w.dtype)
+        elif name.endswith(".ssm_d"):
+            out[name] = w.reshape(-1)
+        elif name.endswith((".ssm_conv1d.weight", ".shortconv.conv.weight")):
+            if f"{name[:-len('weight')]}scales" in tensors:
+                raise ModelLoadError(f"{name}: a quantized convolution kernel is not supported")
+            out[name] = w.reshape(*w.shape, 1)
+        elif name.endswith(".ssm_norm.weight") and arch != "qwen3next":
+            out[name] = w.reshape(-1)
+    if arch.startswith("nemotron_h"):  # Q/K rows permuted as llama.cpp's converter does for Llama
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+        for name in tensors:
+            part = name.split(".")[2] if name.startswith("blk.") else None
+            if part in heads:
+                out[name] = unpermute_rows(out[name], heads[part])
+    if arch == "qwen3next":
+        nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+        vdim = config["linear_num_value_heads"] * config["linear_value_head_dim"] // nk  # v (and z) rows a key head
+        for name in [n for n in tensors if ".attn_qkv." in n]:
+            kind = name.rsplit(".", 1)[1]  # weight / scales / biases
+            qkv, z = out.pop(name), out.pop(name.replace(".attn_qkv.", ".attn_gate."))
+            q, k, v = qkv[: nk * dk], qkv[nk * dk : 2 * nk * dk], qkv[2 * nk * dk :]
+            out[f"{name.split('.attn_qkv.')[0]}.ssm_in.{kind}"] = _rows([q, k, v, z], [dk, dk, vdim, vdim], nk)
+    return out
+
+
+def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+    """GGUF tensors -> mlx-lm parameter names of `model` (values converted back)."""
+    import gguf
+    from mlx.utils import tree_flatten
+
+    tensors = _undo_conversion(arch, config, tensors)
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    out: dict[str, mx.array] = {}
+    for param, _ in tree_flatten(model.parameters()):
+        base, kind = param.rsplit(".", 1)
+        if kind == "dt_bias":  # the converter renamed it dt_proj.bias
+            base, kind = f"{base}.dt_proj", "bias"
+        elif kind == "e_score_correction_bias":
+            base, kind = f"{base}.e_score_correction", "bias"
+        layer, _, rest = base.partition(".layers.")
+        if rest and (alias := _ALIASES.get(rest.split(".", 1)[-1])):
+            base = f"model.layers.{rest.split('.', 1)[0]}.{alias}"
+        base = base.replace(".switch_mlp.", ".experts.")
+        if base.startswith("language_model."):  # Qwen3.5's text model (the converter drops the prefix)
+            base, full = base[len("language_model."):], param[len("language_model."):]
+        else:
+            full = param
+        gname = tmap.get_name(full) if kind in ("A_log", "D") else tmap.get_name(base)
+        key = gname if kind in ("A_log", "D") else f"{gname}.{kind}"
+        if gname is None or key not in tensors:
+            raise ModelLoadError(f"GGUF ({arch}) has no tensor for {param}" + (f" ({key})" if gname else ""))
+        out[param] = tensors[key]
+        for extra in ("scales", "biases"):  # a quantized weight's companions
+            if kind == "weight" and f"{gname}.{extra}" in tensors:
+                out[f"{param[: -len('weight')]}{extra}"] = tensors[f"{gname}.{extra}"]
+    return out

@@ -1,0 +1,84 @@
+"""Recurrent and hybrid GGUF files (Mamba-2, LFM2, Qwen3-Next), written the way
+llama.cpp's converter writes them (its tensor map's names, A as -exp(A_log), squeezed
+convolution kernels, Qwen3-Next's split in_proj_qkvz...; `tests/gguf_writer.py`), load
+onto mlx-lm's classes and give mlx-lm's logits on the model they were written from."""
+
+from __future__ import annotations
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.gguf import load_gguf
+from macinfer.gguf_hybrid import to_model_names
+from macinfer.sampling_params import SamplingParams
+from tests.gguf_writer import hybrid_tensors, write_hybrid_gguf
+from tests.helpers import generate, make_mlx_lm_model
+from tests.zoo import tiny_config
+
+NEMOTRON_MOE = dict(hybrid_override_pattern="M*EM", moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+                    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                    norm_topk_prob=True, routed_scaling_factor=1.5)
+CASES = [("mamba2", "mamba2", {}), ("lfm2", "lfm2", {}), ("qwen3next", "qwen3_next", {}),
+         ("nemotron_h", "nemotron_h", dict(hybrid_override_pattern="M*-M", intermediate_size=96, n_groups=2)),
+         ("nemotron_h_moe", "nemotron_h", NEMOTRON_MOE),
+         ("qwen35", "qwen3_5", dict(linear_num_value_heads=4)),  # Qwen3.5's 2-4 value heads a key head
+         ("qwen35moe", "qwen3_5_moe", dict(linear_num_value_heads=6))]
+
+
+def _mlx_lm_prompt_logprobs(model, prompt: list[int]) -> np.ndarray:
+    logits = model(mx.array(prompt)[None])[0].astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return np.array(lp[mx.arange(len(prompt) - 1), mx.array(prompt[1:])])
+
+
+@pytest.mark.parametrize("arch,model_type,extra", CASES)
+def test_hybrid_gguf_runs_like_mlx_lm(tmp_path, arch, model_type, extra):
+    config = tiny_config(model_type)
+    config.get("text_config", config).update(extra)
+    model = make_mlx_lm_model(config)
+    path = str(tmp_path / f"{arch}.gguf")
+    write_hybrid_gguf(path, arch, config, hybrid_tensors(arch, config, model))
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))  # chunks split prompts
+    prompts = [[int(x) for x in mx.random.randint(3, 300, (n,), key=mx.random.key(n)).tolist()] for n in (37, 20)]
+    outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for prompt, out in zip(prompts, outs):
+        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
+        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+
+
+@pytest.mark.parametrize("arch,model_type", [("qwen3next", "qwen3_next"), ("qwen35", "qwen3_5")])
+def test_gated_deltanet_gguf_with_q8_0_projections(tmp_path, arch, model_type):
+    """A quantized file, twice as many value heads as key heads (Qwen3-Next's and Qwen3.5's
+    shapes): the split in_proj_qkvz is put back together row by row in the block format,
+    and Qwen3.5's tiled value heads are untiled in it (ssm_out's columns a whole head of
+    quantization groups at a time)."""
+    config = tiny_config(model_type)
+    config.get("text_config", config).update(linear_num_value_heads=4, linear_value_head_dim=32)
+    model = make_mlx_lm_model(config)
+    tensors = hybrid_tensors(arch, config, model)
+    quant = {n: Q.Q8_0 for n, t in tensors.items() if t.ndim == 2 and t.shape[1] % 32 == 0
+             and (".attn_" in n or ".ssm_" in n) and "conv1d" not in n}
+    assert {".attn_qkv.", ".attn_gate.", ".ssm_out."} <= {f".{n.split('.')[2]}." for n in quant}
+    path = str(tmp_path / "q.gguf")
+    write_hybrid_gguf(path, arch, config, tensors, quant)
+    # What the file holds, by llama.cpp's own dequantization, named as the loader names it...
+    stored = {n: dequantize(gguf.quants.quantize(tensors[n], Q.Q8_0), Q.Q8_0) for n in quant}
+    expected = to_model_names(arch, model, {n: mx.array(stored.get(n, t)) for n, t in tensors.items()},
+                              config.get("text_config", config))
+    # ...equals what the loader reads (MLX's affine form keeps scale and offset in float16)
+    _, loaded, _ = load_gguf(path)
+    for name in [n[: -len(".scales")] for n in loaded if n.endswith(".scales")]:
+        values = mx.dequantize(loaded[f"{name}.weight"], loaded[f"{name}.scales"], loaded[f"{name}.biases"], 32, 8)
+        np.testing.assert_allclose(np.array(values), np.array(expected[f"{name}.weight"]), atol=1.3e-4)
+        expected[f"{name}.weight"] = values.astype(mx.float32)
+    model.load_weights(list(expected.items()))
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
+    prompt = [int(x) for x in mx.random.randint(3, 300, (30,), key=mx.random.key(3)).tolist()]
+    out = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
+    np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
