@@ -84,6 +84,11 @@ def gguf_config(meta: dict[str, Any], names: set[str] = frozenset()) -> dict[str
         return _scalar(meta.get(f"{arch}.{key}", default))
 
     config.update(_rope_config(get))
+    if arch == "deepseek2" and (log_mul := get("rope.scaling.yarn_log_multiplier")) is not None \
+            and "rope_scaling" in config:
+        # llama.cpp's DeepSeek files keep 0.1 * mscale_all_dim; the attention mscale is not stored
+        # (DeepSeek's configs set both alike), so it is taken as equal.
+        config["rope_scaling"].update(mscale=float(log_mul) / 0.1, mscale_all_dim=float(log_mul) / 0.1)
     return config
 
 

@@ -1,5 +1,6 @@
-"""llama.cpp's recurrent and hybrid architectures in GGUF: Mamba-2, LFM2, Qwen3-Next,
-Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE).
+"""llama.cpp's recurrent, hybrid and MLA architectures in GGUF: Mamba-2, LFM2, Qwen3-Next,
+Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE), DeepSeek V2/V3 (`deepseek2`:
+also Kimi K2 and GLM-4.7-Flash files).
 
 The config comes from the `{arch}.ssm.*` / `shortconv.*` metadata llama.cpp's
 converter writes; tensors are renamed onto mlx-lm's parameters with llama.cpp's own
@@ -16,7 +17,10 @@ way), and the converter's value changes are undone:
   `attn_gate` (z): the per-key-head [q, k, v, z] rows are put back together;
 - Qwen3.5's value heads were reordered from grouped by key head to tiled (for ggml's
   broadcast) wherever they appear: V rows of `attn_qkv`, `attn_gate`, alpha/beta, A,
-  dt, the convolution's V channels and `ssm_out`'s columns; put back in mlx-lm's order.
+  dt, the convolution's V channels and `ssm_out`'s columns; put back in mlx-lm's order;
+- DeepSeek's `kv_b_proj` is stored split as `attn_k_b` (transposed) and `attn_v_b`, which
+  are exactly mlx-lm's absorbed-MLA `embed_q` and `unembed_out`; older files keep one
+  `attn_kv_b`, split here as mlx-lm splits it.
 Norm weights need nothing: llama.cpp stores Qwen3-Next's as 1 + w, which is what
 mlx-lm's class holds once its own `sanitize` has run on a Hugging Face checkpoint.
 """
@@ -33,9 +37,11 @@ from macinfer.gguf_file import ModelLoadError
 
 # GGUF architecture -> mlx-lm model_type
 ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
-         "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+         "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
+         "deepseek2": "deepseek_v3"}
 # mlx-lm parameter (under a layer) -> the name llama.cpp's converter gave it before its tensor map
-_ALIASES = {"mixer.switch_mlp.fc1": "mlp.experts.up_proj", "mixer.switch_mlp.fc2": "mlp.experts.down_proj"}
+_ALIASES = {"mixer.switch_mlp.fc1": "mlp.experts.up_proj", "mixer.switch_mlp.fc2": "mlp.experts.down_proj",
+            "self_attn.embed_q": "self_attn.k_b_proj", "self_attn.unembed_out": "self_attn.v_b_proj"}
 
 
 def _mamba2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -102,6 +108,35 @@ def _qwen35(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, A
     return config
 
 
+def _deepseek2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    heads, rope = int(get("attention.head_count")), int(get("rope.dimension_count"))
+    if get("attention.key_length_mla", None) is not None:  # the MQA form: key_length is the latent's
+        nope, v = int(get("attention.key_length_mla")) - rope, int(get("attention.value_length_mla"))
+    else:  # older files: per-head lengths
+        nope, v = int(get("attention.key_length")) - rope, int(get("attention.value_length"))
+    eps = float(get("attention.layer_norm_rms_epsilon"))
+    experts = get("expert_count", None)
+    sigmoid = int(get("expert_gating_func", 0)) == 2 or any(n.endswith(".exp_probs_b.bias") for n in names)
+    # mlx-lm's DeepSeek V3 file fixes the latent norms' eps at DeepSeek's 1e-6; GLM-4.7-Flash (the
+    # same graph, stored as deepseek2) has its own, which mlx-lm's glm4_moe_lite file reads.
+    model_type = ("deepseek_v3" if math.isclose(eps, 1e-6, rel_tol=1e-5) else "glm4_moe_lite") if sigmoid else "deepseek_v2"
+    q_lora = get("attention.q_lora_rank", None)
+    return {"model_type": model_type, "num_attention_heads": heads, "num_key_value_heads": heads,
+            "q_lora_rank": int(q_lora) if q_lora else None, "kv_lora_rank": int(get("attention.kv_lora_rank")),
+            "qk_rope_head_dim": rope, "qk_nope_head_dim": nope, "v_head_dim": v, "rms_norm_eps": eps,
+            "rope_theta": float(get("rope.freq_base")), "intermediate_size": int(get("feed_forward_length")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
+            "n_routed_experts": int(experts) if experts else None,
+            "n_shared_experts": int(get("expert_shared_count", 0)) or None,
+            "num_experts_per_tok": int(get("expert_used_count", 1)),
+            "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(get("expert_weights_norm", False)),
+            "n_group": int(get("expert_group_count", 1)), "topk_group": int(get("expert_group_used_count", 1)),
+            "moe_layer_freq": 1, "attention_bias": False,
+            "topk_method": "noaux_tc" if sigmoid else "greedy", "scoring_func": "sigmoid" if sigmoid else "softmax"}
+
+
 def _per_layer(get: Callable, key: str, n: int) -> list[int]:
     value = get(key, 0)
     value = value.tolist() if hasattr(value, "tolist") else value
@@ -139,7 +174,7 @@ def _nemotron_h(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[st
 
 
 _CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
-            "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35}
+            "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2}
 
 
 def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -188,10 +223,37 @@ def _untile_qwen35(config: dict[str, Any], tensors: dict[str, mx.array]) -> dict
     return out
 
 
+def _float(out: dict[str, mx.array], prefix: str, width: int) -> mx.array:
+    """`prefix`.weight taken out of `out`, dequantized if the file holds it in blocks."""
+    w = out.pop(f"{prefix}.weight")
+    if f"{prefix}.scales" not in out:
+        return w
+    return mx.dequantize(w, out.pop(f"{prefix}.scales"), out.pop(f"{prefix}.biases"), 32, w.shape[-1] * 32 // width)
+
+
+def _kv_b_as_the_model_takes_it(config: dict[str, Any], out: dict[str, mx.array]) -> dict[str, mx.array]:
+    """DeepSeek's kv_b_proj: mlx-lm's V3 file takes it absorbed (k_b transposed, v_b: what new
+    files hold), its V2 file whole (what older files hold); either file, either model."""
+    heads, nope, rank = config["num_attention_heads"], config["qk_nope_head_dim"], config["kv_lora_rank"]
+    whole = config["model_type"] == "deepseek_v2"
+    for name in [n for n in out if n.endswith((".attn_v_b.weight" if whole else ".attn_kv_b.weight"))]:
+        prefix = name.rsplit(".", 2)[0]
+        if whole:  # [k_b^T; v_b] a head
+            k_b, v_b = _float(out, f"{prefix}.attn_k_b", nope), _float(out, f"{prefix}.attn_v_b", rank)
+            out[f"{prefix}.attn_kv_b.weight"] = mx.concatenate([k_b.swapaxes(-1, -2), v_b], axis=1).reshape(-1, rank)
+        else:
+            kv_b = _float(out, f"{prefix}.attn_kv_b", rank).reshape(heads, -1, rank)
+            out[f"{prefix}.attn_k_b.weight"] = mx.contiguous(kv_b[:, :nope].swapaxes(-1, -2))
+            out[f"{prefix}.attn_v_b.weight"] = mx.contiguous(kv_b[:, nope:])
+    return out
+
+
 def _undo_conversion(arch: str, config: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str, mx.array]:
     if arch.startswith("qwen35"):
         tensors = _untile_qwen35(config, tensors)
     out = dict(tensors)
+    if arch == "deepseek2":
+        out = _kv_b_as_the_model_takes_it(config, out)
     for name, w in tensors.items():
         if name.endswith(".ssm_a"):
             out[name] = mx.log(-w.astype(mx.float32)).reshape(-1).astype(w.dtype)

@@ -139,7 +139,7 @@ def dequantized(t: np.ndarray, qtype: Q) -> np.ndarray:
     return dequantize(t, qtype)
 
 
-def hybrid_tensors(arch: str, config: dict, model) -> dict[str, np.ndarray]:
+def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> dict[str, np.ndarray]:
     """GGUF tensors of an mlx-lm Mamba-2 / LFM2 / Qwen3-Next model as llama.cpp's converter
     writes them: its tensor map's names; A as -exp(A_log); convolution kernels squeezed to
     [channels, width]; Mamba-2's A and D as [heads, 1] and its norm per group; Qwen3-Next's
@@ -149,7 +149,8 @@ def hybrid_tensors(arch: str, config: dict, model) -> dict[str, np.ndarray]:
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
     mamba2 = arch in ("mamba2", "nemotron_h", "nemotron_h_moe")  # Mamba2Model's conversion
     out = {}
-    for name, w in tree_flatten(model.parameters()):
+    params = dict(tree_flatten(model.parameters()))
+    for name, w in params.items():
         w = np.array(w.astype(mx.float32), dtype=np.float32)
         name = name.removeprefix("language_model.")  # Qwen3.5's text model
         if arch.startswith("qwen35"):
@@ -165,6 +166,22 @@ def hybrid_tensors(arch: str, config: dict, model) -> dict[str, np.ndarray]:
             base, kind = f"{base}.dt_proj", "bias"
         if kind == "e_score_correction_bias":
             base, kind = f"{base}.e_score_correction", "bias"
+        if base.endswith("self_attn.kv_b_proj") and kv_b_split:  # mlx-lm's DeepSeek V2 file keeps it whole
+            per_head = w.reshape(config["num_attention_heads"], -1, w.shape[-1])
+            k_b, v_b = np.split(per_head, [config["qk_nope_head_dim"]], axis=1)
+            out[tmap.get_name(base.replace("kv_b_proj", "k_b_proj")) + ".weight"] = k_b.swapaxes(-1, -2)
+            out[tmap.get_name(base.replace("kv_b_proj", "v_b_proj")) + ".weight"] = v_b
+            continue
+        if base.endswith(("self_attn.embed_q", "self_attn.unembed_out")):
+            # llama.cpp splits kv_b_proj into k_b (transposed) and v_b: mlx-lm's two, as they are
+            if kv_b_split:
+                base = base.replace("embed_q", "k_b_proj").replace("unembed_out", "v_b_proj")
+            elif base.endswith("embed_q"):  # an older file: the one kv_b_proj, per head [k_b^T; v_b]
+                v_b = np.array(params[base.replace("embed_q", "unembed_out") + ".weight"].astype(mx.float32))
+                w = np.concatenate([w.swapaxes(-1, -2), v_b], axis=1).reshape(-1, w.shape[1])
+                base = base.replace("embed_q", "kv_b_proj")
+            else:
+                continue
         for mine, theirs in (("mixer.switch_mlp.fc1", "mlp.experts.up_proj"), ("mixer.switch_mlp.fc2", "mlp.experts.down_proj")):
             if base.endswith(mine):  # the converter merges experts under these names
                 base = f"model.layers.{base.split('.')[2]}.{theirs}"
@@ -269,6 +286,36 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_shortconv_l_cache(config["conv_L_cache"])
         w.add_layer_norm_rms_eps(config["norm_eps"])
         w.add_feed_forward_length(config.get("block_ff_dim") or config["intermediate_size"])
+    elif arch == "deepseek2":
+        rope, kv_lora = config["qk_rope_head_dim"], config["kv_lora_rank"]
+        w.add_head_count(config["num_attention_heads"])
+        w.add_head_count_kv(1)  # MLA stored as MQA
+        w.add_rope_freq_base(config["rope_theta"])
+        w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        w.add_feed_forward_length(config["intermediate_size"])
+        w.add_leading_dense_block_count(config["first_k_dense_replace"])
+        if config.get("q_lora_rank"):
+            w.add_q_lora_rank(config["q_lora_rank"])
+        w.add_kv_lora_rank(kv_lora)
+        w.add_key_length(kv_lora + rope)
+        w.add_value_length(kv_lora)
+        w.add_key_length_mla(config["qk_nope_head_dim"] + rope)
+        w.add_value_length_mla(config["v_head_dim"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        w.add_expert_count(config["n_routed_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_shared_count(config["n_shared_experts"])
+        w.add_expert_weights_scale(config["routed_scaling_factor"])
+        if config.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX if config["model_type"] == "deepseek_v2"
+                                 else gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_rope_dimension_count(rope)
+        if (scaling := config.get("rope_scaling")) is not None:
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(scaling["factor"])
+            w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
     elif arch in ("qwen3next", "qwen35", "qwen35moe"):
         head_dim = config["head_dim"]
         w.add_head_count(config["num_attention_heads"])

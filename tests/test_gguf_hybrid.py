@@ -82,3 +82,26 @@ def test_gated_deltanet_gguf_with_q8_0_projections(tmp_path, arch, model_type):
     out = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
     ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
     np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+
+
+@pytest.mark.parametrize("model_type,extra,split", [
+    ("deepseek_v3", dict(rms_norm_eps=1e-6), True),  # DeepSeek V3 / Kimi K2: sigmoid routing, its norm eps
+    ("deepseek_v3", dict(rms_norm_eps=1e-6, q_lora_rank=None), False),  # no q LoRA; an older file's attn_kv_b
+    ("glm4_moe_lite", {}, True),  # GLM-4.7-Flash: stored as deepseek2, its own norm eps
+    ("deepseek_v2", {}, True),  # softmax routing, YaRN, kv_b_proj whole in mlx-lm's file
+    ("deepseek_v2", {}, False),
+])
+def test_deepseek2_gguf_runs_like_mlx_lm(tmp_path, model_type, extra, split):
+    """MLA files as llama.cpp writes them (`deepseek2`): kv_b_proj split into attn_k_b
+    (transposed) and attn_v_b, or one attn_kv_b in older files; the latent cache is paged."""
+    config = {**tiny_config(model_type), **extra}
+    model = make_mlx_lm_model(config)
+    path = str(tmp_path / "ds.gguf")
+    write_hybrid_gguf(path, "deepseek2", config, hybrid_tensors("deepseek2", config, model, kv_b_split=split))
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
+    assert engine.model.args.model_type == model_type
+    prompts = [[int(x) for x in mx.random.randint(3, 300, (n,), key=mx.random.key(n)).tolist()] for n in (37, 20)]
+    outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for prompt, out in zip(prompts, outs):
+        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
+        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
