@@ -44,6 +44,13 @@ _ALIASES = {"mixer.switch_mlp.fc1": "mlp.experts.up_proj", "mixer.switch_mlp.fc2
             "self_attn.embed_q": "self_attn.k_b_proj", "self_attn.unembed_out": "self_attn.v_b_proj"}
 
 
+def _layers(get: Callable) -> int:
+    """Decoder layers: the converter counts multi-token-prediction blocks (Qwen3.5's,
+    Nemotron-H's) in `block_count` and says how many in `nextn_predict_layers`; they are
+    not part of the forward, and their tensors are left unread."""
+    return int(get("block_count")) - int(get("nextn_predict_layers", 0))
+
+
 def _mamba2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     heads, inner = int(get("ssm.time_step_rank")), int(get("ssm.inner_size"))
     # mlx-lm's gated norm runs over the whole inner size (llama.cpp's per group): equal for one group
@@ -57,8 +64,9 @@ def _mamba2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, A
 def _lfm2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     kv = get("attention.head_count_kv")
     kv = [int(x) for x in (kv.tolist() if hasattr(kv, "tolist") else kv)]
-    if not isinstance(kv, list) or len(kv) != int(get("block_count")):
+    if not isinstance(kv, list) or len(kv) < _layers(get):
         raise ModelLoadError("LFM2 GGUF: attention.head_count_kv must list every layer (0: a convolution layer)")
+    kv = kv[: _layers(get)]
     full = [i for i, n in enumerate(kv) if n > 0]
     return {"num_attention_heads": int(get("attention.head_count")), "num_key_value_heads": max(kv),
             "norm_eps": float(get("attention.layer_norm_rms_epsilon")), "conv_L_cache": int(get("shortconv.l_cache")),
@@ -140,12 +148,12 @@ def _deepseek2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str
 def _per_layer(get: Callable, key: str, n: int) -> list[int]:
     value = get(key, 0)
     value = value.tolist() if hasattr(value, "tolist") else value
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)] * n
+    return [int(v) for v in value][:n] if isinstance(value, list) else [int(value)] * n
 
 
 def _nemotron_h(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     # The layer kinds are in per-layer arrays: K/V heads (attention), FFN length (MLP or MoE), else Mamba.
-    n = int(get("block_count"))
+    n = _layers(get)
     kv, ff = _per_layer(get, "attention.head_count_kv", n), _per_layer(get, "feed_forward_length", n)
     moe = "blk.0.ffn_gate_inp.weight" in names or any(f"blk.{i}.ffn_gate_inp.weight" in names for i in range(n))
     pattern = "".join("*" if kv[i] else ("E" if moe else "-") if ff[i] else "M" for i in range(n))
@@ -179,7 +187,7 @@ _CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen3next": _qwen3next, "nemotron
 
 def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     config = {"model_type": ARCHS[arch], "hidden_size": int(get("embedding_length")),
-              "num_hidden_layers": int(get("block_count")), "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+              "num_hidden_layers": _layers(get), "vocab_size": len(meta["tokenizer.ggml.tokens"]),
               "max_position_embeddings": int(get("context_length", 4096)),
               "tie_word_embeddings": "output.weight" not in names}
     config.update(_CONFIGS[arch](get, meta, names))
@@ -296,7 +304,7 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
             base, kind = f"{base}.dt_proj", "bias"
         elif kind == "e_score_correction_bias":
             base, kind = f"{base}.e_score_correction", "bias"
-        layer, _, rest = base.partition(".layers.")
+        rest = base.partition(".layers.")[2]
         if rest and (alias := _ALIASES.get(rest.split(".", 1)[-1])):
             base = f"model.layers.{rest.split('.', 1)[0]}.{alias}"
         base = base.replace(".switch_mlp.", ".experts.")

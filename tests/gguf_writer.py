@@ -244,7 +244,7 @@ def _moe_meta(w, count: int, used: int, ff: int, shared_ff: int) -> None:
 
 
 def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.ndarray],
-                      quant: dict[str, Q] | None = None) -> None:
+                      quant: dict[str, Q] | None = None, nextn: int = 0) -> None:
     """The metadata llama.cpp's converter writes for `arch`, a byte vocabulary, the tensors
     (those named in `quant` stored in that block type)."""
     w = gguf.GGUFWriter(path, arch)
@@ -252,7 +252,9 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
     layers = len(config["hybrid_override_pattern"]) if "hybrid_override_pattern" in config else config["num_hidden_layers"]
     w.add_context_length(config.get("max_position_embeddings", 2048))
     w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(layers)
+    w.add_block_count(layers + nextn)  # multi-token-prediction blocks counted as the converter does
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
     if arch.startswith("nemotron_h"):
         pattern = config["hybrid_override_pattern"]
         w.add_head_count(config["num_attention_heads"])

@@ -105,3 +105,20 @@ def test_deepseek2_gguf_runs_like_mlx_lm(tmp_path, model_type, extra, split):
     for prompt, out in zip(prompts, outs):
         ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
         np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+
+
+def test_multi_token_prediction_blocks_are_left_out(tmp_path):
+    """llama.cpp's converter keeps Qwen3.5's MTP block as one more `blk.N` and counts it in
+    block_count (nextn_predict_layers = 1): the model is the layers before it."""
+    config = tiny_config("qwen3_5")
+    model = make_mlx_lm_model(config)
+    tensors = hybrid_tensors("qwen35", config, model)
+    n = config["text_config"]["num_hidden_layers"]
+    mtp = {k.replace("blk.0.", f"blk.{n}."): v for k, v in tensors.items() if k.startswith("blk.0.")}
+    path = str(tmp_path / "mtp.gguf")
+    write_hybrid_gguf(path, "qwen35", config, {**tensors, **mtp}, nextn=1)
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
+    prompt = [int(x) for x in mx.random.randint(3, 300, (20,), key=mx.random.key(2)).tolist()]
+    out = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
+    np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
