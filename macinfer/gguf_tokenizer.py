@@ -23,10 +23,23 @@ _QWEN2_REGEX = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Qwen3.5: Qwen2's, with combining marks (\p{M}) kept with their letters.
+_QWEN35_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek V3 (and R1, V3.1): three splits in turn: digits in threes, CJK runs, then the words.
+_DEEPSEEK3_REGEXES = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 
-def _split_then_bytes(regex: str):
+
+def _split_then_bytes(*regexes: str):
     return lambda: pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        [*(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes),
          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
 
@@ -47,6 +60,15 @@ PRE_TOKENIZERS = {
     "gpt2": _gpt2,
     "llama-bpe": _split_then_bytes(_LLAMA3_REGEX),
     "llama3": _split_then_bytes(_LLAMA3_REGEX),
+    "llama-v3": _split_then_bytes(_LLAMA3_REGEX),
+    # llama.cpp gives these Llama 3's split too
+    "lfm2": _split_then_bytes(_LLAMA3_REGEX),
+    "falcon-h1": _split_then_bytes(_LLAMA3_REGEX),
+    "falcon3": _split_then_bytes(_LLAMA3_REGEX),
+    "glm4": _split_then_bytes(_LLAMA3_REGEX),
+    "chatglm-bpe": _split_then_bytes(_LLAMA3_REGEX),
+    "qwen35": _split_then_bytes(_QWEN35_REGEX),
+    "deepseek-v3": _split_then_bytes(*_DEEPSEEK3_REGEXES),
     "smaug-bpe": _split_then_bytes(_LLAMA3_REGEX),
     "qwen2": _split_then_bytes(_QWEN2_REGEX),
     "deepseek-r1-qwen": _split_then_bytes(_QWEN2_REGEX),

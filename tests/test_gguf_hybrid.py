@@ -122,3 +122,29 @@ def test_multi_token_prediction_blocks_are_left_out(tmp_path):
     out = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
     ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
     np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+
+
+def test_pre_tokenizers_these_families_name():
+    """`tokenizer.ggml.pre` of these families' files, split as llama.cpp's llama-vocab.cpp
+    does: Qwen3.5 keeps combining marks with their letter, DeepSeek V3 splits digits in
+    threes and CJK runs apart first, LFM2 / Falcon-H1 / GLM-4 split as Llama 3."""
+    from macinfer.gguf_tokenizer import PRE_TOKENIZERS
+
+    def pieces(name: str) -> list[str]:
+        text = "cafe\u0301 12345 日本語abc, x!"
+        return [bytes(_BYTES[c] for c in p).decode() for p, _ in PRE_TOKENIZERS[name]().pre_tokenize_str(text)]
+
+    assert pieces("qwen2")[:2] == ["cafe", "\u0301"] and pieces("qwen35")[0] == "cafe\u0301"
+    assert pieces("deepseek-v3") == ["cafe\u0301", " ", "123", "45", " ", "日本語", "abc", ",", " x", "!"]
+    for name in ("lfm2", "falcon-h1", "glm4"):
+        assert pieces(name) == ["cafe", "\u0301", " ", "123", "45", " 日本語abc", ",", " x", "!"]
+
+
+# GPT-2's byte-to-character table, reversed: a pre-tokenized piece back to its UTF-8 bytes.
+def _byte_chars() -> dict[str, int]:
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(extra)}}
+
+
+_BYTES = _byte_chars()
