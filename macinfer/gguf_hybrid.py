@@ -297,6 +297,7 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
 
     tensors = _undo_conversion(arch, config, tensors)
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    modules = dict(model.named_modules())
     out: dict[str, mx.array] = {}
     for param, _ in tree_flatten(model.parameters()):
         base, kind = param.rsplit(".", 1)
@@ -317,7 +318,12 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
         if gname is None or key not in tensors:
             raise ModelLoadError(f"GGUF ({arch}) has no tensor for {param}" + (f" ({key})" if gname else ""))
         out[param] = tensors[key]
-        for extra in ("scales", "biases"):  # a quantized weight's companions
-            if kind == "weight" and f"{gname}.{extra}" in tensors:
-                out[f"{param[: -len('weight')]}{extra}"] = tensors[f"{gname}.{extra}"]
+        if kind == "weight" and f"{gname}.scales" in tensors:  # a quantized weight's companions
+            if hasattr(modules.get(param[: -len(".weight")]), "to_quantized"):
+                out[f"{param[: -len('weight')]}scales"] = tensors[f"{gname}.scales"]
+                out[f"{param[: -len('weight')]}biases"] = tensors[f"{gname}.biases"]
+            else:  # a module MLX cannot quantize (a router held as a bare weight): float values
+                w, scales = tensors[key], tensors[f"{gname}.scales"]
+                bits = w.shape[-1] * 32 // (scales.shape[-1] * 32)
+                out[param] = mx.dequantize(w, scales, tensors[f"{gname}.biases"], 32, bits).astype(mx.float32)
     return out
