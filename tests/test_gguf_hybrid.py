@@ -51,6 +51,29 @@ def test_hybrid_gguf_runs_like_mlx_lm(tmp_path, arch, model_type, extra):
         np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
 
 
+def _check_quantized_file(tmp_path, arch: str, config: dict, model, tensors: dict, quant: dict,
+                          atol: float) -> None:
+    """Write `tensors` with `quant` as Q8_0; the loader must read llama.cpp's own dequantized
+    values (to float16 rounding: MLX's affine form keeps scale and offset in float16), and
+    the engine must give mlx-lm's log-probs on those values within `atol`."""
+    path = str(tmp_path / "q.gguf")
+    write_hybrid_gguf(path, arch, config, tensors, quant)
+    stored = {n: dequantize(gguf.quants.quantize(tensors[n], Q.Q8_0), Q.Q8_0) for n in quant}
+    expected = to_model_names(arch, model, {n: mx.array(stored.get(n, t)) for n, t in tensors.items()},
+                              config.get("text_config", config))
+    _, loaded, _ = load_gguf(path)
+    for name in [n[: -len(".scales")] for n in loaded if n.endswith(".scales")]:
+        values = mx.dequantize(loaded[f"{name}.weight"], loaded[f"{name}.scales"], loaded[f"{name}.biases"], 32, 8)
+        np.testing.assert_allclose(np.array(values), np.array(expected[f"{name}.weight"]), atol=1.3e-4)
+        expected[f"{name}.weight"] = values.astype(mx.float32)
+    model.load_weights(list(expected.items()))
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
+    prompt = [int(x) for x in mx.random.randint(3, 300, (30,), key=mx.random.key(3)).tolist()]
+    out = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
+    np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=atol)
+
+
 @pytest.mark.parametrize("arch,model_type", [("qwen3next", "qwen3_next"), ("qwen35", "qwen3_5")])
 def test_gated_deltanet_gguf_with_q8_0_projections(tmp_path, arch, model_type):
     """A quantized file, twice as many value heads as key heads (Qwen3-Next's and Qwen3.5's
@@ -64,24 +87,7 @@ def test_gated_deltanet_gguf_with_q8_0_projections(tmp_path, arch, model_type):
     quant = {n: Q.Q8_0 for n, t in tensors.items() if t.ndim == 2 and t.shape[1] % 32 == 0
              and (".attn_" in n or ".ssm_" in n) and "conv1d" not in n}
     assert {".attn_qkv.", ".attn_gate.", ".ssm_out."} <= {f".{n.split('.')[2]}." for n in quant}
-    path = str(tmp_path / "q.gguf")
-    write_hybrid_gguf(path, arch, config, tensors, quant)
-    # What the file holds, by llama.cpp's own dequantization, named as the loader names it...
-    stored = {n: dequantize(gguf.quants.quantize(tensors[n], Q.Q8_0), Q.Q8_0) for n in quant}
-    expected = to_model_names(arch, model, {n: mx.array(stored.get(n, t)) for n, t in tensors.items()},
-                              config.get("text_config", config))
-    # ...equals what the loader reads (MLX's affine form keeps scale and offset in float16)
-    _, loaded, _ = load_gguf(path)
-    for name in [n[: -len(".scales")] for n in loaded if n.endswith(".scales")]:
-        values = mx.dequantize(loaded[f"{name}.weight"], loaded[f"{name}.scales"], loaded[f"{name}.biases"], 32, 8)
-        np.testing.assert_allclose(np.array(values), np.array(expected[f"{name}.weight"]), atol=1.3e-4)
-        expected[f"{name}.weight"] = values.astype(mx.float32)
-    model.load_weights(list(expected.items()))
-    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
-    prompt = [int(x) for x in mx.random.randint(3, 300, (30,), key=mx.random.key(3)).tolist()]
-    out = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
-    ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
-    np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+    _check_quantized_file(tmp_path, arch, config, model, tensors, quant, atol=2e-4)
 
 
 @pytest.mark.parametrize("model_type,extra,split", [
@@ -161,22 +167,7 @@ def test_deepseek2_gguf_with_q8_0_tensors(tmp_path):
     quant = {n: Q.Q8_0 for n, t in tensors.items() if t.ndim >= 2 and t.shape[-1] % 32 == 0
              and n.startswith("blk.") and "norm" not in n}
     assert {".attn_k_b.", ".attn_v_b.", ".attn_q_a.", ".ffn_up_exps."} <= {f".{n.split('.')[2]}." for n in quant}
-    path = str(tmp_path / "dsq.gguf")
-    write_hybrid_gguf(path, "deepseek2", config, tensors, quant)
-    stored = {n: dequantize(gguf.quants.quantize(tensors[n], Q.Q8_0), Q.Q8_0) for n in quant}
-    expected = to_model_names("deepseek2", model, {n: mx.array(stored.get(n, t)) for n, t in tensors.items()}, config)
-    _, loaded, _ = load_gguf(path)
-    for name in [n[: -len(".scales")] for n in loaded if n.endswith(".scales")]:
-        values = mx.dequantize(loaded[f"{name}.weight"], loaded[f"{name}.scales"], loaded[f"{name}.biases"], 32, 8)
-        np.testing.assert_allclose(np.array(values), np.array(expected[f"{name}.weight"]), atol=1.3e-4)
-        expected[f"{name}.weight"] = values.astype(mx.float32)
-    model.load_weights(list(expected.items()))
-    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
-    prompt = [int(x) for x in mx.random.randint(3, 300, (30,), key=mx.random.key(3)).tolist()]
-    out = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
-    ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
-    # The weights are checked above to float16 rounding. The experts and the absorbed
-    # projections stay quantized on the CPU too (only plain linear layers are expanded), and
-    # MLX's CPU quantized matmul with float16 scales is good to ~1e-3 (a single 64x64 layer:
-    # 7.6e-4 against the same values in float32), hence this looser bound.
-    np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=5e-3)
+    # The experts and the absorbed projections stay quantized on the CPU too (only plain
+    # linear layers are expanded), and MLX's CPU quantized matmul with float16 scales is good
+    # to ~1e-3 (a single 64x64 layer: 7.6e-4 against the same values in float32).
+    _check_quantized_file(tmp_path, "deepseek2", config, model, tensors, quant, atol=5e-3)
