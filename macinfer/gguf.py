@@ -191,14 +191,6 @@ def _requantize(f: GGUFFile, progress: Progress | None = None) -> dict[str, mx.a
     return out
 
 
-def _skeleton(config: dict[str, Any]):
-    """mlx-lm's model for `config`, for its parameter names (arrays stay lazy: nothing is allocated)."""
-    from mlx_lm.utils import _get_classes
-
-    model_class, args_class = _get_classes(config)
-    return model_class(args_class.from_dict(config))
-
-
 def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
     """Returns (HF-style config, HF-named weights, raw GGUF metadata).
     Raises ModelLoadError (one line, naming the file) for broken files."""
@@ -220,13 +212,12 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
     else:
         raw = _requantize(f, progress)
     arch = gguf_arch.arch_of(meta)
-    weights: dict[str, mx.array] = {}
-    if arch in gguf_hybrid.ARCHS:  # named by the model class's own parameters
-        weights = gguf_hybrid.to_model_names(arch, _skeleton(config), raw, config)
-    for name, value in raw.items() if arch not in gguf_hybrid.ARCHS else ():
-        hf = gguf_arch.hf_name(arch, name)
-        if hf is not None:
-            weights[hf] = value
+    if arch in gguf_hybrid.ARCHS:  # named by the model class's own parameters (lazy: nothing allocated)
+        from macinfer.models.mlx_lm_adapter import instantiate
+
+        weights = gguf_hybrid.to_model_names(arch, instantiate(config), raw, config)
+    else:
+        weights = {hf: value for name, value in raw.items() if (hf := gguf_arch.hf_name(arch, name)) is not None}
     if "rope_freqs.weight" in f.tensors:
         # llama3-style scaling baked into per-pair period factors (Llama 3.1+ files).
         config["rope_freq_factors"] = f.dequantize("rope_freqs.weight").astype(np.float32).ravel().tolist()

@@ -324,6 +324,6 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
                 out[f"{param[: -len('weight')]}biases"] = tensors[f"{gname}.biases"]
             else:  # a module MLX cannot quantize (a router held as a bare weight): float values
                 w, scales = tensors[key], tensors[f"{gname}.scales"]
-                bits = w.shape[-1] * 32 // (scales.shape[-1] * 32)
+                bits = w.shape[-1] // scales.shape[-1]  # a group of 32 values packs into `bits` uint32s
                 out[param] = mx.dequantize(w, scales, tensors[f"{gname}.biases"], 32, bits).astype(mx.float32)
     return out

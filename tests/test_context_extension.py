@@ -63,3 +63,15 @@ def test_refusals(tmp_path):
         load(path, context=(4 * TRAINED, "yarn"))
     # within the trained context the flag changes nothing
     assert extend_context({"max_position_embeddings": 64}, 64, "yarn") == {"max_position_embeddings": 64}
+
+
+def test_an_architecture_that_ignores_the_scaling_is_refused(tmp_path, monkeypatch):
+    """Where the built model's RoPE did not take the scaling (an architecture that reads its
+    RoPE settings from another field), the load is refused rather than run unscaled."""
+    import macinfer.loader as loader
+
+    path, _ = tiny_model_dir(tmp_path, "llama", max_position_embeddings=TRAINED)
+    monkeypatch.setattr(loader, "uses_scaled_rope", lambda model, kind: False)
+    with pytest.raises(Exception, match="does not take RoPE scaling from its config"):
+        load(path, context=(4 * TRAINED, "yarn"))
+    load(path, context=(TRAINED, "yarn"))  # within the trained context nothing is stretched, nothing checked

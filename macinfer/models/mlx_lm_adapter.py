@@ -389,6 +389,11 @@ def build(config: dict[str, Any]) -> MlxLmModel:
     model_type = config.get("model_type")
     if model_type in REFUSED:
         raise UnsupportedModelError(REFUSED[model_type])
+    return MlxLmModel(instantiate(config), config)
+
+
+def instantiate(config: dict[str, Any]) -> nn.Module:
+    """mlx-lm's own model object for `config`; its arrays stay lazy until evaluated."""
     from mlx_lm.utils import _get_classes
 
     try:
@@ -401,7 +406,7 @@ def build(config: dict[str, Any]) -> MlxLmModel:
     except Exception as e:  # noqa: BLE001 - a config mlx-lm's class cannot take
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UnsupportedModelError(f"mlx-lm's {model_class.__module__} cannot build this config ({msg})") from None
-    return MlxLmModel(lm, config)
+    return lm
 
 
 def mlx_lm_model_types() -> list[str]:
