@@ -10,7 +10,7 @@ nothing is allocated), and how many conversations of a given length fit a budget
 against a dense model with the same attention in every layer.
 
 Multi-head latent attention: the latent a token against K/V expanded per head, and the
-context 16/64/256 GiB hold (DeepSeek V3, Kimi K2.5, GLM-4.7-Flash).
+context 16/64/256 GiB hold (DeepSeek V3, Kimi K2.5, GLM-4.7-Flash, Mistral Small 4).
 
     python scripts/kv_memory.py                      # all of the above
     python scripts/kv_memory.py --config config.json --kv-cache-gb 8 --max-num-seqs 32
@@ -52,6 +52,8 @@ MLA_PRESETS = {  # from the published config.json files: layers, heads, kv_lora_
     "DeepSeek-V3": dict(layers=61, heads=128, kv_lora_rank=512, rope=64, nope=128, v=128),
     "Kimi-K2.5": dict(layers=61, heads=64, kv_lora_rank=512, rope=64, nope=128, v=128),
     "GLM-4.7-Flash": dict(layers=47, heads=20, kv_lora_rank=512, rope=64, nope=192, v=256),
+    # Mistral-Small-4-119B-2603: transformers' Mistral4Config, whose defaults are that checkpoint's
+    "Mistral-Small-4": dict(layers=36, heads=32, kv_lora_rank=256, rope=64, nope=64, v=128),
 }
 
 
