@@ -136,7 +136,7 @@ def float64_decode_attention(q, kp, vp, tables, lens, window=None, sinks=None, s
     B, H, D = q.shape
     gqa = H // kp.shape[1]
     scale = D**-0.5 if scale is None else scale
-    out = np.zeros((B, H, D))
+    out = np.zeros((B, H, vp.shape[-1]))  # V may be narrower than K (MLA: K's leading columns)
     for b in range(B):
         first = max(0, lens[b] - window) if window else 0
         blocks = [tables[b][t // PAGED_BS] for t in range(first, lens[b])]

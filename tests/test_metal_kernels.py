@@ -67,6 +67,28 @@ def test_decode_kernel_sliding_window(B, KVH, GQA, D, lens, part, window):
     assert not np.allclose(out, float64_decode_attention(*case))  # the window changed the answer
 
 
+# Multi-head latent attention: one KV "head" of latent + rope key (D), V its leading DV
+# columns read from the same pool; DeepSeek V3's 512 + 64 puts 2 of its heads in a block.
+MLA = [
+    # (B, H, latent, rope, context lengths, partition size)
+    (2, 16, 64, 32, [20, 90], 512),
+    (3, 8, 128, 32, [1, 47, 130], 32),
+    (1, 16, 512, 64, [40], 32),
+]
+
+
+@pytest.mark.parametrize("B,H,R,ROPE,lens,part", MLA)
+def test_decode_kernel_latent_attention(B, H, R, ROPE, lens, part):
+    q, kp, _, tables, lens_ = paged_case(B, 1, H, R + ROPE, lens)
+    calls = decode_calls(mx.array(q), mx.array(kp), mx.array(kp), mx.array(tables), mx.array(lens_),
+                         0.1, BS, max(lens), partition_size=part, v_dim=R)
+    assert calls[0].template[5][1] < H or R < 512  # DeepSeek's width splits the heads into blocks
+    out, _ = emulate_calls(calls)
+    assert out.shape == (B, H, R) and not np.isnan(out).any()
+    np.testing.assert_allclose(out, float64_decode_attention(q, kp, kp[..., :R], tables, lens_, scale=0.1),
+                               atol=2e-5, rtol=1e-4)
+
+
 def test_decode_kernel_float16():
     case = paged_case(2, 2, 4, 64, [40, 90], dtype=np.float16)
     out, _ = emulate_calls(calls_for(case, 32))
@@ -118,6 +140,16 @@ def test_engine_output_with_emulated_kernels_equals_reference(tmp_path, monkeypa
     for a, b in zip(ref_logits, emu_logits):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
     assert emu_tokens == ref_tokens
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal GPU (the emulated twin above runs everywhere)")
+@pytest.mark.parametrize("B,H,R,ROPE,lens,part", MLA)
+def test_metal_gpu_latent_attention(B, H, R, ROPE, lens, part):
+    q, kp, _, tables, lens_ = paged_case(B, 1, H, R + ROPE, lens)
+    out = np.array(launch(decode_calls(mx.array(q), mx.array(kp), mx.array(kp), mx.array(tables), mx.array(lens_),
+                                       0.1, BS, max(lens), partition_size=part, v_dim=R)))
+    np.testing.assert_allclose(out, float64_decode_attention(q, kp, kp[..., :R], tables, lens_, scale=0.1),
+                               atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal GPU (the emulated twin above runs everywhere)")

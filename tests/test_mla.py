@@ -77,3 +77,37 @@ def test_speculation_on_latents_gives_the_same_tokens(tmp_path, model_type):
     engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, num_speculative_tokens=3, prompt_lookup_min=1))
     assert [o.token_ids for o in generate(engine, prompts, params)] == [o.token_ids for o in plain]
     assert engine.stats["spec_draft_tokens"] > 0
+
+
+def test_latent_decode_kernel_in_the_engine_equals_the_reference(tmp_path, monkeypatch):
+    """The Metal decode kernel over the paged latents, run from its generated source by the
+    CPU emulator inside the engine (decodes and speculative rows): the same logits and
+    tokens as the reference path. kv_lora_rank 64 + rope 32: widths the kernel takes."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("the CPU emulator needs g++")
+    from macinfer import kernels
+    from macinfer.kernels import paged_attention as paged_kernels
+
+    launched = []
+    original = paged_kernels.decode_calls
+    monkeypatch.setattr(paged_kernels, "decode_calls", lambda *a, **kw: launched.append(kw.get("v_dim")) or original(*a, **kw))
+    path, _, _ = _model(tmp_path, kv_lora_rank=64, qk_rope_head_dim=32)
+    prompts = [[7, 8, 9, 10, 11] * 6, list(range(20, 45))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(mode):
+        monkeypatch.setenv("MACINFER_KERNELS", mode)
+        engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, num_speculative_tokens=2, prompt_lookup_min=1))
+        assert kernels.mode() == mode
+        launched.clear()  # the start-up self-check's launches
+        logits = engine.score([PROMPTS[0]], [30, 1, 1, 1])[0]
+        return logits, [o.token_ids for o in generate(engine, prompts, params)]
+
+    ref_logits, ref_tokens = run("reference")
+    assert not launched
+    emu_logits, emu_tokens = run("emulate")
+    assert launched and set(launched) == {64}  # the latent's width: V read from K's leading columns
+    np.testing.assert_allclose(emu_logits, ref_logits, atol=1e-4, rtol=1e-4)
+    assert emu_tokens == ref_tokens

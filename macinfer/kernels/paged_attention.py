@@ -17,6 +17,10 @@ DECODE_INPUTS = ["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale
 MERGE_INPUTS = ["tmp_out", "tmp_ml"]
 PARTITION_SIZE = 512  # tokens per split-K partition
 THREADGROUP_MEMORY = 32 * 1024  # bytes of threadgroup memory on Apple GPUs
+# Floats of query and accumulator a thread keeps per head block: a GQA group of 8 heads of
+# 128 or 256 dims fits whole (as before MLA); MLA's 576-wide latent queries for 128 heads
+# are split into blocks of heads, each block reading the latent once for its heads.
+REGISTER_FLOATS = 128
 
 
 @lru_cache(maxsize=None)
@@ -42,16 +46,29 @@ def _merge_kernel():
     )
 
 
-def num_simdgroups(head_dim: int, gqa: int) -> int:
-    """Most simdgroups (<= 4) whose merge state fits in threadgroup memory."""
+def num_simdgroups(v_dim: int, heads: int) -> int:
+    """Most simdgroups (<= 4) whose merge state for `heads` heads fits in threadgroup memory."""
     for nsg in (4, 2, 1):
-        if nsg * gqa * (head_dim + 2) * 4 <= THREADGROUP_MEMORY:
+        if nsg * heads * (v_dim + 2) * 4 <= THREADGROUP_MEMORY:
             return nsg
     return 0
 
 
-def supported(head_dim: int, gqa: int) -> bool:
-    return head_dim % 32 == 0 and num_simdgroups(head_dim, gqa) > 0
+def head_block(head_dim: int, v_dim: int, gqa: int) -> tuple[int, int]:
+    """(query heads per threadgroup, simdgroups): the largest divisor of the GQA group whose
+    per-thread state stays within REGISTER_FLOATS and whose merge state fits; (0, 0): none."""
+    per_head = (head_dim + v_dim) // 32
+    for hb in range(gqa, 0, -1):
+        if gqa % hb == 0 and (hb * per_head <= REGISTER_FLOATS or hb == 1):
+            nsg = num_simdgroups(v_dim, hb)
+            if nsg:
+                return hb, nsg
+    return 0, 0
+
+
+def supported(head_dim: int, gqa: int, v_dim: int | None = None) -> bool:
+    v_dim = head_dim if v_dim is None else v_dim
+    return head_dim % 32 == 0 and v_dim % 32 == 0 and head_block(head_dim, v_dim, gqa)[0] > 0
 
 
 def decode_calls(
@@ -65,32 +82,36 @@ def decode_calls(
     max_context: int,
     partition_size: int = PARTITION_SIZE,
     window: int | None = None,
+    v_dim: int | None = None,
 ) -> list[KernelCall]:
-    """The launches for q [B, H, D] over pools [num_blocks, KVH, block_size, D].
+    """The launches for q [B, H, D] over pools k [num_blocks, KVH, block_size, D] and
+    v [.., VW]; the output is [B, H, v_dim] (default: VW). MLA passes its latent pool as
+    both, with `v_dim` the latent's width (V is K's leading columns).
 
     One launch when the longest context fits one partition; otherwise the
     split-K launch plus a merge launch (its inputs are the split outputs,
     filled in by `launch`)."""
     B, H, D = q.shape
     kvh = k_pool.shape[1]
+    dv = v_pool.shape[-1] if v_dim is None else v_dim
     gqa = H // kvh
-    nsg = num_simdgroups(D, gqa)
-    assert partition_size % block_size == 0
+    hb, nsg = head_block(D, dv, gqa)
+    assert partition_size % block_size == 0 and hb > 0
     parts = max(1, -(-max_context // partition_size))
-    template = [("T", q.dtype), ("D", D), ("BS", block_size), ("GQA", gqa), ("NSG", nsg), ("PART", partition_size),
-                ("WINDOW", window or 0)]
+    template = [("T", q.dtype), ("D", D), ("DV", dv), ("BS", block_size), ("GQA", gqa), ("HB", hb), ("NSG", nsg),
+                ("PART", partition_size), ("WINDOW", window or 0)]
     inputs = [q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32),
               mx.array([scale], dtype=mx.float32)]
-    grid = (32 * nsg * kvh, B, parts)
+    grid = (32 * nsg * kvh * (gqa // hb), B, parts)
     tg = (32 * nsg, 1, 1)
     if parts == 1:
-        return [KernelCall(_kernel(False), inputs, template, grid, tg, [(B, H, D)], [q.dtype],
+        return [KernelCall(_kernel(False), inputs, template, grid, tg, [(B, H, dv)], [q.dtype],
                            DECODE_INPUTS, ["out"])]
     split = KernelCall(_kernel(True), inputs, template, grid, tg,
-                       [(B, H, parts, D), (B, H, parts, 2)], [mx.float32, mx.float32],
+                       [(B, H, parts, dv), (B, H, parts, 2)], [mx.float32, mx.float32],
                        DECODE_INPUTS, ["tmp_out", "tmp_ml"])
-    merge = KernelCall(_merge_kernel(), [], [("T", q.dtype), ("D", D)], (32, B * H, 1), (32, 1, 1),
-                       [(B, H, D)], [q.dtype], MERGE_INPUTS, ["out"])
+    merge = KernelCall(_merge_kernel(), [], [("T", q.dtype), ("D", dv)], (32, B * H, 1), (32, 1, 1),
+                       [(B, H, dv)], [q.dtype], MERGE_INPUTS, ["out"])
     return [split, merge]
 
 

@@ -38,6 +38,22 @@ def _check_decode_attention(emulate: bool) -> float:
     return float(mx.abs(got - want).max())
 
 
+def _check_latent_decode_attention(emulate: bool) -> float:
+    """The same kernel in its MLA form: one latent + rope "head", V its leading columns."""
+    from macinfer.kv.attention import block_heads, decode_mask, reference_decode_attention
+
+    rng = np.random.default_rng(1)
+    heads, latent, rope, lens = 8, 64, 32, [9, 40]
+    k = mx.array(rng.normal(size=(6, 1, BLOCK, latent + rope)).astype(np.float32))
+    q = mx.array(rng.normal(size=(len(lens), heads, latent + rope)).astype(np.float32))
+    tables = mx.array(np.array([[5, 0, 0], [1, 4, 2]], dtype=np.int32))
+    context = mx.array(np.array(lens, dtype=np.int32))
+    got = launch(paged_kernels.decode_calls(q, k, k, tables, context, 0.1, BLOCK, max(lens), v_dim=latent),
+                 emulate=emulate)
+    want = reference_decode_attention(q, k, k, block_heads(tables, 1), decode_mask(context, 3 * BLOCK), 0.1)
+    return float(mx.abs(got - want[..., :latent]).max())
+
+
 def _check_qmv(emulate: bool) -> float:
     mx.random.seed(0)
     gate, up = nn.QuantizedLinear(128, 64, bias=False, bits=4), nn.QuantizedLinear(128, 64, bias=False, bits=4)
@@ -52,7 +68,8 @@ def self_check(backend: str) -> str:
     if backend == "reference":
         return backend
     emulate = backend == "emulate"
-    checks = {"paged decode attention": _check_decode_attention}
+    checks = {"paged decode attention": _check_decode_attention,
+              "paged latent (MLA) decode attention": _check_latent_decode_attention}
     if quantized_kernels.enabled():
         checks["batched quantized matmul"] = _check_qmv
     for name, check in checks.items():

@@ -112,12 +112,12 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
     backend = kernels.mode()
     if (backend != "reference" and not pool.quantized and sinks is None and softcap is None
             and (meta.kind is None or meta.window is not None or not meta.kind.bounded)
-            and pool.head_dim == pool.v_head_dim
-            and paged_kernels.supported(q.shape[-1], q.shape[1] // pool.num_kv_heads)):
-        k_blocks, v_blocks = pool.blocks()
+            and (pool.head_dim == pool.v_head_dim or pool.v_in_k)
+            and paged_kernels.supported(q.shape[-1], q.shape[1] // pool.num_kv_heads, pool.v_head_dim)):
+        k_blocks, v_blocks = pool.blocks()  # MLA: the latent pool twice, V its leading columns
         calls = paged_kernels.decode_calls(
             q, k_blocks, v_blocks, meta.decode_block_tables, meta.decode_context_lens, scale,
-            pool.block_size, meta.decode_max_context, window=meta.window,
+            pool.block_size, meta.decode_max_context, window=meta.window, v_dim=pool.v_head_dim,
         )
         return launch(calls, emulate=backend == "emulate")
     k_blocks, v_blocks, tables = pool.attention_blocks(meta.decode_block_tables)
