@@ -276,6 +276,8 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
         n = _dequantize_modules(model)
         log.info("CPU backend: %d quantized layers expanded to float32 for BLAS matmuls", n)
     model.fuse_projections()
+    if hasattr(model, "modules_final"):  # the module tree is final (quantized, dequantized, fused)
+        model.modules_final()
     mx.eval(model.parameters())
     # Private arrays too (YaRN's `_freqs`): left lazy, they would be computed on the first
     # forward, in the engine's thread, against a stream of the loading thread.

@@ -1,6 +1,11 @@
 import os
+import tempfile
 
 import pytest
+
+# Load-time measurements (kernels/autotune.py) are kept per test session, not in the
+# user's cache folder.
+os.environ.setdefault("MACINFER_CACHE_DIR", tempfile.mkdtemp(prefix="macinfer-test-cache-"))
 
 from tests.helpers import tiny_model_dir
 

@@ -111,3 +111,93 @@ def test_latent_decode_kernel_in_the_engine_equals_the_reference(tmp_path, monke
     assert launched and set(launched) == {64}  # the latent's width: V read from K's leading columns
     np.testing.assert_allclose(emu_logits, ref_logits, atol=1e-4, rtol=1e-4)
     assert emu_tokens == ref_tokens
+
+
+# The expanded form of prompt chunks: families with one MLA attention a layer, two
+# (LongCat), the llama-4 query scale (Mistral 4), and recurrent layers beside (Kimi Linear).
+EXPANDED_FAMILIES = ["deepseek_v3", "mistral4", "longcat_flash", "kimi_linear", "glm4_moe_lite"]
+
+
+@pytest.mark.parametrize("model_type", EXPANDED_FAMILIES)
+def test_expanded_prompt_chunks_match_mlx_lm(tmp_path, monkeypatch, model_type):
+    """Every prompt chunk of 4 tokens or more in the expanded form (K and V per head from
+    the cached latents), the rest of the step absorbed: the parity matrix's run (chunks,
+    joins, forced preemption, a prefix hit) gives mlx-lm's logits and greedy tokens."""
+    from macinfer.kv import mla
+    from tests.test_architecture_matrix import test_runs_like_mlx_lm
+
+    expanded = []
+    original = mla._expanded_span
+    monkeypatch.setattr(mla, "_expanded_span", lambda *a, **kw: expanded.append(a[4].length) or original(*a, **kw))
+    monkeypatch.setenv(mla.ENV, "4")
+    test_runs_like_mlx_lm(model_type, tmp_path)
+    assert expanded and min(expanded) >= 4
+
+
+def test_expanded_form_with_quantized_projections(tmp_path, monkeypatch):
+    """A 4-bit model (mlx-lm's QuantizedMultiLinear for embed_q / unembed_out): both forms
+    give the same logits as each other, close to mlx-lm's on the same quantized weights."""
+    import mlx.nn as nn
+
+    config = tiny_config("deepseek_v3", kv_lora_rank=64, q_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32)
+    model = make_mlx_lm_model(config, seed=5)
+    nn.quantize(model, group_size=32, bits=4)
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    path = save_model_dir(str(tmp_path / "q4"), config, model)
+    chunks = [17, 14, 1, 1]
+    runs = {}
+    from macinfer.kv import mla
+
+    expanded = []
+    original = mla._expanded_span
+    monkeypatch.setattr(mla, "_expanded_span", lambda *a, **kw: expanded.append(a[4].length) or original(*a, **kw))
+    for form in ("absorbed", "expanded"):
+        monkeypatch.setenv("MACINFER_MLA_PREFILL", form)
+        engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
+        assert type(engine.model.mla_projections[0]).__name__ == "QuantizedMultiLinear"
+        runs[form] = engine.score([PROMPTS[0][:33]], chunks)[0]
+    assert {14, 17} <= set(expanded)  # both prompt chunks (5: the load-time check against mlx-lm)
+    np.testing.assert_allclose(runs["expanded"], runs["absorbed"], atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(runs["expanded"], _reference_logits(model, PROMPTS[0][:33], chunks, None),
+                               atol=5e-3, rtol=5e-3)
+
+
+def test_prompt_form_is_chosen_by_measurement_and_cached(tmp_path, monkeypatch, caplog):
+    """The crossover is the shortest timed chunk from which the expanded form stays faster;
+    it is measured once per device and shape, read back on the next load, and
+    MACINFER_MLA_PREFILL or MACINFER_AUTOTUNE=0 override it."""
+    import logging
+
+    from macinfer.kv import mla
+
+    assert mla.crossover({16: (1, 2), 64: (2, 1), 256: (3, 1), 512: (9, 2)}) == 64
+    assert mla.crossover({16: (1, 0.5), 64: (2, 3), 256: (3, 1)}) == 256  # a faster short chunk alone is noise
+    assert mla.crossover({16: (1, 2), 64: (2, 3)}) is None
+
+    monkeypatch.setenv("MACINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path, _, _ = _model(tmp_path)
+    calls = []
+
+    def fake(embed_q, unembed, dims, dtype, explicit, tile):
+        calls.append(dims)
+        return {16: (1.0, 2.0), 64: (2.0, 1.5), 256: (4.0, 1.0), 512: (9.0, 2.0)}
+
+    monkeypatch.setattr(mla, "measure_forms", fake)
+    monkeypatch.setattr(mla.choose_expand_from, "__defaults__", (fake,))
+    with caplog.at_level(logging.INFO, logger="macinfer"):
+        assert LLMEngine(path, EngineConfig(kv_cache_gb=0.01)).runner.mla_expand_from == 64
+        assert LLMEngine(path, EngineConfig(kv_cache_gb=0.01)).runner.mla_expand_from == 64
+    assert len(calls) == 1 and calls[0]["heads"] == 4  # the second load read the cached verdict
+    lines = [r.getMessage() for r in caplog.records if "MLA prompt chunks" in r.getMessage()]
+    assert "expanded form from 64 tokens" in lines[0] and "64: 2000/1500 ms" in lines[0] and "(cached)" in lines[1]
+    assert (tmp_path / "cache" / "autotune.json").exists()
+
+    monkeypatch.setenv("MACINFER_MLA_PREFILL", "absorbed")
+    assert LLMEngine(path, EngineConfig(kv_cache_gb=0.01)).runner.mla_expand_from is None
+    monkeypatch.setenv("MACINFER_MLA_PREFILL", "auto")
+    monkeypatch.setenv("MACINFER_AUTOTUNE", "0")
+    assert LLMEngine(path, EngineConfig(kv_cache_gb=0.01)).runner.mla_expand_from is None
+    assert len(calls) == 1
+    monkeypatch.setenv("MACINFER_MLA_PREFILL", "sometimes")
+    with pytest.raises(ValueError, match="MACINFER_MLA_PREFILL"):
+        LLMEngine(path, EngineConfig(kv_cache_gb=0.01))

@@ -23,6 +23,7 @@ from macinfer.engine.state_manager import StateSlots
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.engine.cache_plan import plan_caches
 from macinfer.kv.cache import DEFAULT_BLOCK_SIZE
+from macinfer.kv.mla import choose_expand_from
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer
@@ -126,9 +127,10 @@ class LLMEngine:
         # on the CPU they are composed of ops, so they are written in the cheapest forms
         # there and long causal prompts are attended in query tiles.
         cpu = mx.default_device() == mx.cpu
+        tile = CPU_PREFILL_TILE if cpu else None
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured,
-                                  explicit_ops=cpu, prefill_tile=CPU_PREFILL_TILE if cpu else None,
-                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+                                  explicit_ops=cpu, prefill_tile=tile, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                                  mla_expand_from=choose_expand_from(self.model, self.kv_cache.dtype, cpu, tile))
         self._check_against_mlx_lm()
         self.requests: dict[str, _RequestState] = {}
         if states is not None:

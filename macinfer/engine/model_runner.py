@@ -59,7 +59,7 @@ class _GroupTables:
         self.prefills.append(PrefillSpan(row, len(pos), context - origin, mx.array(blocks, dtype=mx.int32), origin))
 
     def metadata(self, kv_cache: KVCache, positions: mx.array, explicit_ops: bool,
-                 prefill_tile: int | None) -> AttentionMetadata:
+                 prefill_tile: int | None, mla_expand_from: int | None = None) -> AttentionMetadata:
         meta = AttentionMetadata(
             kv_cache=kv_cache,
             positions=positions,
@@ -67,6 +67,7 @@ class _GroupTables:
             kind=self.kind,
             explicit_ops=explicit_ops,
             prefill_tile=prefill_tile,
+            mla_expand_from=mla_expand_from,
             num_decodes=len(self.decode_tables),
             prefills=self.prefills,
             decode_groups=self.decode_groups,
@@ -90,11 +91,13 @@ class _GroupTables:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_manager: BlockManager | None = None,
                  structured: StructuredOutputs | None = None, explicit_ops: bool = False,
-                 prefill_tile: int | None = None, eos_token_ids: tuple[int, ...] = ()):
+                 prefill_tile: int | None = None, eos_token_ids: tuple[int, ...] = (),
+                 mla_expand_from: int | None = None):
         self.model = model
         self.eos_token_ids = tuple(eos_token_ids)  # what `min_tokens` holds back
         self.explicit_ops = explicit_ops  # see AttentionMetadata
         self.prefill_tile = prefill_tile
+        self.mla_expand_from = mla_expand_from  # see AttentionMetadata
         self.structured = structured
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -140,7 +143,8 @@ class ModelRunner:
                 sample_seqs.extend(verify_rows(seq) if drafts else [seq])
 
         pos_arr = mx.array(positions, dtype=mx.int32)
-        metas = [t.metadata(self.kv_cache, pos_arr, self.explicit_ops, self.prefill_tile) for t in tables]
+        metas = [t.metadata(self.kv_cache, pos_arr, self.explicit_ops, self.prefill_tile,
+                            self.mla_expand_from) for t in tables]
         meta = metas[0] if metas else AttentionMetadata(self.kv_cache, pos_arr, np.zeros(0, dtype=np.int64))
         meta.groups = metas
         if self.state is not None:

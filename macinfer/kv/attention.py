@@ -57,6 +57,8 @@ class AttentionMetadata:
     explicit_ops: bool = False
     # Query tile for causal prefill when `explicit_ops` (None: one call).
     prefill_tile: int | None = None
+    # MLA: prompt chunks this long or longer take the expanded form (`kv/mla.py`; None: none).
+    mla_expand_from: int | None = None
     groups: "list[AttentionMetadata]" = field(default_factory=list)
     state: Any = None  # the step's recurrent-state plan (`kv/state.py`; None: no recurrent layers)
     # Arrays every layer of a step shares (built by the first layer that needs them).
@@ -245,12 +247,18 @@ def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: P
     # a chunk that continues a cached prefix.
     mask = meta.memo(("span_mask", span.start), lambda: span_mask(span, meta.kind))
     qh = mx.swapaxes(q, 0, 1)[None]
-    tile = meta.prefill_tile
-    if isinstance(mask, str) and meta.explicit_ops and tile and span.length > tile:
-        out = _causal_tiles(qh, k, v, scale, sinks, softcap, tile)
-    else:
-        out = _sdpa(qh, k, v, scale, mask, sinks, softcap, explicit=meta.explicit_ops)
+    out = dense_attention(qh, k, v, scale, mask, meta.explicit_ops, meta.prefill_tile, sinks, softcap)
     return mx.swapaxes(out[0], 0, 1)  # [n, H, d]
+
+
+def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str,
+                    explicit_ops: bool, tile: int | None, sinks: mx.array | None = None,
+                    softcap: float | None = None) -> mx.array:
+    """One chunk's queries [1, H, n, d] over its gathered context [1, kvh, c, d]: causal
+    chunks in query tiles where SDPA is not a fused kernel (`explicit_ops`)."""
+    if isinstance(mask, str) and explicit_ops and tile and q.shape[2] > tile:
+        return _causal_tiles(q, k, v, scale, sinks, softcap, tile)
+    return _sdpa(q, k, v, scale, mask, sinks, softcap, explicit=explicit_ops)
 
 
 def span_mask(span: PrefillSpan, kind) -> mx.array | str:

@@ -189,6 +189,8 @@ class MlxLmModel(nn.Module):
         object.__setattr__(self, "_templates", templates)
         object.__setattr__(self, "_state_sizes", state_sizes)
         patch_modules()
+        object.__setattr__(self, "mla_projections", None)
+        self.modules_final()
         self.num_layers = len(lm.layers) if hasattr(lm, "layers") else len(caches)
         # Layers whose only cache is recurrent state make no attention call.
         self._num_state_only = sum(isinstance(t, tuple) and t[0] == "state" for t in templates)
@@ -222,7 +224,7 @@ class MlxLmModel(nn.Module):
     def _run(self, input_ids: mx.array, forward: Forward) -> mx.array:
         forward.positions = forward.meta.positions if forward.meta is not None \
             else mx.arange(input_ids.shape[0], dtype=mx.int32)
-        forward.mla_rope = self._mla_rope
+        forward.mla_rope, forward.mla_unembed = self._mla_rope, self._mla_unembed
         if forward.state_plan is None and self._state_sizes:  # the probe: the rows are one sequence
             forward.state_plan = probe_plan(input_ids.shape[0])
 
@@ -263,6 +265,11 @@ class MlxLmModel(nn.Module):
             raise UnsupportedModelError(f"{name}: its forward fails on this backend with paged caches ({msg})") from None
         if f.problems:
             raise UnsupportedModelError(f"{name}: {f.problems[0]}")
+        if f.latent and set(f.mla_dims) == set(f.latent) and not f.premade:
+            # Every MLA attention's output went straight to its `unembed_out`: prompt chunks
+            # may take the expanded form (`kv/mla.py`); one layer's projections to time it.
+            object.__setattr__(self, "_mla_dims", f.mla_dims[min(f.mla_dims)][2])
+            self.modules_final()
         if f.state_touched:  # the wrapped modules run on real caches: anything else would read nothing
             raise UnsupportedModelError(
                 f"{name}: state cache {min(f.state_touched)} is read or written outside the module it is passed "
@@ -379,6 +386,16 @@ class MlxLmModel(nn.Module):
 
     def fuse_projections(self) -> None:
         pass
+
+    def modules_final(self) -> None:
+        """After the loader swaps modules (quantized or dequantized projections): each MLA
+        attention's `embed_q` -> its `unembed_out`, and one layer's pair with the probe's
+        dims for timing the expanded form (`kv/mla.py`)."""
+        pairs = [(m.embed_q, m.unembed_out) for m in self.lm.modules() if hasattr(m, "embed_q")
+                 and hasattr(m, "unembed_out")]
+        object.__setattr__(self, "_mla_unembed", {id(e): u for e, u in pairs})
+        dims = getattr(self, "_mla_dims", None)
+        object.__setattr__(self, "mla_projections", (*pairs[0], dims) if pairs and dims else None)
 
     def load_weights(self, weights, strict: bool = True):  # mlx-lm's parameter names
         return self.lm.load_weights(weights, strict=strict)

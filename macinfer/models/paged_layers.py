@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.kv.attention import AttentionMetadata, attend
+from macinfer.kv.mla import expanded_spans, split_latent_attention
 
 
 class UnsupportedModelError(ValueError):
@@ -46,6 +47,14 @@ class Forward:
     # the caches holding latents, and how wide each latent is.
     mla_rope: int | None = None
     latent: dict[int, int] = field(default_factory=dict)
+    # For the expanded form of prompt chunks (`kv/mla.py`): each MLA attention's
+    # `embed_q` -> its `unembed_out` (from the adapter), the absorbed queries handed to
+    # the attention -> (embed_q, the queries before it), and outputs already projected
+    # out -> (placeholder handed back, what `unembed_out` returns for it).
+    mla_unembed: dict[int, Any] = field(default_factory=dict)
+    mla_queries: dict[int, tuple[Any, mx.array]] = field(default_factory=dict)
+    premade: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)
+    mla_dims: dict[int, tuple[Any, Any, dict]] = field(default_factory=dict)  # the probe: cache -> embed_q, unembed_out, dims
 
 
 _state = threading.local()
@@ -163,10 +172,56 @@ def _latent_call(f: Forward, index: int, queries: mx.array, keys: mx.array, valu
         f.problems.append(f"cache {index} holds MLA latents but its attention is not mlx-lm's absorbed form")
         return mx.zeros(queries.shape, dtype=queries.dtype)
     f.calls.append(index)
-    if f.meta is None:  # the probe: shapes only
-        return mx.zeros(queries.shape, dtype=queries.dtype)
-    q = mx.concatenate([queries, (mask * (1.0 / scale)).astype(queries.dtype)], axis=-1)
+    q_rope = (mask * (1.0 / scale)).astype(queries.dtype)
+    embed_q, q_nope = f.mla_queries.get(id(queries), (None, None))
+    unembed = f.mla_unembed.get(id(embed_q))
+    if f.meta is None:  # the probe: shapes only, and whether the expanded form can be handed back
+        if unembed is None:
+            return mx.zeros(queries.shape, dtype=queries.dtype)
+        f.mla_dims[index] = (embed_q, unembed, dict(heads=queries.shape[1], r=queries.shape[-1],
+                                                    nope=q_nope.shape[-1], rope=rope))
+        return _premade(f, queries, unembed(mx.zeros(queries.shape, dtype=queries.dtype)))
+    if unembed is not None and expanded_spans(f.meta, index):
+        # Long prompt chunks in the expanded form (K/V per head from the latents): the output
+        # is already projected out, handed to the model's `unembed_out` by `_premade`.
+        out = split_latent_attention(queries[:, :, 0], q_nope[:, :, 0], q_rope[:, :, 0], f.meta, index, scale,
+                                     embed_q, unembed)
+        return _premade(f, queries, out[:, :, None, :])
+    q = mx.concatenate([queries, q_rope], axis=-1)
     return attend(q[:, :, 0, :], f.meta, index, scale)[:, :, None, :]
+
+
+def _premade(f: Forward, queries: mx.array, out: mx.array) -> mx.array:
+    """A placeholder of the latent output's shape, which the model's `unembed_out` turns
+    into `out` (never evaluated: MLX is lazy)."""
+    placeholder = mx.zeros(queries.shape, dtype=queries.dtype)
+    f.premade[id(placeholder)] = (placeholder, out)
+    return placeholder
+
+
+def _patch_multilinear(mod: Any) -> None:
+    """mlx-lm's per-head projections of MLA (`embed_q`, `unembed_out`): inside our forward,
+    the absorbed queries remember what they were projected from, and an output the
+    attention already projected out (`_premade`) passes through `unembed_out`."""
+    for cls in (mod.MultiLinear, mod.QuantizedMultiLinear):
+        if f"{mod.__name__}:{cls.__name__}" in _patched:
+            continue
+        original = cls.__call__
+
+        def __call__(self, x, transpose=True, _original=original):
+            f = _active()
+            if f is None:
+                return _original(self, x, transpose)
+            made = f.premade.pop(id(x), None)
+            if made is not None:
+                return made[1]
+            out = _original(self, x, transpose)
+            if transpose and id(self) in f.mla_unembed:
+                f.mla_queries[id(out)] = (self, x)
+            return out
+
+        cls.__call__ = __call__
+        _patched.add(f"{mod.__name__}:{cls.__name__}")
 
 
 _patched: set[str] = set()
@@ -326,7 +381,8 @@ _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
                       "mlx_lm.models.llama4": [_patch_sdpa, _patch_llama4],
                       "mlx_lm.models.gpt_bigcode": [_patch_sdpa, _patch_gpt_bigcode],
                       "mlx_lm.models.afm7": [_patch_sdpa, _patch_afm7],
-                      "mlx_lm.models.plamo2": [_patch_sdpa, _patch_plamo2]}
+                      "mlx_lm.models.plamo2": [_patch_sdpa, _patch_plamo2],
+                      "mlx_lm.models.mla": [_patch_multilinear]}
 
 
 def patch_modules() -> None:
