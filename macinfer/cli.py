@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import sys
@@ -62,6 +63,9 @@ def _engine_options(f):
     f = click.option("--rope-scaling", type=click.Choice(["yarn", "linear"]), default=None,
                      help="Stretch RoPE from the model's trained context to --max-model-len (YaRN or linear "
                           "position interpolation), as llama.cpp's --rope-scaling does.")(f)
+    f = click.option("--distributed", type=click.Choice(["pipeline", "tensor"]), default=None,
+                     help="Run over the ranks mlx.launch started (one per Mac): pipeline (layers split, any "
+                          "model) or tensor (heads split, models with an mlx-lm shard()). Rank 0 serves.")(f)
     f = click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
                      help="Tokens per step (prompts are prefilled in chunks of at most this).")(f)
     f = click.option("--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True,
@@ -99,7 +103,7 @@ def _sampling_options(f):
 
 def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
                  kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
-                 num_speculative_tokens=0, chat_template=None, rope_scaling=None):
+                 num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None):
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
     start = time.perf_counter()
@@ -117,10 +121,16 @@ def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                max_prefill_with_decodes=max_prefill_with_decodes,
                                                num_speculative_tokens=num_speculative_tokens,
-                                               chat_template=chat_template, rope_scaling=rope_scaling),
+                                               chat_template=chat_template, rope_scaling=rope_scaling,
+                                               distributed=distributed),
                            progress=progress)
-    except (FileNotFoundError, ValueError, MemoryError) as e:
+    except (FileNotFoundError, ValueError, MemoryError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
+    if engine.dist is not None:
+        if not engine.dist.is_driver:  # a worker rank: rank 0's steps until it closes; no output of its own
+            engine.run_worker()
+            sys.exit(0)
+        atexit.register(engine.close)
     click.echo(f"{chr(13) if tty else ''}loaded {model} in {time.perf_counter() - start:.1f}s" + " " * 20, err=True)
     return engine
 

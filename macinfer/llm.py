@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import sys
 import concurrent.futures
 import queue
 import threading
@@ -111,6 +113,11 @@ class LLM:
             raise
         # The engine is owned through a box the finalizer can empty: the LLM object is
         # what users drop, and its engine must go with it (not at interpreter exit).
+        if engine.dist is not None:
+            if not engine.dist.is_driver:  # a worker rank (under mlx.launch): rank 0's steps, then exit
+                self._call(engine.run_worker)
+                sys.exit(0)
+            atexit.register(lambda: None if self._worker.stopped else self._call(engine.close))
         self._engine_box = [engine]
         self._finalizer = weakref.finalize(self, _release, self._worker, self._engine_box)
         self._finalizer.atexit = False

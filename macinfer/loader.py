@@ -236,13 +236,13 @@ def should_dequantize(model: nn.Module) -> bool:
 
 
 def load(ref: str, impl: str = "auto", progress: Callable[[int, int], None] | None = None,
-         context: tuple[int, str] | None = None) -> LoadedModel:
+         context: tuple[int, str] | None = None, distributed: Any = None) -> LoadedModel:
     """Load weights and tokenizer. Raises ModelNotFoundError, UnsupportedArchitectureError
     or ModelLoadError, each with a one-line message naming the file and the problem.
     `context` (max_model_len, "yarn"|"linear") stretches RoPE past the trained context."""
     path = resolve(ref)
     try:
-        return _load_path(ref, path, impl, progress, context)
+        return _load_path(ref, path, impl, progress, context, distributed)
     except (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError):
         raise
     except (ValueError, KeyError, OSError, RuntimeError) as e:  # shapes/names that do not fit the architecture
@@ -251,7 +251,7 @@ def load(ref: str, impl: str = "auto", progress: Callable[[int, int], None] | No
 
 
 def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
-               context: tuple[int, str] | None = None) -> LoadedModel:
+               context: tuple[int, str] | None = None, distributed: Any = None) -> LoadedModel:
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelNotFoundError(f"{path}: expected a .gguf file or a model directory")
@@ -264,7 +264,8 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
         config, weights, tokenizer = _load_mlx_dir(path, progress)
         pooling = pooling_mod.from_dir(path)
     extended = extend_context(config, *context) if context is not None else config
-    model = build_model(extended, impl)
+    # Over several ranks the model runs through mlx-lm's classes (their shard() and layers).
+    model = build_model(extended, "mlx-lm" if distributed is not None else impl)
     if extended is not config and not uses_scaled_rope(model, context[1]):
         raise UnsupportedArchitectureError(f"--rope-scaling {context[1]}: this architecture "
                                            f"({config.get('model_type')}) does not take RoPE scaling from its config")
@@ -272,10 +273,16 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
     weights = model.sanitize(weights)
     _quantize_like_weights(model, config, weights)
     model.load_weights(list(weights.items()), strict=True)
+    del weights
     if should_dequantize(model):
         n = _dequantize_modules(model)
         log.info("CPU backend: %d quantized layers expanded to float32 for BLAS matmuls", n)
     model.fuse_projections()
+    if distributed is not None:  # this rank's part: heads (tensor) or layers (pipeline)
+        from macinfer.distributed.sharding import distribute
+
+        object.__setattr__(model, "distributed_plan", distribute(model, distributed))
+        log.info("%s", model.distributed_plan)
     if hasattr(model, "modules_final"):  # the module tree is final (quantized, dequantized, fused)
         model.modules_final()
     mx.eval(model.parameters())

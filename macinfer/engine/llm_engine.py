@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import random
 import time
@@ -23,6 +25,8 @@ from macinfer.engine.state_manager import StateSlots
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.engine.cache_plan import plan_caches
 from macinfer.kv.cache import DEFAULT_BLOCK_SIZE
+from macinfer.distributed import engine as dist_engine
+from macinfer.distributed import group as dist_group
 from macinfer.kv.mla import choose_expand_from
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
@@ -67,6 +71,10 @@ class EngineConfig:
     chat_template: str | None = None
     # Stretch RoPE ("yarn" or "linear") so max_model_len may exceed the trained context.
     rope_scaling: str | None = None
+    # Several ranks under mlx.launch ("pipeline" or "tensor"; `macinfer/distributed/`), and
+    # how long a collective may take before the group is declared hung.
+    distributed: str | None = None
+    distributed_timeout: float = 60.0
 
 
 class LLMEngine:
@@ -84,7 +92,14 @@ class LLMEngine:
         if cfg.rope_scaling and not cfg.max_model_len:
             raise ValueError("--rope-scaling needs --max-model-len: the context to stretch RoPE to")
         context = (cfg.max_model_len, cfg.rope_scaling) if cfg.rope_scaling and cfg.max_model_len else None
-        self.loaded = model if isinstance(model, LoadedModel) else load(model, cfg.model_impl, progress, context)
+        self.dist = None
+        if cfg.distributed:
+            if isinstance(model, LoadedModel):
+                raise ValueError("distributed: give the model's path, so each rank loads its own part")
+            self.dist = dist_group.init(cfg.distributed, cfg.distributed_timeout)
+            self._inputs = dist_engine.StepInputs(self.dist)
+        self.loaded = model if isinstance(model, LoadedModel) else load(model, cfg.model_impl, progress, context,
+                                                                         self.dist)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         if cfg.chat_template is not None:
@@ -111,6 +126,11 @@ class LLMEngine:
         # One cache spec per layer, decided by the model at load; caches of one kind form a
         # group; the budget buys each group's pool (`cache_plan.py`).
         plan = plan_caches(self.model, cfg, self._kv_dtype(), self.max_model_len)
+        if self.dist is not None:  # one block plan for all ranks: every pool holds the smallest count
+            agreed = dist_engine.agree_on_blocks(self.dist, plan.num_blocks)
+            if agreed != plan.num_blocks:
+                plan = plan_caches(self.model, dataclasses.replace(cfg, num_kv_blocks=agreed), self._kv_dtype(),
+                                   self.max_model_len)
         self.layer_specs, self.state_specs, self.kv_cache = plan.layer_specs, plan.state_specs, plan.kv_cache
         groups, num_blocks, states, bs = plan.groups, plan.num_blocks, plan.kv_cache.states, cfg.block_size
         # A sequence must always fit the pool alone, so preemption can always make room.
@@ -131,6 +151,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured,
                                   explicit_ops=cpu, prefill_tile=tile, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                                   mla_expand_from=choose_expand_from(self.model, self.kv_cache.dtype, cpu, tile))
+        if self.dist is not None:
+            dist_engine.check_same_model(self.dist, {
+                "config": self.loaded.config, "engine": dataclasses.asdict(cfg), "blocks": plan.num_blocks,
+                "vocab": self.model.args.vocab_size, "mlx": mx.__version__})
+            self.runner.dist = self.dist
         self._check_against_mlx_lm()
         self.requests: dict[str, _RequestState] = {}
         if states is not None:
@@ -231,6 +256,8 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
+        if self.dist is not None:  # replayed on every rank before the next step
+            self._inputs.record(("add", ids, params, request_id, cache_salt))
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         seq = Sequence(request_id, ids, params, seed, arrival_time=time.perf_counter(), cache_salt=cache_salt)
         if params.grammar is not None:
@@ -242,6 +269,8 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> None:
+        if self.dist is not None:
+            self._inputs.record(("abort", request_id))
         state = self.requests.pop(request_id, None)
         if state is not None and not state.seq.is_finished:
             self.scheduler.finish(state.seq, "abort")
@@ -292,6 +321,8 @@ class LLMEngine:
     def embedding_job(self, token_lists: list[list[int]]) -> EmbeddingJob:
         """Embeddings of `token_lists`, one forward pass per `job.step()` (call them
         between engine steps, as the server's engine thread does)."""
+        if self.dist is not None:
+            raise ValueError("embeddings are not served with --distributed (they would run on rank 0 alone)")
         if self.loaded.pooling is None:
             raise ValueError("this model does not publish embedding use (no sentence-transformers pooling "
                              "config, no GGUF pooling_type)")
@@ -319,6 +350,29 @@ class LLMEngine:
         A failure that belongs to one request (its sampling, its detokenizing)
         ends that request with finish_reason "error"; the others go on.
         """
+        if self.dist is not None:  # the workers replay this step's inputs, then run it too
+            self._inputs.sync()
+            with self.dist.watch("step"):
+                return self.run_step()
+        return self.run_step()
+
+    def idle(self) -> None:
+        """Called by a serving loop with nothing to run: over several ranks, a sync now and
+        then (a dead or hung rank is found while idle, and aborts reach the workers)."""
+        if self.dist is not None and self._inputs.due():
+            self.step()
+
+    def close(self) -> None:
+        """Over several ranks: let the workers return (they exit with the driver)."""
+        if self.dist is not None and self.dist.is_driver:
+            dist_engine.shutdown(self.dist)
+            self.dist = None
+
+    def run_worker(self) -> None:
+        """A worker rank's loop: the driver's steps, until it closes."""
+        dist_engine.run_worker(self)
+
+    def run_step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched:
             return []
@@ -328,6 +382,8 @@ class LLMEngine:
         try:
             results, errors = self.runner.step(sched.scheduled)
         except Exception as e:  # the batch itself failed: no sequence's KV can be trusted
+            if self.dist is not None:  # the ranks could no longer be in step
+                dist_group.fatal(f"forward pass failed on rank {self.dist.rank}: {type(e).__name__}: {e}")
             log.exception("forward pass failed; failing the %d scheduled requests", len(sched.scheduled))
             outputs = [self._fail(seq, e) for seq, _ in sched.scheduled]
             self._recover_after_failed_step()

@@ -11,6 +11,7 @@ import numpy as np
 from macinfer.kv.attention import AttentionMetadata
 from macinfer.kv.prefill_plan import PrefillSpan
 from macinfer.engine.block_manager import BlockManager, GroupBlocks
+from macinfer.distributed.engine import share_samples
 from macinfer.engine.sampler import SamplerOutput, sample
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import DraftRow, accepted_tokens, verify_rows
@@ -98,6 +99,7 @@ class ModelRunner:
         self.explicit_ops = explicit_ops  # see AttentionMetadata
         self.prefill_tile = prefill_tile
         self.mla_expand_from = mla_expand_from  # see AttentionMetadata
+        self.dist = None  # over several ranks: rank 0 samples, the others take its tokens
         self.structured = structured
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -158,6 +160,7 @@ class ModelRunner:
         logprobs of requests that ask for them are recorded on their sequences."""
         input_ids, meta, rows, seqs = self.prepare(scheduled, snapshots=True)
         hidden = self.model(input_ids, meta)
+        self._hidden = hidden  # over several ranks, evaluated every step: a pipeline stage's send is in it
         if self.state is not None:
             self.state.publish_pending()
         logits = self.model.logits(hidden[mx.array(rows)]) if rows else None
@@ -198,8 +201,12 @@ class ModelRunner:
         logits, rows = self.forward_logits(scheduled)
         # Grammar masks are computed on the host while the device runs the forward pass.
         outputs = [*([] if logits is None else [logits]), *self.kv_cache.state()]
+        if self.dist is not None:  # (a chunk that samples nothing still sends its hidden state on)
+            outputs.append(self._hidden)
         mask = None
-        if logits is not None and self.structured is not None and any(s.matcher is not None for s in rows):
+        sampler = self.dist is None or self.dist.is_driver
+        if (logits is not None and sampler and self.structured is not None
+                and any(s.matcher is not None for s in rows)):
             mx.async_eval(*outputs)
             mask = self.structured.bitmask(rows)
         # Evaluate the forward pass on its own: an error here (e.g. out of memory
@@ -212,7 +219,8 @@ class ModelRunner:
         owners = _owners(rows)
         failed: dict[Sequence, Exception] = {}
         try:
-            out = sample(logits, rows, allowed, self.eos_token_ids)
+            out = sample(logits, rows, allowed, self.eos_token_ids) if sampler else \
+                SamplerOutput([0] * len(rows), [None] * len(rows))
         except Exception:
             out = SamplerOutput([0] * len(rows), [None] * len(rows))
             for i, row in enumerate(rows):
@@ -225,6 +233,8 @@ class ModelRunner:
                     failed[owners[i]] = e
                     continue
                 out.token_ids[i], out.logprobs[i] = one.token_ids[0], one.logprobs[0]
+        if self.dist is not None:
+            out.token_ids, out.logprobs, failed = share_samples(self.dist, out.token_ids, out.logprobs, failed, owners)
         results: list[StepResult] = []
         i = 0
         while i < len(rows):

@@ -221,6 +221,23 @@ class MlxLmModel(nn.Module):
     def layers(self) -> list[nn.Module]:
         return self.lm.layers
 
+    @property
+    def text_model(self) -> nn.Module:
+        """mlx-lm's language model (inside a vision-language wrapper): what `shard()` is on."""
+        return self._text
+
+    @property
+    def decoder_layers(self) -> list[nn.Module]:
+        """The inner model's list of decoder layers (the list itself: pipeline stages edit it)."""
+        return _resolve(self._text, ".".join(self._inner_path)).layers
+
+    def reprobe(self) -> None:
+        """The caches' shapes again, after the module tree changed (a tensor-parallel shard)."""
+        specs, layer_caches, _ = self._probe()
+        object.__setattr__(self, "layer_specs", specs)
+        object.__setattr__(self, "layer_caches", layer_caches)
+        self.modules_final()
+
     def _run(self, input_ids: mx.array, forward: Forward) -> mx.array:
         forward.positions = forward.meta.positions if forward.meta is not None \
             else mx.arange(input_ids.shape[0], dtype=mx.int32)
@@ -358,12 +375,21 @@ class MlxLmModel(nn.Module):
 
     def kv_dtype(self) -> mx.Dtype:
         """What K/V come out of the projections in (the loaded weights' activations)."""
+        if getattr(self, "_fixed", None):
+            return self._fixed[0]
         f = Forward(meta=None)
         hidden = self._run(mx.array([1, 2], dtype=mx.int32), f)
-        return f.writes[0][0][2] if f.writes else hidden.dtype
+        return f.writes[min(f.writes)][0][2] if f.writes else hidden.dtype
+
+    def fix_cache_shapes(self) -> None:
+        """Keep the caches' dtype and state shapes as they are now: a pipeline stage runs only
+        some layers, but every rank keeps the same cache plan (`distributed/sharding.py`)."""
+        object.__setattr__(self, "_fixed", (self.kv_dtype(), self.state_specs()))
 
     def state_specs(self) -> list[StateSpec]:
         """Each recurrent cache's per-sequence state, with the loaded weights' dtypes."""
+        if getattr(self, "_fixed", None):
+            return self._fixed[1]
         if not self._state_sizes:
             return []
         f = Forward(meta=None)
@@ -378,6 +404,7 @@ class MlxLmModel(nn.Module):
         cache, outs, pos = make_prompt_cache(_resolve(self.lm, ".".join(self._cache_owner_path))), [], 0
         for n in chunks:
             outs.append(self.lm(mx.array([tokens[pos : pos + n]]), cache=cache)[0])
+            mx.eval(outs[-1])  # chunk by chunk: a pipeline stage's sends must go in order
             pos += n
         return mx.concatenate(outs, axis=0).astype(mx.float32)
 

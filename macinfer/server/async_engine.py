@@ -239,6 +239,7 @@ class AsyncEngine:
         except queue.Empty:
             pass
         if not self.engine.has_unfinished_requests():
+            self.engine.idle()  # over several ranks: a sync now and then finds a dead rank
             return
         outs = self.engine.step()
         try:

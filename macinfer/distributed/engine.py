@@ -1,0 +1,90 @@
+"""The engine over several ranks: every rank runs the same steps on its shard.
+
+Rank 0 (the driver) takes requests. Before each step it broadcasts the requests added and
+aborted since the last one; every other rank (a worker) replays them and runs the same
+step. Scheduling, block tables, prefix-cache hits, preemption, chunking and speculation
+are deterministic functions of those inputs, so every rank plans the same batch without
+it being shipped; the forward pass's collectives (all-reduces of the tensor-parallel
+shards, the pipeline's sends) keep them in step. Rank 0 samples (it holds the real logits
+in both modes) and broadcasts the tokens, so grammars, stop strings and drafts advance the
+same everywhere. When idle the driver still syncs every `HEARTBEAT` seconds, so a dead or
+hung rank is found within `HEARTBEAT + timeout`, not at the next request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+from macinfer.distributed.group import DistContext, DistributedError
+
+HEARTBEAT = 2.0  # seconds between syncs while the driver is idle
+
+
+class StepInputs:
+    """The driver's requests added / aborted since the last step."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx, self.pending, self.last = ctx, [], time.monotonic()
+
+    def record(self, event: tuple) -> None:
+        if self.ctx.is_driver:
+            self.pending.append(event)
+
+    def sync(self) -> None:
+        """Driver: send this step's inputs to the workers (they replay them in `run_worker`)."""
+        events, self.pending = self.pending, []
+        self.last = time.monotonic()
+        self.ctx.broadcast(events, "step inputs")
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= HEARTBEAT
+
+
+def run_worker(engine: Any) -> None:
+    """A worker's life: replay the driver's inputs and run each step, until it shuts down."""
+    ctx = engine.dist
+    while True:
+        events = ctx.broadcast(None, "step inputs")
+        if events is None:  # the driver is closing
+            return
+        for kind, *args in events:
+            if kind == "add":
+                ids, params, rid, salt = args
+                engine.add_request(ids, params, rid, cache_salt=salt)
+            else:
+                engine.abort_request(args[0])
+        with ctx.watch("step"):
+            engine.run_step()
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Driver: let the workers return from `run_worker`."""
+    if ctx.is_driver:
+        ctx.broadcast(None, "shutdown")
+
+
+def agree_on_blocks(ctx: DistContext, num_blocks: int) -> int:
+    """Every rank's pool must hold every block the shared plan hands out: the smallest."""
+    return min(ctx.gather(num_blocks, "KV pool sizes"))
+
+
+def check_same_model(ctx: DistContext, what: dict) -> None:
+    """Start-up: every rank loaded the same model with the same engine settings."""
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    digests = ctx.gather(digest, "start-up check")
+    if len(set(digests)) > 1:
+        raise DistributedError(f"the ranks loaded different models or settings (fingerprints by rank: "
+                               f"{', '.join(digests)}); give every rank the same model and flags")
+
+
+def share_samples(ctx: DistContext, token_ids: list, logprobs: list, failed: dict, owners: list) -> tuple:
+    """The driver's sampled tokens (and per-request sampling failures) on every rank."""
+    payload = (token_ids, logprobs, {s.request_id: f"{type(e).__name__}: {e}" for s, e in failed.items()}) \
+        if ctx.is_driver else None
+    token_ids, logprobs, errors = ctx.broadcast(payload, "sampled tokens")
+    if not ctx.is_driver:
+        failed = {s: RuntimeError(errors[s.request_id]) for s in set(owners) if s.request_id in errors}
+    return token_ids, logprobs, failed

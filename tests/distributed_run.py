@@ -1,0 +1,44 @@
+"""One rank of a distributed generation (started by `mlx.launch` from tests/test_distributed.py).
+
+    mlx.launch -n 2 --backend ring --python PY tests/distributed_run.py MODEL MODE OUT.json
+
+Greedy requests that join a few steps apart (chunked prefill with 24-token steps, a shared
+prefix, one request aborted); rank 0 writes each request's tokens to OUT.json."""
+
+import json
+import sys
+
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.sampling_params import SamplingParams
+
+PROMPTS = [list(range(5, 45)), list(range(5, 45)) + [50, 51], [7, 9, 11, 13, 15], list(range(100, 131))]
+
+
+def run(model: str, mode: str | None) -> dict:
+    engine = LLMEngine(model, EngineConfig(kv_cache_gb=0.05, max_num_batched_tokens=24, max_model_len=512,
+                                           distributed=mode))
+    if engine.dist is not None and not engine.dist.is_driver:
+        engine.run_worker()
+        return {}
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ids, done = [], {}
+    for i, prompt in enumerate(PROMPTS):  # each joins a few steps after the previous one
+        ids.append(engine.add_request(prompt, params, request_id=f"r{i}"))
+        for _ in range(2):
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    victim = engine.add_request([3, 4, 5, 6], params, request_id="aborted")
+    engine.step()
+    engine.abort_request(victim)
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    cached = engine.block_manager.stats() if hasattr(engine.block_manager, "stats") else None
+    engine.close()
+    return {"tokens": [done[i] for i in ids], "cached": cached}
+
+
+if __name__ == "__main__":
+    model, mode, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    result = run(model, None if mode == "single" else mode)
+    if result:
+        with open(out, "w") as f:
+            json.dump(result, f)
