@@ -66,6 +66,9 @@ def _engine_options(f):
     f = click.option("--distributed", type=click.Choice(["pipeline", "tensor"]), default=None,
                      help="Run over the ranks mlx.launch started (one per Mac): pipeline (layers split, any "
                           "model) or tensor (heads split, models with an mlx-lm shard()). Rank 0 serves.")(f)
+    f = click.option("--distributed-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+                     help="Seconds a step may wait on the other ranks before the run ends with an error "
+                          "(a rank that hangs); a rank that dies ends it at once.")(f)
     f = click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
                      help="Tokens per step (prompts are prefilled in chunks of at most this).")(f)
     f = click.option("--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True,
@@ -103,7 +106,8 @@ def _sampling_options(f):
 
 def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
                  kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
-                 num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None):
+                 num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None,
+                 distributed_timeout=60.0):
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
     start = time.perf_counter()
@@ -122,7 +126,7 @@ def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len
                                                max_prefill_with_decodes=max_prefill_with_decodes,
                                                num_speculative_tokens=num_speculative_tokens,
                                                chat_template=chat_template, rope_scaling=rope_scaling,
-                                               distributed=distributed),
+                                               distributed=distributed, distributed_timeout=distributed_timeout),
                            progress=progress)
     except (FileNotFoundError, ValueError, MemoryError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
@@ -276,8 +280,11 @@ def serve(model, host, port, served_model_names, max_tokens_default, api_keys, c
         from macinfer.server.net import bind_socket
     except ImportError as e:
         raise click.ClickException(f"the server needs its extra: pip install 'macinfer[server]' ({e.name} missing)") from None
+    # Before the model loads: a busy port fails in a second. Over several ranks only rank 0
+    # serves (mlx.launch numbers the ranks in MLX_RANK); the others never reach run_server.
+    worker = engine_opts.get("distributed") and os.environ.get("MLX_RANK", "0") != "0"
     try:
-        sock = bind_socket(host, port)  # before the model loads: a busy port fails in a second
+        sock = None if worker else bind_socket(host, port)
     except OSError as e:
         raise click.ClickException(str(e)) from None
     if engine_opts["max_prefill_with_decodes"] is None:

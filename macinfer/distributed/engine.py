@@ -38,6 +38,7 @@ class StepInputs:
         events, self.pending = self.pending, []
         self.last = time.monotonic()
         self.ctx.broadcast(events, "step inputs")
+        self.ctx.ack()
 
     def due(self) -> bool:
         return time.monotonic() - self.last >= HEARTBEAT
@@ -50,6 +51,7 @@ def run_worker(engine: Any) -> None:
         events = ctx.broadcast(None, "step inputs")
         if events is None:  # the driver is closing
             return
+        ctx.ack()
         for kind, *args in events:
             if kind == "add":
                 ids, params, rid, salt = args
@@ -88,3 +90,19 @@ def share_samples(ctx: DistContext, token_ids: list, logprobs: list, failed: dic
     if not ctx.is_driver:
         failed = {s: RuntimeError(errors[s.request_id]) for s in set(owners) if s.request_id in errors}
     return token_ids, logprobs, failed
+
+
+def rank_report(ctx: DistContext, model: Any, kv_bytes: int) -> dict:
+    """What each rank holds (its plan, weights and KV pool bytes), gathered at start-up:
+    logged by every rank for itself, and `/status` shows all of them."""
+    import logging
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    mine = {"rank": ctx.rank, "plan": getattr(model, "distributed_plan", ""), "weights_bytes": weights,
+            "kv_bytes": kv_bytes, "active_memory_bytes": mx.get_active_memory()}
+    logging.getLogger("macinfer").info("rank %d of %d: weights %.2f GiB, KV pool %.2f GiB", ctx.rank, ctx.size,
+                                       weights / 2**30, kv_bytes / 2**30)
+    return {"mode": ctx.mode, "ranks": ctx.gather(mine, "rank report")}

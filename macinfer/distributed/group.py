@@ -82,6 +82,17 @@ class DistContext:
             return pickle.loads(bytes(memoryview(body)))
         return self._guard(what, run)
 
+    def ack(self, what: str = "heartbeat") -> None:
+        """Every worker answers the driver: a round trip, so a rank that hangs is noticed
+        (a send alone would sit in its socket buffer)."""
+        def run():
+            if self.is_driver:
+                for r in range(1, self.size):
+                    mx.eval(mx.distributed.recv((1,), mx.int32, r, group=self.group))
+            else:
+                mx.eval(mx.distributed.send(mx.array([self.rank], dtype=mx.int32), 0, group=self.group))
+        self._guard(what, run)
+
     def gather(self, value: Any, what: str = "gather") -> list[Any]:
         """Every rank's `value`, in rank order, on every rank."""
         def run():

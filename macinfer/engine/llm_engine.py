@@ -151,10 +151,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured,
                                   explicit_ops=cpu, prefill_tile=tile, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                                   mla_expand_from=choose_expand_from(self.model, self.kv_cache.dtype, cpu, tile))
+        self.distributed_status = None
         if self.dist is not None:
             dist_engine.check_same_model(self.dist, {
                 "config": self.loaded.config, "engine": dataclasses.asdict(cfg), "blocks": plan.num_blocks,
                 "vocab": self.model.args.vocab_size, "mlx": mx.__version__})
+            self.distributed_status = dist_engine.rank_report(self.dist, self.model, self.kv_cache.nbytes)
             self.runner.dist = self.dist
         self._check_against_mlx_lm()
         self.requests: dict[str, _RequestState] = {}

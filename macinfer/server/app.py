@@ -140,9 +140,12 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
               "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
               "prefix_queried_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits,
               "groups": engine.cache_groups()}
-        return {"model": model_name, "max_model_len": engine.max_model_len, "kv": kv,
-                "requests": {"running": engine.num_running, "waiting": engine.num_waiting},
-                "tokens": dict(engine.stats)}
+        out = {"model": model_name, "max_model_len": engine.max_model_len, "kv": kv,
+               "requests": {"running": engine.num_running, "waiting": engine.num_waiting},
+               "tokens": dict(engine.stats)}
+        if getattr(engine, "distributed_status", None):  # --distributed: each rank's plan and memory
+            out["distributed"] = engine.distributed_status
+        return out
 
     @app.get("/metrics")
     async def prometheus():

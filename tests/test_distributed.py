@@ -1,0 +1,186 @@
+"""Two ranks on loopback (`mlx.launch -n 2 --backend ring`), as on two Macs.
+
+Each run's greedy tokens must equal one process's: requests joining a few steps apart,
+chunked prefill, a shared prefix, an abort (tests/distributed_run.py); tensor parallel
+through mlx-lm's shard() (a dense and an MLA model), pipeline parallel on the bundled
+SmolLM2 and on a hybrid model. A distributed `serve` answers 8 concurrent requests with
+one process's tokens, and ends with an error when a rank is killed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import make_mlx_lm_model, save_model_dir
+from tests.server_process import free_port
+from tests.zoo import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+LAUNCH = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--python", sys.executable]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+pytestmark = pytest.mark.skipif(not (BIN / "mlx.launch").exists(), reason="mlx.launch is not installed")
+
+
+def _run(model: str, mode: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{mode}.json"
+    cmd = ([] if mode == "single" else LAUNCH) + ([sys.executable] if mode == "single" else []) + [
+        str(ROOT / "tests" / "distributed_run.py"), model, mode, str(out)]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _tiny(tmp_path: Path, model_type: str) -> str:
+    config = tiny_config(model_type)
+    return save_model_dir(str(tmp_path / model_type), config, make_mlx_lm_model(config, seed=7))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "deepseek_v3"])
+def test_tensor_parallel_gives_single_process_tokens(tmp_path, model_type):
+    """Heads split over 2 ranks by mlx-lm's shard() (DeepSeek V3: its MLA heads; the
+    latent cache stays whole on each rank): the same greedy tokens as one process."""
+    path = _tiny(tmp_path, model_type)
+    assert _run(path, "tensor", tmp_path)["tokens"] == _run(path, "single", tmp_path)["tokens"]
+
+
+def test_pipeline_parallel_gives_single_process_tokens(tmp_path, smollm2_gguf):
+    """SmolLM2's 30 layers, 15 on each rank: the same greedy tokens as one process."""
+    single = _run(smollm2_gguf, "single", tmp_path)
+    assert _run(smollm2_gguf, "pipeline", tmp_path)["tokens"] == single["tokens"]
+
+
+def test_pipeline_parallel_with_recurrent_layers(tmp_path):
+    """Qwen3-Next (Gated DeltaNet + attention layers): each rank keeps the state of its layers."""
+    path = _tiny(tmp_path, "qwen3_next")
+    assert _run(path, "pipeline", tmp_path)["tokens"] == _run(path, "single", tmp_path)["tokens"]
+
+
+def test_tensor_parallel_without_shard_is_refused_with_the_reason(tmp_path):
+    path = _tiny(tmp_path, "gemma3_text")
+    proc = subprocess.run(LAUNCH + [str(ROOT / "tests" / "distributed_run.py"), path, "tensor", str(tmp_path / "x")],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    # (mlx.launch itself exits 0 whatever its ranks do: the ranks' exit codes are in its warnings)
+    assert "exited with code 1" in proc.stdout + proc.stderr
+    assert "gemma3_text has no shard()" in proc.stdout + proc.stderr and "--distributed pipeline" in proc.stdout + proc.stderr
+
+
+def test_one_process_alone_is_refused():
+    from macinfer.distributed.group import DistributedError
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+
+    with pytest.raises(DistributedError, match="mlx.launch -n 2"):
+        LLMEngine("unused", EngineConfig(distributed="pipeline"))
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of rank `rank` among the launcher's descendants (mlx.launch sets MLX_RANK)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"MLX_RANK={rank}".encode() in env and b"serve" in cmd and str(launcher.port).encode() in cmd:
+            return int(proc.name)
+    raise AssertionError(f"rank {rank} not found")
+
+
+def _start_server(model: str, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = LAUNCH + [str(BIN / "macinfer"), "serve", model, "--port", str(port), *args]
+    launcher = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    launcher.port = port
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        assert launcher.poll() is None, launcher.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return launcher, url
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "the distributed server did not come up"
+        time.sleep(0.5)
+
+
+def _end(launcher: subprocess.Popen) -> None:
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.communicate()
+
+
+def test_a_rank_that_hangs_ends_the_server_with_an_error(tmp_path):
+    """Rank 1 stopped (SIGSTOP: alive, silent): the idle heartbeat's round trip waits,
+    and after --distributed-timeout the server ends with an error naming the hang."""
+    launcher, url = _start_server(_tiny(tmp_path, "qwen3"), "--distributed", "tensor", "--distributed-timeout", "5",
+                                  "--kv-cache-gb", "0.01")
+    try:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        driver, worker = _rank_pid(launcher, 0), _rank_pid(launcher, 1)
+        os.kill(worker, signal.SIGSTOP)
+        stopped = time.time()
+        while Path(f"/proc/{driver}").exists() and time.time() - stopped < 30:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{driver}").exists(), "rank 0 still runs 30 s after rank 1 stopped"
+        os.kill(worker, signal.SIGKILL)  # a stopped process cannot take mlx.launch's SIGTERM
+        out, _ = launcher.communicate(timeout=60)
+        assert "did not finish in 5 s (a rank hangs or the network is down)" in out, out[-2000:]
+    finally:
+        _end(launcher)
+
+
+@pytest.mark.slow
+def test_distributed_serve_answers_concurrent_requests_and_ends_when_a_rank_dies(smollm2_gguf, smollm2_engine):
+    """`mlx.launch ... macinfer serve --distributed pipeline`: 8 concurrent greedy requests
+    get one process's tokens; /status shows each rank's layers and memory; rank 1 killed,
+    the server exits with an error within 30 s."""
+    from macinfer.sampling_params import SamplingParams
+    from tests.helpers import generate
+
+    launcher, url = _start_server(smollm2_gguf, "--distributed", "pipeline", "--kv-cache-gb", "0.1",
+                                  "--max-model-len", "1024")
+    try:
+        status = httpx.get(f"{url}/status", timeout=10).json()["distributed"]
+        assert status["mode"] == "pipeline" and [r["rank"] for r in status["ranks"]] == [0, 1]
+        assert "rank 0: layers 15-29; rank 1: layers 0-14" in status["ranks"][0]["plan"]
+        assert all(r["weights_bytes"] > 0 and r["kv_bytes"] > 0 for r in status["ranks"])
+
+        prompts = [f"Count from {i} to {i + 5}:" for i in range(8)]
+
+        def complete(prompt):
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(complete, prompts))
+        tok = smollm2_engine.tokenizer
+        want = generate(smollm2_engine, [tok.encode(p) for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12))
+        assert texts == [o.text for o in want]
+
+        os.kill(_rank_pid(launcher, 1), signal.SIGKILL)
+        killed = time.time()
+        out, _ = launcher.communicate(timeout=60)
+        assert time.time() - killed < 30
+        assert "rank 1 exited" in out or "macinfer: error: distributed" in out, out[-2000:]
+    finally:
+        _end(launcher)
