@@ -2,8 +2,8 @@
 
 Each run's greedy tokens must equal one process's: requests joining a few steps apart,
 chunked prefill, a shared prefix, an abort (tests/distributed_run.py); tensor parallel
-through mlx-lm's shard() (a dense and an MLA model), pipeline parallel on the bundled
-SmolLM2 and on a hybrid model. A distributed `serve` answers 8 concurrent requests with
+through mlx-lm's shard() (a dense and an MLA model), pipeline parallel on a dense and a
+hybrid model, and `generate` on the bundled SmolLM2. A distributed `serve` answers 8 concurrent requests with
 one process's tokens, and ends with an error when a rank is killed.
 """
 
@@ -56,15 +56,24 @@ def test_tensor_parallel_gives_single_process_tokens(tmp_path, model_type):
     assert _run(path, "tensor", tmp_path)["tokens"] == _run(path, "single", tmp_path)["tokens"]
 
 
-def test_pipeline_parallel_gives_single_process_tokens(tmp_path, smollm2_gguf):
-    """SmolLM2's 30 layers, 15 on each rank: the same greedy tokens as one process."""
-    single = _run(smollm2_gguf, "single", tmp_path)
-    assert _run(smollm2_gguf, "pipeline", tmp_path)["tokens"] == single["tokens"]
+def test_generate_command_over_two_ranks(smollm2_gguf):
+    """`mlx.launch ... macinfer generate --distributed pipeline`: rank 0 prints one
+    process's text; rank 1 prints nothing and exits when rank 0 is done."""
+    args = ["generate", smollm2_gguf, "--prompt", "What is the capital of France?", "--max-tokens", "16",
+            "--kv-cache-gb", "0.05"]
+    single = subprocess.run([str(BIN / "macinfer"), *args], env=ENV, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    two = subprocess.run(LAUNCH + [str(BIN / "macinfer"), *args, "--distributed", "pipeline"], env=ENV,
+                         capture_output=True, text=True, timeout=180)
+    assert "exited with code" not in two.stdout + two.stderr, two.stdout + two.stderr
+    assert single.stdout.strip() and two.stdout.count(single.stdout.strip()) == 1, (single.stdout, two.stdout)
 
 
-def test_pipeline_parallel_with_recurrent_layers(tmp_path):
-    """Qwen3-Next (Gated DeltaNet + attention layers): each rank keeps the state of its layers."""
-    path = _tiny(tmp_path, "qwen3_next")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])
+def test_pipeline_parallel_gives_single_process_tokens(tmp_path, model_type):
+    """A layer range on each rank (Qwen3-Next: Gated DeltaNet and attention layers, each
+    rank keeping the state of its own); SmolLM2 runs in the `generate` and `serve` tests."""
+    path = _tiny(tmp_path, model_type)
     assert _run(path, "pipeline", tmp_path)["tokens"] == _run(path, "single", tmp_path)["tokens"]
 
 

@@ -102,7 +102,8 @@ def rank_report(ctx: DistContext, model: Any, kv_bytes: int) -> dict:
 
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     mine = {"rank": ctx.rank, "plan": getattr(model, "distributed_plan", ""), "weights_bytes": weights,
-            "kv_bytes": kv_bytes, "active_memory_bytes": mx.get_active_memory()}
+            "kv_bytes": kv_bytes, "active_memory_bytes": mx.get_active_memory(),
+            "peak_memory_bytes": mx.get_peak_memory()}
     logging.getLogger("macinfer").info("rank %d of %d: weights %.2f GiB, KV pool %.2f GiB", ctx.rank, ctx.size,
                                        weights / 2**30, kv_bytes / 2**30)
     return {"mode": ctx.mode, "ranks": ctx.gather(mine, "rank report")}

@@ -86,6 +86,11 @@ def tensor_parallel(model: Any, ctx: DistContext) -> str:
             f"--distributed tensor: mlx-lm's {model.args.model_type} has no shard() (no tensor-parallel split "
             "written for it); use --distributed pipeline")
     heads = _heads(text)
+    split = [h for h in heads if isinstance(h, int) and h % ctx.size]
+    if split:
+        raise UnsupportedModelError(
+            f"--distributed tensor over {ctx.size} ranks: {heads[0]} attention heads ({heads[1]} K/V heads) do not "
+            f"split evenly; use --distributed pipeline, or a group size that divides them")
     try:
         text.shard(ctx.group)
     except Exception as e:  # noqa: BLE001 - e.g. heads that do not divide by the group size

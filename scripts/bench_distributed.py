@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Two ranks against one, measured on this machine, and the traffic a step costs on Macs.
+
+    python scripts/bench_distributed.py                      # both parts
+    python scripts/bench_distributed.py --only traffic       # the arithmetic only
+
+Measured: the same requests (greedy, 64 new tokens each, 128-token prompts) run by one
+process and by `mlx.launch -n 2 --backend ring` in pipeline and tensor mode: single-stream
+decode (tok/s, TPOT) and offline throughput at 8 concurrent, medians of `--repeats`. On one
+machine both ranks share its cores and the loopback: this shows what the sync costs, not
+what two Macs gain.
+
+Computed: bytes and messages per decode step for DeepSeek V3 and Qwen3.5-397B-A17B in
+each mode (mlx-lm's shard(): two all-reduces of the hidden state per layer; pipeline: one
+send of it per stage boundary), against Thunderbolt 5 (80 Gb/s a direction; JACCL's
+published 50-60 Gb/s effective) and a collective's latency (JACCL over RDMA: single-digit
+to tens of microseconds as published; MLX's TCP ring: ~300 us).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# hidden size, decoder layers (published config.json files), and activations' bytes (bf16)
+MODELS = {"DeepSeek-V3": (7168, 61), "Qwen3.5-397B-A17B": (4096, 60)}
+TB5_BYTES_S = 6.5e9  # ~52 Gb/s effective
+LATENCY_S = {"JACCL (RDMA over TB5)": 30e-6, "ring (TCP)": 300e-6}
+
+
+def traffic(ranks: int = 2, batch: int = 1) -> None:
+    print(f"Traffic per decode step, {ranks} ranks, {batch} sequence(s), bf16 activations:")
+    print(f"{'model':<20} {'mode':<9} {'msgs/step':>9} {'KiB/token/layer':>16} {'MiB/step':>9} "
+          + " ".join(f"{k + ' ms':>26}" for k in LATENCY_S))
+    for name, (hidden, layers) in MODELS.items():
+        row = hidden * 2 * batch  # the hidden state of the step's tokens
+        # tensor: 2 all-reduces a layer; a ring all-reduce moves 2(N-1)/N of the data per rank
+        # in 2(N-1) latency-bound hops
+        tp_bytes = 2 * layers * row * 2 * (ranks - 1) / ranks
+        tp_msgs = 2 * layers * 2 * (ranks - 1)
+        pp_bytes, pp_msgs = (ranks - 1) * row, ranks - 1
+        sync = 3  # macinfer's own per step: the inputs, the sampled tokens, the acknowledgement
+        for mode, b, m, per_layer in (("tensor", tp_bytes, tp_msgs, 2 * row * 2 * (ranks - 1) / ranks),
+                                      ("pipeline", pp_bytes, pp_msgs, row / layers)):
+            times = [(m + sync) * lat + b / TB5_BYTES_S for lat in LATENCY_S.values()]
+            print(f"{name:<20} {mode:<9} {m + sync:>9} {per_layer / batch / 1024:>16.2f} {b / 2**20:>9.3f} "
+                  + " ".join(f"{t * 1e3:>26.2f}" for t in times))
+
+
+def _rank(model: str, mode: str, out: str, prompt_len: int, new: int, concurrent: int) -> None:
+    """One rank of a measurement (under mlx.launch, or alone for mode 'single')."""
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.sampling_params import SamplingParams
+
+    engine = LLMEngine(model, EngineConfig(kv_cache_gb=0.2, max_model_len=1024, enable_prefix_caching=False,
+                                           distributed=None if mode == "single" else mode))
+    if engine.dist is not None and not engine.dist.is_driver:
+        engine.run_worker()
+        return
+    vocab = engine.model.args.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    result = {}
+    for n in (1, concurrent):
+        prompts = [[(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(prompt_len)] for i in range(n)]
+        start = time.perf_counter()
+        first = None
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, request_id=f"{n}-{i}")
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and any(o.token_ids for o in outs):
+                first = time.perf_counter()
+        total = time.perf_counter() - start
+        result[n] = {"tok_s": n * new / total, "ttft_s": first - start, "tpot_ms": (total - (first - start)) / (new - 1) * 1e3}
+    engine.close()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int) -> None:
+    runs: dict[str, list[dict]] = {"single": [], "pipeline": [], "tensor": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeats):
+            for mode in runs:  # interleaved
+                out = os.path.join(tmp, f"{mode}.json")
+                args = [__file__, "--rank", model, mode, out, str(prompt_len), str(new), str(concurrent)]
+                cmd = [sys.executable, *args] if mode == "single" else [
+                    os.path.join(os.path.dirname(sys.executable), "mlx.launch"), "-n", "2", "--backend", "ring",
+                    "--python", sys.executable, *args]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+                if not os.path.exists(out):
+                    print(f"{mode}: failed\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+                    runs[mode] = []
+                    continue
+                runs[mode].append(json.load(open(out)))
+                os.remove(out)
+    print(f"\n{model}: prompts of {prompt_len} tokens, {new} new tokens, greedy; medians of {repeats} "
+          f"(2 ranks share this machine's {os.cpu_count()} cores)")
+    print(f"{'':<10} {'decode tok/s':>12} {'TPOT ms':>8} {'TTFT s':>7} {f'{concurrent} concurrent tok/s':>20}")
+    for mode, results in runs.items():
+        if not results:
+            continue
+        med = lambda n, k: statistics.median(r[str(n)][k] for r in results)  # noqa: E731
+        print(f"{mode:<10} {med(1, 'tok_s'):>12.1f} {med(1, 'tpot_ms'):>8.1f} {med(1, 'ttft_s'):>7.2f} "
+              f"{med(concurrent, 'tok_s'):>20.1f}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        model, mode, out, plen, new, conc = sys.argv[2:8]
+        _rank(model, mode, out, int(plen), int(new), int(conc))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the bundled SmolLM2 (its heads do not split in 2: "
+                                                  "tensor mode is refused for it, pipeline runs)")
+    ap.add_argument("--only", choices=["traffic", "measure"], default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--concurrent", type=int, default=8)
+    args = ap.parse_args()
+    if args.only != "measure":
+        traffic()
+    if args.only != "traffic":
+        from macinfer.loader import bundled_test_model
+
+        measure(args.model or bundled_test_model(), args.repeats, args.prompt_len, args.new_tokens, args.concurrent)
+
+
+if __name__ == "__main__":
+    main()
