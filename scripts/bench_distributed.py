@@ -6,7 +6,8 @@
 
 Measured: the same requests (greedy, 64 new tokens each, 128-token prompts) run by one
 process and by `mlx.launch -n 2 --backend ring` in pipeline and tensor mode: single-stream
-decode (tok/s, TPOT) and offline throughput at 8 concurrent, medians of `--repeats`. On one
+decode (tok/s, TPOT) and offline throughput at 8 concurrent, medians of `--repeats`
+(`pipeline-mb2`: a step's sequences in 2 micro-batches). On one
 machine both ranks share its cores and the loopback: this shows what the sync costs, not
 what two Macs gain.
 
@@ -61,8 +62,10 @@ def _rank(model: str, mode: str, out: str, prompt_len: int, new: int, concurrent
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
     from macinfer.sampling_params import SamplingParams
 
+    micro = int(mode.split("-mb")[1]) if "-mb" in mode else 1  # "pipeline-mb2": 2 micro-batches
     engine = LLMEngine(model, EngineConfig(kv_cache_gb=0.2, max_model_len=1024, enable_prefix_caching=False,
-                                           distributed=None if mode == "single" else mode))
+                                           distributed=None if mode == "single" else mode.split("-mb")[0],
+                                           pipeline_micro_batches=micro))
     if engine.dist is not None and not engine.dist.is_driver:
         engine.run_worker()
         return
@@ -87,7 +90,7 @@ def _rank(model: str, mode: str, out: str, prompt_len: int, new: int, concurrent
 
 
 def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int) -> None:
-    runs: dict[str, list[dict]] = {"single": [], "pipeline": [], "tensor": []}
+    runs: dict[str, list[dict]] = {"single": [], "pipeline": [], "pipeline-mb2": [], "tensor": []}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(repeats):
             for mode in runs:  # interleaved

@@ -16,7 +16,7 @@ PROMPTS = [list(range(5, 45)), list(range(5, 45)) + [50, 51], [7, 9, 11, 13, 15]
 
 def run(model: str, mode: str | None) -> dict:
     engine = LLMEngine(model, EngineConfig(kv_cache_gb=0.05, max_num_batched_tokens=24, max_model_len=512,
-                                           distributed=mode))
+                                           distributed=mode, pipeline_micro_batches=2))
     if engine.dist is not None and not engine.dist.is_driver:
         engine.run_worker()
         return {}
@@ -33,7 +33,7 @@ def run(model: str, mode: str | None) -> dict:
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     cached = engine.block_manager.stats() if hasattr(engine.block_manager, "stats") else None
     engine.close()
-    return {"tokens": [done[i] for i in ids], "cached": cached}
+    return {"tokens": [done[i] for i in ids], "cached": cached, "micro_batched": engine.runner.micro_batched_steps}
 
 
 if __name__ == "__main__":

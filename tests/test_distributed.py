@@ -72,9 +72,13 @@ def test_generate_command_over_two_ranks(smollm2_gguf):
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])
 def test_pipeline_parallel_gives_single_process_tokens(tmp_path, model_type):
     """A layer range on each rank (Qwen3-Next: Gated DeltaNet and attention layers, each
-    rank keeping the state of its own); SmolLM2 runs in the `generate` and `serve` tests."""
+    rank keeping the state of its own); SmolLM2 runs in the `generate` and `serve` tests.
+    Steps with several sequences run as 2 micro-batches (`pipeline_micro_batches`) where
+    there is no recurrent state."""
     path = _tiny(tmp_path, model_type)
-    assert _run(path, "pipeline", tmp_path)["tokens"] == _run(path, "single", tmp_path)["tokens"]
+    run = _run(path, "pipeline", tmp_path)
+    assert run["tokens"] == _run(path, "single", tmp_path)["tokens"]
+    assert (run["micro_batched"] > 0) == (model_type == "llama")
 
 
 def test_tensor_parallel_without_shard_is_refused_with_the_reason(tmp_path):

@@ -60,11 +60,18 @@ class _Stage(nn.Module):
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
         group, recv_from, send_to = self._route
+        # Transfers in call order: a step's micro-batches are one graph, and two of the same
+        # shape could otherwise be sent (or received) in either order.
+        last = getattr(self, "_last", None)
+        if last is not None:
+            x = mx.depends(x, last)
         if recv_from is not None:
             x = mx.distributed.recv_like(x, recv_from, group=group)
+            object.__setattr__(self, "_last", x)
         out = self.layer(x, *args, **kwargs)
         if send_to is not None:
             out = mx.distributed.send(out, send_to, group=group)
+            object.__setattr__(self, "_last", out)
         return out
 
 

@@ -75,6 +75,7 @@ class EngineConfig:
     # how long a collective may take before the group is declared hung.
     distributed: str | None = None
     distributed_timeout: float = 60.0
+    pipeline_micro_batches: int = 1  # pipeline mode: a step's sequences in this many overlapping forwards
 
 
 class LLMEngine:
@@ -157,7 +158,7 @@ class LLMEngine:
                 "config": self.loaded.config, "engine": dataclasses.asdict(cfg), "blocks": plan.num_blocks,
                 "vocab": self.model.args.vocab_size, "mlx": mx.__version__})
             self.distributed_status = dist_engine.rank_report(self.dist, self.model, self.kv_cache.nbytes)
-            self.runner.dist = self.dist
+            self.runner.dist, self.runner.micro_batches = self.dist, max(1, cfg.pipeline_micro_batches)
         self._check_against_mlx_lm()
         self.requests: dict[str, _RequestState] = {}
         if states is not None:

@@ -100,6 +100,8 @@ class ModelRunner:
         self.prefill_tile = prefill_tile
         self.mla_expand_from = mla_expand_from  # see AttentionMetadata
         self.dist = None  # over several ranks: rank 0 samples, the others take its tokens
+        self.micro_batches = 1  # pipeline mode: forwards a step is cut into (EngineConfig)
+        self.micro_batched_steps = 0  # pipeline steps run as several micro-batches
         self.structured = structured
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -158,16 +160,46 @@ class ModelRunner:
     ) -> tuple[mx.array | None, list[Sequence | DraftRow]]:
         """Run the model; logits [N, vocab] for the rows that produce a token. Prompt
         logprobs of requests that ask for them are recorded on their sequences."""
-        input_ids, meta, rows, seqs = self.prepare(scheduled, snapshots=True)
-        hidden = self.model(input_ids, meta)
-        self._hidden = hidden  # over several ranks, evaluated every step: a pipeline stage's send is in it
-        if self.state is not None:
-            self.state.publish_pending()
-        logits = self.model.logits(hidden[mx.array(rows)]) if rows else None
-        spans = _prompt_logprob_spans(scheduled)
-        if spans:
-            self._record_prompt_logprobs(hidden, spans)
-        return logits, seqs
+        logits, seqs, self._hidden = [], [], []
+        parts = self._micro_batches(scheduled)
+        self.micro_batched_steps += len(parts) > 1
+        for part in parts:
+            input_ids, meta, rows, part_seqs = self.prepare(part, snapshots=True)
+            hidden = self.model(input_ids, meta)
+            # Over several ranks, evaluated every step: a pipeline stage's send is in it.
+            self._hidden.append(hidden)
+            if self.state is not None:
+                self.state.publish_pending()
+            if rows:
+                logits.append(self.model.logits(hidden[mx.array(rows)]))
+                seqs.extend(part_seqs)
+            spans = _prompt_logprob_spans(part)
+            if spans:
+                self._record_prompt_logprobs(hidden, spans)
+        if not logits:
+            return None, seqs
+        return (logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)), seqs
+
+    def _micro_batches(self, scheduled: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+        """The step's sequences in one forward, or, in pipeline mode, in `micro_batches`
+        forwards of about equal tokens, built as one graph: a stage sends a micro-batch on
+        and starts the next while the following stage takes the first, so the stages
+        overlap instead of waiting in turn (recurrent models: one, as their state plan is
+        a step's). Off by default: on this project's 2-core machine it costs more in ops
+        than the overlap gains (docs/distributed.md); not yet measured on Macs."""
+        n = self.micro_batches if self.dist is not None and self.dist.mode == "pipeline" else 1
+        if n == 1 or self.state is not None or len(scheduled) < n:
+            return [scheduled]
+        total = sum(k for _, k in scheduled)
+        parts: list[list[tuple[Sequence, int]]] = [[]]
+        done = 0
+        for i, item in enumerate(scheduled):  # contiguous (the order prepare expects), cut at token quantiles
+            left_parts, left_seqs = n - len(parts), len(scheduled) - i
+            if parts[-1] and left_parts and (done >= total * len(parts) / n or left_seqs <= left_parts):
+                parts.append([])
+            parts[-1].append(item)
+            done += item[1]
+        return parts
 
     def _record_prompt_logprobs(self, hidden: mx.array, spans: list[tuple[Sequence, int, int, int]]) -> None:
         """Logprob of each prompt token given the tokens before it (and the top
@@ -202,7 +234,7 @@ class ModelRunner:
         # Grammar masks are computed on the host while the device runs the forward pass.
         outputs = [*([] if logits is None else [logits]), *self.kv_cache.state()]
         if self.dist is not None:  # (a chunk that samples nothing still sends its hidden state on)
-            outputs.append(self._hidden)
+            outputs.extend(self._hidden)
         mask = None
         sampler = self.dist is None or self.dist.is_driver
         if (logits is not None and sampler and self.structured is not None
