@@ -66,6 +66,10 @@ def _engine_options(f):
     f = click.option("--distributed", type=click.Choice(["pipeline", "tensor"]), default=None,
                      help="Run over the ranks mlx.launch started (one per Mac): pipeline (layers split, any "
                           "model) or tensor (heads split, models with an mlx-lm shard()). Rank 0 serves.")(f)
+    f = click.option("--no-autotune", "no_autotune", is_flag=True,
+                     help="Skip timing the paths a decision may take at load (Metal kernels or MLX's ops, explicit "
+                          "or fused attention, MLA's prompt form); take the defaults. Verdicts are cached per "
+                          "device in ~/.cache/macinfer/autotune.json.")(f)
     f = click.option("--pipeline-micro-batches", type=click.IntRange(min=1), default=1, show_default=True,
                      help="--distributed pipeline: run a step's sequences as this many micro-batches, so the "
                           "ranks' stages overlap (set it to the number of Macs; not yet measured on Macs).")(f)
@@ -110,7 +114,7 @@ def _sampling_options(f):
 def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
                  kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
                  num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None,
-                 distributed_timeout=60.0, pipeline_micro_batches=1):
+                 distributed_timeout=60.0, pipeline_micro_batches=1, no_autotune=False):
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
     start = time.perf_counter()
@@ -130,7 +134,8 @@ def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len
                                                num_speculative_tokens=num_speculative_tokens,
                                                chat_template=chat_template, rope_scaling=rope_scaling,
                                                distributed=distributed, distributed_timeout=distributed_timeout,
-                                               pipeline_micro_batches=pipeline_micro_batches),
+                                               pipeline_micro_batches=pipeline_micro_batches,
+                                               autotune=not no_autotune),
                            progress=progress)
     except (FileNotFoundError, ValueError, MemoryError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None

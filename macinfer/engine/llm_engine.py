@@ -14,6 +14,8 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer import kernels
+from macinfer.kernels import autotune, choices
+from macinfer.kernels import quantized as quantized_kernels
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.embedding import EmbeddingJob
 from macinfer.engine.model_runner import ModelRunner
@@ -76,6 +78,8 @@ class EngineConfig:
     distributed: str | None = None
     distributed_timeout: float = 60.0
     pipeline_micro_batches: int = 1  # pipeline mode: a step's sequences in this many overlapping forwards
+    # Time the paths a decision may take at load (cached per device); False: the defaults.
+    autotune: bool = True
 
 
 class LLMEngine:
@@ -147,11 +151,21 @@ class LLMEngine:
         # MLX's SDPA and RoPE are fused kernels on the GPU (SDPA skips masked tiles itself);
         # on the CPU they are composed of ops, so they are written in the cheapest forms
         # there and long causal prompts are attended in query tiles.
-        cpu = mx.default_device() == mx.cpu
-        tile = CPU_PREFILL_TILE if cpu else None
+        # Where there is more than one correct path (Metal kernels or MLX's ops, explicit or
+        # fused attention ops, MLA's prompt form), the faster on the model's own shapes,
+        # measured once per device and cached (`kernels/choices.py`).
+        autotune.configure(None if cfg.autotune else False)  # None: MACINFER_AUTOTUNE decides
+        kernels.configure(choices.choose_decode_attention(self.model, self.layer_specs))
+        quantized_kernels.configure(choices.choose_qmv(self.model))
+        explicit = choices.choose_attention_ops(self.model, self.layer_specs)
+        tile = CPU_PREFILL_TILE if explicit else None
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured,
-                                  explicit_ops=cpu, prefill_tile=tile, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-                                  mla_expand_from=choose_expand_from(self.model, self.kv_cache.dtype, cpu, tile))
+                                  explicit_ops=explicit, prefill_tile=tile,
+                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                                  mla_expand_from=choose_expand_from(self.model, self.kv_cache.dtype, explicit, tile))
+        self.op_choices = {"decode_attention": kernels.mode(), "qmv_kernel": quantized_kernels.enabled(),
+                           "attention_ops": "explicit" if explicit else "fused",
+                           "mla_prompt_expanded_from": self.runner.mla_expand_from}
         self.distributed_status = None
         if self.dist is not None:
             dist_engine.check_same_model(self.dist, {

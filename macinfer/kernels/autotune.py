@@ -23,7 +23,18 @@ log = logging.getLogger("macinfer")
 _lock = threading.Lock()
 
 
+_configured: bool | None = None
+
+
+def configure(on: bool | None) -> None:
+    """`--no-autotune` (False) for this process; None: back to MACINFER_AUTOTUNE."""
+    global _configured
+    _configured = on
+
+
 def enabled() -> bool:
+    if _configured is not None:
+        return _configured
     return os.environ.get("MACINFER_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -77,3 +88,57 @@ def verdict(decision: str, shape: dict[str, Any], measure: Callable[[], dict]) -
         except OSError as e:  # a read-only home: measured again next time
             log.warning("autotune: cannot keep the verdict in %s (%s)", _path(), e)
     return found
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
+    import time
+
+    mx.eval(fn())  # warm-up (kernel compilation, buffer allocation)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def forced(decision: str) -> str | None:
+    """`MACINFER_FORCE_<DECISION>` (e.g. MACINFER_FORCE_DECODE_ATTENTION=reference): a path
+    chosen by hand, which wins over any measurement."""
+    value = os.environ.get(f"MACINFER_FORCE_{decision.upper()}")
+    return value.strip().lower() if value else None
+
+
+def choose(decision: str, shape: dict[str, Any], candidates: dict[str, Callable[[], Any] | None], default: str,
+           timer: Callable[[Callable[[], Any]], float] = _median_seconds) -> str:
+    """The path to take for `decision` on this device: each candidate is a function running
+    that path once on the model's own shapes, or None where the path cannot run here (its
+    self-check failed, or it is the CPU emulator: a correctness tool, never timed). The
+    fastest wins, its verdict cached (`verdict`); `MACINFER_FORCE_<DECISION>` overrides;
+    with measuring off, `default` (if it can run). Logged in one line."""
+    viable = [name for name, fn in candidates.items() if fn is not None]
+    override = forced(decision)
+    if override is not None:
+        if override not in candidates:
+            raise ValueError(f"MACINFER_FORCE_{decision.upper()}={override!r}; expected one of "
+                             f"{', '.join(candidates)}")
+        if override not in viable:
+            raise ValueError(f"MACINFER_FORCE_{decision.upper()}={override}: that path cannot run here "
+                             "(its self-check failed or it needs another device)")
+        log.info("%s: %s (forced by MACINFER_FORCE_%s)", decision, override, decision.upper())
+        return override
+    if not viable:
+        raise ValueError(f"{decision}: no path can run here")
+    if len(viable) == 1:
+        return viable[0]
+
+    def measure() -> dict:
+        ms = {name: round(timer(candidates[name]) * 1e3, 4) for name in viable}
+        return {"choice": min(viable, key=lambda n: ms[n]), "ms": ms}
+
+    found = verdict(decision, dict(shape, paths=viable), measure)
+    if found is None:
+        return default if default in viable else viable[0]
+    log.info("%s: %s (%s ms on this device%s)", decision, found["choice"],
+             ", ".join(f"{n} {t:g}" for n, t in found["ms"].items()), ", cached" if found.get("cached") else "")
+    return found["choice"]

@@ -1,9 +1,8 @@
 """Batched decode quantized matmul (and fused SwiGLU) Metal kernels.
 
-Off by default even on Metal (`MACINFER_QMV_KERNEL=1` turns it on): its speed
-against `mx.quantized_matmul` has not been measured on Apple hardware yet;
-`scripts/mac_check.py` measures it. Correctness is checked everywhere through
-the CPU emulator.
+On Metal, used when it beats `mx.quantized_matmul` on the model's own MLP at load
+(`kernels/choices.py`; `MACINFER_FORCE_QMV=kernel|mlx`); `scripts/mac_check.py`
+measures it too. Correctness is checked everywhere through the CPU emulator.
 """
 
 from __future__ import annotations
@@ -20,7 +19,18 @@ QMV_INPUTS = ["x", "w", "scales", "biases"]
 SWIGLU_INPUTS = QMV_INPUTS + ["w_up", "scales_up", "biases_up"]
 
 
+_configured: bool | None = None
+
+
+def configure(on: bool | None) -> None:
+    """Fixed at load by measurement (`kernels/choices.py`); None: back to the environment."""
+    global _configured
+    _configured = on
+
+
 def enabled() -> bool:
+    if _configured is not None:
+        return _configured
     return os.environ.get("MACINFER_QMV_KERNEL", "0") == "1"
 
 

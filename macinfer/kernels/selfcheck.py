@@ -70,7 +70,7 @@ def self_check(backend: str) -> str:
     emulate = backend == "emulate"
     checks = {"paged decode attention": _check_decode_attention,
               "paged latent (MLA) decode attention": _check_latent_decode_attention}
-    if quantized_kernels.enabled():
+    if quantized_kernels.enabled() or backend == "metal":  # on Metal, a candidate for the load-time timing
         checks["batched quantized matmul"] = _check_qmv
     for name, check in checks.items():
         try:

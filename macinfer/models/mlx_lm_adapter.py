@@ -320,6 +320,7 @@ class MlxLmModel(nn.Module):
                     raise UnsupportedModelError(
                         f"{name}: state cache {i} changes shape with the tokens seen ({a.describe()} after 2, "
                         f"{b.describe()} after 3: a window still filling up), which a fixed state slot cannot hold")
+        object.__setattr__(self, "query_heads", dict(f.query_heads))  # for timing attention paths at load
         return specs, f.calls, vocab  # calls: the cache each layer attended, in layer order
 
     def _state_specs_from(self, f: Forward, name: str) -> list[StateSpec]:

@@ -37,6 +37,7 @@ class Forward:
     handed: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)  # cache -> (K, V) handed out
     writes: dict[int, list[tuple]] = field(default_factory=dict)  # cache -> shapes written
     calls: list[int] = field(default_factory=list)  # cache each attention call read
+    query_heads: dict[int, int] = field(default_factory=dict)  # cache -> query heads attending it
     problems: list[str] = field(default_factory=list)
     # Recurrent state (`paged_state.py`): the step's plan, and what the probe and the tracer see.
     state_plan: Any = None
@@ -146,6 +147,7 @@ def paged_call(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, 
         f.problems.append("an attention call reads K/V that did not come from its cache")
         return mx.zeros(queries.shape[:-1] + values.shape[-1:], dtype=queries.dtype)
     handed = f.handed.get(index)
+    f.query_heads.setdefault(index, queries.shape[1])
     if index in f.latent:
         return _latent_call(f, index, queries, keys, values, scale, mask, handed)
     if handed is None or not (_same(keys, handed[0]) and _same(values, handed[1])):
