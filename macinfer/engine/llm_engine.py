@@ -313,6 +313,9 @@ class LLMEngine:
         """
         if any(len(t) < sum(chunks) for t in token_lists):
             raise ValueError("every token list needs at least sum(chunks) tokens")
+        if self.dist is not None and getattr(self, "requests", None) is not None:
+            # (at load every rank runs the check against mlx-lm together; after it, rank 0 alone would wait)
+            raise ValueError("score() bypasses the scheduler, so it cannot run over --distributed ranks")
         seqs = [Sequence(f"score-{i}", t, SamplingParams(temperature=0), 0) for i, t in enumerate(token_lists)]
         per_seq: list[list[np.ndarray]] = [[] for _ in seqs]
         try:
