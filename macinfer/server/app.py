@@ -24,7 +24,7 @@ from macinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFull
 from macinfer.server.metrics import ServerMetrics
 from macinfer.server import webui as chat_page
 from macinfer.server.middleware import Guard
-from macinfer.server import anthropic, context_editing, responses
+from macinfer.server import anthropic, ollama, context_editing, responses
 from macinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                       TokenizeRequest, describe_validation_error)
 from macinfer.server.serving import DEFAULT_MAX_TOKENS, APIError, OpenAIServing
@@ -43,6 +43,8 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
         log.info("%d on %s: %s%s", status, path, message, f" (param: {param})" if param else "")
     if path.startswith("/v1/messages"):  # Anthropic clients read Anthropic-shaped errors
         return JSONResponse(anthropic.error_body(status, message), status_code=status, headers=headers)
+    if path.startswith("/api/") and path != "/api/hello":  # Ollama's clients read {"error": ...}
+        return JSONResponse(ollama.error_body(status, message), status_code=status, headers=headers)
     return JSONResponse(APIError(status, message, type or _STATUS_TYPES.get(status, "server_error"),
                                  param, code).body(), status_code=status, headers=headers)
 
@@ -288,15 +290,12 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         return await _translated(req, "input", request, lambda t, s: responses.events(req, model_name, t, s),
                                  lambda f, t: responses.response(req, model_name, f, t))
 
-    @app.post("/v1/embeddings")
-    async def embeddings(req: EmbeddingRequest, request: Request):
+    async def _embed(inputs: list, request: Request):
+        """Pooled embeddings of `inputs` (texts or token lists): (vectors, token count)."""
         if engine.loaded.pooling is None:
             raise APIError(400, "this model does not publish embedding use (no sentence-transformers pooling "
                            "config, no GGUF pooling_type): it has no embeddings endpoint", param="model",
                            code="model_not_supported")
-        inputs = req.input
-        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
-            inputs = [inputs]
         if len(inputs) > MAX_EMBEDDING_INPUTS:
             raise APIError(400, f"input holds {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} per request",
                            param="input")
@@ -331,14 +330,21 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             if job is not None:
                 with contextlib.suppress(Exception):
                     await async_engine.call(job.close)
-        n = sum(len(x) for x in ids)
+        return job.results, sum(len(x) for x in ids)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, request: Request):
+        inputs = req.input
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        results, n = await _embed(inputs, request)
 
         async def body():
             # Written a few vectors at a time on the event loop, which serves other
             # streams between them: one json.dumps (or FastAPI's encoder) of 2,000
             # vectors holds the GIL for ~0.5 s, a pause every stream would see.
             yield '{"object": "list", "data": ['
-            for i, v in enumerate(job.results):
+            for i, v in enumerate(results):
                 emb = (base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
                        else v.astype(float).tolist())
                 yield ("" if i == 0 else ", ") + json.dumps({"object": "embedding", "index": i, "embedding": emb})
@@ -349,6 +355,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
         return StreamingResponse(body(), media_type="application/json")
 
+    ollama.add_routes(app, engine, serving, model_name, _chat_translated, _embed, _add_header)
     return app
 
 

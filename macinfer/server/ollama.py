@@ -1,0 +1,333 @@
+"""Ollama's API (`/api/*`), for the apps that speak it first (Open WebUI, Continue, Raycast
+and Obsidian plugins, the `ollama` Python and JS clients).
+
+`/api/chat` and `/api/generate` are translated into the OpenAI chat request the rest of the
+server serves (template, sampling, grammars, tools, engine), as the Anthropic API is, and
+their output is written back as Ollama's NDJSON stream or single object. `options` map onto
+our sampling fields; options that change nothing here (`num_ctx`, `num_thread`, `num_gpu`,
+...) and `keep_alive` (one model, always loaded) are named in `x-macinfer-ignored`;
+sampling options we do not implement (mirostat, tfs_z, typical_p, ...) are a 400 naming
+them. Errors are Ollama's `{"error": message}`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.background import BackgroundTask
+
+from macinfer.server import chat_output
+from macinfer.server.protocol import ChatCompletionRequest
+
+# Ollama option -> our request field
+_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+            "num_predict": "max_tokens", "stop": "stop", "repeat_penalty": "repetition_penalty",
+            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+# Options about the runtime, not the output: accepted and named as ignored.
+_RUNTIME = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "low_vram", "use_mmap", "use_mlock",
+            "numa", "vocab_only", "num_keep"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": message}
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    format: Literal["json"] | dict[str, Any] | Literal[""] | None = None
+    options: dict[str, Any] | None = None
+    stream: bool = True  # Ollama streams unless told not to
+    keep_alive: float | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
+
+
+class ChatRequest(_Base):
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(_Base):
+    prompt: str = ""
+    system: str | None = None
+    images: list[str] | None = None
+    suffix: str | None = None
+    template: str | None = None
+    raw: bool = False
+    context: list[int] | None = None
+
+
+class EmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | list[str]
+    truncate: bool = True
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+    dimensions: int | None = None
+
+
+class ShowRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    name: str | None = None  # older clients
+    verbose: bool = False
+
+
+def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ollama's messages as OpenAI's: tool calls with ids and JSON arguments, tool results
+    answering the calls in order."""
+    out, pending = [], []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"messages[{i}].role: {role!r} is not system, user, assistant or tool")
+        if m.get("images"):
+            raise ValueError(f"messages[{i}].images: images are not supported (this server runs text models)")
+        msg: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
+        if role == "assistant" and m.get("tool_calls"):
+            calls = []
+            for j, c in enumerate(m["tool_calls"]):
+                fn = c.get("function") or {}
+                call_id = f"call_{i}_{j}"
+                calls.append({"id": call_id, "type": "function",
+                              "function": {"name": fn.get("name", ""), "arguments": json.dumps(fn.get("arguments", {}))}})
+                pending.append(call_id)
+            msg["tool_calls"] = calls
+        if role == "tool":
+            msg["tool_call_id"] = pending.pop(0) if pending else f"call_{i}"
+        out.append(msg)
+    return out
+
+
+def to_chat(req: ChatRequest | GenerateRequest) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat request this Ollama request asks for, and the fields named as ignored."""
+    ignored: list[str] = []
+    fields: dict[str, Any] = {"model": req.model, "stream": req.stream}
+    for key, value in (req.options or {}).items():
+        if key in _OPTIONS:
+            fields[_OPTIONS[key]] = value
+        elif key in _RUNTIME:
+            ignored.append(f"options.{key}")
+        else:
+            raise ValueError(f"options.{key} is not supported by this server")
+    if fields.get("max_tokens") is not None and fields["max_tokens"] < 0:  # Ollama's -1: until done
+        del fields["max_tokens"]
+    if req.keep_alive is not None:
+        ignored.append("keep_alive")
+    if req.format == "json":
+        fields["response_format"] = {"type": "json_object"}
+    elif isinstance(req.format, dict):
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": req.format}}
+    if req.think is False:
+        fields["reasoning_effort"] = "none"
+    elif isinstance(req.think, str):
+        fields["reasoning_effort"] = req.think
+    if isinstance(req, ChatRequest):
+        if not req.messages:
+            raise ValueError("messages: at least one message is needed")
+        fields["messages"] = _messages(req.messages)
+        if req.tools:
+            fields["tools"] = req.tools
+    else:
+        for name in ("images", "suffix", "template", "context"):
+            if getattr(req, name):
+                raise ValueError(f"{name} is not supported by this server")
+        if req.raw:
+            raise ValueError("raw is not supported by this server; send the prompt through the chat template")
+        fields["messages"] = ([{"role": "system", "content": req.system}] if req.system else []) + \
+            [{"role": "user", "content": req.prompt}]
+    return ChatCompletionRequest.model_validate(fields), ignored
+
+
+def _calls(proc) -> list[dict[str, Any]]:
+    out = []
+    for c in proc.calls:
+        try:
+            args = json.loads(c.arguments or "{}")
+        except ValueError:
+            args = {}
+        out.append({"function": {"name": c.name, "arguments": args}})
+    return out
+
+
+def _done(model_name: str, out, turn, started: float) -> dict[str, Any]:
+    total = int((time.perf_counter() - started) * 1e9)
+    return {"model": model_name, "created_at": now(), "done": True,
+            "done_reason": "length" if out.finish_reason == "length" else "stop",
+            "total_duration": total, "load_duration": 0, "prompt_eval_count": len(turn.ids),
+            "prompt_eval_duration": 0, "eval_count": len(out.token_ids), "eval_duration": total}
+
+
+def answer(kind: str, model_name: str, out, turn, started: float) -> dict[str, Any]:
+    """The whole answer (`stream: false`)."""
+    msg, proc = chat_output.message(turn.plan, out.text, turn.prompt_tail)
+    body = _done(model_name, out, turn, started)
+    if kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or ""}
+        if msg.get("reasoning_content"):
+            message["thinking"] = msg["reasoning_content"]
+        if proc.calls:
+            message["tool_calls"] = _calls(proc)
+        body["message"] = message
+    else:
+        body["response"] = msg.get("content") or ""
+        if msg.get("reasoning_content"):
+            body["thinking"] = msg["reasoning_content"]
+    return body
+
+
+def _line(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, ensure_ascii=False) + "\n"
+
+
+async def stream(kind: str, model_name: str, turn, gen, started: float) -> AsyncIterator[str]:
+    """NDJSON: a line per piece of the answer, tool calls whole once generated, then the
+    final line with `done: true` and the counts; `{"error": ...}` if generation fails."""
+    proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
+    try:
+        async for out, parts in chat_output.parts_stream(proc, gen):
+            if parts is None:
+                from macinfer.server.serving import _generation_error
+
+                yield _line({"error": _generation_error(out).message})
+                return
+            text, thinking = parts.get("content") or "", parts.get("reasoning_content") or ""
+            if text or thinking:
+                piece: dict[str, Any] = {"model": model_name, "created_at": now(), "done": False}
+                if kind == "chat":
+                    piece["message"] = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {})}
+                else:
+                    piece["response"] = text
+                    if thinking:
+                        piece["thinking"] = thinking
+                yield _line(piece)
+            if out.finished:
+                if kind == "chat" and proc.calls:
+                    yield _line({"model": model_name, "created_at": now(), "done": False,
+                                 "message": {"role": "assistant", "content": "", "tool_calls": _calls(proc)}})
+                final = _done(model_name, out, turn, started)
+                if kind == "chat":
+                    final["message"] = {"role": "assistant", "content": ""}
+                else:
+                    final["response"] = ""
+                yield _line(final)
+    finally:
+        gen.close()
+
+
+def model_details(engine, model_name: str) -> dict[str, Any]:
+    cfg = engine.loaded.config
+    quant = cfg.get("quantization") or {}
+    source = engine.loaded.source
+    return {"format": "gguf" if str(source).endswith(".gguf") else "safetensors",
+            "family": cfg.get("model_type", ""), "families": [cfg.get("model_type", "")],
+            "parameter_size": _params(engine), "quantization_level": f"Q{quant['bits']}" if quant.get("bits") else "F32"
+            if not quant else str(quant), "parent_model": ""}
+
+
+def _params(engine) -> str:
+    from mlx.utils import tree_flatten
+
+    n = sum(v.size for _, v in tree_flatten(engine.model.parameters()))
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def model_entry(engine, model_name: str, size: int) -> dict[str, Any]:
+    return {"name": f"{model_name}:latest", "model": f"{model_name}:latest", "modified_at": now(), "size": size,
+            "digest": "", "details": model_details(engine, model_name)}
+
+
+def _to_chat_error(e: Exception):
+    from pydantic import ValidationError
+
+    from macinfer.server.protocol import describe_validation_error
+    from macinfer.server.serving import APIError
+
+    msg, _ = describe_validation_error(e.errors()) if isinstance(e, ValidationError) else (str(e), None)
+    return APIError(400, msg)
+
+
+def add_routes(app: Any, engine, serving, model_name: str, chat_translated, embed, add_header) -> None:
+    """The routes, over the same engine: `name:tag` model names resolve to this server's
+    model, as its other APIs take any model name."""
+    from mlx.utils import tree_flatten
+
+    from macinfer import __version__
+    from macinfer.server.serving import APIError
+
+    size = sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
+
+    @app.get("/api/version")
+    async def ollama_version():
+        return {"version": __version__}
+
+    @app.get("/api/tags")
+    async def ollama_tags():
+        return {"models": [model_entry(engine, model_name, size)]}
+
+    @app.get("/api/ps")
+    async def ollama_ps():
+        return {"models": [{**model_entry(engine, model_name, size), "size_vram": size,
+                            "expires_at": "2318-01-01T00:00:00Z"}]}  # never unloaded: one model, pinned
+
+    @app.post("/api/show")
+    async def ollama_show(req: ShowRequest):
+        name = (req.model or req.name or "").split(":")[0]
+        if name not in serving.aliases:
+            raise APIError(404, f"model '{req.model or req.name}' not found; this server serves '{model_name}'")
+        caps = ["completion"] + (["tools"] if serving._renders_tools() else []) + \
+            (["embedding"] if engine.loaded.pooling is not None else [])
+        return {"modelfile": "", "parameters": "", "template": engine.tokenizer.chat_template or "",
+                "details": model_details(engine, model_name), "capabilities": caps,
+                "model_info": {"general.architecture": engine.loaded.config.get("model_type", ""),
+                               "general.context_length": engine.max_model_len}, "modified_at": now()}
+
+    async def _generate(kind: str, req, request: Request):
+        started = time.perf_counter()
+        try:
+            chat, ignored = to_chat(req)
+        except (ValueError, ValidationError) as e:
+            raise _to_chat_error(e) from None
+        if ignored:
+            add_header(request, "x-macinfer-ignored", ",".join(ignored))
+        turn, gen, final = await chat_translated(chat, request)
+        if final is None:
+            return StreamingResponse(stream(kind, model_name, turn, gen, started),
+                                     media_type="application/x-ndjson", background=BackgroundTask(gen.close))
+        return answer(kind, model_name, final, turn, started)
+
+    @app.post("/api/chat")
+    async def ollama_chat(req: ChatRequest, request: Request):
+        return await _generate("chat", req, request)
+
+    @app.post("/api/generate")
+    async def ollama_generate(req: GenerateRequest, request: Request):
+        if not req.prompt:  # Ollama's "load the model" request: nothing to generate
+            return {"model": model_name, "created_at": now(), "response": "", "done": True,
+                    "done_reason": "load"}
+        return await _generate("generate", req, request)
+
+    @app.post("/api/embed")
+    async def ollama_embed(req: EmbedRequest, request: Request):
+        if req.dimensions is not None or req.options:
+            raise APIError(400, "dimensions and options are not supported by /api/embed here")
+        started = time.perf_counter()
+        vectors, n = await embed([req.input] if isinstance(req.input, str) else list(req.input), request)
+        return {"model": model_name, "embeddings": [v.astype(float).tolist() for v in vectors],
+                "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
+                "prompt_eval_count": n}
