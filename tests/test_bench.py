@@ -111,3 +111,14 @@ def test_prefix_mode_shows_the_cache(tiny_llama, tmp_path):
 def test_bad_target_is_a_usage_error():
     r = CliRunner().invoke(main, ["bench", "serve", "--vs", "llama.cpp"])
     assert r.exit_code == 2 and "expected mlx-lm, macinfer-nocache or an http(s) URL" in r.output
+
+
+def test_profile_mode_splits_a_steps_host_time(tiny_llama, tmp_path):
+    out = _run(["bench", "profile", tiny_llama, "-c", "3", "--prompt-len", "8", "--gen-len", "5",
+                "--out-dir", str(tmp_path)])
+    assert "3 concurrent" in out and "paths: decode_attention reference, attention_ops" in out
+    res = json.load(open(tmp_path / "bench_profile.json"))
+    ms = res["ms_per_step"]
+    assert set(ms) == {"schedule", "metadata", "graph", "device", "sampler", "outputs"}
+    assert res["steps"] >= 5 and all(v > 0 for v in ms.values()) and res["tok_s"] > 0
+    assert res["context"]["workload"]["concurrency"] == 3

@@ -107,6 +107,23 @@ def engine(model, vs, out_dir, no_plots, prompt_len, gen_len, prefill_len, concu
     _finish(results, out_dir, not no_plots, mod.table(results))
 
 
+@bench.command(help="Where a step's host time goes (schedule, metadata, graph, device, sampler, outputs) for "
+                    "concurrent greedy requests. Device time is the forward's evaluation as a whole.")
+@click.argument("model", required=False)
+@click.option("--concurrency", "-c", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--gen-len", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--out-dir", default="bench-results", show_default=True)
+def profile(model, concurrency, prompt_len, gen_len, out_dir):
+    from macinfer.bench import engine as mod
+    from macinfer.loader import bundled_test_model
+
+    results = mod.profile(model or bundled_test_model(), concurrency, prompt_len, gen_len)
+    table = (f"{concurrency} concurrent, {prompt_len}-token prompts, {gen_len} new tokens: "
+             f"{results['tok_s']:.1f} tok/s\n{results['table']}")
+    _finish(results, out_dir, False, table)
+
+
 def _start_targets(model: str, vs: list[str], first: str, macinfer_args: list[str]):
     from macinfer.bench import targets
     from macinfer.bench.common import same_weights_dir

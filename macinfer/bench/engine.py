@@ -146,3 +146,31 @@ def table(results: dict) -> str:
             line += f"{vals[0] / vals[1]:>8.2f}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def profile(model: str, concurrency: int = 32, prompt_len: int = 32, gen_len: int = 64,
+            kv_cache_gb: float = 1.0) -> dict:
+    """Host time per step by phase (`engine/profile.py`) for `concurrency` greedy requests
+    run to completion, after one untimed warm-up run."""
+    from macinfer.engine.profile import StepProfile
+
+    runner = MacinferRunner(model, max(concurrency, 1), kv_cache_gb, prompt_len + gen_len + 1)
+    rng = np.random.default_rng(0)
+    vocab = runner.engine.model.args.vocab_size
+    prompts = [rng.integers(10, vocab - 10, size=prompt_len).tolist() for _ in range(concurrency)]
+    runner.run(prompts, gen_len)  # warm-up: graphs, buffers
+    prof = StepProfile()
+    runner.engine.runner.profile = prof
+    try:
+        _, total = runner.run(prompts, gen_len)
+    finally:
+        runner.engine.runner.profile = None
+    loaded = runner.engine.loaded
+    return {"mode": "profile", "context": {
+        "model": os.path.basename(str(loaded.source).rstrip("/")), "model_type": loaded.config.get("model_type"),
+        "quantization": loaded.config.get("quantization"), **versions(),
+        "macinfer_flags": {"max_num_seqs": runner.config.max_num_seqs, **runner.engine.op_choices},
+        "hardware": hardware(), "energy": energy(),
+        "workload": {"concurrency": concurrency, "prompt_len": prompt_len, "gen_len": gen_len, "greedy": True}},
+        "tok_s": concurrency * gen_len / total, "steps": prof.steps, "ms_per_step": prof.per_step_ms(),
+        "table": prof.table()}

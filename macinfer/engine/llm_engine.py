@@ -19,6 +19,7 @@ from macinfer.kernels import quantized as quantized_kernels
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.embedding import EmbeddingJob
 from macinfer.engine.model_runner import ModelRunner
+from macinfer.engine.profile import maybe
 from macinfer.engine.outputs import RequestOutput, _RequestState
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
@@ -393,9 +394,13 @@ class LLMEngine:
         dist_engine.run_worker(self)
 
     def run_step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        prof = self.runner.profile
+        with maybe(prof, "schedule"):
+            sched = self.scheduler.schedule()
         if not sched:
             return []
+        if prof is not None:
+            prof.steps += 1
         for seq, n in sched.scheduled:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.stats["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -408,6 +413,11 @@ class LLMEngine:
             outputs = [self._fail(seq, e) for seq, _ in sched.scheduled]
             self._recover_after_failed_step()
             return outputs
+        with maybe(prof, "outputs"):
+            return self._outputs(sched, results, errors)
+
+    def _outputs(self, sched, results, errors) -> list[RequestOutput]:
+        """The step's sampled tokens appended, stops checked, outputs built."""
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted
         now = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,6 +13,7 @@ from macinfer.kv.attention import AttentionMetadata
 from macinfer.kv.prefill_plan import PrefillSpan
 from macinfer.engine.block_manager import BlockManager, GroupBlocks
 from macinfer.distributed.engine import share_samples
+from macinfer.engine.profile import maybe
 from macinfer.engine.sampler import SamplerOutput, sample
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import DraftRow, accepted_tokens, verify_rows
@@ -101,6 +103,7 @@ class ModelRunner:
         self.mla_expand_from = mla_expand_from  # see AttentionMetadata
         self.dist = None  # over several ranks: rank 0 samples, the others take its tokens
         self.micro_batches = 1  # pipeline mode: forwards a step is cut into (EngineConfig)
+        self.profile = None  # a StepProfile while `macinfer bench profile` runs
         self.micro_batched_steps = 0  # pipeline steps run as several micro-batches
         self.structured = structured
         self.kv_cache = kv_cache
@@ -164,8 +167,10 @@ class ModelRunner:
         parts = self._micro_batches(scheduled)
         self.micro_batched_steps += len(parts) > 1
         for part in parts:
-            input_ids, meta, rows, part_seqs = self.prepare(part, snapshots=True)
-            hidden = self.model(input_ids, meta)
+            with maybe(self.profile, "metadata"):
+                input_ids, meta, rows, part_seqs = self.prepare(part, snapshots=True)
+            with maybe(self.profile, "graph"):
+                hidden = self.model(input_ids, meta)
             # Over several ranks, evaluated every step: a pipeline stage's send is in it.
             self._hidden.append(hidden)
             if self.state is not None:
@@ -231,6 +236,15 @@ class ModelRunner:
         sampler fails, rows are retried one by one so only the request that causes
         the failure is dropped."""
         logits, rows = self.forward_logits(scheduled)
+        with maybe(self.profile, "device"):
+            mask, sampler = self._evaluate(logits, rows)
+        if logits is None:
+            return [], []
+        with maybe(self.profile, "sampler"):
+            return self._pick(logits, rows, mask, sampler)
+
+    def _evaluate(self, logits: mx.array | None, rows: list) -> tuple[Any, bool]:
+        """Run the step's graph; (the grammar mask, whether this rank samples)."""
         # Grammar masks are computed on the host while the device runs the forward pass.
         outputs = [*([] if logits is None else [logits]), *self.kv_cache.state()]
         if self.dist is not None:  # (a chunk that samples nothing still sends its hidden state on)
@@ -245,8 +259,10 @@ class ModelRunner:
         # inside the graph) is the batch's, and must not reach the per-row retry
         # below, where MLX would hand back the failed arrays as if evaluated.
         mx.eval(*outputs)
-        if logits is None:
-            return [], []
+        return mask, sampler
+
+    def _pick(self, logits: mx.array, rows: list, mask, sampler: bool
+              ) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
         allowed = allowed_tokens(mask, logits.shape[1]) if mask is not None else None
         owners = _owners(rows)
         failed: dict[Sequence, Exception] = {}
