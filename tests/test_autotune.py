@@ -16,6 +16,7 @@ from macinfer.kernels import autotune
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MACINFER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("MACINFER_AUTOTUNE", raising=False)
+    monkeypatch.delenv("MACINFER_FORCE_ATTENTION_OPS", raising=False)  # (conftest fixes it for the other tests)
     autotune.configure(None)
 
 
@@ -46,6 +47,13 @@ def test_the_faster_path_wins_and_the_verdict_is_cached(caplog):
     # another shape is measured on its own; the slower kernel loses there
     timer2, _ = _timer({"metal": 0.009, "reference": 0.005})
     assert autotune.choose("decode_attention", {"d": 64}, _paths("metal", "reference"), "metal", timer2) == "reference"
+
+
+def test_the_default_stays_unless_another_path_is_clearly_faster():
+    timer, _ = _timer({"explicit": 0.0100, "fused": 0.0095})  # 5% faster: noise
+    assert autotune.choose("attention_ops", {"d": 1}, _paths("explicit", "fused"), "explicit", timer) == "explicit"
+    timer, _ = _timer({"explicit": 0.0100, "fused": 0.0080})  # 20% faster
+    assert autotune.choose("attention_ops", {"d": 2}, _paths("explicit", "fused"), "explicit", timer) == "fused"
 
 
 def test_a_path_that_cannot_run_never_wins():
