@@ -169,7 +169,7 @@ def profile(model: str, concurrency: int = 32, prompt_len: int = 32, gen_len: in
     return {"mode": "profile", "context": {
         "model": os.path.basename(str(loaded.source).rstrip("/")), "model_type": loaded.config.get("model_type"),
         "quantization": loaded.config.get("quantization"), **versions(),
-        "macinfer_flags": {"max_num_seqs": runner.config.max_num_seqs, **runner.engine.op_choices},
+        "macinfer_flags": {"max_num_seqs": runner.config.max_num_seqs, **runner.engine.paths.describe()},
         "hardware": hardware(), "energy": energy(),
         "workload": {"concurrency": concurrency, "prompt_len": prompt_len, "gen_len": gen_len, "greedy": True}},
         "tok_s": concurrency * gen_len / total, "steps": prof.steps, "ms_per_step": prof.per_step_ms(),

@@ -14,8 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer import kernels
-from macinfer.kernels import autotune, choices
-from macinfer.kernels import quantized as quantized_kernels
+from macinfer.kernels.choices import choose_paths
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.embedding import EmbeddingJob
 from macinfer.engine.model_runner import ModelRunner
@@ -30,7 +29,6 @@ from macinfer.engine.cache_plan import plan_caches
 from macinfer.kv.cache import DEFAULT_BLOCK_SIZE
 from macinfer.distributed import engine as dist_engine
 from macinfer.distributed import group as dist_group
-from macinfer.kv.mla import choose_expand_from
 from macinfer.loader import LoadedModel, load
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer
@@ -38,7 +36,6 @@ from macinfer.tokenizer import IncrementalDetokenizer
 log = logging.getLogger("macinfer")
 
 
-CPU_PREFILL_TILE = 128  # measured: a 1,024-token prompt 8.1 -> 5.4 s (256: 6.4 s, 64: 5.2 s)
 
 
 class PromptTooLongError(ValueError):
@@ -149,24 +146,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_prefill_with_decodes, speculative, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
-        # MLX's SDPA and RoPE are fused kernels on the GPU (SDPA skips masked tiles itself);
-        # on the CPU they are composed of ops, so they are written in the cheapest forms
-        # there and long causal prompts are attended in query tiles.
         # Where there is more than one correct path (Metal kernels or MLX's ops, explicit or
-        # fused attention ops, MLA's prompt form), the faster on the model's own shapes,
+        # fused attention ops, MLA's prompt form): the faster on the model's own shapes,
         # measured once per device and cached (`kernels/choices.py`).
-        autotune.configure(None if cfg.autotune else False)  # None: MACINFER_AUTOTUNE decides
-        kernels.configure(choices.choose_decode_attention(self.model, self.layer_specs))
-        quantized_kernels.configure(choices.choose_qmv(self.model))
-        explicit = choices.choose_attention_ops(self.model, self.layer_specs)
-        tile = CPU_PREFILL_TILE if explicit else None
+        self.paths = choose_paths(self.model, self.layer_specs, self.kv_cache.dtype, cfg.autotune)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured,
-                                  explicit_ops=explicit, prefill_tile=tile,
+                                  explicit_ops=self.paths.explicit_ops, prefill_tile=self.paths.prefill_tile,
                                   eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-                                  mla_expand_from=choose_expand_from(self.model, self.kv_cache.dtype, explicit, tile))
-        self.op_choices = {"decode_attention": kernels.mode(), "qmv_kernel": quantized_kernels.enabled(),
-                           "attention_ops": "explicit" if explicit else "fused",
-                           "mla_prompt_expanded_from": self.runner.mla_expand_from}
+                                  mla_expand_from=self.paths.mla_expand_from)
         self.distributed_status = None
         if self.dist is not None:
             dist_engine.check_same_model(self.dist, {
