@@ -103,7 +103,7 @@ def test_the_engine_takes_the_measured_attention_ops(tmp_path, monkeypatch, tiny
     def choose(decision, shape, candidates, default, timer=None):
         fake.fused = candidates.get("fused")
         return original(decision, shape, candidates, default, fake if decision == "attention_ops" else timer
-                        or autotune._median_seconds)
+                        or autotune.median_seconds)
 
     monkeypatch.setattr(autotune, "choose", choose)
     engine = LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import random
 import time
@@ -34,8 +33,6 @@ from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("macinfer")
-
-
 
 
 class PromptTooLongError(ValueError):
@@ -261,8 +258,6 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
-        if self.dist is not None:  # replayed on every rank before the next step
-            self._inputs.record(("add", ids, params, request_id, cache_salt))
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         seq = Sequence(request_id, ids, params, seed, arrival_time=time.perf_counter(), cache_salt=cache_salt)
         if params.grammar is not None:
@@ -271,6 +266,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, ids)
         self.requests[request_id] = _RequestState(seq, detok, prompt_text)
         self.scheduler.add(seq)
+        if self.dist is not None:  # replayed on every rank before the next step (only once it was added here)
+            self._inputs.record(("add", ids, params, request_id, cache_salt))
         return request_id
 
     def abort_request(self, request_id: str) -> None:

@@ -91,7 +91,8 @@ def verdict(decision: str, shape: dict[str, Any], measure: Callable[[], dict]) -
     return found
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
+def median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """Median seconds of `fn` evaluated `repeats` times, after one warm-up run."""
     import time
 
     mx.eval(fn())  # warm-up (kernel compilation, buffer allocation)
@@ -111,7 +112,7 @@ def forced(decision: str) -> str | None:
 
 
 def choose(decision: str, shape: dict[str, Any], candidates: dict[str, Callable[[], Any] | None], default: str,
-           timer: Callable[[Callable[[], Any]], float] = _median_seconds) -> str:
+           timer: Callable[[Callable[[], Any]], float] = median_seconds) -> str:
     """The path to take for `decision` on this device: each candidate is a function running
     that path once on the model's own shapes, or None where the path cannot run here (its
     self-check failed, or it is the CPU emulator: a correctness tool, never timed). The

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from typing import Any
 
 import mlx.core as mx
@@ -102,16 +101,6 @@ def forced_expand_from() -> tuple[bool, int | None]:
     raise ValueError(f"{ENV}={choice!r}; expected auto, absorbed, expanded or a chunk length")
 
 
-def _time(fn, repeats: int = 3) -> float:
-    mx.eval(fn())  # warm-up (and any compilation)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def measure_forms(embed_q: Any, unembed: Any, dims: dict[str, int], dtype: mx.Dtype, explicit_ops: bool,
                   prefill_tile: int | None, lengths: tuple[int, ...] = TIMED_LENGTHS) -> dict[int, tuple[float, float]]:
     """Seconds for one chunk of n tokens over n keys (a prompt's first chunk), absorbed and
@@ -137,7 +126,7 @@ def measure_forms(embed_q: Any, unembed: Any, dims: dict[str, int], dtype: mx.Dt
             q = mx.concatenate([q_nope, q_rope], axis=-1)
             return dense_attention(q, keys, unembed(latent), 0.1, "causal", explicit_ops, prefill_tile)
 
-        out[n] = (_time(absorbed), _time(expanded))
+        out[n] = (autotune.median_seconds(absorbed), autotune.median_seconds(expanded))
     return out
 
 
