@@ -236,8 +236,8 @@ def model_details(engine, model_name: str) -> dict[str, Any]:
     source = engine.loaded.source
     return {"format": "gguf" if str(source).endswith(".gguf") else "safetensors",
             "family": cfg.get("model_type", ""), "families": [cfg.get("model_type", "")],
-            "parameter_size": _params(engine), "quantization_level": f"Q{quant['bits']}" if quant.get("bits") else "F32"
-            if not quant else str(quant), "parent_model": ""}
+            "parameter_size": _params(engine), "quantization_level": f"Q{quant['bits']}" if quant.get("bits") else "F32",
+            "parent_model": ""}
 
 
 def _params(engine) -> str:
