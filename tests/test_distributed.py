@@ -96,6 +96,8 @@ def test_one_process_alone_is_refused():
 
     with pytest.raises(DistributedError, match="mlx.launch -n 2"):
         LLMEngine("unused", EngineConfig(distributed="pipeline"))
+    with pytest.raises(ValueError, match="pipeline only"):
+        LLMEngine("unused", EngineConfig(distributed="tensor", pipeline_micro_batches=2))
 
 
 def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:

@@ -92,6 +92,8 @@ class LLMEngine:
         if cfg.rope_scaling and not cfg.max_model_len:
             raise ValueError("--rope-scaling needs --max-model-len: the context to stretch RoPE to")
         context = (cfg.max_model_len, cfg.rope_scaling) if cfg.rope_scaling and cfg.max_model_len else None
+        if cfg.pipeline_micro_batches != 1 and cfg.distributed != "pipeline":
+            raise ValueError("--pipeline-micro-batches applies to --distributed pipeline only")
         self.dist = None
         if cfg.distributed:
             if isinstance(model, LoadedModel):
