@@ -16,7 +16,7 @@ PROMPTS = [list(range(5, 45)), list(range(5, 45)) + [50, 51], [7, 9, 11, 13, 15]
 
 def run(model: str, mode: str | None) -> dict:
     engine = LLMEngine(model, EngineConfig(kv_cache_gb=0.05, max_num_batched_tokens=24, max_model_len=512,
-                                           distributed=mode, pipeline_micro_batches=2))
+                                           distributed=mode, pipeline_micro_batches=2 if mode == "pipeline" else 1))
     if engine.dist is not None and not engine.dist.is_driver:
         engine.run_worker()
         return {}
