@@ -11,7 +11,8 @@ its default tools is checked over its first turns (each a valid call of a listed
 tool, fed back as a tool result), and the run that must exit 0 with a printed
 answer is the same command with `--tools ""`. Greedy SmolLM2 under Codex's
 prompt repeats itself for thousands of tokens, so Codex's server samples with a
-fixed seed (`--seed 0`, temperature 1) and caps answers (`--max-tokens-default 512`).
+fixed seed (`--seed 0`, temperature 1) and caps answers (`--max-tokens-default 2048`: at 512,
+two CI runs in five ended with Codex's `max_output_tokens` error).
 
 Codex's own prompt (instructions and ~40 tools) is ~9,000 tokens, more than
 SmolLM2's 8,192-token trained context, so its server stretches RoPE to 16k with
@@ -112,7 +113,7 @@ def test_claude_code_with_its_defaults(tmp_path):
 
 def test_codex_exec_with_its_defaults(tmp_path):
     codex = _client("codex")
-    server = ServerProcess("smollm2", "--seed", "0", "--max-tokens-default", "512", "-c", "16384",
+    server = ServerProcess("smollm2", "--seed", "0", "--max-tokens-default", "2048", "-c", "16384",
                            "--rope-scaling", "yarn")
     proxy = RecordingProxy(server.port)
     try:
