@@ -111,14 +111,26 @@ def _sampling_options(f):
     return f
 
 
-def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
-                 kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
-                 num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None,
-                 distributed_timeout=60.0, pipeline_micro_batches=1, no_autotune=False):
-    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
+                   kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
+                   num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None,
+                   distributed_timeout=60.0, pipeline_micro_batches=1, no_autotune=False):
+    from macinfer.engine.llm_engine import EngineConfig
+
+    return EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
+                        enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        max_prefill_with_decodes=max_prefill_with_decodes or None,  # 0: no separate cap
+                        num_speculative_tokens=num_speculative_tokens,
+                        chat_template=chat_template, rope_scaling=rope_scaling,
+                        distributed=distributed, distributed_timeout=distributed_timeout,
+                        pipeline_micro_batches=pipeline_micro_batches, autotune=not no_autotune)
+
+
+def _load_engine(model: str, **engine_opts):
+    from macinfer.engine.llm_engine import LLMEngine
 
     start = time.perf_counter()
-    max_prefill_with_decodes = max_prefill_with_decodes or None  # 0: no separate cap
     click.echo(f"loading {model} ...", err=True)
     tty = sys.stderr.isatty()
 
@@ -127,16 +139,7 @@ def _load_engine(model: str, *, kv_cache_gb=None, max_num_seqs=32, max_model_len
             click.echo(f"\rloading {model}: {100 * done // total}% ({done}/{total})", err=True, nl=False)
 
     try:
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
-                                               enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                                               max_num_batched_tokens=max_num_batched_tokens,
-                                               max_prefill_with_decodes=max_prefill_with_decodes,
-                                               num_speculative_tokens=num_speculative_tokens,
-                                               chat_template=chat_template, rope_scaling=rope_scaling,
-                                               distributed=distributed, distributed_timeout=distributed_timeout,
-                                               pipeline_micro_batches=pipeline_micro_batches,
-                                               autotune=not no_autotune),
-                           progress=progress)
+        engine = LLMEngine(model, _engine_config(**engine_opts), progress=progress)
     except (FileNotFoundError, ValueError, MemoryError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     if engine.dist is not None:
@@ -250,11 +253,29 @@ def convert(gguf, out_dir):
     click.echo(f"wrote {out_dir}")
 
 
-@main.command(help="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).\n\nMODEL: " + MODEL_HELP)
-@_model_argument
+@main.command(help="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                   "/v1/models, /health, /metrics), Anthropic's (/v1/messages) and Ollama's (/api/*). Several "
+                   "MODELs (or --models-dir) serve each by name, loaded on demand.\n\nMODEL: " + MODEL_HELP)
+@click.argument("models", nargs=-1)
+@click.option("-m", "--model", "model_flags", multiple=True, metavar="MODEL",
+              help="MODEL as an option, as llama.cpp's tools take it (repeatable).")
+@click.option("--models-dir", type=click.Path(file_okay=False), default=None,
+              help="Serve every model in this directory (MLX/HF model folders and .gguf files) by its name, "
+                   "loaded on the first request that names it; the Hugging Face cache's models too.")
+@click.option("--hf-cache/--no-hf-cache", "hf_cache", default=True, show_default=True,
+              help="With several models: also serve the supported models in the Hugging Face cache (by repo id).")
+@click.option("--idle-ttl", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="With several models: unload a model no request has used for this long (default: never; "
+                   "the memory budget still unloads idle models for room). Ollama's keep_alive overrides it.")
+@click.option("--pin", "pins", multiple=True, metavar="NAME",
+              help="With several models: load this model at start and never unload it (repeatable).")
+@click.option("--max-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With several models: memory for weights plus KV caches of the loaded models; loading beyond "
+                   "it unloads the least recently used idle model (default: what the machine can give: "
+                   "Metal's recommended working set on a Mac, available memory elsewhere).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--served-model-name", "served_model_names", multiple=True, help="The model id /v1/models shows and responses carry (default: MODEL's file or directory name); repeat it for aliases /v1/models/{id} answers too. Generation requests take any `model` value: one model is served.")
+@click.option("--served-model-name", "served_model_names", multiple=True, help="The model id /v1/models shows and responses carry (default: MODEL's file or directory name); repeat it for aliases /v1/models/{id} answers too. With one model, generation requests take any `model` value; with several, it names the first MODEL.")
 @click.option("--max-tokens-default", type=click.IntRange(min=1), default=4096, show_default=True, help="Output cap of a request that sets no max_tokens (a max_tokens beyond what the context leaves is clamped to it; both say so in an x-macinfer-max-tokens header).")
 @click.option("--api-key", "api_keys", multiple=True, envvar="MACINFER_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key') on every endpoint but /health. Repeatable: one key per client.")
 @click.option("--cache-isolation", type=click.Choice(["key-and-user", "key", "none"]), default="key-and-user", show_default=True, help="Which requests may share prefix-cache entries: same API key and same `user` field (default), same key, or all.")
@@ -278,11 +299,21 @@ def convert(gguf, out_dir):
               help="Seed of requests that set none (default: unseeded).")
 @_engine_options
 @_log_options
-def serve(model, host, port, served_model_names, max_tokens_default, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, max_body_mb,
+def serve(models, model_flags, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, host, port, served_model_names, max_tokens_default, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, max_body_mb,
           max_connections, header_timeout, body_timeout, default_temperature, default_top_p, default_top_k,
           default_seed, **engine_opts):
     import os
 
+    given = list(models) + list(model_flags)
+    several = len(given) > 1 or models_dir is not None
+    if not given and not models_dir:
+        raise click.UsageError("give a MODEL (or several, or --models-dir DIR)")
+    if several and engine_opts.get("distributed"):
+        raise click.UsageError("--distributed serves one model; give one MODEL")
+    if not several and (idle_ttl or pins or max_memory_gb):
+        raise click.UsageError("--idle-ttl, --pin and --max-memory-gb are for several models (MODEL MODEL ... or "
+                               "--models-dir); one model stays loaded")
+    model = given[0] if given else None
     try:
         from macinfer.server.app import run_server
         from macinfer.server.middleware import allowed_host_names
@@ -298,9 +329,11 @@ def serve(model, host, port, served_model_names, max_tokens_default, api_keys, c
         raise click.ClickException(str(e)) from None
     if engine_opts["max_prefill_with_decodes"] is None:
         engine_opts["max_prefill_with_decodes"] = SERVE_PREFILL_WITH_DECODES
-    engine = _load_engine(model, **engine_opts)
-    names = list(served_model_names) or [os.path.basename(model.rstrip("/")).removesuffix(".gguf")]
-    name = names[0]
+    names = list(served_model_names) or ([_model_name(model)] if model else [])
+    if several:
+        engine, name = _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, names, engine_opts), None
+    else:
+        engine, name = _load_engine(model, **engine_opts), names[0]
     hosts = allowed_host_names(host, tuple(allowed_hosts))
     code = run_server(engine, name, sock, header_timeout=header_timeout, max_connections=max_connections,
                       log_requests=logging.getLogger().level <= logging.INFO, api_keys=list(api_keys),
@@ -312,6 +345,51 @@ def serve(model, host, port, served_model_names, max_tokens_default, api_keys, c
                                                            ("top_k", default_top_k), ("seed", default_seed))
                                          if v is not None})
     sys.exit(code)
+
+
+def _model_name(ref: str) -> str:
+    import os
+
+    return os.path.basename(ref.rstrip("/")).removesuffix(".gguf")
+
+
+def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, names, engine_opts):
+    """The models of a multi-model server: MODELs first (the first loaded now, named by
+    --served-model-name), then --models-dir's and the Hugging Face cache's."""
+    import os
+
+    from macinfer.engine.llm_engine import LLMEngine
+    from macinfer.kv.cache import available_memory_bytes
+    from macinfer.loader import ModelNotFoundError, resolve
+    from macinfer.server.model_pool import ModelPool, ModelSource, discover, disk_bytes, unique
+
+    sources = []
+    for i, ref in enumerate(given):
+        name = names[0] if i == 0 and names else _model_name(ref)
+        aliases = tuple(names[1:]) + (ref,) if i == 0 else (ref,)
+        local = ref in ("smollm2", "bundled") or os.path.exists(os.path.expanduser(ref))
+        try:
+            path = resolve(ref) if local else ref
+        except ModelNotFoundError as e:
+            raise click.ClickException(str(e)) from None
+        sources.append(ModelSource(name, path, aliases, disk_bytes=disk_bytes(path) if local else 0))
+    try:
+        sources = unique(sources + discover(models_dir, hf_cache))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    if not sources:
+        raise click.ClickException(f"no servable model in {models_dir}" + (" or the Hugging Face cache" if hf_cache else ""))
+    by_name = {n: s for s in sources for n in s.names}
+    for pin in pins:
+        if pin not in by_name:
+            raise click.ClickException(f"--pin {pin}: no such model (served: {', '.join(s.name for s in sources)})")
+        by_name[pin].pinned = True
+    budget = int(max_memory_gb * 2**30) if max_memory_gb else available_memory_bytes()
+    pool = ModelPool(sources, lambda src: LLMEngine(src.path, _engine_config(**engine_opts)), budget_bytes=budget, idle_ttl=idle_ttl)
+    for src in sources:  # the first MODEL and the pinned ones load now; the others on demand
+        if (given and src is sources[0]) or src.pinned:
+            pool.preloaded(src.name, _load_engine(src.path, **engine_opts))
+    return pool
 
 
 def _add_bench() -> None:

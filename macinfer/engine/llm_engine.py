@@ -213,6 +213,12 @@ class LLMEngine:
             stats[-1].update(caches=len(self.state_specs), bytes=self.kv_cache.states.nbytes)
         return stats
 
+    def memory_bytes(self) -> int:
+        """What this engine holds: weights plus the KV pools (and recurrent state)."""
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters())) + self.kv_cache.nbytes
+
     def _kv_dtype(self) -> mx.Dtype:
         """The dtype K/V come out of the projections in (what mlx-lm's cache would hold)."""
         return self.model.kv_dtype()

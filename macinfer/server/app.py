@@ -22,6 +22,7 @@ from macinfer.engine.embedding import EmbeddingBusyError
 from macinfer.engine.llm_engine import LLMEngine
 from macinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from macinfer.server.metrics import ServerMetrics
+from macinfer.server.model_pool import ModelPool, PoolError, Served, ModelSource
 from macinfer.server import webui as chat_page
 from macinfer.server.middleware import Guard
 from macinfer.server import anthropic, ollama, context_editing, responses
@@ -49,7 +50,7 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
                                  param, code).body(), status_code=status, headers=headers)
 
 
-def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+def create_app(engine: LLMEngine | ModelPool, model_name: str | None = None, api_key: str | None = None,
                cors_origins: list[str] | None = None, max_queue: int = 64,
                max_body_bytes: int = 4 * 2**20, allowed_hosts: set[str] | None = None,
                on_dead=None, model_aliases: tuple[str, ...] = (), api_keys: list[str] | None = None,
@@ -59,21 +60,31 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     """The ASGI app. `allowed_hosts`: Host header names accepted (None: any);
     `on_dead`: called from the engine thread if the engine cannot recover;
     `cache_isolation`: which requests may share prefix-cache entries;
-    `webui`: serve the chat page at `/`."""
+    `webui`: serve the chat page at `/`. `engine`: one loaded engine served as `model_name`
+    (every `model` value reaches it), or a `ModelPool` of several models."""
     api_keys = list(api_keys or []) + ([api_key] if api_key else [])
-    metrics = ServerMetrics(engine)
-    async_engine = AsyncEngine(engine, max_pending=engine.config.max_num_seqs + max_queue, on_dead=on_dead)
-    serving = OpenAIServing(async_engine, model_name, metrics, aliases=model_aliases, cache_isolation=cache_isolation,
-                            tool_parser=tool_parser, default_max_tokens=default_max_tokens,
-                            sampling_defaults=sampling_defaults)
+    pool = engine if isinstance(engine, ModelPool) else ModelPool.one(engine, model_name, model_aliases)
+    metrics = ServerMetrics(lambda: [(s.name, s.engine) for s in pool.loaded()], labelled=not pool.single)
+
+    def wrap(engine: LLMEngine, source: ModelSource) -> Served:
+        async_engine = AsyncEngine(engine, max_pending=engine.config.max_num_seqs + max_queue, on_dead=on_dead)
+        serving = OpenAIServing(async_engine, source.name, metrics, aliases=source.aliases,
+                                cache_isolation=cache_isolation, tool_parser=tool_parser,
+                                default_max_tokens=default_max_tokens, sampling_defaults=sampling_defaults)
+        return Served(source.name, engine, async_engine, serving)
+
+    pool.attach(wrap)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        pool.start()
         yield
-        async_engine.shutdown()
+        pool.shutdown()
 
     app = FastAPI(title="macinfer", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.async_engine = async_engine
+    app.state.pool = pool
+    if pool.single:
+        app.state.async_engine = pool.default.served.async_engine
 
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -88,11 +99,16 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     else:
         @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
         async def root():  # clients probe `HEAD /` before their first request (Claude Code does)
-            return {"status": "ok", "model": model_name}
+            return {"status": "ok", "model": pool.default.name}
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return _error(e.status, e.message, e.param, e.code, e.type, e.headers, request.url.path)
+
+    @app.exception_handler(PoolError)
+    async def _pool_error(request: Request, e: PoolError):
+        return _error(e.status, e.message, "model", e.code, "server_error" if e.status >= 500 else None,
+                      {"Retry-After": "5"} if e.retry else None, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -113,40 +129,61 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        problem = async_engine.dead or async_engine.draining
+        problem = next((s.async_engine.dead or s.async_engine.draining for s in pool.loaded()
+                        if s.async_engine.dead or s.async_engine.draining), None)
         if problem:
             return JSONResponse({"status": "error", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
     created = int(time.time())  # one value for the server's life, as clients cache model lists
 
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "macinfer",
-                "max_model_len": engine.max_model_len}
+    def model_card(entry) -> dict:
+        card = pool.card(entry)
+        return {"id": card.pop("id"), "object": "model", "created": created, "owned_by": "macinfer",
+                **({"max_model_len": card["max_model_len"]} if "max_model_len" in card else {}),
+                **({} if pool.single else card)}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(e) for e in pool.entries.values()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        serving.check_model(model_id)  # 404 model_not_found for another id
-        return model_card()
+        return model_card(pool.resolve(model_id, strict=True))  # 404 model_not_found for another id
 
-    @app.get("/status")
-    async def status():
-        """What the chat page shows: the model, KV usage and the queue (Prometheus has the rest)."""
+    def engine_status(served: Served) -> dict:
+        engine = served.engine
         bm = engine.block_manager
         kv = {"blocks_total": bm.num_blocks, "blocks_used": bm.num_used_blocks, "block_size": bm.block_size,
               "usage": bm.num_used_blocks / bm.num_blocks if bm.num_blocks else 0.0, "bytes": engine.kv_cache.nbytes,
               "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
               "prefix_queried_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits,
               "groups": engine.cache_groups()}
-        out = {"model": model_name, "max_model_len": engine.max_model_len, "kv": kv,
+        out = {"model": served.name, "max_model_len": engine.max_model_len, "kv": kv,
                "requests": {"running": engine.num_running, "waiting": engine.num_waiting},
-               "tokens": dict(engine.stats)}
+               "tokens": dict(engine.stats), "memory_bytes": engine.memory_bytes()}
         if getattr(engine, "distributed_status", None):  # --distributed: each rank's plan and memory
             out["distributed"] = engine.distributed_status
+        return out
+
+    @app.get("/status")
+    async def status(model: str | None = None):
+        """What the chat page shows: the model, KV usage and the queue (Prometheus has the rest).
+        Several models: the one `?model=` names (the first by default) at the top level, and
+        every model's state, memory and hit rate under `models`."""
+        entry = pool.resolve(model, strict=model is not None)
+        served = entry.served
+        out = engine_status(served) if served is not None else {
+            "model": entry.name, "state": entry.state, "kv": {"usage": 0.0, "blocks_used": 0, "blocks_total": 0},
+            "requests": {"running": 0, "waiting": 0}}
+        if not pool.single:
+            out["models"] = [{**pool.card(e), **({k: v for k, v in engine_status(e.served).items()
+                                                  if k in ("memory_bytes", "requests", "tokens")}
+                                               | {"prefix_hit_rate": e.served.engine.block_manager.prefix_hits /
+                                                  max(e.served.engine.block_manager.prefix_queries, 1)}
+                                               if e.served is not None else {})}
+                             for e in pool.entries.values()]
+            out["memory"] = {"budget_bytes": pool.budget, "used_bytes": sum(s.nbytes for s in pool.loaded())}
         return out
 
     @app.get("/metrics")
@@ -165,15 +202,15 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             log.info("request fields this model cannot act on: %s", ", ".join(turn.ignored))
             _add_header(request, "x-macinfer-ignored", ",".join(turn.ignored))
 
-    async def _start(kind: str, req, prompt, max_tokens, logprobs, request: Request, plan=None):
+    async def _start(m: Served, kind: str, req, prompt, max_tokens, logprobs, request: Request, plan=None):
         """Validate, tokenize (never on the event loop: a large prompt takes seconds) and
         admit a request; returns (request id, prompt ids, output stream)."""
-        ids, params, limit = await asyncio.to_thread(serving.prepare, req, prompt, max_tokens, logprobs, plan)
+        ids, params, limit = await asyncio.to_thread(m.serving.prepare, req, prompt, max_tokens, logprobs, plan)
         if limit is not None:
             _add_header(request, "x-macinfer-max-tokens", limit)
         try:
             client = (getattr(request.state, "api_key_index", None), req.user)
-            rid, stream = serving.submit(req, ids, params, kind, client)
+            rid, stream = m.serving.submit(req, ids, params, kind, client)
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="server_busy",
                            headers={"Retry-After": "1"}) from None
@@ -187,29 +224,31 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                  background=BackgroundTask(stream.close))
 
-    async def _run(kind: str, req, prompt, max_tokens, logprobs, request: Request, turn=None):
-        rid, ids, stream = await _start(kind, req, prompt, max_tokens, logprobs, request, turn and turn.plan)
+    async def _run(m: Served, kind: str, req, prompt, max_tokens, logprobs, request: Request, turn=None):
+        rid, ids, stream = await _start(m, kind, req, prompt, max_tokens, logprobs, request, turn and turn.plan)
         if req.stream:
-            return _sse(serving.stream(kind, req, rid, ids, stream, turn), stream)
-        return await serving.complete(kind, req, rid, ids, stream, request, turn)
+            return _sse(m.serving.stream(kind, req, rid, ids, stream, turn), stream)
+        return await m.serving.complete(kind, req, rid, ids, stream, request, turn)
 
-    async def _chat_translated(chat: ChatCompletionRequest, request: Request):
+    async def _chat_translated(m: Served, chat: ChatCompletionRequest, request: Request):
         """Start a chat translated from another API; (chat turn, stream, final output or None)."""
-        turn = await asyncio.to_thread(serving.chat_prompt, chat)
+        turn = await asyncio.to_thread(m.serving.chat_prompt, chat)
         _say_ignored(request, turn)
-        _, _, stream = await _start("chat", chat, turn.ids, chat.max_tokens, None, request, turn.plan)
+        _, _, stream = await _start(m, "chat", chat, turn.ids, chat.max_tokens, None, request, turn.plan)
         if chat.stream:
             return turn, stream, None
-        final = (await serving.wait_final(stream, request))[0]
-        metrics.observe(final)
+        final = (await m.serving.wait_final(stream, request))[0]
+        metrics.observe(final, m.name)
         return turn, stream, final
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        turn = await asyncio.to_thread(serving.chat_prompt, req)
-        _say_ignored(request, turn)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await _run("chat", req, turn.ids, req.max_completion_tokens or req.max_tokens, logprobs, request, turn)
+        async with pool.use(req.model) as m:
+            turn = await asyncio.to_thread(m.serving.chat_prompt, req)
+            _say_ignored(request, turn)
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            return await _run(m, "chat", req, turn.ids, req.max_completion_tokens or req.max_tokens, logprobs,
+                              request, turn)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -218,7 +257,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             if len(prompt) != 1:
                 raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
             prompt = prompt[0]
-        return await _run("completion", req, prompt, req.max_tokens or 16, req.logprobs, request)
+        async with pool.use(req.model) as m:
+            return await _run(m, "completion", req, prompt, req.max_tokens or 16, req.logprobs, request)
 
     def _to_chat(req, param: str) -> ChatCompletionRequest:
         """A request of another API as a chat request, or a 400 in the client's terms."""
@@ -233,30 +273,32 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             named = re.match(r"(system|tools|tool_choice|text|thinking)\b", msg)
             raise APIError(400, msg, param=named.group(1) if named else param) from None
 
-    async def _translated(req, param: str, request: Request, events, whole):
+    async def _translated(m: Served, req, param: str, request: Request, events, whole):
         """Serve a request of another API through the chat path: `events(turn, stream)`
         streams it, `whole(final, turn)` answers it at once."""
-        turn, stream, final = await _chat_translated(_to_chat(req, param), request)
+        turn, stream, final = await _chat_translated(m, _to_chat(req, param), request)
         if final is None:
             return _sse(events(turn, stream), stream)
         return whole(final, turn)
 
     @app.post("/v1/messages")
     async def messages(req: anthropic.MessagesRequest, request: Request):
-        applied = None
-        if req.context_management is not None:  # Anthropic's context editing, before the prompt is built
-            req, applied = await asyncio.to_thread(
-                context_editing.apply, req, lambda r: len(serving.chat_prompt(_to_chat(r, "messages")).ids),
-                lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
-        omit = anthropic.thinking_omitted(req)
-        return await _translated(req, "messages", request,
-                                 lambda t, s: anthropic.events(model_name, t, s, applied, omit),
-                                 lambda f, t: anthropic.message(req, model_name, f, t, applied))
+        async with pool.use(req.model) as m:
+            applied = None
+            if req.context_management is not None:  # Anthropic's context editing, before the prompt is built
+                req, applied = await asyncio.to_thread(
+                    context_editing.apply, req, lambda r: len(m.serving.chat_prompt(_to_chat(r, "messages")).ids),
+                    lambda text: len(m.engine.tokenizer.encode(text, add_special_tokens=False)))
+            omit = anthropic.thinking_omitted(req)
+            return await _translated(m, req, "messages", request,
+                                     lambda t, s: anthropic.events(m.name, t, s, applied, omit),
+                                     lambda f, t: anthropic.message(req, m.name, f, t, applied))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: anthropic.CountTokensRequest):
         """Anthropic's token count: the prompt the same request to /v1/messages would run."""
-        turn = await asyncio.to_thread(serving.chat_prompt, _to_chat(req, "messages"))
+        async with pool.use(req.model) as m:
+            turn = await asyncio.to_thread(m.serving.chat_prompt, _to_chat(req, "messages"))
         return {"input_tokens": len(turn.ids)}
 
     @app.post("/tokenize")
@@ -264,22 +306,24 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         """vLLM's /tokenize: a prompt, or messages through the chat template."""
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send either `prompt` or `messages`", param="prompt")
-        if req.messages is not None:
-            chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-            ids = (await asyncio.to_thread(serving.chat_prompt, chat)).ids
-        else:
-            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
-        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            out["token_strs"] = [engine.tokenizer.id_to_token(i) for i in ids]
+        async with pool.use(req.model) as m:
+            if req.messages is not None:
+                chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+                ids = (await asyncio.to_thread(m.serving.chat_prompt, chat)).ids
+            else:
+                ids = await asyncio.to_thread(m.engine.tokenizer.encode, req.prompt, req.add_special_tokens)
+            out = {"count": len(ids), "max_model_len": m.engine.max_model_len, "tokens": ids}
+            if req.return_token_strs:
+                out["token_strs"] = [m.engine.tokenizer.id_to_token(i) for i in ids]
         return out
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        vocab = engine.model.args.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        async with pool.use(req.model) as m:
+            vocab = m.engine.model.args.vocab_size
+            if any(not 0 <= t < vocab for t in req.tokens):
+                raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+            return {"prompt": m.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/responses")
     async def responses_create(req: responses.ResponsesRequest, request: Request):
@@ -287,11 +331,13 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         if dropped:
             log.info("responses: hosted tools left out (this server cannot run them): %s", ", ".join(dropped))
             _add_header(request, "x-macinfer-dropped-tools", ",".join(dropped))
-        return await _translated(req, "input", request, lambda t, s: responses.events(req, model_name, t, s),
-                                 lambda f, t: responses.response(req, model_name, f, t))
+        async with pool.use(req.model) as m:
+            return await _translated(m, req, "input", request, lambda t, s: responses.events(req, m.name, t, s),
+                                     lambda f, t: responses.response(req, m.name, f, t))
 
-    async def _embed(inputs: list, request: Request):
+    async def _embed(m: Served, inputs: list, request: Request):
         """Pooled embeddings of `inputs` (texts or token lists): (vectors, token count)."""
+        engine, async_engine = m.engine, m.async_engine
         if engine.loaded.pooling is None:
             raise APIError(400, "this model does not publish embedding use (no sentence-transformers pooling "
                            "config, no GGUF pooling_type): it has no embeddings endpoint", param="model",
@@ -337,7 +383,9 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         inputs = req.input
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
-        results, n = await _embed(inputs, request)
+        async with pool.use(req.model) as m:
+            results, n = await _embed(m, inputs, request)
+            name = m.name
 
         async def body():
             # Written a few vectors at a time on the event loop, which serves other
@@ -350,16 +398,16 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                 yield ("" if i == 0 else ", ") + json.dumps({"object": "embedding", "index": i, "embedding": emb})
                 if i % 32 == 31:
                     await asyncio.sleep(0)
-            yield (f'], "model": {json.dumps(model_name)}, '
+            yield (f'], "model": {json.dumps(name)}, '
                    f'"usage": {json.dumps({"prompt_tokens": n, "total_tokens": n})}}}')
 
         return StreamingResponse(body(), media_type="application/json")
 
-    ollama.add_routes(app, engine, serving, model_name, _chat_translated, _embed, _add_header)
+    ollama.add_routes(app, pool, _chat_translated, _embed, _add_header)
     return app
 
 
-def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: float = 10.0,
+def run_server(engine: LLMEngine | ModelPool, model_name: str | None, sock, *, header_timeout: float = 10.0,
                max_connections: int | None = None, log_requests: bool = False, **kwargs) -> int:
     """Serve on an already bound socket until SIGINT/SIGTERM or an engine that cannot
     recover. Returns the process exit code: 0 after a clean shutdown, 1 if the engine died."""
@@ -375,12 +423,13 @@ def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: floa
             server.should_exit = True
 
     app = create_app(engine, model_name, on_dead=on_dead, **kwargs)
-    async_engine: AsyncEngine = app.state.async_engine
+    pool: ModelPool = app.state.pool
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # Before uvicorn waits for open requests: end them with an error event / 503.
-            async_engine.drain("the server is shutting down")
+            for served in pool.loaded():
+                served.async_engine.drain("the server is shutting down")
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
@@ -404,20 +453,28 @@ def run_server(engine: LLMEngine, model_name: str, sock, *, header_timeout: floa
     server = holder["server"] = Server(config)
     logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())  # connection errors, not the access log
     host, port = sock.getsockname()[:2]
-    kv = engine.kv_cache
-    groups = ", ".join(f"{g['kind']}: {g['blocks_total']}" if "blocks_total" in g else
-                       f"{g['kind']}: {g['slots_total']} slots" for g in engine.cache_groups())
-    print(f"macinfer serving {model_name} on http://{host}:{port}/v1  "
-          f"(KV cache: blocks of {kv.block_size} tokens ({groups}) = {kv.nbytes / 2**30:.2f} GiB; "
-          f"max_model_len {engine.max_model_len}; max_num_seqs {engine.config.max_num_seqs})", flush=True)
+    if pool.single:
+        engine = pool.default.served.engine
+        kv = engine.kv_cache
+        groups = ", ".join(f"{g['kind']}: {g['blocks_total']}" if "blocks_total" in g else
+                           f"{g['kind']}: {g['slots_total']} slots" for g in engine.cache_groups())
+        print(f"macinfer serving {pool.default.name} on http://{host}:{port}/v1  "
+              f"(KV cache: blocks of {kv.block_size} tokens ({groups}) = {kv.nbytes / 2**30:.2f} GiB; "
+              f"max_model_len {engine.max_model_len}; max_num_seqs {engine.config.max_num_seqs})", flush=True)
+    else:
+        budget = f"{pool.budget / 2**30:.1f} GiB" if pool.budget else "none"
+        ttl = f"{pool.idle_ttl:g}s" if pool.idle_ttl else "none"
+        print(f"macinfer serving {len(pool.entries)} models on http://{host}:{port}/v1 (memory budget {budget}, "
+              f"idle TTL {ttl}): " + ", ".join(f"{e.name} ({e.state})" for e in pool.entries.values()), flush=True)
     if kwargs.get("webui", True):
         print(f"chat page: http://{host}:{port}/", flush=True)
     hosts = kwargs.get("allowed_hosts")
     print("Host check: any name (--allowed-host '*')" if hosts is None else
           f"Host check: answers IP addresses and {', '.join(sorted(hosts))} (more with --allowed-host)", flush=True)
     server.run(sockets=[sock])
-    async_engine.shutdown()
-    if async_engine.dead:
-        print(f"macinfer: {async_engine.dead}", flush=True)
+    pool.shutdown()
+    dead = next((s.async_engine.dead for s in pool.loaded() if s.async_engine.dead), None)
+    if dead:
+        print(f"macinfer: {dead}", flush=True)
         return 1
     return 0

@@ -21,6 +21,53 @@ from macinfer.sampling_params import SamplingParams
 log = logging.getLogger("macinfer.server")
 
 
+class Turns:
+    """A lock taken in arrival order: every model's step thread (and a load) takes a turn
+    on the device, so two models decoding at once alternate steps fairly. A plain Lock
+    would let the thread that just released it take it again at once."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0
+        self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
+DEVICE = Turns()  # one per process: the models of a server share one device
+
+# Step threads are never let go: a thread that has run MLX and exits leaves MLX a
+# per-thread stream whose teardown aborts the process at exit ("terminate called without
+# an active exception"). An unloaded model's thread waits here for the next model's loop.
+_idle_hosts: queue.SimpleQueue = queue.SimpleQueue()
+
+
+def _host(inbox: queue.SimpleQueue) -> None:
+    while True:
+        inbox.get()()
+        _idle_hosts.put(inbox)
+
+
+def _start_in_host(fn) -> None:
+    """Run `fn` on an idle step thread, or on a new one."""
+    try:
+        inbox = _idle_hosts.get_nowait()
+    except queue.Empty:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_host, args=(inbox,), name="macinfer-engine", daemon=True).start()
+    inbox.put(fn)
+
+
 class QueueFullError(RuntimeError):
     """More requests in flight than the server accepts; the client should retry."""
 
@@ -91,8 +138,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = threading.Event()
         self._parked = threading.Event()  # the thread has left its loop for good
-        self._thread = threading.Thread(target=self._run, name="macinfer-engine", daemon=True)
-        self._thread.start()
+        self._leave = False  # shutdown(leave_thread=True): the thread goes back to the idle hosts
+        _start_in_host(self._run)
 
     # -- event-loop side ---------------------------------------------------
     @property
@@ -161,7 +208,10 @@ class AsyncEngine:
             self.draining = message
             self.fail_all(message)
 
-    def shutdown(self) -> None:
+    def shutdown(self, leave_thread: bool = False) -> None:
+        """Stop stepping. `leave_thread`: the thread lets go of the engine and waits for another
+        model's loop (an unload while the server runs); otherwise it parks (at exit, see `_run`)."""
+        self._leave = leave_thread
         self._stopped.set()
         self._commands.put(("wake",))
         self._parked.wait(timeout=5)
@@ -195,7 +245,9 @@ class AsyncEngine:
             _, fn, args, future = cmd
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(*args))
+                    with DEVICE:
+                        result = fn(*args)
+                    future.set_result(result)
                 except Exception as e:  # the caller's error, not the engine's
                     future.set_exception(e)
 
@@ -203,9 +255,12 @@ class AsyncEngine:
         try:
             self._loop()
         finally:
-            # Park instead of exiting: an MLX thread that exits while the interpreter
-            # tears down races MLX's static destructors (an abort at exit).
+            # Never exit (see `_idle_hosts`): back to the idle hosts after an unload,
+            # parked for good at shutdown.
             self._parked.set()
+            if self._leave:
+                self.engine = None  # the engine's memory goes with the last reference
+                return
             threading.Event().wait()
 
     def _loop(self) -> None:
@@ -241,7 +296,8 @@ class AsyncEngine:
         if not self.engine.has_unfinished_requests():
             self.engine.idle()  # over several ranks: a sync now and then finds a dead rank
             return
-        outs = self.engine.step()
+        with DEVICE:
+            outs = self.engine.step()
         try:
             for out in outs:
                 self._deliver(out)

@@ -11,47 +11,70 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 12
 
 
 class _EngineCollector:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    """Each loaded model's engine state, read at scrape time; labelled `model` when the
+    server serves several models (one model keeps the plain series)."""
+
+    def __init__(self, engines, labelled: bool):
+        self.engines = engines  # () -> [(model name, engine)]
+        self.labelled = labelled
 
     def collect(self):
-        e = self.engine
-        bm = e.block_manager
-        yield GaugeMetricFamily("macinfer_requests_running", "Sequences in the running batch", value=e.num_running)
-        yield GaugeMetricFamily("macinfer_requests_waiting", "Sequences queued for admission", value=e.num_waiting)
-        yield GaugeMetricFamily("macinfer_kv_blocks_used", "KV cache blocks in use", value=bm.num_used_blocks)
-        yield GaugeMetricFamily("macinfer_kv_blocks_free", "KV cache blocks free", value=bm.num_free_blocks)
-        yield GaugeMetricFamily("macinfer_kv_blocks_total", "KV cache blocks in the pool", value=bm.num_blocks)
-        yield GaugeMetricFamily("macinfer_prefix_cache_blocks", "KV blocks holding cached prefixes", value=bm.num_cached_blocks)
-        yield CounterMetricFamily("macinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=bm.prefix_queries)
-        yield CounterMetricFamily("macinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache", value=bm.prefix_hits)
-        yield GaugeMetricFamily("macinfer_prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries",
-                                value=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0)
-        yield CounterMetricFamily("macinfer_preemptions", "Sequences preempted for KV space", value=e.scheduler.num_preemptions)
-        yield CounterMetricFamily("macinfer_prompt_tokens", "Prompt tokens prefilled", value=e.stats["prompt_tokens"])
-        yield CounterMetricFamily("macinfer_generation_tokens", "Tokens generated", value=e.stats["generation_tokens"])
-        yield CounterMetricFamily("macinfer_spec_draft_tokens", "Speculative draft tokens checked",
-                                  value=e.stats["spec_draft_tokens"])
-        yield CounterMetricFamily("macinfer_spec_accepted_tokens", "Speculative draft tokens accepted",
-                                  value=e.stats["spec_accepted_tokens"])
+        labels = ["model"] if self.labelled else []
+        families = {}
+
+        def add(kind, name, doc, value, model):
+            if name not in families:
+                families[name] = kind(name, doc, labels=labels)
+            families[name].add_metric([model] if self.labelled else [], value)
+
+        for model, e in self.engines():
+            bm = e.block_manager
+            g, c = GaugeMetricFamily, CounterMetricFamily
+            add(g, "macinfer_requests_running", "Sequences in the running batch", e.num_running, model)
+            add(g, "macinfer_requests_waiting", "Sequences queued for admission", e.num_waiting, model)
+            add(g, "macinfer_kv_blocks_used", "KV cache blocks in use", bm.num_used_blocks, model)
+            add(g, "macinfer_kv_blocks_free", "KV cache blocks free", bm.num_free_blocks, model)
+            add(g, "macinfer_kv_blocks_total", "KV cache blocks in the pool", bm.num_blocks, model)
+            add(g, "macinfer_prefix_cache_blocks", "KV blocks holding cached prefixes", bm.num_cached_blocks, model)
+            add(c, "macinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", bm.prefix_queries, model)
+            add(c, "macinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache", bm.prefix_hits, model)
+            add(g, "macinfer_prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries",
+                bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0, model)
+            add(c, "macinfer_preemptions", "Sequences preempted for KV space", e.scheduler.num_preemptions, model)
+            add(c, "macinfer_prompt_tokens", "Prompt tokens prefilled", e.stats["prompt_tokens"], model)
+            add(c, "macinfer_generation_tokens", "Tokens generated", e.stats["generation_tokens"], model)
+            add(c, "macinfer_spec_draft_tokens", "Speculative draft tokens checked", e.stats["spec_draft_tokens"], model)
+            add(c, "macinfer_spec_accepted_tokens", "Speculative draft tokens accepted",
+                e.stats["spec_accepted_tokens"], model)
+            if self.labelled:
+                add(g, "macinfer_model_memory_bytes", "Weights and KV cache of a loaded model", e.memory_bytes(), model)
+        yield from families.values()
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine):
+    """`engines()`: the loaded models as (name, engine); `labelled`: several models served."""
+
+    def __init__(self, engines, labelled: bool = False):
+        if isinstance(engines, LLMEngine):  # one engine: the plain series
+            engine = engines
+            engines = lambda: [("", engine)]  # noqa: E731
+        self.labelled = labelled
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
-        self.ttft = Histogram("macinfer_time_to_first_token_seconds", "Time to first token",
+        self.registry.register(_EngineCollector(engines, labelled))
+        names = ("model",) if labelled else ()
+        self.ttft = Histogram("macinfer_time_to_first_token_seconds", "Time to first token", names,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("macinfer_time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=self.registry)
-        self.e2e = Histogram("macinfer_e2e_request_latency_seconds", "End-to-end request latency",
+                              names, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=self.registry)
+        self.e2e = Histogram("macinfer_e2e_request_latency_seconds", "End-to-end request latency", names,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, out: RequestOutput, model: str = "") -> None:
         m = out.metrics
+        ttft, tpot, e2e = ((h.labels(model) if self.labelled else h) for h in (self.ttft, self.tpot, self.e2e))
         if "ttft" in m:
-            self.ttft.observe(m["ttft"])
+            ttft.observe(m["ttft"])
         if "e2e" in m:
-            self.e2e.observe(m["e2e"])
+            e2e.observe(m["e2e"])
             if "ttft" in m and len(out.token_ids) > 1:
-                self.tpot.observe((m["e2e"] - m["ttft"]) / (len(out.token_ids) - 1))
+                tpot.observe((m["e2e"] - m["ttft"]) / (len(out.token_ids) - 1))

@@ -5,7 +5,8 @@ and Obsidian plugins, the `ollama` Python and JS clients).
 server serves (template, sampling, grammars, tools, engine), as the Anthropic API is, and
 their output is written back as Ollama's NDJSON stream or single object. `options` map onto
 our sampling fields; options that change nothing here (`num_ctx`, `num_thread`, `num_gpu`,
-...) and `keep_alive` (one model, always loaded) are named in `x-macinfer-ignored`;
+...) are named in `x-macinfer-ignored`, and so is `keep_alive` when one model is served (it
+is always loaded); with several, `keep_alive` sets how long the model stays loaded idle;
 sampling options we do not implement (mirostat, tfs_z, typical_p, ...) are a 400 naming
 them. Errors are Ollama's `{"error": message}`.
 """
@@ -13,6 +14,7 @@ them. Errors are Ollama's `{"error": message}`.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -114,7 +116,27 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def to_chat(req: ChatRequest | GenerateRequest) -> tuple[ChatCompletionRequest, list[str]]:
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: float | str) -> float:
+    """Ollama's keep_alive: seconds as a number, or a Go duration ("5m", "1h30m", "-1");
+    negative means forever."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    sign = -1.0 if text.startswith("-") else 1.0
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)", text.lstrip("+-"))
+    if not parts or "".join(n + u for n, u in parts) != text.lstrip("+-"):
+        raise ValueError(f"keep_alive: {value!r} is not a duration (e.g. 300, \"5m\", \"1h\", -1)")
+    return sign * sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def to_chat(req: ChatRequest | GenerateRequest, single: bool = True) -> tuple[ChatCompletionRequest, list[str]]:
     """The chat request this Ollama request asks for, and the fields named as ignored."""
     ignored: list[str] = []
     fields: dict[str, Any] = {"model": req.model, "stream": req.stream}
@@ -128,7 +150,9 @@ def to_chat(req: ChatRequest | GenerateRequest) -> tuple[ChatCompletionRequest, 
     if fields.get("max_tokens") is not None and fields["max_tokens"] < 0:  # Ollama's -1: until done
         del fields["max_tokens"]
     if req.keep_alive is not None:
-        ignored.append("keep_alive")
+        keep_alive_seconds(req.keep_alive)  # a malformed one is a 400 either way
+        if single:
+            ignored.append("keep_alive")
     if req.format == "json":
         fields["response_format"] = {"type": "json_object"}
     elif isinstance(req.format, dict):
@@ -165,18 +189,18 @@ def _calls(proc) -> list[dict[str, Any]]:
     return out
 
 
-def _done(model_name: str, out, turn, started: float) -> dict[str, Any]:
+def _done(model_name: str, out, turn, started: float, load: int = 0) -> dict[str, Any]:
     total = int((time.perf_counter() - started) * 1e9)
     return {"model": model_name, "created_at": now(), "done": True,
             "done_reason": "length" if out.finish_reason == "length" else "stop",
-            "total_duration": total, "load_duration": 0, "prompt_eval_count": len(turn.ids),
+            "total_duration": total, "load_duration": load, "prompt_eval_count": len(turn.ids),
             "prompt_eval_duration": 0, "eval_count": len(out.token_ids), "eval_duration": total}
 
 
-def answer(kind: str, model_name: str, out, turn, started: float) -> dict[str, Any]:
-    """The whole answer (`stream: false`)."""
+def answer(kind: str, model_name: str, out, turn, started: float, load: int = 0) -> dict[str, Any]:
+    """The whole answer (`stream: false`); `load`: nanoseconds spent loading the model."""
     msg, proc = chat_output.message(turn.plan, out.text, turn.prompt_tail)
-    body = _done(model_name, out, turn, started)
+    body = _done(model_name, out, turn, started, load)
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or ""}
         if msg.get("reasoning_content"):
@@ -195,7 +219,7 @@ def _line(payload: dict[str, Any]) -> str:
     return json.dumps(payload, ensure_ascii=False) + "\n"
 
 
-async def stream(kind: str, model_name: str, turn, gen, started: float) -> AsyncIterator[str]:
+async def stream(kind: str, model_name: str, turn, gen, started: float, load: int = 0) -> AsyncIterator[str]:
     """NDJSON: a line per piece of the answer, tool calls whole once generated, then the
     final line with `done: true` and the counts; `{"error": ...}` if generation fails."""
     proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
@@ -220,7 +244,7 @@ async def stream(kind: str, model_name: str, turn, gen, started: float) -> Async
                 if kind == "chat" and proc.calls:
                     yield _line({"model": model_name, "created_at": now(), "done": False,
                                  "message": {"role": "assistant", "content": "", "tool_calls": _calls(proc)}})
-                final = _done(model_name, out, turn, started)
+                final = _done(model_name, out, turn, started, load)
                 if kind == "chat":
                     final["message"] = {"role": "assistant", "content": ""}
                 else:
@@ -230,7 +254,7 @@ async def stream(kind: str, model_name: str, turn, gen, started: float) -> Async
         gen.close()
 
 
-def model_details(engine, model_name: str) -> dict[str, Any]:
+def model_details(engine) -> dict[str, Any]:
     cfg = engine.loaded.config
     quant = cfg.get("quantization") or {}
     source = engine.loaded.source
@@ -247,11 +271,6 @@ def _params(engine) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
-def model_entry(engine, model_name: str, size: int) -> dict[str, Any]:
-    return {"name": f"{model_name}:latest", "model": f"{model_name}:latest", "modified_at": now(), "size": size,
-            "digest": "", "details": model_details(engine, model_name)}
-
-
 def _to_chat_error(e: Exception):
     from pydantic import ValidationError
 
@@ -262,15 +281,19 @@ def _to_chat_error(e: Exception):
     return APIError(400, msg)
 
 
-def add_routes(app: Any, engine, serving, model_name: str, chat_translated, embed, add_header) -> None:
-    """The routes, over the same engine: `name:tag` model names resolve to this server's
-    model, as its other APIs take any model name."""
-    from mlx.utils import tree_flatten
-
+def add_routes(app: Any, pool, chat_translated, embed, add_header) -> None:
+    """The routes, over the same models: a `name:tag` model name resolves to a served model
+    by its name or alias (with one model, any name reaches it, as the other APIs take any)."""
     from macinfer import __version__
     from macinfer.server.serving import APIError
 
-    size = sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
+    def entry(e, served) -> dict[str, Any]:
+        name = e.name if ":" in e.name else f"{e.name}:latest"
+        size = e.known_bytes or e.source.disk_bytes
+        return {"name": name, "model": name, "modified_at": now(), "size": size, "digest": "",
+                "details": model_details(served.engine) if served is not None else
+                {"format": "gguf" if e.source.path.endswith(".gguf") else "safetensors", "family": "",
+                 "families": [], "parameter_size": "", "quantization_level": "", "parent_model": ""}}
 
     @app.get("/api/version")
     async def ollama_version():
@@ -278,56 +301,94 @@ def add_routes(app: Any, engine, serving, model_name: str, chat_translated, embe
 
     @app.get("/api/tags")
     async def ollama_tags():
-        return {"models": [model_entry(engine, model_name, size)]}
+        return {"models": [entry(e, e.served) for e in pool.entries.values()]}
 
     @app.get("/api/ps")
     async def ollama_ps():
-        return {"models": [{**model_entry(engine, model_name, size), "size_vram": size,
-                            "expires_at": "2318-01-01T00:00:00Z"}]}  # never unloaded: one model, pinned
+        out = []
+        for e in pool.entries.values():
+            if e.served is None:
+                continue
+            ttl = e.keep_alive if e.keep_alive is not None else pool.idle_ttl
+            never = pool.single or e.source.pinned or ttl is None or ttl < 0
+            expires = "2318-01-01T00:00:00Z" if never else time.strftime(
+                "%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + max(ttl - (time.monotonic() - e.last_used), 0)))
+            out.append({**entry(e, e.served), "size_vram": e.served.nbytes, "expires_at": expires})
+        return {"models": out}
 
     @app.post("/api/show")
     async def ollama_show(req: ShowRequest):
-        name = (req.model or req.name or "").split(":")[0]
-        if name not in serving.aliases:
-            raise APIError(404, f"model '{req.model or req.name}' not found; this server serves '{model_name}'")
-        caps = ["completion"] + (["tools"] if serving._renders_tools() else []) + \
-            (["embedding"] if engine.loaded.pooling is not None else [])
-        return {"modelfile": "", "parameters": "", "template": engine.tokenizer.chat_template or "",
-                "details": model_details(engine, model_name), "capabilities": caps,
-                "model_info": {"general.architecture": engine.loaded.config.get("model_type", ""),
-                               "general.context_length": engine.max_model_len}, "modified_at": now()}
+        e = pool.resolve(req.model or req.name, strict=True)
+        async with pool.use(e.name) as m:
+            engine = m.engine
+            caps = ["completion"] + (["tools"] if m.serving._renders_tools() else []) + \
+                (["embedding"] if engine.loaded.pooling is not None else [])
+            return {"modelfile": "", "parameters": "", "template": engine.tokenizer.chat_template or "",
+                    "details": model_details(engine), "capabilities": caps,
+                    "model_info": {"general.architecture": engine.loaded.config.get("model_type", ""),
+                                   "general.context_length": engine.max_model_len}, "modified_at": now()}
+
+    def seconds(value) -> float:
+        try:
+            return keep_alive_seconds(value)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def keep(req, e) -> None:
+        """Ollama's keep_alive: how long the model stays loaded once idle (negative: forever)."""
+        if req.keep_alive is not None and not pool.single:
+            e.keep_alive = seconds(req.keep_alive)
 
     async def _generate(kind: str, req, request: Request):
         started = time.perf_counter()
         try:
-            chat, ignored = to_chat(req)
+            chat, ignored = to_chat(req, pool.single)
         except (ValueError, ValidationError) as e:
             raise _to_chat_error(e) from None
         if ignored:
             add_header(request, "x-macinfer-ignored", ",".join(ignored))
-        turn, gen, final = await chat_translated(chat, request)
-        if final is None:
-            return StreamingResponse(stream(kind, model_name, turn, gen, started),
-                                     media_type="application/x-ndjson", background=BackgroundTask(gen.close))
-        return answer(kind, model_name, final, turn, started)
+        e = pool.resolve(req.model)
+        loaded_before = e.served is not None
+        async with pool.use(req.model) as m:
+            keep(req, e)
+            load = 0 if loaded_before else int((time.perf_counter() - started) * 1e9)
+            turn, gen, final = await chat_translated(m, chat, request)
+            if final is None:
+                return StreamingResponse(stream(kind, m.name, turn, gen, started, load),
+                                         media_type="application/x-ndjson", background=BackgroundTask(gen.close))
+            return answer(kind, m.name, final, turn, started, load)
 
     @app.post("/api/chat")
     async def ollama_chat(req: ChatRequest, request: Request):
+        if not req.messages:  # Ollama's "load the model" request (or, with keep_alive 0, unload it)
+            return await _load_only(req, "message")
         return await _generate("chat", req, request)
 
     @app.post("/api/generate")
     async def ollama_generate(req: GenerateRequest, request: Request):
-        if not req.prompt:  # Ollama's "load the model" request: nothing to generate
-            return {"model": model_name, "created_at": now(), "response": "", "done": True,
-                    "done_reason": "load"}
+        if not req.prompt:
+            return await _load_only(req, "response")
         return await _generate("generate", req, request)
+
+    async def _load_only(req, field: str) -> dict[str, Any]:
+        e = pool.resolve(req.model)
+        if req.keep_alive is not None and seconds(req.keep_alive) == 0 and not pool.single:
+            pool.unload_when_idle(e)
+            return {"model": e.name, "created_at": now(), field: "" if field == "response" else
+                    {"role": "assistant", "content": ""}, "done": True, "done_reason": "unload"}
+        async with pool.use(req.model) as m:
+            keep(req, e)
+            return {"model": m.name, "created_at": now(), field: "" if field == "response" else
+                    {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"}
 
     @app.post("/api/embed")
     async def ollama_embed(req: EmbedRequest, request: Request):
         if req.dimensions is not None or req.options:
             raise APIError(400, "dimensions and options are not supported by /api/embed here")
         started = time.perf_counter()
-        vectors, n = await embed([req.input] if isinstance(req.input, str) else list(req.input), request)
-        return {"model": model_name, "embeddings": [v.astype(float).tolist() for v in vectors],
-                "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
-                "prompt_eval_count": n}
+        async with pool.use(req.model) as m:
+            keep(req, pool.resolve(req.model))
+            vectors, n = await embed(m, [req.input] if isinstance(req.input, str) else list(req.input), request)
+            return {"model": m.name, "embeddings": [v.astype(float).tolist() for v in vectors],
+                    "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
+                    "prompt_eval_count": n}

@@ -312,7 +312,7 @@ class OpenAIServing:
         choices = []
         for i in sorted(final):
             out = final[i]
-            self.metrics.observe(out)
+            self.metrics.observe(out, self.model_name)
             if kind == "chat":
                 msg, proc = chat_output.message(turn.plan, out.text, turn.prompt_tail)
                 choice = {"index": i, "message": msg,
@@ -403,7 +403,7 @@ class OpenAIServing:
                     completion_tokens += len(out.token_ids)
                     if i == 0:
                         cached_tokens = out.num_cached_tokens
-                    self.metrics.observe(out)
+                    self.metrics.observe(out, self.model_name)
                 if delta_nonempty(choice) or out.finished:
                     yield chunk(choice)
             else:
