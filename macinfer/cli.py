@@ -57,6 +57,11 @@ def _engine_options(f):
     f = click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8"]), default="auto", show_default=True, help="int8: 8-bit affine KV cache (about half the memory of fp16).")(f)
     f = click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True, help="Reuse KV blocks of repeated prompt prefixes.")(f)
     f = click.option("--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV cache budget in GiB (default: a share of free memory).")(f)
+    f = click.option("--kv-disk-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Keep the prefix cache on disk too, up to this many GiB: evicted blocks are written by a "
+                          "background thread and found again, also after a restart (default: off).")(f)
+    f = click.option("--kv-disk-dir", type=click.Path(file_okay=False), default=None,
+                     help="Where --kv-disk-gb keeps its files (default: ~/.cache/macinfer/kv; delete it to clear).")(f)
     f = click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True, help="Most sequences in one batch.")(f)
     f = click.option("--max-model-len", "-c", "--ctx-size", "max_model_len", type=click.IntRange(min=2), default=None,
                      help="Cap the context length (-c/--ctx-size: llama.cpp's names).")(f)
@@ -114,7 +119,8 @@ def _sampling_options(f):
 def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
                    kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
                    num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None,
-                   distributed_timeout=60.0, pipeline_micro_batches=1, no_autotune=False):
+                   distributed_timeout=60.0, pipeline_micro_batches=1, no_autotune=False, kv_disk_gb=None,
+                   kv_disk_dir=None):
     from macinfer.engine.llm_engine import EngineConfig
 
     return EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
@@ -124,7 +130,8 @@ def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pre
                         num_speculative_tokens=num_speculative_tokens,
                         chat_template=chat_template, rope_scaling=rope_scaling,
                         distributed=distributed, distributed_timeout=distributed_timeout,
-                        pipeline_micro_batches=pipeline_micro_batches, autotune=not no_autotune)
+                        pipeline_micro_batches=pipeline_micro_batches, autotune=not no_autotune,
+                        kv_disk_gb=kv_disk_gb, kv_disk_dir=kv_disk_dir)
 
 
 def _load_engine(model: str, **engine_opts):
@@ -142,6 +149,8 @@ def _load_engine(model: str, **engine_opts):
         engine = LLMEngine(model, _engine_config(**engine_opts), progress=progress)
     except (FileNotFoundError, ValueError, MemoryError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
+    if engine.disk is not None and engine.dist is None:
+        atexit.register(engine.close)  # the prefix cache to disk (the server closes it itself)
     if engine.dist is not None:
         if not engine.dist.is_driver:  # a worker rank: rank 0's steps until it closes; no output of its own
             engine.run_worker()

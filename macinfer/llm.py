@@ -56,33 +56,16 @@ class _Worker:
         self._jobs.put(None)
 
 
-def _trim_malloc() -> None:
-    """Give freed heap pages back to the OS (glibc keeps them in the worker thread's
-    arena otherwise: ~200 MB more RSS per dropped LLM on SmolLM2). No-op elsewhere."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:
-        pass
-
-
 def _release(worker: _Worker, engine_box: list) -> None:
     """Run when an LLM is collected (or closed): the engine is freed on its own thread,
     then the thread ends and MLX's buffer cache gives the memory back."""
-    import mlx.core as mx
+    from macinfer.memory import release_freed
 
     def free() -> None:
+        if engine_box and engine_box[0].disk is not None:
+            engine_box[0].close()  # the prefix cache to its disk tier first
         engine_box.clear()
-        import gc
-
-        gc.collect()
-        mx.clear_cache()
-        _trim_malloc()
+        release_freed()
 
     worker.submit(free)
     worker.stop()
@@ -119,6 +102,9 @@ class LLM:
                 sys.exit(0)
             atexit.register(lambda: None if self._worker.stopped else self._call(engine.close))
         self._engine_box = [engine]
+        if engine.disk is not None:  # written at exit too, if never closed (the box, not the engine: no leak)
+            box, worker = self._engine_box, self._worker
+            atexit.register(lambda: None if worker.stopped or not box else worker.submit(box[0].close).result(120))
         self._finalizer = weakref.finalize(self, _release, self._worker, self._engine_box)
         self._finalizer.atexit = False
         self.tokenizer = engine.tokenizer

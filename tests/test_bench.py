@@ -106,6 +106,13 @@ def test_prefix_mode_shows_the_cache(tiny_llama, tmp_path):
     cached = {n: r["shared_system"]["cached_tokens_mean"] for n, r in res["servers"].items()}
     assert cached["macinfer"] > 0 and cached["macinfer-nocache"] == 0
     assert os.path.getsize(tmp_path / "prefix_ttft.png") > 1000
+    # after a restart, macinfer's disk tier finds the long prompt; without a prefix cache, nothing does
+    restart = {n: r["restart"] for n, r in res["servers"].items()}
+    from macinfer.bench.prefix import SYSTEM
+
+    # the tiny model's tokenizer is byte-level: a character a token
+    assert restart["macinfer"]["cached_tokens_after_restart"] >= 0.9 * len(SYSTEM) * restart["macinfer"]["system_prompt_repeats"]
+    assert restart["macinfer-nocache"]["cached_tokens_after_restart"] == 0
 
 
 def test_bad_target_is_a_usage_error():

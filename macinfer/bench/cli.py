@@ -228,7 +228,8 @@ def serve(model, vs, out_dir, no_plots, concurrency, requests, rate, input_len, 
     _finish(results, out_dir, not no_plots, mod.table(results))
 
 
-@bench.command(help="Prefix caching: multi-turn TTFT per turn, and many clients sharing a system prompt.")
+@bench.command(help="Prefix caching: multi-turn TTFT per turn, many clients sharing a system prompt, and a long "
+                    "prompt after a restart (macinfer with its disk tier, in a temporary directory).")
 @common
 @click.option("--turns", type=click.IntRange(min=2), default=5, show_default=True)
 @click.option("--clients", type=click.IntRange(min=1), default=16, show_default=True)
@@ -238,7 +239,10 @@ def prefix(model, vs, out_dir, no_plots, turns, clients, max_tokens):
 
     _check_plots(not no_plots)
     vs = _targets(vs, ("mlx-lm", "macinfer-nocache"))
-    args = ["--kv-cache-gb", "0.5", "--max-num-seqs", str(max(32, clients))]
+    import tempfile
+
+    disk = tempfile.mkdtemp(prefix="macinfer-bench-kv-")
+    args = ["--kv-cache-gb", "0.5", "--max-num-seqs", str(max(32, clients)), "--kv-disk-gb", "4", "--kv-disk-dir", disk]
     started = _start_targets(model, vs, "macinfer", args)
     try:
         with _progress((turns + clients) * len(started), "prefix") as bar:
@@ -246,6 +250,9 @@ def prefix(model, vs, out_dir, no_plots, turns, clients, max_tokens):
     finally:
         for t in started:
             t.stop()
+        import shutil
+
+        shutil.rmtree(disk, ignore_errors=True)
     results["context"]["model"] = model
     results["context"]["macinfer_flags"] = args
     _finish(results, out_dir, not no_plots, mod.table(results))

@@ -2,6 +2,9 @@
 
   multi-turn  one conversation of `turns` turns; every turn resends the whole history
   shared-sys  `clients` requests sharing a long system prompt, sent at once
+  restart     a ~2k-token prompt, the server restarted, the same prompt again: TTFT
+              cold and after the restart (macinfer runs with `--kv-disk-gb`: its prefix
+              cache outlives the process; a server without a disk tier recomputes)
 """
 
 from __future__ import annotations
@@ -75,18 +78,46 @@ async def _shared_system(target: Target, clients: int, max_tokens: int, tick) ->
     return out
 
 
+async def _long_prompt(target: Target, max_tokens: int, repeats: int) -> tuple[float, int]:
+    messages = [{"role": "system", "content": SYSTEM * repeats}, {"role": "user", "content": QUESTIONS[0]}]
+    async with httpx.AsyncClient(timeout=600) as c:
+        ttft, _, cached = await _chat(c, target, messages, max_tokens)
+    return ttft, cached
+
+
+def _after_restart(target: Target, max_tokens: int) -> dict | None:
+    """TTFT of a ~2k-token prompt (shorter where the context is) cold, then after the
+    server restarted (servers this benchmark started only)."""
+    repeats = 24  # ~2k tokens with a BPE tokenizer
+    while True:
+        try:
+            cold, _ = asyncio.run(_long_prompt(target, max_tokens, repeats))
+            break
+        except RuntimeError as e:  # beyond this model's context: shorter
+            if "HTTP 400" not in str(e) or repeats <= 3:
+                raise
+            repeats //= 2
+    if not target.restart():
+        return None
+    warm, cached = asyncio.run(_long_prompt(target, max_tokens, repeats))
+    return {"ttft_cold": cold, "ttft_after_restart": warm, "cached_tokens_after_restart": cached,
+            "system_prompt_repeats": repeats}
+
+
 def run(targets: list[Target], turns: int, clients: int, max_tokens: int, tick: Callable[[], None]) -> dict:
     results: dict = {"mode": "prefix", "context": {
         **versions(), "hardware": hardware(), "energy": energy(),
         "workload": {"turns": turns, "clients": clients, "max_tokens": max_tokens,
                      "multi_turn": "one conversation, each turn resends the history",
-                     "shared_system": "requests sharing a ~400-token system prompt, sent at once"},
+                     "shared_system": "requests sharing a ~400-token system prompt, sent at once",
+                     "restart": "a ~2k-token prompt, the server restarted, the same prompt again"},
         "targets": {t.name: {"url": t.url, "model": t.model, **t.info} for t in targets},
     }, "servers": {}}
     for t in targets:
         asyncio.run(_chat_warm_up(t))
         r = {"multi_turn": asyncio.run(_multi_turn(t, turns, max_tokens, tick)),
-             "shared_system": asyncio.run(_shared_system(t, clients, max_tokens, tick))}
+             "shared_system": asyncio.run(_shared_system(t, clients, max_tokens, tick)),
+             "restart": _after_restart(t, max_tokens)}
         if t.memory is not None:
             r["memory_gb_over_time"] = list(t.memory.samples)
             r["peak_rss_gb"] = t.memory.peak_gb
@@ -110,6 +141,9 @@ def table(results: dict) -> str:
              (f"shared-sys x{clients} TTFT p99 (s)", lambda r: r["shared_system"].get("ttft_p99")),
              ("shared-sys cached tokens", lambda r: r["shared_system"]["cached_tokens_mean"]),
              ("shared-sys failed", lambda r: r["shared_system"]["failed"]),
+             ("2k prompt TTFT cold (s)", lambda r: (r.get("restart") or {}).get("ttft_cold")),
+             ("2k prompt TTFT after restart (s)", lambda r: (r.get("restart") or {}).get("ttft_after_restart")),
+             ("after restart cached tokens", lambda r: (r.get("restart") or {}).get("cached_tokens_after_restart")),
              ("peak RSS (GB)", lambda r: r.get("peak_rss_gb"))]
     lines = [f"{'metric':<34}" + "".join(f"{n[:18]:>20}" for n in names)]
     for label, get in rows:

@@ -49,6 +49,20 @@ class Target:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
+    def restart(self) -> bool:
+        """Stop the server and start it again with the same command (a server this
+        benchmark started); False for one it did not start."""
+        if self.proc is None:
+            return False
+        peak = self.memory.peak_gb if self.memory is not None else None
+        self.stop()  # SIGTERM: a graceful shutdown (macinfer writes its prefix cache to disk)
+        cmd = [sys.executable, *self.info["command"]]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait(self.proc, self.url, self.name, cmd)
+        self.memory = MemorySampler(self.proc.pid)
+        self.info["peak_rss_gb_before_restart"] = peak
+        return True
+
 
 def _wait(proc: subprocess.Popen, url: str, name: str, cmd: list[str], timeout: float = 600) -> None:
     deadline = time.time() + timeout
@@ -73,8 +87,14 @@ def start(spec: str, model: str, mlx_dir: str | None, macinfer_args: list[str]) 
         return Target(spec, url, models[0]["id"], info={"models": [m["id"] for m in models]})
     port = free_port()
     if spec.startswith("macinfer"):
+        args = list(macinfer_args)
+        if spec == "macinfer-nocache":  # no prefix cache, so no disk tier under it either
+            for flag in ("--kv-disk-gb", "--kv-disk-dir"):
+                if flag in args:
+                    del args[args.index(flag):args.index(flag) + 2]
+            args.append("--no-prefix-caching")
         cmd = [sys.executable, "-m", "macinfer.cli", "serve", model, "--port", str(port), "--served-model-name",
-               "bench", *macinfer_args] + (["--no-prefix-caching"] if spec == "macinfer-nocache" else [])
+               "bench", *args]
         served = "bench"
     elif spec == "mlx-lm":
         assert mlx_dir is not None

@@ -54,6 +54,7 @@ class BlockPool:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(first, num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.num_usable = num_blocks - first
+        self.on_evict = None  # (block id, hash) of a cached block about to be reused: the disk tier
 
     @property
     def num_used(self) -> int:
@@ -73,6 +74,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block_id, block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block_id
@@ -147,28 +150,48 @@ class GroupBlocks:
         while len(table) < cdiv(num_tokens, self.block_size):
             table.append(self.pool.take())
 
-    def longest_hit(self, hashes: list[bytes], limit: int) -> int:
-        """The most leading blocks (at most `limit`) this group can serve as a prefix hit."""
-        cached = self.pool.cached
+    def longest_hit(self, hashes: list[bytes], limit: int, on_disk=None) -> int:
+        """The most leading blocks (at most `limit`) this group can serve as a prefix hit,
+        from memory or (`on_disk(group, hash)`) from the disk tier."""
+        cached, g = self.pool.cached, self.group.index
         run, n = [], 0  # run[i]: cached blocks ending at block i, consecutive
         for h in hashes[:limit]:
-            n = n + 1 if h in cached else 0
+            n = n + 1 if h in cached or (on_disk is not None and on_disk(g, h)) else 0
             run.append(n)
         m = limit
         while m and run[m - 1] < m - self.first_block(m * self.block_size):
             m -= 1
         return m
 
-    def attach(self, seq: Sequence, hashes: list[bytes], hits: int) -> None:
-        """Take the hit blocks by reference."""
+    def hit_range(self, hits: int) -> range:
+        """The block indices a hit of `hits` blocks takes in this group."""
+        return range(self.first_block(hits * self.block_size) if hits else 0, hits)
+
+    def attach(self, seq: Sequence, hashes: list[bytes], hits: int, records: dict | None = None,
+               disk=None) -> int:
+        """Take the hit blocks: those in memory by reference, then (`records`: index ->
+        arrays read from the disk tier) fresh blocks filled from the disk. Returns how
+        many came from the disk."""
         table = seq.block_tables[self.group.index]
-        first = self.first_block(hits * self.block_size) if hits else 0
-        table.extend([NULL_BLOCK] * first)
-        seq.num_released_blocks[self.group.index] = first
-        for h in hashes[first:hits]:
-            block_id = self.pool.cached[h]
-            self.pool.hit(block_id)
-            table.append(block_id)
+        span = self.hit_range(hits)
+        table.extend([NULL_BLOCK] * span.start)
+        seq.num_released_blocks[self.group.index] = span.start
+        ids = []
+        for i in span:  # memory first: a take below must not evict a block of this hit
+            block_id = self.pool.cached.get(hashes[i])
+            if block_id is not None:
+                self.pool.hit(block_id)
+            ids.append(block_id)
+        restored = []
+        for k, i in enumerate(span):
+            if ids[k] is None:
+                ids[k] = self.pool.take()
+                restored.append((ids[k], records[i]))
+                self.pool.publish(ids[k], hashes[i])
+        if restored:
+            disk.restore_blocks(self.group.index, restored)
+        table.extend(ids)
+        return len(restored)
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:
         table = seq.block_tables[self.group.index]
@@ -207,6 +230,14 @@ class BlockManager:
         self.num_blocks = groups[0].num_blocks if groups else 0
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found in the cache
+        self.disk = None  # the prefix cache's disk tier (`engine/disk_cache.py`), when on
+
+    def attach_disk(self, disk) -> None:
+        self.disk = disk
+        for g in self.groups:
+            g.pool.on_evict = lambda block_id, h, g=g.group.index: disk.evicted_block(g, block_id, h)
+        if self.state is not None:
+            self.state.on_evict = disk.evicted_state
 
     @property
     def blocks(self) -> list[Block]:
@@ -264,19 +295,61 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.prefix_queries += seq.num_tokens
         hashes = self._hashes(seq, max_blocks)
-        hits, prev = max_blocks, -1
+        disk = self.disk if self.disk is not None and self.disk.enabled else None
+        reads: dict = {}
+        hits = self._agree(hashes, max_blocks, disk)
+        while disk is not None and hits:  # what memory lacks comes from the disk, if it reads back whole
+            bad = self._read_disk(hashes, hits, reads)
+            if bad is None:
+                break
+            hits = self._agree(hashes, bad, disk)
+        restored = []
+        for g in self.groups:
+            records = {i: reads[g.group.index, i] for i in g.hit_range(hits) if (g.group.index, i) in reads}
+            restored.append(g.attach(seq, hashes, hits, records, disk))
+        if self.state is not None:
+            self.state.attach(seq, hashes, hits, reads.get(("s", hits - 1)), disk)
+        self.prefix_hits += hits * self.block_size
+        if disk is not None:  # tokens whose K/V (first group), or whose state alone, came from the disk
+            disk.hit_tokens += (restored[0] if restored else hits * (("s", hits - 1) in reads)) * self.block_size
+        return hits * self.block_size
+
+    def _agree(self, hashes: list[bytes], limit: int, disk) -> int:
+        """The longest hit (at most `limit` blocks) every group and the state can serve."""
+        on_disk = disk.has_block if disk is not None else None
+        hits, prev = limit, -1
         while hits != prev:  # each group may shorten the hit; stop when all agree
             prev = hits
             for g in self.groups:
-                hits = g.longest_hit(hashes, hits)
+                hits = g.longest_hit(hashes, hits, on_disk)
             if self.state is not None:
-                hits = self.state.longest_hit(hashes, hits)
+                hits = self.state.longest_hit(hashes, hits, disk.has_state if disk is not None else None)
+        return hits
+
+    def _read_disk(self, hashes: list[bytes], hits: int, reads: dict) -> int | None:
+        """Read the hit's blocks (and end snapshot) memory lacks into `reads`; None when all
+        read back and fit the free blocks, else the block count the hit must stay under."""
+        disk = self.disk
         for g in self.groups:
-            g.attach(seq, hashes, hits)
-        if self.state is not None:
-            self.state.attach(seq, hashes, hits)
-        self.prefix_hits += hits * self.block_size
-        return hits * self.block_size
+            cached, gi = g.pool.cached, g.group.index
+            free = len(g.pool.free_blocks) - sum(
+                1 for i in g.hit_range(hits) if hashes[i] in cached and g.pool.blocks[cached[hashes[i]]].ref_count == 0)
+            for i in g.hit_range(hits):
+                if hashes[i] in cached or (gi, i) in reads:
+                    continue
+                if free <= 0:
+                    return i
+                record = disk.read_block(gi, hashes[i])
+                if record is None:  # corrupt, or gone since the lookup: recomputed from here on
+                    return i
+                reads[gi, i] = record
+                free -= 1
+        if self.state is not None and hashes[hits - 1] not in self.state.snapshots and ("s", hits - 1) not in reads:
+            record = disk.read_state(hashes[hits - 1])
+            if record is None:
+                return hits - 1
+            reads["s", hits - 1] = record
+        return None
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs in the first group so that `num_tokens` tokens fit."""

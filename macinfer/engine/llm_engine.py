@@ -75,6 +75,10 @@ class EngineConfig:
     pipeline_micro_batches: int = 1  # pipeline mode: a step's sequences in this many overlapping forwards
     # Time the paths a decision may take at load (cached per device); False: the defaults.
     autotune: bool = True
+    # The prefix cache's disk tier (`engine/disk_cache.py`): its size in GiB (None: off) and
+    # directory (None: ~/.cache/macinfer/kv).
+    kv_disk_gb: float | None = None
+    kv_disk_dir: str | None = None
 
 
 class LLMEngine:
@@ -140,8 +144,12 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
         slots = None if states is None else StateSlots(states, cfg.max_num_seqs, bs, plan.interval,
                                                        cfg.enable_prefix_caching, plan.num_verify)
-        self.block_manager = BlockManager(groups, bs, cfg.enable_prefix_caching, cache_key=self.loaded.source,
+        self.disk = self._disk_tier() if cfg.kv_disk_gb else None
+        self.block_manager = BlockManager(groups, bs, cfg.enable_prefix_caching,
+                                          cache_key=self.disk.identity if self.disk else self.loaded.source,
                                           state=slots)
+        if self.disk is not None:
+            self.block_manager.attach_disk(self.disk)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_prefill_with_decodes, speculative, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
@@ -212,6 +220,21 @@ class LLMEngine:
         if self.kv_cache.states is not None:  # the recurrent state: slots, not blocks
             stats[-1].update(caches=len(self.state_specs), bytes=self.kv_cache.states.nbytes)
         return stats
+
+    def _disk_tier(self):
+        """The prefix cache's disk tier: records under the model's identity, so blocks are
+        only ever found by the same weights, arguments and cache layout."""
+        from macinfer.engine.disk_cache import DiskCache, identity
+        from macinfer.kv.disk_tier import DiskStore, default_dir
+
+        cfg = self.config
+        if not cfg.enable_prefix_caching:
+            raise ValueError("--kv-disk-gb keeps the prefix cache on disk: it needs prefix caching on")
+        if self.dist is not None:
+            raise ValueError("--kv-disk-gb is not supported with --distributed yet")
+        key = identity(self.loaded.source, self.model, self.kv_cache, cfg.block_size)
+        store = DiskStore(cfg.kv_disk_dir or default_dir(), key, int(cfg.kv_disk_gb * 2**30))
+        return DiskCache(store, self.kv_cache, cfg.block_size, key)
 
     def memory_bytes(self) -> int:
         """What this engine holds: weights plus the KV pools (and recurrent state)."""
@@ -376,7 +399,14 @@ class LLMEngine:
             self.step()
 
     def close(self) -> None:
-        """Over several ranks: let the workers return (they exit with the driver)."""
+        """Write the prefix cache to its disk tier (when on); over several ranks, let the
+        workers return (they exit with the driver)."""
+        if self.disk is not None:
+            disk, self.disk = self.disk, None
+            try:
+                disk.flush(self.block_manager)
+            except Exception:  # a shutdown goes on: the tier is a cache
+                log.exception("writing the prefix cache to disk failed")
         if self.dist is not None and self.dist.is_driver:
             dist_engine.shutdown(self.dist)
             self.dist = None

@@ -47,6 +47,7 @@ class StateSlots:
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # hash of the blocks before it -> slot
         self.marks: dict[int, int] = {}  # id(seq) -> its mark slot
         self.pending: list[tuple[bytes, int]] = []  # snapshots written by the step being built
+        self.on_evict = None  # (slot, hash) of a snapshot about to be reused: the disk tier
 
     # -- slots -----------------------------------------------------------------
     def assign(self, seq: Sequence) -> None:
@@ -73,7 +74,10 @@ class StateSlots:
         if self.free_snapshots:
             return self.free_snapshots.pop()
         if self.snapshots:
-            return self.snapshots.popitem(last=False)[1]
+            h, slot = self.snapshots.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(slot, h)
+            return slot
         return None
 
     def release(self, seq: Sequence) -> None:
@@ -105,19 +109,23 @@ class StateSlots:
         self.free_running.sort(reverse=True)
 
     # -- prefix hits -------------------------------------------------------------
-    def longest_hit(self, hashes: list[bytes], limit: int) -> int:
-        """The most leading blocks (at most `limit`) whose end has a state snapshot."""
+    def longest_hit(self, hashes: list[bytes], limit: int, on_disk=None) -> int:
+        """The most leading blocks (at most `limit`) whose end has a state snapshot, in
+        memory or (`on_disk(hash)`) in the disk tier."""
         for m in range(limit, 0, -1):
-            if hashes[m - 1] in self.snapshots:
+            if hashes[m - 1] in self.snapshots or (on_disk is not None and on_disk(hashes[m - 1])):
                 return m
         return 0
 
-    def attach(self, seq: Sequence, hashes: list[bytes], hits: int) -> None:
+    def attach(self, seq: Sequence, hashes: list[bytes], hits: int, record=None, disk=None) -> None:
+        """Start `seq`'s state from the snapshot at the hit's end (`record`: read from the disk)."""
         self.assign(seq)
-        if hits:
+        if hits and hashes[hits - 1] in self.snapshots:
             slot = self.snapshots[hashes[hits - 1]]
             self.snapshots.move_to_end(hashes[hits - 1])
             self.pool.copy(slot, seq.state_slot)
+        elif hits:
+            disk.restore_state(seq.state_slot, record)
 
     # -- snapshots during a step -------------------------------------------------
     def cuts(self, seq: Sequence, start: int, n: int) -> list[tuple[int, Any]]:

@@ -14,6 +14,7 @@ kernel reads it with unit stride.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -214,6 +215,10 @@ class KVCache:
             i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.quantized)
             for g in groups for i in g.caches}
         self.states = states  # recurrent layers' state pool (hybrid and recurrent models)
+        # The disk tier's hooks (`engine/disk_cache.py`): evicted blocks are copied out
+        # before the pools are next written; a reset drops what was queued.
+        self.before_write: Callable[[], None] | None = None
+        self.on_reset: Callable[[], None] | None = None
         mx.eval(self.state())
 
     @property
@@ -225,12 +230,16 @@ class KVCache:
         return self._pools[cache]
 
     def write(self, layer: int, rows: mx.array, k: mx.array, v: mx.array) -> None:
+        if self.before_write is not None:
+            self.before_write()
         self.pool(layer).write(rows, k, v)
 
     def reset(self) -> None:
         """Fresh zeroed pools. After a failed step the old ones cannot be trusted:
         MLX marks an array whose evaluation raised as evaluated, so a pool written
         by the failed graph reads back as whatever its buffer held."""
+        if self.on_reset is not None:
+            self.on_reset()
         for p in self._pools.values():
             p.reset()
         if self.states is not None:

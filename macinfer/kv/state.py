@@ -30,6 +30,7 @@ class StatePool:
 
     def __init__(self, specs: list[StateSpec], num_slots: int):
         self.specs, self.num_slots = specs, num_slots
+        self.before_write = None  # the disk tier's hook: evicted snapshots copied out first
         self.reset()
 
     def reset(self) -> None:
@@ -52,6 +53,8 @@ class StatePool:
         return [a[call.slots] for a in self.arrays[cache]]
 
     def scatter(self, cache: int, call: "StateCall", values: list[mx.array | None]) -> None:
+        if self.before_write is not None:
+            self.before_write()
         for a, v in zip(self.arrays[cache], values):
             if v is None:
                 continue
@@ -64,12 +67,16 @@ class StatePool:
 
     def write(self, cache: int, slot: int, values: list[mx.array | None]) -> None:
         """One sequence's state (`values` of shape [1, ...]) into `slot`."""
+        if self.before_write is not None:
+            self.before_write()
         for a, v in zip(self.arrays[cache], values):
             if v is not None:
                 a[slot : slot + 1] = v.astype(a.dtype)
 
     def copy(self, src: int, dst: int) -> None:
         """Slot `src` into slot `dst`, in every cache (a snapshot restored or kept, a state moved)."""
+        if self.before_write is not None:
+            self.before_write()
         index = mx.array([src], dtype=mx.int32)  # a gathered copy: a view of the pool would keep
         for entries in self.arrays:              # the update below from writing in place
             for a in entries:

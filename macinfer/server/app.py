@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import re
 import contextlib
 import json
@@ -63,6 +64,9 @@ def create_app(engine: LLMEngine | ModelPool, model_name: str | None = None, api
     `webui`: serve the chat page at `/`. `engine`: one loaded engine served as `model_name`
     (every `model` value reaches it), or a `ModelPool` of several models."""
     api_keys = list(api_keys or []) + ([api_key] if api_key else [])
+    # A key's share of the prefix cache is named by a digest of the key, not its place in
+    # the list: the disk tier outlives the process, and the key list may change.
+    key_ids = [hashlib.blake2b(k.encode(), digest_size=8).hexdigest() for k in api_keys]
     pool = engine if isinstance(engine, ModelPool) else ModelPool.one(engine, model_name, model_aliases)
     metrics = ServerMetrics(lambda: [(s.name, s.engine) for s in pool.loaded()], labelled=not pool.single)
 
@@ -159,6 +163,8 @@ def create_app(engine: LLMEngine | ModelPool, model_name: str | None = None, api
               "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
               "prefix_queried_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits,
               "groups": engine.cache_groups()}
+        if engine.block_manager.disk is not None:  # the prefix cache's disk tier
+            kv["disk"] = engine.block_manager.disk.stats()
         out = {"model": served.name, "max_model_len": engine.max_model_len, "kv": kv,
                "requests": {"running": engine.num_running, "waiting": engine.num_waiting},
                "tokens": dict(engine.stats), "memory_bytes": engine.memory_bytes()}
@@ -209,7 +215,8 @@ def create_app(engine: LLMEngine | ModelPool, model_name: str | None = None, api
         if limit is not None:
             _add_header(request, "x-macinfer-max-tokens", limit)
         try:
-            client = (getattr(request.state, "api_key_index", None), req.user)
+            index = getattr(request.state, "api_key_index", None)
+            client = (None if index is None else key_ids[index], req.user)
             rid, stream = m.serving.submit(req, ids, params, kind, client)
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="server_busy",

@@ -214,7 +214,8 @@ class AsyncEngine:
         self._leave = leave_thread
         self._stopped.set()
         self._commands.put(("wake",))
-        self._parked.wait(timeout=5)
+        # A step ends in well under a second; writing the prefix cache to disk may take longer.
+        self._parked.wait(timeout=60 if getattr(self.engine, "disk", None) is not None else 5)
 
     @property
     def running(self) -> bool:
@@ -255,6 +256,12 @@ class AsyncEngine:
         try:
             self._loop()
         finally:
+            if self.engine is not None and getattr(self.engine, "disk", None) is not None:
+                try:  # the prefix cache to its disk tier, so it outlives this process or unload
+                    with DEVICE:
+                        self.engine.close()
+                except Exception:
+                    log.exception("closing the engine failed")
             # Never exit (see `_idle_hosts`): back to the idle hosts after an unload,
             # parked for good at shutdown.
             self._parked.set()

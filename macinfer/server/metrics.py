@@ -46,6 +46,15 @@ class _EngineCollector:
             add(c, "macinfer_spec_draft_tokens", "Speculative draft tokens checked", e.stats["spec_draft_tokens"], model)
             add(c, "macinfer_spec_accepted_tokens", "Speculative draft tokens accepted",
                 e.stats["spec_accepted_tokens"], model)
+            disk = bm.disk
+            if disk is not None:
+                add(c, "macinfer_prefix_cache_disk_hits", "Prompt tokens whose K/V came back from the disk tier",
+                    disk.hit_tokens, model)
+                add(g, "macinfer_prefix_cache_disk_bytes", "Bytes the disk tier holds", disk.store.bytes, model)
+                add(c, "macinfer_prefix_cache_disk_writes", "Records the disk tier wrote", disk.store.writes, model)
+                add(c, "macinfer_prefix_cache_disk_corrupt", "Disk records dropped as corrupt",
+                    disk.store.corrupt, model)
+                add(g, "macinfer_prefix_cache_disk_enabled", "1 while the disk tier works", int(disk.enabled), model)
             if self.labelled:
                 add(g, "macinfer_model_memory_bytes", "Weights and KV cache of a loaded model", e.memory_bytes(), model)
         yield from families.values()

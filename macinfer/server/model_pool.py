@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from macinfer.memory import release_freed
 
 log = logging.getLogger("macinfer.server")
 
@@ -257,11 +258,7 @@ class ModelPool:
             return
         served.close()
         del served
-        gc.collect()
-        import mlx.core as mx
-
-        mx.clear_cache()  # return the freed buffers to the system, not to MLX's cache
-        _trim_heap()
+        release_freed()  # the freed buffers back to the system, not to MLX's cache or the heap
         log.info("unloaded model %s (%s)", entry.name, why)
 
     def unload_when_idle(self, entry: Entry) -> None:
@@ -306,19 +303,6 @@ class ModelPool:
         if e.known_bytes or e.source.disk_bytes:
             out["size_bytes"] = e.known_bytes or e.source.disk_bytes
         return out
-
-
-def _trim_heap() -> None:
-    """glibc keeps freed heap pages (its mmap threshold rises with the large buffers a model
-    frees); hand them back so an unload shows in the process's RSS. macOS's allocator
-    returns large frees by itself."""
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def disk_bytes(path: str) -> int:

@@ -268,12 +268,12 @@ class OpenAIServing:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         return rid, self.engine.submit(ids, params, rid, cache_salt=self.cache_salt(req.cache_salt, *client))
 
-    def cache_salt(self, salt: str | None, key_index: int | None, user: str | None) -> str | None:
+    def cache_salt(self, salt: str | None, key_id: str | None, user: str | None) -> str | None:
         """Requests share prefix-cache entries only within the isolation scope: a
-        request's own `cache_salt`, plus its API key and/or `user` field."""
+        request's own `cache_salt`, plus its API key (a digest of it) and/or `user` field."""
         parts = [salt or ""]
         if self.cache_isolation in ("key", "key-and-user"):
-            parts.append(f"key{key_index}" if key_index is not None else "")
+            parts.append(f"key:{key_id}" if key_id is not None else "")
         if self.cache_isolation == "key-and-user":
             parts.append(user or "")
         return "\x00".join(parts) if any(parts) else None
