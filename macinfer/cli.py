@@ -11,6 +11,9 @@ import time
 import click
 
 from macinfer import __version__
+from macinfer.cli_options import LOG_LEVELS
+from macinfer.cli_options import log_options as _log_options
+from macinfer.cli_options import setup_logging as _setup_logging
 from macinfer.tool_parsers import FORMATS
 
 def _model_help() -> str:
@@ -25,29 +28,10 @@ def _model_help() -> str:
 MODEL_HELP = _model_help()
 
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
 # `serve`'s prompt tokens per step while others decode: a long prompt's chunk stalls
 # every stream of its step. Measured on the 2-core CPU (README, mixed load); not yet on Metal,
 # where prompt tokens are far cheaper and the cap should cost long prompts little.
 SERVE_PREFILL_WITH_DECODES = 128
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True)
-
-
-def _log_options(f):
-    """-v / --log-level on every command too, so they work after the subcommand."""
-    def set_level(ctx, _param, value):
-        if value:
-            _setup_logging("info" if value is True else value)
-        return value
-
-    f = click.option("-v", "--verbose", is_flag=True, expose_value=False, callback=set_level,
-                     help="Log engine details and, for serve, every request.")(f)
-    f = click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None, expose_value=False,
-                     callback=set_level, help="Logging level.")(f)
-    return f
 
 
 def _engine_options(f):
@@ -394,112 +378,33 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
             raise click.ClickException(f"--pin {pin}: no such model (served: {', '.join(s.name for s in sources)})")
         by_name[pin].pinned = True
     budget = int(max_memory_gb * 2**30) if max_memory_gb else available_memory_bytes()
-    pool = ModelPool(sources, lambda src: LLMEngine(src.path, _engine_config(**engine_opts)), budget_bytes=budget, idle_ttl=idle_ttl)
+    def load(src):
+        shown = [-1]
+
+        def progress(done: int, total: int) -> None:  # a line at each quarter, in the server's log
+            quarter = 4 * done // max(total, 1)
+            if quarter > shown[0]:
+                shown[0] = quarter
+                logging.getLogger("macinfer.server").info("loading model %s: %d%%", src.name, 25 * quarter)
+
+        return LLMEngine(src.path, _engine_config(**engine_opts), progress=progress)
+
+    pool = ModelPool(sources, load, budget_bytes=budget, idle_ttl=idle_ttl)
     for src in sources:  # the first MODEL and the pinned ones load now; the others on demand
         if (given and src is sources[0]) or src.pinned:
             pool.preloaded(src.name, _load_engine(src.path, **engine_opts))
     return pool
 
 
-def _add_bench() -> None:
+def _add_groups() -> None:
     from macinfer.bench.cli import bench
+    from macinfer.cli_models import models
 
     main.add_command(bench)
+    main.add_command(models)
 
 
-_add_bench()
-
-
-@main.group()
-def models():
-    """Models in the Hugging Face cache: list, info, pull, rm."""
-
-
-@models.command("list")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def models_list(as_json):
-    """The bundled model and the cached ones, with size, architecture, quantization and whether macinfer runs them."""
-    import json
-
-    from macinfer.model_store import bundled, list_models
-
-    found = [m for m in [bundled()] if m is not None] + list_models()
-    if as_json:
-        click.echo(json.dumps([m.row() for m in found], indent=2))
-        return
-    if not found:
-        click.echo("no models: the bundled one is not installed and the Hugging Face cache is empty; "
-                   "`macinfer models pull ORG/MODEL` fetches one")
-        return
-    click.echo(f"{'MODEL':<44} {'SIZE':>9}  {'ARCHITECTURE':<14} {'QUANTIZATION':<20} SUPPORTED")
-    for m in found:
-        click.echo(f"{m.repo_id:<44} {m.size_bytes / 1e9:>7.2f}GB  {m.architecture or '-':<14} "
-                   f"{m.quantization or '-':<20} {'yes' if m.supported else 'no: ' + m.why}")
-
-
-@models.command("architectures")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def models_architectures(as_json):
-    """Every architecture (model_type) mlx-lm implements: runs, or why it is refused."""
-    import json
-
-    from macinfer.models import VERDICTS
-
-    if as_json:
-        click.echo(json.dumps(VERDICTS, indent=1, sort_keys=True))
-        return
-    runs = sorted(t for t, v in VERDICTS.items() if v == "runs")
-    click.echo(f"{len(runs)} of {len(VERDICTS)} model types run:")
-    click.echo("  " + ", ".join(runs))
-    click.echo("refused:")
-    for t, why in sorted(VERDICTS.items()):
-        if why != "runs":
-            click.echo(f"  {t}: {why}")
-
-
-@models.command("info")
-@click.argument("repo")
-def models_info(repo):
-    """Details of one cached model."""
-    from macinfer.model_store import find
-
-    try:
-        m = find(repo)
-    except KeyError as e:
-        raise click.ClickException(str(e.args[0])) from None
-    for key, value in m.row().items():
-        click.echo(f"{key:>13}: {value}")
-
-
-@models.command("pull")
-@click.argument("ref")
-@_log_options
-def models_pull(ref):
-    """Download REF (org/Model, or org/Model-GGUF:Q4_K_M for one GGUF file) into the cache."""
-    from macinfer.loader import resolve
-
-    try:
-        path = resolve(ref)
-    except (FileNotFoundError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(path)
-
-
-@models.command("rm")
-@click.argument("repo")
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-def models_rm(repo, yes):
-    """Delete a cached model (every revision)."""
-    from macinfer.model_store import find, remove
-
-    try:
-        m = find(repo)
-    except KeyError as e:
-        raise click.ClickException(str(e.args[0])) from None
-    if not yes:
-        click.confirm(f"delete {repo} ({m.size_bytes / 1e9:.2f} GB)?", abort=True)
-    freed = remove(repo)
-    click.echo(f"deleted {repo}, freed {freed / 1e9:.2f} GB")
+_add_groups()
 
 
 if __name__ == "__main__":

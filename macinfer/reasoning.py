@@ -96,3 +96,26 @@ def split(text: str, starts_inside: bool = False) -> tuple[str, str]:
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
     return r1 + r2, c1 + c2
+
+
+def track_thinking(seq, tokenizer) -> None:
+    """A thinking budget, after each new output token: count the think block's tokens; at
+    the budget, the closing marker is forced as the next tokens (the model may close it
+    earlier itself)."""
+    p, out = seq.params, seq.output_token_ids
+    tail = tokenizer.decode(out[-16:], skip_special_tokens=False)
+    if seq.thinking == "before":
+        if not p.thinking_open:  # the block opens in the output (its marker is not counted)
+            if START in tail:
+                seq.thinking = "open"
+            elif len(out) > 16:  # no think block: nothing to budget
+                seq.thinking = "closed"
+            return
+        seq.thinking = "open"  # opened by the prompt: this token is the block's first
+    if END in tail:
+        seq.thinking = "closed"
+        return
+    seq.thinking_tokens += 1
+    if seq.thinking_tokens >= p.thinking_budget:
+        seq.forced_token_ids = list(p.thinking_end)
+        seq.thinking = "closed"

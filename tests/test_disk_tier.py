@@ -214,3 +214,33 @@ def test_the_python_api_writes_the_cache_when_closed(tmp_path, tiny_llama):
     with LLM(tiny_llama, **kw) as llm:
         got = llm.generate([prompt], GREEDY)[0]
     assert got.num_cached_tokens >= 176 and got.token_ids == want.token_ids
+
+
+def test_a_real_file_size_limit_turns_the_tier_off(tmp_path, tiny_llama):
+    """Not an injected error: the process may write no file over 4 KiB (RLIMIT_FSIZE, as a
+    quota would stop it), so the first record's write fails with EFBIG in the OS; the tier
+    turns itself off with a warning and the requests keep being answered."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import logging, resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write over the limit fails instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        logging.basicConfig(level="WARNING")
+        from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+        from macinfer.sampling_params import SamplingParams
+        from tests.helpers import generate
+        e = LLMEngine({tiny_llama!r}, EngineConfig(kv_cache_gb=0.05, kv_disk_gb=0.5, kv_disk_dir={str(tmp_path)!r}))
+        p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        first = generate(e, [list(range(10, 210))], p)[0].token_ids
+        e.close()
+        again = generate(e, [list(range(10, 210))], p)[0].token_ids
+        print("ENABLED", e.block_manager.disk.enabled, "SAME", first == again, "WRITES", e.block_manager.disk.store.writes)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert "ENABLED False SAME True WRITES 0" in r.stdout
+    assert "KV disk tier turned off" in r.stderr and "too large" in r.stderr.lower()

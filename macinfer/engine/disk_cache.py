@@ -204,3 +204,18 @@ class DiskCache:
 
     def stats(self) -> dict:
         return {**self.store.stats(), "hit_tokens": self.hit_tokens}
+
+
+def disk_cache_for(engine: Any) -> DiskCache:
+    """The prefix cache's disk tier of a loading engine: records under the model's
+    identity, so blocks are only ever found by the same weights, arguments and layout."""
+    from macinfer.kv.disk_tier import default_dir
+
+    cfg = engine.config
+    if not cfg.enable_prefix_caching:
+        raise ValueError("--kv-disk-gb keeps the prefix cache on disk: it needs prefix caching on")
+    if engine.dist is not None:
+        raise ValueError("--kv-disk-gb is not supported with --distributed yet")
+    key = identity(engine.loaded.source, engine.model, engine.kv_cache, cfg.block_size)
+    store = DiskStore(cfg.kv_disk_dir or default_dir(), key, int(cfg.kv_disk_gb * 2**30))
+    return DiskCache(store, engine.kv_cache, cfg.block_size, key)

@@ -14,11 +14,13 @@ import numpy as np
 
 from macinfer import kernels
 from macinfer.kernels.choices import choose_paths
+from macinfer.engine.disk_cache import disk_cache_for
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.embedding import EmbeddingJob
 from macinfer.engine.model_runner import ModelRunner
 from macinfer.engine.profile import maybe
 from macinfer.engine.outputs import RequestOutput, _RequestState
+from macinfer.engine.scoring import score
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import SpeculativeConfig, record_verdict
@@ -29,6 +31,7 @@ from macinfer.kv.cache import DEFAULT_BLOCK_SIZE
 from macinfer.distributed import engine as dist_engine
 from macinfer.distributed import group as dist_group
 from macinfer.loader import LoadedModel, load
+from macinfer.reasoning import track_thinking
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.tokenizer import IncrementalDetokenizer
 
@@ -144,7 +147,7 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
         slots = None if states is None else StateSlots(states, cfg.max_num_seqs, bs, plan.interval,
                                                        cfg.enable_prefix_caching, plan.num_verify)
-        self.disk = self._disk_tier() if cfg.kv_disk_gb else None
+        self.disk = disk_cache_for(self) if cfg.kv_disk_gb else None
         self.block_manager = BlockManager(groups, bs, cfg.enable_prefix_caching,
                                           cache_key=self.disk.identity if self.disk else self.loaded.source,
                                           state=slots)
@@ -220,21 +223,6 @@ class LLMEngine:
         if self.kv_cache.states is not None:  # the recurrent state: slots, not blocks
             stats[-1].update(caches=len(self.state_specs), bytes=self.kv_cache.states.nbytes)
         return stats
-
-    def _disk_tier(self):
-        """The prefix cache's disk tier: records under the model's identity, so blocks are
-        only ever found by the same weights, arguments and cache layout."""
-        from macinfer.engine.disk_cache import DiskCache, identity
-        from macinfer.kv.disk_tier import DiskStore, default_dir
-
-        cfg = self.config
-        if not cfg.enable_prefix_caching:
-            raise ValueError("--kv-disk-gb keeps the prefix cache on disk: it needs prefix caching on")
-        if self.dist is not None:
-            raise ValueError("--kv-disk-gb is not supported with --distributed yet")
-        key = identity(self.loaded.source, self.model, self.kv_cache, cfg.block_size)
-        store = DiskStore(cfg.kv_disk_dir or default_dir(), key, int(cfg.kv_disk_gb * 2**30))
-        return DiskCache(store, self.kv_cache, cfg.block_size, key)
 
     def memory_bytes(self) -> int:
         """What this engine holds: weights plus the KV pools (and recurrent state)."""
@@ -320,39 +308,11 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def score(self, token_lists: list[list[int]], chunks: list[int]) -> list[np.ndarray]:
-        """Logits at every position of each token list (float32 numpy, [len, vocab]).
-
-        The sequences run together, each fed in the given chunk sizes (a chunk of 1
-        takes the decode path), through the same paged cache and attention as
-        serving. For parity and quality checks; it bypasses the scheduler, so call
-        it on an idle engine.
-        """
-        if any(len(t) < sum(chunks) for t in token_lists):
-            raise ValueError("every token list needs at least sum(chunks) tokens")
+        """Logits at every position of each token list, fed in `chunks` (`engine/scoring.py`)."""
         if self.dist is not None and getattr(self, "requests", None) is not None:
             # (at load every rank runs the check against mlx-lm together; after it, rank 0 alone would wait)
             raise ValueError("score() bypasses the scheduler, so it cannot run over --distributed ranks")
-        seqs = [Sequence(f"score-{i}", t, SamplingParams(temperature=0), 0) for i, t in enumerate(token_lists)]
-        per_seq: list[list[np.ndarray]] = [[] for _ in seqs]
-        try:
-            for n in chunks:
-                scheduled = []
-                for s in seqs:
-                    self.block_manager.allocate(s, s.num_computed_tokens + n)
-                    scheduled.append((s, n))
-                scheduled.sort(key=lambda it: it[1] != 1)  # decodes first, as the scheduler does
-                ids, meta, _, _ = self.runner.prepare(scheduled)
-                logits = self.model.logits(self.model(ids, meta)).astype(mx.float32)
-                mx.eval(logits, self.kv_cache.state())
-                row = 0
-                for s, k in scheduled:
-                    per_seq[seqs.index(s)].append(np.array(logits[row : row + k]))
-                    s.num_computed_tokens += k
-                    row += k
-        finally:
-            for s in seqs:
-                self.block_manager.free(s)
-        return [np.concatenate(p) for p in per_seq]
+        return score(self, token_lists, chunks)
 
     def embedding_job(self, token_lists: list[list[int]]) -> EmbeddingJob:
         """Embeddings of `token_lists`, one forward pass per `job.step()` (call them
@@ -460,7 +420,7 @@ class LLMEngine:
                 for token, lp in zip(r.token_ids, r.logprobs):
                     seq.output_token_ids.append(token)
                     if seq.params.thinking_budget is not None and seq.thinking != "closed":
-                        self._track_thinking(seq)
+                        track_thinking(seq, self.tokenizer)
                     self.stats["generation_tokens"] += 1
                     if lp is not None:
                         seq.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
@@ -496,29 +456,6 @@ class LLMEngine:
         out = state.output(finished=True)
         out.error = f"{type(error).__name__}: {error}"
         return out
-
-    def _track_thinking(self, seq: Sequence) -> None:
-        """A thinking budget: count the think block's tokens; at the budget, the closing
-        marker is forced as the next tokens (the model may close it earlier itself)."""
-        from macinfer.reasoning import END, START
-
-        p, out = seq.params, seq.output_token_ids
-        tail = self.tokenizer.decode(out[-16:], skip_special_tokens=False)
-        if seq.thinking == "before":
-            if not p.thinking_open:  # the block opens in the output (its marker is not counted)
-                if START in tail:
-                    seq.thinking = "open"
-                elif len(out) > 16:  # no think block: nothing to budget
-                    seq.thinking = "closed"
-                return
-            seq.thinking = "open"  # opened by the prompt: this token is the block's first
-        if END in tail:
-            seq.thinking = "closed"
-            return
-        seq.thinking_tokens += 1
-        if seq.thinking_tokens >= p.thinking_budget:
-            seq.forced_token_ids = list(p.thinking_end)
-            seq.thinking = "closed"
 
     def _add_token(self, seq: Sequence, token: int) -> bool:
         """One new output token through the output processor; True (and the sequence

@@ -9,13 +9,11 @@ import re
 import contextlib
 import json
 import logging
-import time
 
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,7 +24,7 @@ from macinfer.server.metrics import ServerMetrics
 from macinfer.server.model_pool import ModelPool, PoolError, Served, ModelSource
 from macinfer.server import webui as chat_page
 from macinfer.server.middleware import Guard
-from macinfer.server import anthropic, ollama, context_editing, responses
+from macinfer.server import anthropic, ollama, context_editing, responses, status_routes
 from macinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                       TokenizeRequest, describe_validation_error)
 from macinfer.server.serving import DEFAULT_MAX_TOKENS, APIError, OpenAIServing
@@ -139,62 +137,7 @@ def create_app(engine: LLMEngine | ModelPool, model_name: str | None = None, api
             return JSONResponse({"status": "error", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
-    created = int(time.time())  # one value for the server's life, as clients cache model lists
-
-    def model_card(entry) -> dict:
-        card = pool.card(entry)
-        return {"id": card.pop("id"), "object": "model", "created": created, "owned_by": "macinfer",
-                **({"max_model_len": card["max_model_len"]} if "max_model_len" in card else {}),
-                **({} if pool.single else card)}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card(e) for e in pool.entries.values()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        return model_card(pool.resolve(model_id, strict=True))  # 404 model_not_found for another id
-
-    def engine_status(served: Served) -> dict:
-        engine = served.engine
-        bm = engine.block_manager
-        kv = {"blocks_total": bm.num_blocks, "blocks_used": bm.num_used_blocks, "block_size": bm.block_size,
-              "usage": bm.num_used_blocks / bm.num_blocks if bm.num_blocks else 0.0, "bytes": engine.kv_cache.nbytes,
-              "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
-              "prefix_queried_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits,
-              "groups": engine.cache_groups()}
-        if engine.block_manager.disk is not None:  # the prefix cache's disk tier
-            kv["disk"] = engine.block_manager.disk.stats()
-        out = {"model": served.name, "max_model_len": engine.max_model_len, "kv": kv,
-               "requests": {"running": engine.num_running, "waiting": engine.num_waiting},
-               "tokens": dict(engine.stats), "memory_bytes": engine.memory_bytes()}
-        if getattr(engine, "distributed_status", None):  # --distributed: each rank's plan and memory
-            out["distributed"] = engine.distributed_status
-        return out
-
-    @app.get("/status")
-    async def status(model: str | None = None):
-        """What the chat page shows: the model, KV usage and the queue (Prometheus has the rest).
-        Several models: the one `?model=` names (the first by default) at the top level, and
-        every model's state, memory and hit rate under `models`."""
-        entry = pool.resolve(model, strict=model is not None)
-        served = entry.served
-        out = engine_status(served) if served is not None else {
-            "model": entry.name, "state": entry.state, "kv": {"usage": 0.0, "blocks_used": 0, "blocks_total": 0},
-            "requests": {"running": 0, "waiting": 0}}
-        if not pool.single:
-            out["models"] = [{**pool.card(e), **({k: v for k, v in engine_status(e.served).items()
-                                                  if k in ("memory_bytes", "requests", "tokens")}
-                                               | {"prefix_hit_rate": e.served.engine.block_manager.prefix_hits /
-                                                  max(e.served.engine.block_manager.prefix_queries, 1)}
-                                               if e.served is not None else {})}
-                             for e in pool.entries.values()]
-            out["memory"] = {"budget_bytes": pool.budget, "used_bytes": sum(s.nbytes for s in pool.loaded())}
-        return out
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    status_routes.add_routes(app, pool, metrics)
 
     def _add_header(request: Request, name: str, value: str) -> None:
         """A header for this response's head (the Guard middleware adds them)."""

@@ -1,0 +1,100 @@
+"""`macinfer models`: the Hugging Face cache (list, info, pull, rm) and the architectures that run."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from macinfer.cli_options import log_options as _log_options
+
+@click.group()
+def models():
+    """Models in the Hugging Face cache: list, info, pull, rm."""
+
+
+@models.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models_list(as_json):
+    """The bundled model and the cached ones, with size, architecture, quantization and whether macinfer runs them."""
+    import json
+
+    from macinfer.model_store import bundled, list_models
+
+    found = [m for m in [bundled()] if m is not None] + list_models()
+    if as_json:
+        click.echo(json.dumps([m.row() for m in found], indent=2))
+        return
+    if not found:
+        click.echo("no models: the bundled one is not installed and the Hugging Face cache is empty; "
+                   "`macinfer models pull ORG/MODEL` fetches one")
+        return
+    click.echo(f"{'MODEL':<44} {'SIZE':>9}  {'ARCHITECTURE':<14} {'QUANTIZATION':<20} SUPPORTED")
+    for m in found:
+        click.echo(f"{m.repo_id:<44} {m.size_bytes / 1e9:>7.2f}GB  {m.architecture or '-':<14} "
+                   f"{m.quantization or '-':<20} {'yes' if m.supported else 'no: ' + m.why}")
+
+
+@models.command("architectures")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models_architectures(as_json):
+    """Every architecture (model_type) mlx-lm implements: runs, or why it is refused."""
+    import json
+
+    from macinfer.models import VERDICTS
+
+    if as_json:
+        click.echo(json.dumps(VERDICTS, indent=1, sort_keys=True))
+        return
+    runs = sorted(t for t, v in VERDICTS.items() if v == "runs")
+    click.echo(f"{len(runs)} of {len(VERDICTS)} model types run:")
+    click.echo("  " + ", ".join(runs))
+    click.echo("refused:")
+    for t, why in sorted(VERDICTS.items()):
+        if why != "runs":
+            click.echo(f"  {t}: {why}")
+
+
+@models.command("info")
+@click.argument("repo")
+def models_info(repo):
+    """Details of one cached model."""
+    from macinfer.model_store import find
+
+    try:
+        m = find(repo)
+    except KeyError as e:
+        raise click.ClickException(str(e.args[0])) from None
+    for key, value in m.row().items():
+        click.echo(f"{key:>13}: {value}")
+
+
+@models.command("pull")
+@click.argument("ref")
+@_log_options
+def models_pull(ref):
+    """Download REF (org/Model, or org/Model-GGUF:Q4_K_M for one GGUF file) into the cache."""
+    from macinfer.loader import resolve
+
+    try:
+        path = resolve(ref)
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(path)
+
+
+@models.command("rm")
+@click.argument("repo")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+def models_rm(repo, yes):
+    """Delete a cached model (every revision)."""
+    from macinfer.model_store import find, remove
+
+    try:
+        m = find(repo)
+    except KeyError as e:
+        raise click.ClickException(str(e.args[0])) from None
+    if not yes:
+        click.confirm(f"delete {repo} ({m.size_bytes / 1e9:.2f} GB)?", abort=True)
+    freed = remove(repo)
+    click.echo(f"deleted {repo}, freed {freed / 1e9:.2f} GB")
