@@ -29,9 +29,10 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(10, 250, n).tolist()
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3_text", "deepseek_v3", "qwen3_next"])
+@pytest.fixture(scope="module", params=["llama", "gemma3_text", "gemma4_text", "deepseek_v3", "qwen3_next", "mamba2"])
 def tiny(request, tmp_path_factory):
-    """Full attention; sliding window + full groups; MLA latents; Gated DeltaNet state + attention."""
+    """Full attention; sliding window + full groups; KV sharing; MLA latents; Gated DeltaNet state +
+    attention; recurrent state alone."""
     config = tiny_config(request.param)
     model = make_mlx_lm_model(config, seed=5)
     return save_model_dir(str(tmp_path_factory.mktemp(request.param)), config, model)

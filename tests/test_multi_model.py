@@ -92,6 +92,7 @@ def test_two_models_by_name_one_load_for_concurrent_first_requests(two_tiny):
     assert states["alpha"]["state"] == states["beta"]["state"] == "loaded"
     assert status["memory"]["used_bytes"] == sum(m["memory_bytes"] for m in status["models"])
     assert all(m["state"] == "loaded" and m["max_model_len"] == 256 and m["size_bytes"] > 0 for m in after)
+    assert all(m["context_length"] == 2048 for m in listed)  # read from the config before any load
 
 
 def test_idle_ttl_unloads_and_the_memory_returns(two_tiny):

@@ -175,3 +175,33 @@ def test_protected_server_asks_for_the_key_once(browser, smollm2_gguf):
         context.close()
     finally:
         assert "Traceback" not in s.stop()
+
+
+def test_a_multi_model_server_gets_a_model_picker(browser, smollm2_gguf, tiny_llama):
+    """Several models: the page offers them, the chosen one answers and is remembered."""
+    s = ServerProcess(smollm2_gguf, tiny_llama, *SERVE_ARGS, "--no-hf-cache")
+    tiny = os.path.basename(tiny_llama)
+    try:
+        page = browser.new_page(viewport={"width": 1100, "height": 700})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(s.url + "/")
+        pick = page.locator("#model-pick")
+        expect(pick).to_be_visible()
+        assert pick.locator("option").all_inner_texts() == ["smollm2", tiny]
+        pick.select_option(tiny)
+        expect(page.locator("#model-name")).to_contain_text("unloaded")
+        _settings(page, "0", "8")
+        page.fill("#prompt", "hello")
+        page.press("#prompt", "Enter")
+        expect(page.locator(".msg.assistant .meta").last).to_contain_text("tok/s", timeout=60_000)
+        models = {m["id"]: m for m in httpx.get(f"{s.url}/status").json()["models"]}
+        assert models[tiny]["state"] == "loaded" and models[tiny]["tokens"]["generation_tokens"] > 0
+        assert models["smollm2"]["tokens"]["generation_tokens"] == 0
+        expect(page.locator("#model-name")).not_to_contain_text("unloaded")
+        page.reload()
+        expect(page.locator("#model-pick")).to_have_value(tiny)
+        page.screenshot(path=str(SHOTS / "chat-model-picker.png"))
+        assert not errors, errors
+    finally:
+        assert "Traceback" not in s.stop()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
 import os
 import time
@@ -45,6 +47,11 @@ class ModelSource:
     @property
     def names(self) -> set[str]:
         return {self.name, *self.aliases}
+
+    @functools.cached_property
+    def context_length(self) -> int | None:
+        """The trained context, read from the config or GGUF header without loading."""
+        return context_length(self.path)
 
 
 @dataclass
@@ -298,11 +305,31 @@ class ModelPool:
     def card(self, e: Entry) -> dict[str, Any]:
         out: dict[str, Any] = {"id": e.name, "state": e.state, "aliases": sorted(e.source.aliases),
                                "pinned": e.source.pinned}
+        if e.source.path and e.source.context_length:
+            out["context_length"] = e.source.context_length
         if e.served is not None:
             out["max_model_len"] = e.served.engine.max_model_len
         if e.known_bytes or e.source.disk_bytes:
             out["size_bytes"] = e.known_bytes or e.source.disk_bytes
         return out
+
+
+def context_length(path: str) -> int | None:
+    try:
+        if path.endswith(".gguf"):
+            from macinfer.gguf_file import GGUFFile
+
+            meta = GGUFFile(path).metadata
+            return int(meta[f"{meta['general.architecture']}.context_length"])
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        for c in (cfg, cfg.get("text_config") or {}):
+            for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"):
+                if isinstance(c.get(key), int):
+                    return c[key]
+    except (OSError, ValueError, KeyError, TypeError, ImportError):
+        pass
+    return None
 
 
 def disk_bytes(path: str) -> int:

@@ -57,6 +57,7 @@ def add_routes(app: Any, pool: ModelPool, metrics: Any) -> None:
                        prefix_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0)
             if bm.disk is not None:
                 out["disk_hit_tokens"] = bm.disk.hit_tokens
+                out["disk_hit_rate"] = bm.disk.hit_tokens / bm.prefix_queries if bm.prefix_queries else 0.0
         return out
 
     @app.get("/status")

@@ -37,15 +37,45 @@
     return r;
   }
 
-  async function loadModel() {
-    const data = await (await api("/v1/models")).json();
-    model = data.data[0].id;
-    $("model-name").textContent = model + " · context " + data.data[0].max_model_len;
+  let models = [];
+
+  function showModel() {
+    const m = models.find((x) => x.id === model) || models[0];
+    model = m.id;
+    const parts = models.length > 1 ? [] : [m.id];  // several: the picker names it
+    if (m.max_model_len) parts.push("context " + m.max_model_len);
+    if (m.state && m.state !== "loaded") parts.push(`${m.state} (loads on the first message)`);
+    $("model-name").textContent = parts.join(" · ");
   }
+
+  async function loadModel() {
+    models = (await (await api("/v1/models")).json()).data;
+    const pick = $("model-pick");
+    if (models.length > 1) {  // a multi-model server: choose, and remember the choice
+      pick.replaceChildren(...models.map((m) => new Option(m.id, m.id)));
+      model = store.get("model", null);
+      if (!models.some((m) => m.id === model)) model = models[0].id;
+      pick.value = model;
+      pick.hidden = false;
+    }
+    showModel();
+  }
+
+  $("model-pick").addEventListener("change", (e) => {
+    model = e.target.value;
+    store.set("model", model);
+    showModel();
+    pollStatus();
+  });
 
   async function pollStatus() {
     try {
-      const s = await (await api("/status")).json();
+      const s = await (await api(models.length > 1 ? "/status?model=" + encodeURIComponent(model) : "/status")).json();
+      for (const m of s.models || []) {  // several models: states change as they load and unload
+        const known = models.find((x) => x.id === m.id);
+        if (known) Object.assign(known, { state: m.state, max_model_len: m.max_model_len || known.max_model_len });
+      }
+      if (s.models) showModel();
       $("kv-usage").textContent = `KV ${Math.round(100 * s.kv.usage)}% (${s.kv.blocks_used}/${s.kv.blocks_total} blocks)` +
         ` · ${s.requests.running} running, ${s.requests.waiting} waiting`;
     } catch { /* shown on the next send */ }
