@@ -2,6 +2,7 @@
 """Two models decoding at once against one alone, through the server's step threads.
 
     python scripts/bench_multi_model.py [--streams 8] [--tokens 64] [--repeats 3]
+    python scripts/bench_multi_model.py --memory    # what a load and an idle unload do to memory
 
 Two engines of the bundled SmolLM2 (135M, Q4_1 GGUF expanded to f32 on the CPU; two
 copies, as two different models of that size would be) each run in its own
@@ -59,12 +60,55 @@ async def _run(engines, streams, tokens, prompt):
     return out
 
 
+def memory_roundtrip() -> None:
+    """A model loaded by a request, then unloaded by a 1 s idle TTL, through the server's
+    pool: MLX's active memory and the process's RSS before, loaded, after (Linux /proc)."""
+    import gc
+
+    import httpx
+    import mlx.core as mx
+
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.loader import bundled_test_model
+    from macinfer.server.app import create_app
+    from macinfer.server.model_pool import ModelPool, ModelSource
+
+    def now() -> str:
+        rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return f"MLX active {mx.get_active_memory() / 2**20:7.1f} MiB, RSS {rss / 2**20:7.1f} MiB"
+
+    path = bundled_test_model()
+    pool = ModelPool([ModelSource("a", path), ModelSource("b", path)],
+                     lambda src: LLMEngine(src.path, EngineConfig(kv_cache_gb=0.25, max_model_len=2048)), idle_ttl=1)
+    app = create_app(pool)
+
+    async def run() -> None:
+        pool.start()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=300) as c:
+            print("before the first load:  ", now())
+            start = time.perf_counter()
+            await c.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 8})
+            print(f"loaded ({time.perf_counter() - start:.1f} s):       ", now(),
+                  f"(weights + KV: {pool.entries['b'].known_bytes / 2**20:.1f} MiB)")
+            while pool.entries["b"].state != "unloaded":
+                await asyncio.sleep(0.2)
+            gc.collect()
+            print("after the idle unload:  ", now())
+        pool.shutdown()
+
+    print("SmolLM2-135M (bundled Q4_1 GGUF, f32 on the CPU), 0.25 GiB KV cache, idle TTL 1 s")
+    asyncio.run(run())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--memory", action="store_true", help="measure a load and an idle unload instead")
     args = ap.parse_args()
+    if args.memory:
+        return memory_roundtrip()
 
     import mlx.core as mx
 

@@ -137,7 +137,7 @@ def test_budget_evicts_the_idle_model_and_refuses_what_cannot_fit(two_tiny):
         second = await _ask(c, "beta")
         states = {e.name: e.state for e in pool.entries.values()}
         pool.budget = one // 2  # neither fits now
-        pool.entries["beta"].served and pool._unload(pool.entries["beta"], "test")
+        await pool._unload(pool.entries["beta"], "test")
         refused = await _ask(c, "beta")
         return first, second, states, refused, pool.entries["beta"].known_bytes
 
@@ -230,11 +230,11 @@ def test_pool_rules_with_injected_sizes():
         await use("c")  # 2 + 4 + 4 + 4 > 11: the least recently used idle one (b) goes; p is pinned
         state1 = {e.name: e.state for e in pool.entries.values()}
         pool.entries["a"].keep_alive = 0
-        gone = pool.unload_idle()
+        gone = await pool.unload_idle()
         with pytest.raises(PoolError) as e:
             pool.entries["p"].source.pinned = True
             pool.budget = 5 * GiB  # c alone (4) + pinned p (2) > 5
-            pool._unload(pool.entries["c"], "test")
+            await pool._unload(pool.entries["c"], "test")
             await use("c")
         return state1, gone, e.value
 

@@ -218,7 +218,7 @@ class ModelPool:
             try:
                 await self._make_room(entry, entry.known_bytes)
             except PoolError:
-                self._unload(entry, "it does not fit the memory budget")
+                await self._unload(entry, "it does not fit the memory budget")
                 raise
         log.info("loaded model %s in %.1fs (%.2f GiB: weights and KV cache)", entry.name,
                  time.perf_counter() - started, entry.known_bytes / GiB)
@@ -249,7 +249,7 @@ class ModelPool:
             idle = [e for e in self.entries.values() if e is not entry and e.served is not None
                     and not e.source.pinned and not e.busy()]
             if idle:
-                self._unload(min(idle, key=lambda e: e.last_used), f"to make room for {entry.name}")
+                await self._unload(min(idle, key=lambda e: e.last_used), f"to make room for {entry.name}")
                 continue
             if time.monotonic() > deadline:
                 busy = ", ".join(e.name for e in self.entries.values() if e is not entry and e.served is not None)
@@ -259,20 +259,26 @@ class ModelPool:
             await asyncio.sleep(0.1)
 
     # -- unload ------------------------------------------------------------------
-    def _unload(self, entry: Entry, why: str) -> None:
-        served, entry.served = entry.served, None
-        if served is None:
+    async def _unload(self, entry: Entry, why: str) -> None:
+        """Stop the model's step loop (its prefix cache to disk, when that tier is on) and
+        free its memory, off the event loop: the other models' requests go on meanwhile."""
+        box, entry.served = [entry.served], None
+        if box[0] is None:
             return
-        served.close()
-        del served
-        release_freed()  # the freed buffers back to the system, not to MLX's cache or the heap
+
+        def close() -> None:
+            box[0].close()
+            box.clear()  # the last reference: the engine goes now
+            release_freed()  # the freed buffers back to the system, not to MLX's cache or the heap
+
+        await asyncio.to_thread(close)
         log.info("unloaded model %s (%s)", entry.name, why)
 
     def unload_when_idle(self, entry: Entry) -> None:
         """Ollama's keep_alive 0: unload once its requests are done (the reaper does it)."""
         entry.keep_alive = 0.0
 
-    def unload_idle(self, now: float | None = None) -> list[str]:
+    async def unload_idle(self, now: float | None = None) -> list[str]:
         """Unload models idle past their keep-alive (a request's) or the pool's TTL."""
         now = time.monotonic() if now is None else now
         gone = []
@@ -281,7 +287,7 @@ class ModelPool:
             if e.served is None or e.source.pinned or ttl is None or ttl < 0 or e.busy():
                 continue
             if now - e.last_used >= ttl:
-                self._unload(e, f"idle for {now - e.last_used:.0f}s")
+                await self._unload(e, f"idle for {now - e.last_used:.0f}s")
                 gone.append(e.name)
         return gone
 
@@ -289,7 +295,7 @@ class ModelPool:
         while True:
             await asyncio.sleep(0.5)
             async with self._lock:
-                self.unload_idle()
+                await self.unload_idle()
 
     def start(self) -> None:
         if self._reaper is None and not self.single:
