@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """On a Mac: run macinfer's Metal kernels on the GPU, check them against the
-reference path, and print their bandwidth beside the chip's peak.
+reference path, print their bandwidth beside the chip's peak, and the timing table of
+the paths chosen by measurement at load (`kernels/autotune.py`).
 
     make mac-check          # or: python scripts/mac_check.py
 
@@ -101,6 +102,24 @@ def check_qmv(peak: float | None) -> bool:
     return ok
 
 
+def check_paths() -> None:
+    """Load the bundled model with a fresh verdict cache, so every decision with two correct
+    paths (Metal kernel or MLX's ops, fused or explicit attention ops, qmv kernel or
+    quantized_matmul) is timed on this Mac; print the figures."""
+    import os
+    import tempfile
+
+    os.environ["MACINFER_CACHE_DIR"] = tempfile.mkdtemp(prefix="macinfer-mac-check-")
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.kernels import autotune
+    from macinfer.loader import bundled_test_model
+
+    engine = LLMEngine(bundled_test_model(), EngineConfig(kv_cache_gb=0.25, max_model_len=2048))
+    print("\npaths chosen by measurement (bundled SmolLM2, Q4_1; the verdict, then each path's time)")
+    print(autotune.table())
+    print("engine paths:", engine.paths.describe())
+
+
 def main() -> int:
     if not mx.metal.is_available():
         print("mac-check needs an Apple Silicon GPU (mx.metal.is_available() is False here).\n"
@@ -110,6 +129,7 @@ def main() -> int:
     print(f"device: {name}; peak memory bandwidth: {peak or 'unknown'} GB/s; mlx {mx.__version__}")
     ok = check_attention(peak) & check_qmv(peak)
     print("\nall kernels match the reference" if ok else "\nMISMATCH: see max err above")
+    check_paths()
     return 0 if ok else 2
 
 

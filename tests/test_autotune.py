@@ -49,6 +49,17 @@ def test_the_faster_path_wins_and_the_verdict_is_cached(caplog):
     assert autotune.choose("decode_attention", {"d": 64}, _paths("metal", "reference"), "metal", timer2) == "reference"
 
 
+def test_the_table_mac_check_prints_lists_this_devices_verdicts():
+    timer, _ = _timer({"metal": 0.002, "reference": 0.005})
+    autotune.choose("decode_attention", {"d": 128}, _paths("metal", "reference"), "metal", timer)
+    timer, _ = _timer({"explicit": 0.010, "fused": 0.004})
+    autotune.choose("attention_ops", {"d": 64}, _paths("explicit", "fused"), "explicit", timer)
+    lines = autotune.table().splitlines()
+    assert [line.split()[:2] for line in lines] == [["attention_ops", "fused"], ["decode_attention", "metal"]]
+    assert "(explicit 10 ms, fused 4 ms)" in lines[0] and '"d": 64' in lines[0]
+    assert "(metal 2 ms, reference 5 ms)" in lines[1]
+
+
 def test_the_default_stays_unless_another_path_is_clearly_faster():
     timer, _ = _timer({"explicit": 0.0100, "fused": 0.0095})  # 5% faster: noise
     assert autotune.choose("attention_ops", {"d": 1}, _paths("explicit", "fused"), "explicit", timer) == "explicit"

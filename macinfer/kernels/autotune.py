@@ -149,3 +149,17 @@ def choose(decision: str, shape: dict[str, Any], candidates: dict[str, Callable[
     log.info("%s: %s (%s ms on this device%s)", decision, found["choice"],
              ", ".join(f"{n} {t:g}" for n, t in found["ms"].items()), ", cached" if found.get("cached") else "")
     return found["choice"]
+
+
+def table() -> str:
+    """The verdicts measured on this device, a line each (`make mac-check` prints it)."""
+    here = device_key()
+    lines = []
+    for key, found in sorted(_read().items()):
+        decision = key.split("|", 1)[0]
+        if not key.startswith(f"{decision}|{here}|"):  # another device's or MLX version's
+            continue
+        shape = key[len(f"{decision}|{here}|"):]
+        ms = ", ".join(f"{name} {t:g} ms" for name, t in found.get("ms", {}).items())
+        lines.append(f"{decision:<18} {found.get('choice', '?'):<10} ({ms})  shape {shape}")
+    return "\n".join(lines) or "(no verdicts measured on this device)"
