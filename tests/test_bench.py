@@ -129,3 +129,27 @@ def test_profile_mode_splits_a_steps_host_time(tiny_llama, tmp_path):
     assert set(ms) == {"schedule", "metadata", "graph", "device", "sampler", "outputs"}
     assert res["steps"] >= 5 and all(v > 0 for v in ms.values()) and res["tok_s"] > 0
     assert res["context"]["workload"]["concurrency"] == 3
+    split = res["device_split_ms_per_step"]
+    assert set(split) == {"attention", "matmul", "rest"} and all(v > 0 for v in split.values())
+    assert "device by kind" in out
+
+
+def test_the_device_split_changes_no_output_and_counts_every_kind(tiny_llama, tmp_path):
+    """Barriers around attention and matmuls evaluate earlier, never differently; the
+    patched classes are restored after."""
+    import mlx.nn as nn
+
+    from macinfer.engine.device_split import DeviceSplit
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.sampling_params import SamplingParams
+    from tests.helpers import generate
+
+    engine = LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01, enable_prefix_caching=False))
+    prompts = [list(range(10, 30)), list(range(40, 52))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = [o.token_ids for o in generate(engine, prompts, params)]
+    linear = nn.Linear.__call__
+    with DeviceSplit() as split:
+        timed = [o.token_ids for o in generate(engine, prompts, params)]
+    assert timed == plain and nn.Linear.__call__ is linear
+    assert all(split.seconds[k] > 0 for k in ("attention", "matmul", "rest"))

@@ -107,8 +107,9 @@ def engine(model, vs, out_dir, no_plots, prompt_len, gen_len, prefill_len, concu
     _finish(results, out_dir, not no_plots, mod.table(results))
 
 
-@bench.command(help="Where a step's host time goes (schedule, metadata, graph, device, sampler, outputs) for "
-                    "concurrent greedy requests. Device time is the forward's evaluation as a whole.")
+@bench.command(help="Where a step's time goes (schedule, metadata, graph, device, sampler, outputs) for "
+                    "concurrent greedy requests, then the device time by attention / matmul / rest (a second "
+                    "run with a barrier around each attention call and matmul).")
 @click.argument("model", required=False)
 @click.option("--concurrency", "-c", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True)

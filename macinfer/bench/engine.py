@@ -165,6 +165,7 @@ def profile(model: str, concurrency: int = 32, prompt_len: int = 32, gen_len: in
         _, total = runner.run(prompts, gen_len)
     finally:
         runner.engine.runner.profile = None
+    split = device_split(runner, prompts, gen_len)
     loaded = runner.engine.loaded
     return {"mode": "profile", "context": {
         "model": os.path.basename(str(loaded.source).rstrip("/")), "model_type": loaded.config.get("model_type"),
@@ -173,4 +174,30 @@ def profile(model: str, concurrency: int = 32, prompt_len: int = 32, gen_len: in
         "hardware": hardware(), "energy": energy(),
         "workload": {"concurrency": concurrency, "prompt_len": prompt_len, "gen_len": gen_len, "greedy": True}},
         "tok_s": concurrency * gen_len / total, "steps": prof.steps, "ms_per_step": prof.per_step_ms(),
-        "table": prof.table()}
+        "device_split_ms_per_step": split, "table": prof.table() + "\n" + _split_table(split, prof.per_step_ms())}
+
+
+def device_split(runner, prompts: list[list[int]], gen_len: int) -> dict[str, float]:
+    """The same run again with a barrier around every attention call and matmul
+    (`engine/device_split.py`): device ms per step by attention / matmul / rest."""
+    from macinfer.engine.device_split import DeviceSplit
+    from macinfer.engine.profile import StepProfile
+
+    prof = StepProfile()
+    runner.engine.runner.profile = prof
+    try:
+        with DeviceSplit() as split:
+            runner.run(prompts, gen_len)
+    finally:
+        runner.engine.runner.profile = None
+    ms = split.per_step_ms(prof.steps)
+    ms["rest"] += prof.per_step_ms()["device"]  # what the step's final evaluation still had pending
+    return ms
+
+
+def _split_table(split: dict[str, float], plain: dict[str, float]) -> str:
+    total = sum(split.values())
+    rows = [f"device by kind (a second run, a barrier around each attention call and matmul: "
+            f"{total:.2f} ms/step against {plain['device']:.2f} without)"]
+    rows += [f"  {k:<10}{v:>8.2f}{100 * v / total:>7.1f}%" for k, v in split.items()]
+    return "\n".join(rows)

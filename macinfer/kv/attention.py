@@ -299,12 +299,22 @@ def _batched_prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int,
     return out.transpose(0, 2, 1, 3).reshape(n * b.length, H, v.shape[-1])
 
 
+SPLIT = None  # an `engine.device_split.DeviceSplit` while `macinfer bench profile` splits device time
+
+
 def attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
            sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
     """q: [T, H, d] against the paged cache `layer` (this step's K/V already written; a
     layer that reads another's K/V passes that cache). Which keys each query reads is
     the cache group's kind. `sinks`: per-head attention-sink logits; `softcap`:
     attention logit soft-capping."""
+    if SPLIT is not None:
+        return SPLIT.timed("attention", lambda: _attend(q, meta, layer, scale, sinks, softcap), q)
+    return _attend(q, meta, layer, scale, sinks, softcap)
+
+
+def _attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
+            sinks: mx.array | None, softcap: float | None) -> mx.array:
     meta = meta.for_layer(layer)
     outs = []
     if meta.num_decodes:
