@@ -239,8 +239,17 @@ def load(ref: str, impl: str = "auto", progress: Callable[[int, int], None] | No
          context: tuple[int, str] | None = None, distributed: Any = None) -> LoadedModel:
     """Load weights and tokenizer. Raises ModelNotFoundError, UnsupportedArchitectureError
     or ModelLoadError, each with a one-line message naming the file and the problem.
-    `context` (max_model_len, "yarn"|"linear") stretches RoPE past the trained context."""
-    path = resolve(ref)
+    `context` (max_model_len, "yarn"|"linear") stretches RoPE past the trained context.
+    Over several ranks, a Hub model is fetched per rank (`distributed/files.py`)."""
+    if distributed is not None and _looks_like_repo_id(ref) and not os.path.exists(os.path.expanduser(ref)):
+        from macinfer.distributed.files import fetch_for_rank
+
+        try:
+            path = fetch_for_rank(ref, distributed.mode, distributed.rank, distributed.size)
+        except Exception as e:  # offline, unknown repo, auth: one clear message
+            raise _hub_error(ref, e) from None
+    else:
+        path = resolve(ref)
     try:
         return _load_path(ref, path, impl, progress, context, distributed)
     except (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError):
@@ -272,7 +281,14 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
     config = extended
     weights = model.sanitize(weights)
     _quantize_like_weights(model, config, weights)
-    model.load_weights(list(weights.items()), strict=True)
+    strict = True
+    if distributed is not None and distributed.mode == "pipeline":  # the other ranks' layers may be absent
+        from macinfer.distributed.files import check_missing
+
+        missing = [k for k in model.weight_names() if k not in weights]
+        check_missing(missing, len(model.decoder_layers), distributed.rank, distributed.size)
+        strict = not missing
+    model.load_weights(list(weights.items()), strict=strict)
     del weights
     if should_dequantize(model):
         n = _dequantize_modules(model)

@@ -36,8 +36,40 @@ def run(model: str, mode: str | None) -> dict:
     return {"tokens": [done[i] for i in ids], "cached": cached, "micro_batched": engine.runner.micro_batched_steps}
 
 
+def fake_hub(root: str, out: str) -> None:
+    """MACINFER_TEST_HUB=DIR: `snapshot_download` serves repos from DIR/<org>/<name>, copying
+    only the files its allow_patterns match (as the Hub does) into a cache of this rank's,
+    and records the weight files this rank fetched in OUT.rank<r>.json."""
+    import fnmatch
+    import os
+    import shutil
+
+    import huggingface_hub
+
+    rank = os.environ.get("MLX_RANK", "single")
+    fetched = []
+
+    def snapshot_download(repo_id, allow_patterns=None, **_):
+        src, dst = os.path.join(root, repo_id), os.path.join(root + ".cache", rank, repo_id)
+        os.makedirs(dst, exist_ok=True)
+        for name in os.listdir(src):
+            if allow_patterns is None or any(fnmatch.fnmatch(name, p) for p in allow_patterns):
+                shutil.copy(os.path.join(src, name), dst)
+                if name.endswith(".safetensors") and name not in fetched:
+                    fetched.append(name)
+        with open(f"{out}.rank{rank}.json", "w") as f:
+            json.dump(sorted(fetched), f)
+        return dst
+
+    huggingface_hub.snapshot_download = snapshot_download
+
+
 if __name__ == "__main__":
+    import os
+
     model, mode, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    if os.environ.get("MACINFER_TEST_HUB"):
+        fake_hub(os.environ["MACINFER_TEST_HUB"], out)
     result = run(model, None if mode == "single" else mode)
     if result:
         with open(out, "w") as f:

@@ -81,6 +81,45 @@ def test_pipeline_parallel_gives_single_process_tokens(tmp_path, model_type):
     assert (run["micro_batched"] > 0) == (model_type == "llama")
 
 
+def test_each_pipeline_rank_fetches_only_its_own_hub_files(tmp_path):
+    """A Hub model in 3 weight files (layers 0-1, layers 2-3, the rest) behind a fake Hub
+    (tests/distributed_run.py: the real `snapshot_download` contract, files copied by
+    pattern): over 2 pipeline ranks each fetches its own layers' file and the rest, never
+    the other's; the tokens are one process's."""
+    import mlx.core as mx
+
+    from macinfer.distributed.files import layer_of
+
+    config = tiny_config("llama", num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    path = Path(save_model_dir(str(tmp_path / "local"), config, make_mlx_lm_model(config, seed=7)))
+    repo = tmp_path / "hub" / "test-org" / "tiny"
+    repo.mkdir(parents=True)
+    for f in path.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, repo / f.name)
+    weights = {k: v for f in path.glob("*.safetensors") for k, v in mx.load(str(f)).items()}
+    parts = {"model-00001-of-00003.safetensors": lambda i: i in (0, 1),
+             "model-00002-of-00003.safetensors": lambda i: i in (2, 3),
+             "model-00003-of-00003.safetensors": lambda i: i is None}
+    weight_map = {}
+    for name, holds in parts.items():
+        mine = {k: v for k, v in weights.items() if holds(layer_of(k))}
+        mx.save_safetensors(str(repo / name), mine)
+        weight_map.update(dict.fromkeys(mine, name))
+    (repo / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    out = tmp_path / "hub.json"
+    env = {**ENV, "MACINFER_TEST_HUB": str(tmp_path / "hub")}
+    proc = subprocess.run(LAUNCH + [str(ROOT / "tests" / "distributed_run.py"), "test-org/tiny", "pipeline", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    fetched = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in ("0", "1")}
+    # rank 1 runs the first layers (0-1), rank 0 the last (2-3); both take the embeddings and head
+    assert fetched["1"] == ["model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"]
+    assert fetched["0"] == ["model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
+    assert json.loads(out.read_text())["tokens"] == _run(str(path), "single", tmp_path)["tokens"]
+
+
 def test_tensor_parallel_without_shard_is_refused_with_the_reason(tmp_path):
     path = _tiny(tmp_path, "gemma3_text")
     proc = subprocess.run(LAUNCH + [str(ROOT / "tests" / "distributed_run.py"), path, "tensor", str(tmp_path / "x")],
@@ -199,3 +238,18 @@ def test_distributed_serve_answers_concurrent_requests_and_ends_when_a_rank_dies
         assert "rank 1 exited" in out or "macinfer: error: distributed" in out, out[-2000:]
     finally:
         _end(launcher)
+
+
+def test_rank_file_selection_rules():
+    from macinfer.distributed.files import check_missing, layer_of, rank_files
+
+    wm = {"model.embed_tokens.weight": "c", "model.layers.0.mlp.weight": "a", "model.layers.1.mlp.weight": "a",
+          "model.layers.2.mlp.weight": "b", "model.layers.3.mlp.weight": "b", "model.norm.weight": "c",
+          "transformer.h.10.attn.weight": "d"}
+    assert layer_of("transformer.h.10.attn.weight") == 10 and layer_of("lm_head.weight") is None
+    assert rank_files(wm, 4, 1, 2) == ["a", "c"] and rank_files(wm, 4, 0, 2) == ["b", "c"]  # rank 0: last layers
+    check_missing(["model.layers.0.mlp.weight"], 4, 0, 2)  # another rank's layer: fine
+    with pytest.raises(ValueError, match="rank 0: weights missing for this rank's part: model.layers.3.mlp.weight"):
+        check_missing(["model.layers.3.mlp.weight"], 4, 0, 2)
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        check_missing(["model.norm.weight"], 4, 1, 2)

@@ -428,6 +428,12 @@ class MlxLmModel(nn.Module):
     def load_weights(self, weights, strict: bool = True):  # mlx-lm's parameter names
         return self.lm.load_weights(weights, strict=strict)
 
+    def weight_names(self) -> list[str]:
+        """The names `load_weights` takes (mlx-lm's)."""
+        from mlx.utils import tree_flatten
+
+        return [k for k, _ in tree_flatten(self.lm.parameters())]
+
 
 def build(config: dict[str, Any]) -> MlxLmModel:
     """mlx-lm's class for `config` (its own model_type remapping), uninitialised."""
