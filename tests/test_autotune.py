@@ -120,3 +120,55 @@ def test_the_engine_takes_the_measured_attention_ops(tmp_path, monkeypatch, tiny
     engine = LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01))
     assert engine.runner.explicit_ops is False and engine.runner.prefill_tile is None
     assert LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01, autotune=False)).runner.explicit_ops is True
+
+
+def test_the_split_k_partition_is_timed_on_metal_only(monkeypatch, tiny_llama):
+    """On the CPU the default stands, untimed; where the kernel runs for real each size is
+    timed (here: injected timings, the launches stubbed) and the fastest taken."""
+    from macinfer.kernels import choices
+    from macinfer.loader import load
+
+    model = load(tiny_llama).model
+    assert choices.choose_decode_partition(model, model.layer_specs) == 512 and "no verdicts" in autotune.table()
+    monkeypatch.setattr(choices.kernels, "mode", lambda: "metal")
+    monkeypatch.setattr(choices.paged_kernels, "supported", lambda *a: True)
+    monkeypatch.setattr(choices, "launch", lambda calls: dict(calls[0].template)["PART"])
+    real = autotune.choose
+    for times, want in (({256: 4.0, 512: 3.0, 1024: 2.0}, 1024), ({256: 1.0, 512: 3.0, 1024: 2.0}, 256)):
+        autotune.configure(None)
+        monkeypatch.setattr(choices.autotune, "choose",
+                            lambda *a, times=times, **k: real(*a, **k, timer=lambda fn: times[fn()] * 1e-3))
+        assert choices.choose_decode_partition(model, model.layer_specs) == want
+        (autotune.cache_dir() / "autotune.json").unlink()
+
+
+def test_the_chosen_partition_reaches_the_kernel(tmp_path, monkeypatch):
+    """The partition decided at load is the one the engine's decode launches use: the
+    emulated kernel split into 16-token partitions gives the reference path's tokens."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("the CPU emulator needs g++")
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.kernels import paged_attention as paged_kernels
+    from macinfer.sampling_params import SamplingParams
+    from tests.helpers import generate, tiny_model_dir
+
+    path, _ = tiny_model_dir(tmp_path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    parts = []
+    original = paged_kernels.decode_calls
+    monkeypatch.setattr(paged_kernels, "decode_calls",
+                        lambda *a, **kw: parts.append(kw.get("partition_size")) or original(*a, **kw))
+    prompts, params = [list(range(10, 50)), list(range(60, 75))], SamplingParams(temperature=0, max_tokens=5,
+                                                                                 ignore_eos=True)
+
+    def run(mode, partition=None):
+        monkeypatch.setenv("MACINFER_KERNELS", mode)
+        engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
+        if partition:
+            engine.runner.decode_partition = partition
+        parts.clear()
+        return [o.token_ids for o in generate(engine, prompts, params)]
+
+    want = run("reference")
+    assert run("emulate", 16) == want and parts and set(parts) == {16}

@@ -22,7 +22,8 @@ def _finish(results: dict, out_dir: str, plots: bool, table: str) -> None:
     click.echo(f"macinfer {ctx['macinfer']}, mlx {ctx['mlx']}, mlx-lm {ctx['mlx_lm']}; {hw['chip']} x{hw['cores']}, "
                f"{hw.get('memory_gb')} GB, device {hw['mlx_device']}; energy: {ctx['energy']['why']}")
     flags = ctx.get("macinfer_flags") or {}
-    chosen = {k: flags[k] for k in ("decode_attention", "attention_ops", "qmv_kernel", "mla_prompt_expanded_from")
+    chosen = {k: flags[k] for k in ("decode_attention", "attention_ops", "qmv_kernel", "mla_prompt_expanded_from",
+                                    "decode_partition")
               if k in flags}
     if chosen:  # the paths measured at load (kernels/choices.py)
         click.echo("paths: " + ", ".join(f"{k} {v}" for k, v in chosen.items()))

@@ -163,7 +163,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured,
                                   explicit_ops=self.paths.explicit_ops, prefill_tile=self.paths.prefill_tile,
                                   eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-                                  mla_expand_from=self.paths.mla_expand_from)
+                                  mla_expand_from=self.paths.mla_expand_from,
+                                  decode_partition=self.paths.decode_partition)
         self.distributed_status = None
         if self.dist is not None:
             dist_engine.check_same_model(self.dist, {

@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from macinfer.kernels.paged_attention import PARTITION_SIZE
 from macinfer.kv.attention import AttentionMetadata
 from macinfer.kv.prefill_plan import PrefillSpan
 from macinfer.engine.block_manager import BlockManager, GroupBlocks
@@ -62,7 +63,8 @@ class _GroupTables:
         self.prefills.append(PrefillSpan(row, len(pos), context - origin, mx.array(blocks, dtype=mx.int32), origin))
 
     def metadata(self, kv_cache: KVCache, positions: mx.array, explicit_ops: bool,
-                 prefill_tile: int | None, mla_expand_from: int | None = None) -> AttentionMetadata:
+                 prefill_tile: int | None, mla_expand_from: int | None = None,
+                 decode_partition: int = PARTITION_SIZE) -> AttentionMetadata:
         meta = AttentionMetadata(
             kv_cache=kv_cache,
             positions=positions,
@@ -71,6 +73,7 @@ class _GroupTables:
             explicit_ops=explicit_ops,
             prefill_tile=prefill_tile,
             mla_expand_from=mla_expand_from,
+            decode_partition=decode_partition,
             num_decodes=len(self.decode_tables),
             prefills=self.prefills,
             decode_groups=self.decode_groups,
@@ -95,8 +98,9 @@ class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_manager: BlockManager | None = None,
                  structured: StructuredOutputs | None = None, explicit_ops: bool = False,
                  prefill_tile: int | None = None, eos_token_ids: tuple[int, ...] = (),
-                 mla_expand_from: int | None = None):
+                 mla_expand_from: int | None = None, decode_partition: int = PARTITION_SIZE):
         self.model = model
+        self.decode_partition = decode_partition  # see AttentionMetadata
         self.eos_token_ids = tuple(eos_token_ids)  # what `min_tokens` holds back
         self.explicit_ops = explicit_ops  # see AttentionMetadata
         self.prefill_tile = prefill_tile
@@ -151,7 +155,7 @@ class ModelRunner:
 
         pos_arr = mx.array(positions, dtype=mx.int32)
         metas = [t.metadata(self.kv_cache, pos_arr, self.explicit_ops, self.prefill_tile,
-                            self.mla_expand_from) for t in tables]
+                            self.mla_expand_from, self.decode_partition) for t in tables]
         meta = metas[0] if metas else AttentionMetadata(self.kv_cache, pos_arr, np.zeros(0, dtype=np.int64))
         meta.groups = metas
         if self.state is not None:

@@ -9,11 +9,14 @@ model's own shapes (`autotune.choose`), after the kernels' self-check:
 - `attention_ops`: prompt attention written out in explicit ops (exp2 softmax, query tiles)
   or MLX's fused SDPA: the first is cheaper where SDPA is not a fused kernel (MLX's CPU),
   the second where it is; timed on every device.
+- `decode_partition`: the decode kernel's split-K partition (256, 512 or 1024 tokens), timed
+  on an 8 x 8k-token batch (Metal only, as above).
 
 Each is logged in one line and cached per device, MLX version and shape. `--no-autotune`
 (`MACINFER_AUTOTUNE=0`) takes the defaults (the kernels where they passed the self-check;
 explicit ops on the CPU), and `MACINFER_FORCE_DECODE_ATTENTION=metal|reference`,
-`MACINFER_FORCE_QMV=kernel|mlx`, `MACINFER_FORCE_ATTENTION_OPS=explicit|fused` force a path.
+`MACINFER_FORCE_QMV=kernel|mlx`, `MACINFER_FORCE_ATTENTION_OPS=explicit|fused`,
+`MACINFER_FORCE_DECODE_PARTITION=256|512|1024` force a path.
 """
 
 from __future__ import annotations
@@ -85,6 +88,33 @@ def choose_decode_attention(model: Any, layer_specs: list) -> str:
                            candidates, default="metal")
 
 
+PARTITIONS = (256, 512, 1024)  # split-K partition sizes timed, in tokens
+PARTITION_CONTEXT = 8192  # long enough that each size splits it
+
+
+def choose_decode_partition(model: Any, layer_specs: list) -> int:
+    """The decode kernel's split-K partition: each size timed on a long context (Metal
+    only: elsewhere the kernel does not run for real, and the default stands)."""
+    shape = attention_shape(model, layer_specs)
+    if kernels.mode() != "metal" or shape is None:
+        return paged_kernels.PARTITION_SIZE
+    h, kvh, d, dv, dtype = shape
+    if not paged_kernels.supported(d, h // kvh, dv):
+        return paged_kernels.PARTITION_SIZE
+    rng = np.random.default_rng(2)
+    blocks = DECODE_BATCH * PARTITION_CONTEXT // BLOCK
+    q = mx.array(rng.normal(size=(DECODE_BATCH, h, d)).astype(np.float32)).astype(dtype)
+    k = mx.array(rng.normal(size=(blocks, kvh, BLOCK, d)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.normal(size=(blocks, kvh, BLOCK, dv)).astype(np.float32)).astype(dtype)
+    tables = mx.array(rng.permutation(blocks).reshape(DECODE_BATCH, -1).astype(np.int32))
+    lens = mx.full((DECODE_BATCH,), PARTITION_CONTEXT, dtype=mx.int32)
+    mx.eval(q, k, v, tables)
+    candidates = {str(p): (lambda p=p: launch(paged_kernels.decode_calls(
+        q, k, v, tables, lens, d ** -0.5, BLOCK, PARTITION_CONTEXT, partition_size=p))) for p in PARTITIONS}
+    shape_key = dict(heads=h, kv_heads=kvh, d=d, dv=dv, dtype=str(dtype), batch=DECODE_BATCH, context=PARTITION_CONTEXT)
+    return int(autotune.choose("decode_partition", shape_key, candidates, default=str(paged_kernels.PARTITION_SIZE)))
+
+
 def choose_qmv(model: Any) -> bool:
     """Whether quantized MLPs use the batched qmv kernel (False: `mx.quantized_matmul`)."""
     if kernels.mode() != "metal":
@@ -134,11 +164,12 @@ class Paths:
     explicit_ops: bool  # prompt attention (and RoPE tables) written out in explicit ops
     prefill_tile: int | None  # query tile of explicit causal prompt attention
     mla_expand_from: int | None  # MLA prompt chunks this long take the expanded form
+    decode_partition: int = paged_kernels.PARTITION_SIZE  # the decode kernel's split-K partition (tokens)
 
     def describe(self) -> dict[str, Any]:
         return {"decode_attention": self.decode_attention, "qmv_kernel": self.qmv_kernel,
                 "attention_ops": "explicit" if self.explicit_ops else "fused",
-                "mla_prompt_expanded_from": self.mla_expand_from}
+                "mla_prompt_expanded_from": self.mla_expand_from, "decode_partition": self.decode_partition}
 
 
 def choose_paths(model: Any, layer_specs: list, kv_dtype: Any, autotune_on: bool = True) -> Paths:
@@ -152,4 +183,4 @@ def choose_paths(model: Any, layer_specs: list, kv_dtype: Any, autotune_on: bool
     explicit = choose_attention_ops(model, layer_specs)
     tile = PREFILL_TILE if explicit else None
     return Paths(kernels.mode(), quantized_kernels.enabled(), explicit, tile,
-                 choose_expand_from(model, kv_dtype, explicit, tile))
+                 choose_expand_from(model, kv_dtype, explicit, tile), choose_decode_partition(model, layer_specs))

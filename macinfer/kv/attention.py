@@ -59,6 +59,8 @@ class AttentionMetadata:
     prefill_tile: int | None = None
     # MLA: prompt chunks this long or longer take the expanded form (`kv/mla.py`; None: none).
     mla_expand_from: int | None = None
+    # The Metal decode kernel's split-K partition, in tokens (timed at load on Metal).
+    decode_partition: int = paged_kernels.PARTITION_SIZE
     groups: "list[AttentionMetadata]" = field(default_factory=list)
     state: Any = None  # the step's recurrent-state plan (`kv/state.py`; None: no recurrent layers)
     # Arrays every layer of a step shares (built by the first layer that needs them).
@@ -120,6 +122,7 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
         calls = paged_kernels.decode_calls(
             q, k_blocks, v_blocks, meta.decode_block_tables, meta.decode_context_lens, scale,
             pool.block_size, meta.decode_max_context, window=meta.window, v_dim=pool.v_head_dim,
+            partition_size=meta.decode_partition,
         )
         return launch(calls, emulate=backend == "emulate")
     k_blocks, v_blocks, tables = pool.attention_blocks(meta.decode_block_tables)
