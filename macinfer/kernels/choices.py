@@ -54,14 +54,15 @@ def attention_shape(model: Any, layer_specs: list) -> tuple[int, int, int, int, 
     return heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim, model.kv_dtype()
 
 
-def _decode_case(h: int, kvh: int, d: int, dv: int, dtype: Any) -> tuple:
+def _decode_case(h: int, kvh: int, d: int, dv: int, dtype: Any, context: int = DECODE_CONTEXT) -> tuple:
+    """A decode batch's queries, scattered K/V blocks, tables and lengths at `context`."""
     rng = np.random.default_rng(0)
-    blocks = DECODE_BATCH * DECODE_CONTEXT // BLOCK
+    blocks = DECODE_BATCH * context // BLOCK
     q = mx.array(rng.normal(size=(DECODE_BATCH, h, d)).astype(np.float32)).astype(dtype)
     k = mx.array(rng.normal(size=(blocks, kvh, BLOCK, d)).astype(np.float32)).astype(dtype)
     v = mx.array(rng.normal(size=(blocks, kvh, BLOCK, dv)).astype(np.float32)).astype(dtype)
     tables = mx.array(rng.permutation(blocks).reshape(DECODE_BATCH, -1).astype(np.int32))
-    lens = mx.full((DECODE_BATCH,), DECODE_CONTEXT, dtype=mx.int32)
+    lens = mx.full((DECODE_BATCH,), context, dtype=mx.int32)
     mx.eval(q, k, v, tables)
     return q, k, v, tables, lens
 
@@ -101,14 +102,7 @@ def choose_decode_partition(model: Any, layer_specs: list) -> int:
     h, kvh, d, dv, dtype = shape
     if not paged_kernels.supported(d, h // kvh, dv):
         return paged_kernels.PARTITION_SIZE
-    rng = np.random.default_rng(2)
-    blocks = DECODE_BATCH * PARTITION_CONTEXT // BLOCK
-    q = mx.array(rng.normal(size=(DECODE_BATCH, h, d)).astype(np.float32)).astype(dtype)
-    k = mx.array(rng.normal(size=(blocks, kvh, BLOCK, d)).astype(np.float32)).astype(dtype)
-    v = mx.array(rng.normal(size=(blocks, kvh, BLOCK, dv)).astype(np.float32)).astype(dtype)
-    tables = mx.array(rng.permutation(blocks).reshape(DECODE_BATCH, -1).astype(np.int32))
-    lens = mx.full((DECODE_BATCH,), PARTITION_CONTEXT, dtype=mx.int32)
-    mx.eval(q, k, v, tables)
+    q, k, v, tables, lens = _decode_case(h, kvh, d, dv, dtype, PARTITION_CONTEXT)
     candidates = {str(p): (lambda p=p: launch(paged_kernels.decode_calls(
         q, k, v, tables, lens, d ** -0.5, BLOCK, PARTITION_CONTEXT, partition_size=p))) for p in PARTITIONS}
     shape_key = dict(heads=h, kv_heads=kvh, d=d, dv=dv, dtype=str(dtype), batch=DECODE_BATCH, context=PARTITION_CONTEXT)
