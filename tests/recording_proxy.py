@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -16,9 +17,10 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "prox
 
 class RecordingProxy:
     def __init__(self, upstream_port: int) -> None:
-        self.records: list[dict[str, Any]] = []
+        self.records: list[dict[str, Any]] = []  # finished requests, in the order they finished
+        self.in_flight: list[dict[str, Any]] = []  # started, not finished (a hang shows here)
         lock = threading.Lock()
-        records = self.records
+        records, in_flight = self.records, self.in_flight
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -28,7 +30,10 @@ class RecordingProxy:
 
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                record: dict[str, Any] = {"method": self.command, "path": self.path}
+                record: dict[str, Any] = {"method": self.command, "path": self.path, "status": None,
+                                          "started": time.monotonic()}
+                with lock:
+                    in_flight.append(record)
                 try:
                     record["body"] = json.loads(body) if body else None
                 except ValueError:
@@ -48,14 +53,17 @@ class RecordingProxy:
                 try:
                     while self.command != "HEAD" and (chunk := resp.read1(65536)):
                         chunks.append(chunk)
+                        record["bytes"] = record.get("bytes", 0) + len(chunk)  # progress, for a hang's report
                         self.wfile.write(chunk)
                         self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):
                     record["client_closed"] = True  # the client went away mid-response
                 record["response"] = b"".join(chunks)[-4000:].decode("utf-8", "replace")
+                record["seconds"] = round(time.monotonic() - record["started"], 1)
                 self.close_connection = True
                 up.close()
                 with lock:
+                    in_flight.remove(record)
                     records.append(record)
 
             do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = do_OPTIONS = _relay

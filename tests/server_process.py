@@ -46,10 +46,14 @@ class ServerProcess:
         return out
 
     def stop(self) -> str:
+        """Terminate the server; its output (the same again on a second call)."""
+        if getattr(self, "_out", None) is not None:
+            return self._out
         self.proc.terminate()
         try:
             out, _ = self.proc.communicate(timeout=15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             out, _ = self.proc.communicate()
+        self._out = out
         return out

@@ -50,11 +50,28 @@ def _run(cmd: list[str], env: dict[str, str], cwd: str, timeout: float) -> subpr
                           timeout=timeout)
 
 
+def _summary(proxy: RecordingProxy) -> list[tuple]:
+    """Each request: method, path, status (None: no answer yet), seconds (None: in flight), bytes
+    relayed, response tail."""
+    return [(r["method"], r["path"], r["status"], r.get("seconds"), r.get("bytes", 0), r.get("response", "")[-300:])
+            for r in list(proxy.records) + list(proxy.in_flight)]
+
+
+def _run_client(cmd: list[str], env: dict[str, str], cwd: str, timeout: float, proxy: RecordingProxy,
+                server: ServerProcess) -> subprocess.CompletedProcess:
+    """`_run`, and on a timeout a failure that says which request hung and what the server logged."""
+    try:
+        return _run(cmd, env, cwd, timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{os.path.basename(cmd[0])} ran past {timeout:.0f} s; its stderr: {(e.stderr or b'')[-1500:]!r}; "
+                    f"the requests: {_summary(proxy)}; the server's log: {server.stop()[-3000:]}")
+
+
 def _check(proxy: RecordingProxy, result: subprocess.CompletedProcess, api_path: str) -> None:
-    summary = [(r["method"], r["path"], r["status"], r.get("response", "")[-300:]) for r in proxy.records]
+    summary = _summary(proxy)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:], summary)
     assert [r for r in proxy.records if r["path"].startswith(api_path)], summary
-    failed = [s for s in summary if not 200 <= s[2] < 300]
+    failed = [s for s in summary if not (s[2] and 200 <= s[2] < 300)]
     assert not failed, failed
 
 
@@ -125,7 +142,7 @@ def test_codex_exec_with_its_defaults(tmp_path):
             f'base_url = "http://127.0.0.1:{proxy.port}/v1"\nwire_api = "responses"\n')
         if shutil.which("git"):  # codex exec runs in a git repository unless told otherwise
             subprocess.run(["git", "init", "-q"], cwd=work, check=True)
-        result = _run([codex, "exec", "Say hello in one word."], _env(str(home)), str(work), 480)
+        result = _run_client([codex, "exec", "Say hello in one word."], _env(str(home)), str(work), 480, proxy, server)
         _check(proxy, result, "/v1/responses")
         assert result.stdout.strip()  # codex exec prints the final answer on stdout
     finally:
