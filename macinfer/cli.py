@@ -298,6 +298,8 @@ def serve(models, model_flags, models_dir, hf_cache, idle_ttl, pins, max_memory_
     import os
 
     given = list(models) + list(model_flags)
+    if len(set(given)) != len(given):
+        raise click.UsageError("give each model once (as MODEL or as -m/--model)")
     several = len(given) > 1 or models_dir is not None
     if not given and not models_dir:
         raise click.UsageError("give a MODEL (or several, or --models-dir DIR)")

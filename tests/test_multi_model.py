@@ -305,6 +305,7 @@ def test_serve_refuses_options_that_do_not_fit(tmp_path, two_tiny):
     cases = {("serve", *port): "give a MODEL (or several, or --models-dir DIR)",
              ("serve", two_tiny[0], "--idle-ttl", "5", *port): "--idle-ttl, --pin and --max-memory-gb are for several",
              ("serve", *two_tiny, "--distributed", "tensor", *port): "--distributed serves one model",
+             ("serve", two_tiny[0], "-m", two_tiny[0], *port): "give each model once",
              ("serve", *two_tiny, "--pin", "nope", "--no-hf-cache", *port): "--pin nope: no such model",
              ("serve", "--models-dir", str(tmp_path / "missing"), "--no-hf-cache", *port): "not a directory",
              ("serve", "--models-dir", str(tmp_path), "--no-hf-cache", *port): "no servable model in"}

@@ -115,7 +115,8 @@ def engine(model, vs, out_dir, no_plots, prompt_len, gen_len, prefill_len, concu
 @click.option("--concurrency", "-c", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--gen-len", type=click.IntRange(min=2), default=64, show_default=True)
-@click.option("--out-dir", default="bench-results", show_default=True)
+@click.option("--out", "--out-dir", "out_dir", default="bench_results", show_default=True,
+              help="Directory for the JSON.")
 def profile(model, concurrency, prompt_len, gen_len, out_dir):
     from macinfer.bench import engine as mod
     from macinfer.loader import bundled_test_model

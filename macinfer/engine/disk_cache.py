@@ -181,7 +181,9 @@ class DiskCache:
         if arrays is None:
             return None
         want = [a for entries in self.kv.states.arrays for a in entries]
-        if len(arrays) != len(want) or any(x.shape != (1, *a.shape[1:]) for x, a in zip(arrays, want)):
+        if len(arrays) != len(want) or any(x.shape != (1, *a.shape[1:]) or x.dtype.itemsize != a.itemsize
+                                           for x, a in zip(arrays, want)):
+            log.warning("KV disk tier: record %s does not fit this model's state; dropped", self.state_key(h))
             self.store._forget(self.state_key(h), delete=True)
             return None
         return arrays

@@ -38,9 +38,10 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM
 
 
 def default_dir() -> str:
-    base = os.environ.get("MACINFER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "macinfer")
-    return os.path.join(base, "kv")
+    """`kv` in macinfer's cache folder (the one the autotune verdicts live in)."""
+    from macinfer.kernels.autotune import cache_dir
+
+    return str(cache_dir() / "kv")
 
 
 def _encode(arrays: list[np.ndarray]) -> bytes:

@@ -264,10 +264,13 @@ class AsyncEngine:
                     log.exception("closing the engine failed")
             # Never exit (see `_idle_hosts`): back to the idle hosts after an unload,
             # parked for good at shutdown.
-            self._parked.set()
             if self._leave:
-                self.engine = None  # the engine's memory goes with the last reference
+                # Let go of the engine before the unload is told the loop is over: its
+                # memory must be free when the unload hands the buffers back.
+                self.engine = None
+                self._parked.set()
                 return
+            self._parked.set()
             threading.Event().wait()
 
     def _loop(self) -> None:
