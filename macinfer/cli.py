@@ -59,6 +59,9 @@ def _engine_options(f):
                      help="Skip timing the paths a decision may take at load (Metal kernels or MLX's ops, explicit "
                           "or fused attention, MLA's prompt form); take the defaults. Verdicts are cached per "
                           "device in ~/.cache/macinfer/autotune.json.")(f)
+    f = click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+                     help="Build the next decode step's graph while this one computes (vLLM's async "
+                          "scheduling); off: one step at a time.")(f)
     f = click.option("--pipeline-micro-batches", type=click.IntRange(min=1), default=1, show_default=True,
                      help="--distributed pipeline: run a step's sequences as this many micro-batches, so the "
                           "ranks' stages overlap (set it to the number of Macs; not yet measured on Macs).")(f)
@@ -104,7 +107,7 @@ def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pre
                    kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
                    num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None,
                    distributed_timeout=60.0, pipeline_micro_batches=1, no_autotune=False, kv_disk_gb=None,
-                   kv_disk_dir=None):
+                   kv_disk_dir=None, async_scheduling=True):
     from macinfer.engine.llm_engine import EngineConfig
 
     return EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
@@ -115,7 +118,7 @@ def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pre
                         chat_template=chat_template, rope_scaling=rope_scaling,
                         distributed=distributed, distributed_timeout=distributed_timeout,
                         pipeline_micro_batches=pipeline_micro_batches, autotune=not no_autotune,
-                        kv_disk_gb=kv_disk_gb, kv_disk_dir=kv_disk_dir)
+                        kv_disk_gb=kv_disk_gb, kv_disk_dir=kv_disk_dir, async_scheduling=async_scheduling)
 
 
 def _load_engine(model: str, **engine_opts):

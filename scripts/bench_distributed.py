@@ -11,6 +11,10 @@ decode (tok/s, TPOT) and offline throughput at 8 concurrent, medians of `--repea
 machine both ranks share its cores and the loopback: this shows what the sync costs, not
 what two Macs gain.
 
+`--pin`: each rank on a core of its own, and the one-process baseline on one core,
+OpenBLAS at one thread: two "devices" of one core each, so a pipeline's bubble and what
+micro-batches recover show here (`pipeline-mb4` joins the modes).
+
 Computed: bytes and messages per decode step for DeepSeek V3 and Qwen3.5-397B-A17B in
 each mode (mlx-lm's shard(): two all-reduces of the hidden state per layer; pipeline: one
 send of it per stage boundary), against Thunderbolt 5 (80 Gb/s a direction; JACCL's
@@ -89,8 +93,15 @@ def _rank(model: str, mode: str, out: str, prompt_len: int, new: int, concurrent
         json.dump(result, f)
 
 
-def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int) -> None:
-    runs: dict[str, list[dict]] = {"single": [], "pipeline": [], "pipeline-mb2": [], "tensor": []}
+def pin_to_core() -> None:
+    """This process (before MLX starts its threads, which inherit it) on core RANK only."""
+    os.sched_setaffinity(0, {int(os.environ.get("MLX_RANK", "0")) % os.cpu_count()})
+
+
+def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int, pin: bool = False) -> None:
+    modes = ["single", "pipeline", "pipeline-mb2", *(["pipeline-mb4"] if pin else []), "tensor"]
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    env = {**os.environ, "PYTHONPATH": ROOT, **({"OPENBLAS_NUM_THREADS": "1", "MACINFER_BENCH_PIN": "1"} if pin else {})}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(repeats):
             for mode in runs:  # interleaved
@@ -99,7 +110,7 @@ def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int
                 cmd = [sys.executable, *args] if mode == "single" else [
                     os.path.join(os.path.dirname(sys.executable), "mlx.launch"), "-n", "2", "--backend", "ring",
                     "--python", sys.executable, *args]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if not os.path.exists(out):
                     print(f"{mode}: failed\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
                     runs[mode] = []
@@ -107,18 +118,25 @@ def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int
                 runs[mode].append(json.load(open(out)))
                 os.remove(out)
     print(f"\n{model}: prompts of {prompt_len} tokens, {new} new tokens, greedy; medians of {repeats} "
-          f"(2 ranks share this machine's {os.cpu_count()} cores)")
-    print(f"{'':<10} {'decode tok/s':>12} {'TPOT ms':>8} {'TTFT s':>7} {f'{concurrent} concurrent tok/s':>20}")
+          + ("(one core per rank, one core for the single process)" if pin
+             else f"(2 ranks share this machine's {os.cpu_count()} cores)"))
+    print(f"{'':<12} {'decode tok/s':>12} {'TPOT ms':>8} {'TTFT s':>7} {f'{concurrent} concurrent tok/s':>20}"
+          + (f" {'of 2 x single':>14}" if pin else ""))
+    one = [r[str(concurrent)]["tok_s"] for r in runs["single"]]
     for mode, results in runs.items():
         if not results:
             continue
         med = lambda n, k: statistics.median(r[str(n)][k] for r in results)  # noqa: E731
-        print(f"{mode:<10} {med(1, 'tok_s'):>12.1f} {med(1, 'tpot_ms'):>8.1f} {med(1, 'ttft_s'):>7.2f} "
-              f"{med(concurrent, 'tok_s'):>20.1f}")
+        # Two one-core ranks with no bubble would give twice one core's throughput.
+        share = f" {med(concurrent, 'tok_s') / (2 * statistics.median(one)):>14.0%}" if pin and one else ""
+        print(f"{mode:<12} {med(1, 'tok_s'):>12.1f} {med(1, 'tpot_ms'):>8.1f} {med(1, 'ttft_s'):>7.2f} "
+              f"{med(concurrent, 'tok_s'):>20.1f}{share}")
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        if os.environ.get("MACINFER_BENCH_PIN"):
+            pin_to_core()
         model, mode, out, plen, new, conc = sys.argv[2:8]
         _rank(model, mode, out, int(plen), int(new), int(conc))
         return
@@ -130,13 +148,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrent", type=int, default=8)
+    ap.add_argument("--pin", action="store_true", help="one core per rank (see above)")
     args = ap.parse_args()
     if args.only != "measure":
         traffic()
     if args.only != "traffic":
         from macinfer.loader import bundled_test_model
 
-        measure(args.model or bundled_test_model(), args.repeats, args.prompt_len, args.new_tokens, args.concurrent)
+        measure(args.model or bundled_test_model(), args.repeats, args.prompt_len, args.new_tokens, args.concurrent, args.pin)
 
 
 if __name__ == "__main__":

@@ -76,11 +76,11 @@ def test_engine_carries_on_after_a_failed_step(tiny_llama, monkeypatch):
     real = model_runner.ModelRunner.step
     calls = {"n": 0}
 
-    def step(self, scheduled):
+    def step(self, scheduled, *rest):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("[metal] out of memory")  # stands in for any failed forward
-        return real(self, scheduled)
+        return real(self, scheduled, *rest)
 
     monkeypatch.setattr(model_runner.ModelRunner, "step", step)
     late = engine.add_request([21, 22, 23], GREEDY)

@@ -117,11 +117,15 @@ def engine(model, vs, out_dir, no_plots, prompt_len, gen_len, prefill_len, concu
 @click.option("--gen-len", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--out", "--out-dir", "out_dir", default="bench_results", show_default=True,
               help="Directory for the JSON.")
-def profile(model, concurrency, prompt_len, gen_len, out_dir):
+@click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+              help="Build the next decode step while one computes (the engine's default), or not: the "
+                   "profile before and after.")
+def profile(model, concurrency, prompt_len, gen_len, out_dir, async_scheduling):
     from macinfer.bench import engine as mod
     from macinfer.loader import bundled_test_model
 
-    results = mod.profile(model or bundled_test_model(), concurrency, prompt_len, gen_len)
+    results = mod.profile(model or bundled_test_model(), concurrency, prompt_len, gen_len,
+                          async_scheduling=async_scheduling)
     table = (f"{concurrency} concurrent, {prompt_len}-token prompts, {gen_len} new tokens: "
              f"{results['tok_s']:.1f} tok/s\n{results['table']}")
     _finish(results, out_dir, False, table)

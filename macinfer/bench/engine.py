@@ -149,22 +149,26 @@ def table(results: dict) -> str:
 
 
 def profile(model: str, concurrency: int = 32, prompt_len: int = 32, gen_len: int = 64,
-            kv_cache_gb: float = 1.0) -> dict:
+            kv_cache_gb: float = 1.0, async_scheduling: bool = True) -> dict:
     """Host time per step by phase (`engine/profile.py`) for `concurrency` greedy requests
     run to completion, after one untimed warm-up run."""
     from macinfer.engine.profile import StepProfile
 
     runner = MacinferRunner(model, max(concurrency, 1), kv_cache_gb, prompt_len + gen_len + 1)
+    runner.engine.config.async_scheduling = async_scheduling
     rng = np.random.default_rng(0)
     vocab = runner.engine.model.args.vocab_size
     prompts = [rng.integers(10, vocab - 10, size=prompt_len).tolist() for _ in range(concurrency)]
     runner.run(prompts, gen_len)  # warm-up: graphs, buffers
     prof = StepProfile()
-    runner.engine.runner.profile = prof
+    engine = runner.engine
+    engine.runner.profile = prof
+    rows = engine.stats["generation_tokens"], engine.runner.ahead_rows
     try:
         _, total = runner.run(prompts, gen_len)
     finally:
-        runner.engine.runner.profile = None
+        engine.runner.profile = None
+    ahead = (engine.runner.ahead_rows - rows[1]) / max(engine.stats["generation_tokens"] - rows[0], 1)
     split = device_split(runner, prompts, gen_len)
     loaded = runner.engine.loaded
     return {"mode": "profile", "context": {
@@ -174,7 +178,10 @@ def profile(model: str, concurrency: int = 32, prompt_len: int = 32, gen_len: in
         "hardware": hardware(), "energy": energy(),
         "workload": {"concurrency": concurrency, "prompt_len": prompt_len, "gen_len": gen_len, "greedy": True}},
         "tok_s": concurrency * gen_len / total, "steps": prof.steps, "ms_per_step": prof.per_step_ms(),
-        "device_split_ms_per_step": split, "table": prof.table() + "\n" + _split_table(split, prof.per_step_ms())}
+        "async_scheduling": engine.config.async_scheduling, "tokens_from_lookahead": ahead,
+        "device_split_ms_per_step": split,
+        "table": prof.table() + f"\ntokens whose forward was built a step ahead (async scheduling): {ahead:.0%}"
+                 + "\n" + _split_table(split, prof.per_step_ms())}
 
 
 def device_split(runner, prompts: list[list[int]], gen_len: int) -> dict[str, float]:
@@ -185,11 +192,14 @@ def device_split(runner, prompts: list[list[int]], gen_len: int) -> dict[str, fl
 
     prof = StepProfile()
     runner.engine.runner.profile = prof
+    config = runner.engine.config
+    overlap, config.async_scheduling = config.async_scheduling, False  # barriers and a graph built ahead do not mix
     try:
         with DeviceSplit() as split:
             runner.run(prompts, gen_len)
     finally:
         runner.engine.runner.profile = None
+        config.async_scheduling = overlap
     ms = split.per_step_ms(prof.steps)
     ms["rest"] += prof.per_step_ms()["device"]  # what the step's final evaluation still had pending
     return ms

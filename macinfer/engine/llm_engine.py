@@ -8,6 +8,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -82,6 +83,8 @@ class EngineConfig:
     # directory (None: ~/.cache/macinfer/kv).
     kv_disk_gb: float | None = None
     kv_disk_dir: str | None = None
+    # Build the next decode step's graph while this one computes (`engine/lookahead.py`).
+    async_scheduling: bool = True
 
 
 class LLMEngine:
@@ -388,7 +391,7 @@ class LLMEngine:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.stats["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
         try:
-            results, errors = self.runner.step(sched.scheduled)
+            results, errors = self.runner.step(sched.scheduled, self._lookahead())
         except Exception as e:  # the batch itself failed: no sequence's KV can be trusted
             if self.dist is not None:  # the ranks could no longer be in step
                 dist_group.fatal(f"forward pass failed on rank {self.dist.rank}: {type(e).__name__}: {e}")
@@ -397,7 +400,10 @@ class LLMEngine:
             self._recover_after_failed_step()
             return outputs
         with maybe(prof, "outputs"):
-            return self._outputs(sched, results, errors)
+            outputs = self._outputs(sched, results, errors)
+        if not self.scheduler.running:  # the sequences a lookahead was for have all ended
+            self.runner.ahead = None
+        return outputs
 
     def _outputs(self, sched, results, errors) -> list[RequestOutput]:
         """The step's sampled tokens appended, stops checked, outputs built."""
@@ -436,10 +442,30 @@ class LLMEngine:
             seq.spec_token_ids = []
         return outputs
 
+    def _lookahead(self) -> Callable[[Sequence], bool] | None:
+        """How the runner takes a sequence's next block when it may build the next decode
+        step ahead (`engine/lookahead.py`); None where it may not: recurrent state (updated
+        in place), several ranks (lockstep collectives), a step that may speculate."""
+        sched = self.scheduler
+        if (not self.config.async_scheduling or self.dist is not None or self.block_manager.state is not None
+                or (sched.speculative is not None and len(sched.running) <= sched.speculative.max_batch)):
+            return None
+        return self._reserve_next
+
+    def _reserve_next(self, seq: Sequence) -> bool:
+        """The block of `seq`'s next token after this step's, taken now (the scheduler
+        would take it next step); False when there is none free or no room in the context."""
+        n = seq.num_computed_tokens + 2
+        if n > self.max_model_len or not self.block_manager.can_allocate(seq, n):
+            return False
+        self.block_manager.allocate(seq, n)
+        return True
+
     def _recover_after_failed_step(self) -> None:
         """A failed forward (e.g. out of memory inside lazy evaluation) may leave any
         slot of the K/V pools unwritten: withdraw every prefix-cache entry, reset the
         pools, and recompute the other running sequences from their tokens."""
+        self.runner.ahead = None
         self.block_manager.drop_cache()
         self.kv_cache.reset()
         for seq in list(self.scheduler.running):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,8 +14,9 @@ from macinfer.kv.attention import AttentionMetadata
 from macinfer.kv.prefill_plan import PrefillSpan
 from macinfer.engine.block_manager import BlockManager, GroupBlocks
 from macinfer.distributed.engine import share_samples
+from macinfer.engine.lookahead import Lookahead, candidates
 from macinfer.engine.profile import maybe
-from macinfer.engine.sampler import SamplerOutput, sample
+from macinfer.engine.sampler import Draw, SamplerOutput, draw, sample
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import DraftRow, accepted_tokens, verify_rows
 from macinfer.engine.structured import StructuredOutputs, allowed_tokens
@@ -109,6 +110,9 @@ class ModelRunner:
         self.micro_batches = 1  # pipeline mode: forwards a step is cut into (EngineConfig)
         self.profile = None  # a StepProfile while `macinfer bench profile` runs
         self.micro_batched_steps = 0  # pipeline steps run as several micro-batches
+        self.ahead: Lookahead | None = None  # the next decode step, queued while this one computes
+        self.ahead_rows = 0  # rows taken from a lookahead, and built (`bench profile`, tests)
+        self.ahead_built = 0
         self.structured = structured
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -116,13 +120,16 @@ class ModelRunner:
         self.state = block_manager.state if block_manager is not None else None
 
     def prepare(
-        self, scheduled: list[tuple[Sequence, int]], snapshots: bool = False
+        self, scheduled: list[tuple[Sequence, int]], snapshots: bool = False, ahead_ids: mx.array | None = None
     ) -> tuple[mx.array, AttentionMetadata, list[int], list[Sequence | DraftRow]]:
         """Flat inputs for `scheduled` (decodes and speculating sequences first, then
         prompt chunks: the scheduler's order). Returns (input_ids, metadata,
         rows to sample, what each row samples for: a sequence, or one of its drafts).
         `snapshots`: keep recurrent states at block boundaries for the prefix cache
-        (generation steps; their caller publishes them once the forward is built)."""
+        (generation steps; their caller publishes them once the forward is built).
+        `ahead_ids`: one decode token per sequence, each one position past its computed
+        tokens: the next step's, built while this one computes (`engine/lookahead.py`)."""
+        shift = 0 if ahead_ids is None else 1
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -133,12 +140,13 @@ class ModelRunner:
             self.state.end_step()
 
         for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            row = len(ids)
+            start = seq.num_computed_tokens + shift
+            row = len(positions)
             drafts = seq.spec_token_ids
             real = n - len(drafts)
-            ids.extend(seq.token_slice(start, start + real))
-            ids.extend(drafts)
+            if ahead_ids is None:
+                ids.extend(seq.token_slice(start, start + real))
+                ids.extend(drafts)
             pos = np.arange(start, start + n)
             positions.extend(pos.tolist())
             for g, t in enumerate(tables):
@@ -148,7 +156,7 @@ class ModelRunner:
                     self.state.keep_before_verify(seq)
                 cuts = self.state.cuts(seq, start, real) if snapshots else []
                 chunks.append(SeqChunk(row, n, seq.state_slot, start == 0, cuts))
-            if start + real == seq.num_tokens:
+            if start + real == seq.num_tokens + shift:
                 # A speculating sequence samples at its real token and after each draft.
                 sample_rows.extend(range(row + real - 1, row + n))
                 sample_seqs.extend(verify_rows(seq) if drafts else [seq])
@@ -160,7 +168,8 @@ class ModelRunner:
         meta.groups = metas
         if self.state is not None:
             meta.state = plan_state(chunks)
-        return mx.array(ids, dtype=mx.int32), meta, sample_rows, sample_seqs
+        input_ids = ahead_ids if ahead_ids is not None else mx.array(ids, dtype=mx.int32)
+        return input_ids, meta, sample_rows, sample_seqs
 
     def forward_logits(
         self, scheduled: list[tuple[Sequence, int]]
@@ -168,7 +177,13 @@ class ModelRunner:
         """Run the model; logits [N, vocab] for the rows that produce a token. Prompt
         logprobs of requests that ask for them are recorded on their sequences."""
         logits, seqs, self._hidden = [], [], []
-        parts = self._micro_batches(scheduled)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:  # the decodes computed one step ahead; the rest as usual
+            taken, seqs, scheduled = ahead.take(scheduled)
+            if taken is not None:
+                logits.append(taken)
+                self.ahead_rows += len(seqs)
+        parts = self._micro_batches(scheduled) if scheduled else []
         self.micro_batched_steps += len(parts) > 1
         for part in parts:
             with maybe(self.profile, "metadata"):
@@ -234,46 +249,80 @@ class ModelRunner:
                 seq.prompt_logprobs[pos + 1 + j] = TokenLogprob(targets[i], chosen_l[i], top)
                 i += 1
 
-    def step(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
+    def step(self, scheduled: list[tuple[Sequence, int]], reserve: Callable[[Sequence], bool] | None = None
+             ) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
         """Forward + sample. Returns what each sampled sequence gains (one token, or
         its accepted drafts and one more) and per-sequence failures. If the batched
         sampler fails, rows are retried one by one so only the request that causes
-        the failure is dropped."""
+        the failure is dropped. `reserve` (a sequence's next block, taken): build the
+        next decode step ahead while this one computes (`engine/lookahead.py`)."""
         logits, rows = self.forward_logits(scheduled)
-        with maybe(self.profile, "device"):
-            mask, sampler = self._evaluate(logits, rows)
+        mask, sampler, drawn = self._evaluate(scheduled, logits, rows, reserve)
         if logits is None:
             return [], []
         with maybe(self.profile, "sampler"):
-            return self._pick(logits, rows, mask, sampler)
+            return self._pick(logits, rows, mask, sampler, drawn)
 
-    def _evaluate(self, logits: mx.array | None, rows: list) -> tuple[Any, bool]:
-        """Run the step's graph; (the grammar mask, whether this rank samples)."""
-        # Grammar masks are computed on the host while the device runs the forward pass.
-        outputs = [*([] if logits is None else [logits]), *self.kv_cache.state()]
+    def _evaluate(self, scheduled: list[tuple[Sequence, int]], logits: mx.array | None, rows: list,
+                  reserve: Callable[[Sequence], bool] | None) -> tuple[Any, bool, Draw | None]:
+        """Run the step's graph; (the grammar mask, whether this rank samples, the draw
+        when it was queued with the graph)."""
+        # The K/V writes are evaluated with the logits (every layer reads its pool after
+        # writing it), unless the step samples nothing. A lookahead writes the same pool
+        # objects, so they must not be in the list it waits on.
+        ahead = reserve is not None and logits is not None and self.dist is None and self.state is None
+        outputs = [*([] if logits is None else [logits]), *([] if ahead else self.kv_cache.state())]
         if self.dist is not None:  # (a chunk that samples nothing still sends its hidden state on)
             outputs.extend(self._hidden)
-        mask = None
+        mask, drawn = None, None
         sampler = self.dist is None or self.dist.is_driver
-        if (logits is not None and sampler and self.structured is not None
-                and any(s.matcher is not None for s in rows)):
+        grammar = (logits is not None and sampler and self.structured is not None
+                   and any(s.matcher is not None for s in rows))
+        if grammar or ahead:
+            # Grammar masks are computed on the host while the device runs the forward pass.
             mx.async_eval(*outputs)
-            mask = self.structured.bitmask(rows)
+            mask = self.structured.bitmask(rows) if grammar else None
+        if ahead:
+            items, draw_rows = candidates(scheduled, rows, reserve)
+            if items:
+                with maybe(self.profile, "sampler"):
+                    allowed = allowed_tokens(mask, logits.shape[1]) if mask is not None else None
+                    drawn = draw(logits, rows, allowed, self.eos_token_ids)
+                    mx.async_eval(drawn.tokens)
+                self._build_ahead(items, drawn.tokens, draw_rows)
         # Evaluate the forward pass on its own: an error here (e.g. out of memory
         # inside the graph) is the batch's, and must not reach the per-row retry
         # below, where MLX would hand back the failed arrays as if evaluated.
-        mx.eval(*outputs)
-        return mask, sampler
+        with maybe(self.profile, "device"):
+            mx.eval(*outputs)
+        return mask, sampler, drawn
 
-    def _pick(self, logits: mx.array, rows: list, mask, sampler: bool
+    def _build_ahead(self, items: list[tuple[Sequence, int]], tokens: mx.array, rows: list[int]) -> None:
+        """Queue the next step's forward for `items` (one decode token each), its input
+        ids this step's `tokens` at `rows`."""
+        ids = tokens if rows == list(range(tokens.shape[0])) else tokens[mx.array(rows)]
+        ids = ids.astype(mx.int32)
+        with maybe(self.profile, "metadata"):
+            input_ids, meta, _, _ = self.prepare(items, ahead_ids=ids)
+        with maybe(self.profile, "graph"):
+            logits = self.model.logits(self.model(input_ids, meta))
+        mx.async_eval(logits)
+        self.ahead_built += len(items)
+        self.ahead = Lookahead(logits, {seq: i for i, (seq, _) in enumerate(items)},
+                               [seq.num_computed_tokens + 1 for seq, _ in items], rows)
+
+    def _pick(self, logits: mx.array, rows: list, mask, sampler: bool, drawn: Draw | None = None
               ) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
         allowed = allowed_tokens(mask, logits.shape[1]) if mask is not None else None
         owners = _owners(rows)
         failed: dict[Sequence, Exception] = {}
         try:
-            out = sample(logits, rows, allowed, self.eos_token_ids) if sampler else \
-                SamplerOutput([0] * len(rows), [None] * len(rows))
+            out = drawn.result() if drawn is not None else sample(logits, rows, allowed, self.eos_token_ids) \
+                if sampler else SamplerOutput([0] * len(rows), [None] * len(rows))
+            if self.ahead is not None:  # the tokens it took as input, now known
+                self.ahead.token_values = [out.token_ids[i] for i in self.ahead.draw_rows]
         except Exception:
+            self.ahead = None  # built on the draw that failed
             out = SamplerOutput([0] * len(rows), [None] * len(rows))
             for i, row in enumerate(rows):
                 if owners[i] in failed:

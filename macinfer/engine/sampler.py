@@ -69,6 +69,41 @@ def _penalty_arrays(seqs: list[Sequence], vocab: int) -> tuple[mx.array, mx.arra
 
 def sample(logits: mx.array, seqs: list[Sequence], mask: mx.array | None = None,
            eos_token_ids: tuple[int, ...] = ()) -> SamplerOutput:
+    """`draw`, then its tokens (and logprobs) read back."""
+    return draw(logits, seqs, mask, eos_token_ids).result()
+
+
+@dataclass
+class Draw:
+    """A step's draw as lazy arrays: the tokens can feed the next step's graph
+    (`ModelRunner`'s lookahead) before they are read back."""
+    tokens: mx.array
+    params: list
+    chosen: mx.array | None = None  # the drawn tokens' logprobs, when any row wants them
+    top_ids: mx.array | None = None
+    top_lp: mx.array | None = None
+
+    def result(self) -> SamplerOutput:
+        if self.chosen is None:
+            return SamplerOutput(self.tokens.tolist(), [None] * len(self.params))
+        top = self.top_ids is not None
+        mx.eval(self.tokens, self.chosen, *([self.top_ids, self.top_lp] if top else []))
+        top_ids_l, top_lp_l = (self.top_ids.tolist(), self.top_lp.tolist()) if top else ([], [])
+        chosen_l = self.chosen.tolist()
+        out_lp: list[tuple[float, list[tuple[int, float]]] | None] = []
+        for i, p in enumerate(self.params):
+            if p.logprobs is None:
+                out_lp.append(None)
+                continue
+            best: list[tuple[int, float]] = []
+            if p.logprobs > 0:
+                best = sorted(zip(top_ids_l[i], top_lp_l[i]), key=lambda t: -t[1])[: p.logprobs]
+            out_lp.append((chosen_l[i], best))
+        return SamplerOutput(self.tokens.tolist(), out_lp)
+
+
+def draw(logits: mx.array, seqs: list[Sequence], mask: mx.array | None = None,
+         eos_token_ids: tuple[int, ...] = ()) -> Draw:
     """logits: [N, vocab] for the N sequences that get a token this step; `mask`
     (bool, [N, vocab]): tokens a grammar allows. Logprobs are the model's own
     distribution, before the mask and penalties (as vLLM reports them), so they
@@ -138,25 +173,10 @@ def sample(logits: mx.array, seqs: list[Sequence], mask: mx.array | None = None,
         tokens = mx.where(is_greedy, tokens, sampled)
 
     if raw_logprobs is None:
-        return SamplerOutput(tokens.tolist(), [None] * n)
-
+        return Draw(tokens, params)
     k = max(p.logprobs or 0 for p in params)
     chosen = mx.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    if k > 0:
-        top_ids = mx.argpartition(-raw_logprobs, kth=k - 1, axis=-1)[:, :k]
-        top_lp = mx.take_along_axis(raw_logprobs, top_ids, axis=-1)
-        mx.eval(tokens, chosen, top_ids, top_lp)
-        top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
-    else:
-        mx.eval(tokens, chosen)
-    out_lp: list[tuple[float, list[tuple[int, float]]] | None] = []
-    chosen_l = chosen.tolist()
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            out_lp.append(None)
-            continue
-        top: list[tuple[int, float]] = []
-        if p.logprobs > 0:
-            top = sorted(zip(top_ids_l[i], top_lp_l[i]), key=lambda t: -t[1])[: p.logprobs]
-        out_lp.append((chosen_l[i], top))
-    return SamplerOutput(tokens.tolist(), out_lp)
+    if k == 0:
+        return Draw(tokens, params, chosen)
+    top_ids = mx.argpartition(-raw_logprobs, kth=k - 1, axis=-1)[:, :k]
+    return Draw(tokens, params, chosen, top_ids, mx.take_along_axis(raw_logprobs, top_ids, axis=-1))

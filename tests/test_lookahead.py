@@ -1,0 +1,75 @@
+"""The next decode step built ahead (`engine/lookahead.py`): the same tokens as without it,
+whatever happens to the sequences between the step that built it and the step that uses it."""
+
+import pytest
+
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.sampling_params import SamplingParams
+
+
+def _run(model: str, async_scheduling: bool, num_kv_blocks: int | None = None) -> tuple[dict, LLMEngine]:
+    """A workload where sequences join, finish on their length, get aborted and (with
+    few blocks) preempted while others decode; per request: tokens and logprobs."""
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=256, num_kv_blocks=num_kv_blocks,
+                                           async_scheduling=async_scheduling))
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=33, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, seed=3, max_tokens=25,
+                       min_tokens=5),
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),  # finishes in its prefill step
+        SamplingParams(temperature=1.0, top_k=5, seed=11, max_tokens=30, ignore_eos=True,
+                       logit_bias={7: 3.0}),
+    ]
+    arrivals = {0: [0, 1], 3: [2, 3], 6: [4, 0], 9: [1, 2, 3, 4]}  # step -> kinds arriving
+    done: dict[str, tuple] = {}
+    step, n = 0, 0
+    while step in arrivals or engine.has_unfinished_requests():
+        for kind in arrivals.get(step, []):
+            prompt = [(5 * n + 3 * j) % 200 + 10 for j in range(6 + 5 * n)]
+            engine.add_request(prompt, kinds[kind], request_id=f"r{n}")
+            n += 1
+        if step == 12:
+            engine.abort_request("r2")
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.token_ids, [lp.logprob for lp in out.logprobs or []],
+                                        out.finish_reason)
+        step += 1
+    return done, engine
+
+
+@pytest.mark.parametrize("blocks", [None, 24])
+def test_the_same_tokens_with_and_without_lookahead(tiny_llama, blocks):
+    """Greedy and seeded rows, penalties, logprobs, min_tokens, a bias; sequences finishing
+    on their length, one aborted, and with 24 blocks of 16 tokens several preempted: every
+    request gives the same tokens and logprobs as the engine that never looks ahead, and
+    most decode rows came from a lookahead."""
+    plain, off = _run(tiny_llama, False, blocks)
+    ahead, on = _run(tiny_llama, True, blocks)
+    assert set(plain) == set(ahead) and len(plain) == 9 and "r2" not in plain  # r2: aborted
+    for rid in plain:
+        assert ahead[rid][0] == plain[rid][0], rid
+        assert ahead[rid][1] == pytest.approx(plain[rid][1], abs=1e-5), rid
+        assert ahead[rid][2] == plain[rid][2], rid
+    assert off.runner.ahead_rows == 0
+    generated = sum(len(t) for t, _, _ in plain.values())
+    assert on.runner.ahead_rows > generated // 2, (on.runner.ahead_rows, generated)
+    if blocks:
+        assert on.scheduler.num_preemptions > 0 and on.scheduler.num_preemptions == off.scheduler.num_preemptions
+    # Nothing left behind: every block back in the pool.
+    assert on.block_manager.num_used_blocks == 0
+
+
+def test_no_lookahead_where_it_would_be_wrong(tmp_path):
+    """Recurrent state is updated in place by a forward: a hybrid model never looks ahead."""
+    from tests.helpers import make_mlx_lm_model, save_model_dir
+    from tests.zoo import tiny_config
+
+    config = tiny_config("qwen3_next")
+    path = save_model_dir(str(tmp_path / "qwen3_next"), config, make_mlx_lm_model(config))
+    engine = LLMEngine(path, EngineConfig(max_num_seqs=4, max_model_len=128))
+    engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.runner.ahead_built == 0
