@@ -64,7 +64,8 @@ def _engine_options(f):
                           "scheduling); off: one step at a time.")(f)
     f = click.option("--pipeline-micro-batches", type=click.IntRange(min=1), default=1, show_default=True,
                      help="--distributed pipeline: run a step's sequences as this many micro-batches, so the "
-                          "ranks' stages overlap (set it to the number of Macs; not yet measured on Macs).")(f)
+                          "ranks' stages overlap. Measured with a device per rank, it loses in decode (each "
+                          "micro-batch reads the weights again; docs/distributed.md).")(f)
     f = click.option("--distributed-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
                      help="Seconds a step may wait on the other ranks before the run ends with an error "
                           "(a rank that hangs); a rank that dies ends it at once.")(f)

@@ -11,6 +11,15 @@ decode (tok/s, TPOT) and offline throughput at 8 concurrent, medians of `--repea
 machine both ranks share its cores and the loopback: this shows what the sync costs, not
 what two Macs gain.
 
+`--only spin`: whether a rank waiting in `recv` slows the other rank's compute on this
+machine (two ranks on two cores: a one-row 4096 x 4096 matmul on rank 1 while rank 0
+sleeps, then while it waits in a receive).
+
+`--direct`: start the two ranks here with the environment `mlx.launch` gives them
+(`MLX_RANK`, `MLX_HOSTFILE` naming two loopback ports) instead of through it: its
+output-relay threads poll without blocking (the child's stdin is always in their select's
+write set) and keep ~1.5 of this machine's 2 cores busy, which the ranks then lack.
+
 `--pin`: each rank on a core of its own, and the one-process baseline on one core,
 OpenBLAS at one thread: two "devices" of one core each, so a pipeline's bubble and what
 micro-batches recover show here (`pipeline-mb4` joins the modes).
@@ -98,7 +107,67 @@ def pin_to_core() -> None:
     os.sched_setaffinity(0, {int(os.environ.get("MLX_RANK", "0")) % os.cpu_count()})
 
 
-def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int, pin: bool = False) -> None:
+def _spin_rank() -> None:
+    """Rank 1 times a matmul while rank 0 sleeps, then while rank 0 waits in a receive."""
+    import mlx.core as mx
+
+    group = mx.distributed.init(backend="ring")
+    mx.eval(mx.distributed.all_sum(mx.ones(4), group=group))
+    if group.rank() == 0:
+        time.sleep(1.5)  # asleep while rank 1 times its first run
+        for _ in range(2):
+            mx.eval(mx.distributed.recv((4,), mx.float32, 1, group=group))
+        return
+    w, x = mx.random.normal((4096, 4096)), mx.random.normal((1, 4096))
+    mx.eval(w, x)
+
+    def timed() -> float:
+        times = []
+        for _ in range(60):
+            start = time.perf_counter()
+            mx.eval(x @ w)
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    alone = timed()
+    mx.eval(mx.distributed.send(mx.ones(4), 0, group=group))  # rank 0 now waits for the second
+    time.sleep(0.2)
+    beside = timed()
+    mx.eval(mx.distributed.send(mx.ones(4), 0, group=group))
+    print(f"rank 1, a one-row 4096 x 4096 matmul: {alone:.2f} ms while rank 0 sleeps, "
+          f"{beside:.2f} ms while rank 0 waits in recv ({beside / alone:.2f}x)")
+
+
+def run_ranks(args: list[str], env: dict, direct: bool) -> tuple[str, str]:
+    """This script with `args` as 2 ring ranks on loopback: through `mlx.launch`, or
+    (`direct`) started here with the environment it would give them. (stdout, stderr)."""
+    if not direct:
+        launch = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+        proc = subprocess.run([launch, "-n", "2", "--backend", "ring", "--python", sys.executable, __file__, *args],
+                              capture_output=True, text=True, env=env)
+        return proc.stdout, proc.stderr
+    from macinfer.bench.targets import free_port
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]], f)
+    try:
+        procs = [subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env={**env, "MLX_RANK": str(r), "MLX_HOSTFILE": f.name})
+                 for r in range(2)]
+        outs = [p.communicate() for p in procs]
+    finally:
+        os.remove(f.name)
+    return "".join(o for o, _ in outs), "".join(e for _, e in outs)
+
+
+def spin(direct: bool) -> None:
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MACINFER_BENCH_PIN": "1", "PYTHONPATH": ROOT}
+    out, err = run_ranks(["--spin-rank"], env, direct)
+    print(("ranks started directly: " if direct else "under mlx.launch: ") + (out.strip() or err[-1500:]))
+
+
+def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int, pin: bool = False,
+            direct: bool = False) -> None:
     modes = ["single", "pipeline", "pipeline-mb2", *(["pipeline-mb4"] if pin else []), "tensor"]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     env = {**os.environ, "PYTHONPATH": ROOT, **({"OPENBLAS_NUM_THREADS": "1", "MACINFER_BENCH_PIN": "1"} if pin else {})}
@@ -107,12 +176,13 @@ def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int
             for mode in runs:  # interleaved
                 out = os.path.join(tmp, f"{mode}.json")
                 args = [__file__, "--rank", model, mode, out, str(prompt_len), str(new), str(concurrent)]
-                cmd = [sys.executable, *args] if mode == "single" else [
-                    os.path.join(os.path.dirname(sys.executable), "mlx.launch"), "-n", "2", "--backend", "ring",
-                    "--python", sys.executable, *args]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if mode == "single":
+                    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env)
+                    stdout, stderr = proc.stdout, proc.stderr
+                else:
+                    stdout, stderr = run_ranks(args[1:], env, direct)
                 if not os.path.exists(out):
-                    print(f"{mode}: failed\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+                    print(f"{mode}: failed\n{stdout[-1500:]}{stderr[-1500:]}")
                     runs[mode] = []
                     continue
                 runs[mode].append(json.load(open(out)))
@@ -134,6 +204,10 @@ def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--spin-rank":
+        pin_to_core()
+        _spin_rank()
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
         if os.environ.get("MACINFER_BENCH_PIN"):
             pin_to_core()
@@ -143,19 +217,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2 (its heads do not split in 2: "
                                                   "tensor mode is refused for it, pipeline runs)")
-    ap.add_argument("--only", choices=["traffic", "measure"], default=None)
+    ap.add_argument("--only", choices=["traffic", "measure", "spin"], default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrent", type=int, default=8)
     ap.add_argument("--pin", action="store_true", help="one core per rank (see above)")
+    ap.add_argument("--direct", action="store_true", help="start the ranks without mlx.launch (see above)")
     args = ap.parse_args()
+    if args.only == "spin":
+        spin(args.direct)
+        return
     if args.only != "measure":
         traffic()
     if args.only != "traffic":
         from macinfer.loader import bundled_test_model
 
-        measure(args.model or bundled_test_model(), args.repeats, args.prompt_len, args.new_tokens, args.concurrent, args.pin)
+        measure(args.model or bundled_test_model(), args.repeats, args.prompt_len, args.new_tokens, args.concurrent, args.pin,
+                args.direct)
 
 
 if __name__ == "__main__":
