@@ -280,7 +280,8 @@ class ModelRunner:
                    and any(s.matcher is not None for s in rows))
         if grammar or ahead:
             # Grammar masks are computed on the host while the device runs the forward pass.
-            mx.async_eval(*outputs)
+            with maybe(self.profile, "device"):  # (MLX's CPU backend returns near the graph's end)
+                mx.async_eval(*outputs)
             mask = self.structured.bitmask(rows) if grammar else None
         if ahead:
             items, draw_rows = candidates(scheduled, rows, reserve)
@@ -288,6 +289,7 @@ class ModelRunner:
                 with maybe(self.profile, "sampler"):
                     allowed = allowed_tokens(mask, logits.shape[1]) if mask is not None else None
                     drawn = draw(logits, rows, allowed, self.eos_token_ids)
+                with maybe(self.profile, "device"):
                     mx.async_eval(drawn.tokens)
                 self._build_ahead(items, drawn.tokens, draw_rows)
         # Evaluate the forward pass on its own: an error here (e.g. out of memory
@@ -306,7 +308,8 @@ class ModelRunner:
             input_ids, meta, _, _ = self.prepare(items, ahead_ids=ids)
         with maybe(self.profile, "graph"):
             logits = self.model.logits(self.model(input_ids, meta))
-        mx.async_eval(logits)
+        with maybe(self.profile, "device"):
+            mx.async_eval(logits)
         self.ahead_built += len(items)
         self.ahead = Lookahead(logits, {seq: i for i, (seq, _) in enumerate(items)},
                                [seq.num_computed_tokens + 1 for seq, _ in items], rows)
