@@ -1,0 +1,52 @@
+"""The engine's settings: decided once, at load, and carried from there (the CLI's
+engine options and `LLM(**kwargs)` fill it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from macinfer.kv.cache import DEFAULT_BLOCK_SIZE
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    # Prefill tokens per step while sequences decode (None: the whole budget); bounds the
+    # inter-token latency a long prompt inflicts on decoding streams.
+    max_prefill_with_decodes: int | None = None
+    max_model_len: int | None = None  # default: the model's context length
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_gb: float | None = None  # explicit KV budget in GiB
+    kv_cache_fraction: float = 0.3  # else: this share of free memory after weights
+    num_kv_blocks: int | None = None  # else: exactly this many full-attention blocks (tests, tuning)
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": 8-bit affine
+    model_impl: str = "auto"  # "mlx-lm": run even the Llama family through mlx-lm's classes
+    # Speculative decoding by prompt lookup (0: off): draft tokens per decode step, the
+    # n-gram lengths looked up, and the decoding batch above which it pauses.
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_max_batch: int = 4
+    # Recurrent layers (hybrid models): tokens between state snapshots kept for the prefix
+    # cache (None: where a snapshot costs about the K/V of the tokens it spans, 256 to 4096).
+    state_snapshot_interval: int | None = None
+    # Replaces the model's chat template: a Jinja file, inline Jinja, or a built-in name
+    # (`macinfer.chat_templates`: chatml, llama3, hermes).
+    chat_template: str | None = None
+    # Stretch RoPE ("yarn" or "linear") so max_model_len may exceed the trained context.
+    rope_scaling: str | None = None
+    # Several ranks under mlx.launch ("pipeline" or "tensor"; `macinfer/distributed/`), and
+    # how long a collective may take before the group is declared hung.
+    distributed: str | None = None
+    distributed_timeout: float = 60.0
+    pipeline_micro_batches: int = 1  # pipeline mode: a step's sequences in this many overlapping forwards
+    # Time the paths a decision may take at load (cached per device); False: the defaults.
+    autotune: bool = True
+    # The prefix cache's disk tier (`engine/disk_cache.py`): its size in GiB (None: off) and
+    # directory (None: ~/.cache/macinfer/kv).
+    kv_disk_gb: float | None = None
+    kv_disk_dir: str | None = None
+    # Build the next decode step's graph while this one computes (`engine/lookahead.py`).
+    async_scheduling: bool = True
