@@ -54,11 +54,23 @@ def test_the_same_tokens_with_and_without_lookahead(tiny_llama, blocks):
         assert ahead[rid][2] == plain[rid][2], rid
     assert off.runner.ahead_rows == 0
     generated = sum(len(t) for t, _, _ in plain.values())
-    assert on.runner.ahead_rows > generated // 2, (on.runner.ahead_rows, generated)
+    assert on.runner.ahead_rows > 0.8 * generated, (on.runner.ahead_rows, generated)
     if blocks:
         assert on.scheduler.num_preemptions > 0 and on.scheduler.num_preemptions == off.scheduler.num_preemptions
     # Nothing left behind: every block back in the pool.
     assert on.block_manager.num_used_blocks == 0
+
+
+def test_every_token_after_the_first_comes_from_a_lookahead(tiny_llama):
+    """One request, 8 tokens: the prompt step draws the first and builds the step of the
+    second; each decode builds the next, except the one that draws the last (it would stop
+    on its length), so 7 rows are built and all 7 taken."""
+    engine = LLMEngine(tiny_llama, EngineConfig(max_num_seqs=4, max_model_len=256))
+    engine.add_request(list(range(10, 50)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.runner.ahead_built == 7 and engine.runner.ahead_rows == 7
+    assert engine.block_manager.num_used_blocks == 0
 
 
 def test_no_lookahead_where_it_would_be_wrong(tmp_path):

@@ -397,7 +397,7 @@ class LLMEngine:
             seq.spec_token_ids = []
         return outputs
 
-    def _lookahead(self) -> Callable[[Sequence], bool] | None:
+    def _lookahead(self) -> Callable[[Sequence, int], bool] | None:
         """How the runner takes a sequence's next block when it may build the next decode
         step ahead (`engine/lookahead.py`); None where it may not: recurrent state (updated
         in place), several ranks (lockstep collectives), a step that may speculate."""
@@ -407,10 +407,9 @@ class LLMEngine:
             return None
         return self._reserve_next
 
-    def _reserve_next(self, seq: Sequence) -> bool:
-        """The block of `seq`'s next token after this step's, taken now (the scheduler
-        would take it next step); False when there is none free or no room in the context."""
-        n = seq.num_computed_tokens + 2
+    def _reserve_next(self, seq: Sequence, n: int) -> bool:
+        """Room for `n` tokens of `seq` (the token this step draws included), taken now,
+        as the scheduler would next step; False when no block is free or the context is full."""
         if n > self.max_model_len or not self.block_manager.can_allocate(seq, n):
             return False
         self.block_manager.allocate(seq, n)

@@ -11,7 +11,7 @@ It is an early copy of work the next step would do, never a commitment. The next
 takes a sequence's row from it only when the scheduler gives that sequence one plain
 decode token at the position and with the input token the lookahead assumed; every other
 scheduled sequence (a new prompt, drafts, a forced token) is computed as usual, beside
-it. Its K/V writes are the ones the next step makes anyway (the same token at the same
+it. A prompt's last chunk draws a token too, so its first decode is built ahead as well. Its K/V writes are the ones the next step makes anyway (the same token at the same
 position), or, for a sequence that ended or was preempted meanwhile, land in blocks that
 nothing reads before writing them again: a block gets a prefix-cache hash only once all
 its tokens are computed, which the lookahead's token is not yet. Recurrent layers update
@@ -57,20 +57,21 @@ class Lookahead:
         return self.logits[mx.array(rows)], seqs, rest
 
 
-def candidates(scheduled: list[tuple[Sequence, int]], samplers: list, reserve: Callable[[Sequence], bool]
+def candidates(scheduled: list[tuple[Sequence, int]], samplers: list, reserve: Callable[[Sequence, int], bool]
                ) -> tuple[list[tuple[Sequence, int]], list[int]]:
-    """The scheduled sequences the next step may take one token ahead for, as (sequence, 1)
-    items, and each one's row in this step's draw (`samplers`: what each sampler row is
-    for). A plain decode that will not stop on its length, whose next block `reserve`
-    could take."""
+    """The scheduled sequences the next step may take one token ahead for, as (sequence,
+    position of that token), and each one's row in this step's draw (`samplers`: what each
+    sampler row is for). A decode, or a prompt's last chunk, with no drafts, that will not
+    stop on its length, and for whose next token `reserve(seq, tokens)` took room."""
     index = {s: i for i, s in enumerate(samplers) if isinstance(s, Sequence)}
     items, rows = [], []
     for seq, n in scheduled:
         i = index.get(seq)
-        if (i is None or n != 1 or seq.spec_token_ids or seq.num_computed_tokens + 1 != seq.num_tokens
+        nxt = seq.num_computed_tokens + n  # the position of the token this step draws
+        if (i is None or seq.spec_token_ids or nxt != seq.num_tokens
                 or (seq.params.max_tokens is not None and seq.num_output_tokens + 1 >= seq.params.max_tokens)
-                or not reserve(seq)):
+                or not reserve(seq, nxt + 1)):
             continue
-        items.append((seq, 1))
+        items.append((seq, nxt))
         rows.append(i)
     return items, rows

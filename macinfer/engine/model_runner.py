@@ -120,16 +120,16 @@ class ModelRunner:
         self.state = block_manager.state if block_manager is not None else None
 
     def prepare(
-        self, scheduled: list[tuple[Sequence, int]], snapshots: bool = False, ahead_ids: mx.array | None = None
+        self, scheduled: list[tuple[Sequence, int]], snapshots: bool = False,
+        ahead: tuple[mx.array, list[int]] | None = None
     ) -> tuple[mx.array, AttentionMetadata, list[int], list[Sequence | DraftRow]]:
         """Flat inputs for `scheduled` (decodes and speculating sequences first, then
         prompt chunks: the scheduler's order). Returns (input_ids, metadata,
         rows to sample, what each row samples for: a sequence, or one of its drafts).
         `snapshots`: keep recurrent states at block boundaries for the prefix cache
         (generation steps; their caller publishes them once the forward is built).
-        `ahead_ids`: one decode token per sequence, each one position past its computed
-        tokens: the next step's, built while this one computes (`engine/lookahead.py`)."""
-        shift = 0 if ahead_ids is None else 1
+        `ahead`: (input ids, positions) of one decode token per sequence, the next step's,
+        built while this one computes (`engine/lookahead.py`)."""
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -139,12 +139,12 @@ class ModelRunner:
         if self.state is not None:
             self.state.end_step()
 
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens + shift
+        for k, (seq, n) in enumerate(scheduled):
+            start = seq.num_computed_tokens if ahead is None else ahead[1][k]
             row = len(positions)
             drafts = seq.spec_token_ids
             real = n - len(drafts)
-            if ahead_ids is None:
+            if ahead is None:
                 ids.extend(seq.token_slice(start, start + real))
                 ids.extend(drafts)
             pos = np.arange(start, start + n)
@@ -156,7 +156,7 @@ class ModelRunner:
                     self.state.keep_before_verify(seq)
                 cuts = self.state.cuts(seq, start, real) if snapshots else []
                 chunks.append(SeqChunk(row, n, seq.state_slot, start == 0, cuts))
-            if start + real == seq.num_tokens + shift:
+            if ahead is not None or start + real == seq.num_tokens:
                 # A speculating sequence samples at its real token and after each draft.
                 sample_rows.extend(range(row + real - 1, row + n))
                 sample_seqs.extend(verify_rows(seq) if drafts else [seq])
@@ -168,7 +168,7 @@ class ModelRunner:
         meta.groups = metas
         if self.state is not None:
             meta.state = plan_state(chunks)
-        input_ids = ahead_ids if ahead_ids is not None else mx.array(ids, dtype=mx.int32)
+        input_ids = ahead[0] if ahead is not None else mx.array(ids, dtype=mx.int32)
         return input_ids, meta, sample_rows, sample_seqs
 
     def forward_logits(
@@ -249,7 +249,7 @@ class ModelRunner:
                 seq.prompt_logprobs[pos + 1 + j] = TokenLogprob(targets[i], chosen_l[i], top)
                 i += 1
 
-    def step(self, scheduled: list[tuple[Sequence, int]], reserve: Callable[[Sequence], bool] | None = None
+    def step(self, scheduled: list[tuple[Sequence, int]], reserve: Callable[[Sequence, int], bool] | None = None
              ) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
         """Forward + sample. Returns what each sampled sequence gains (one token, or
         its accepted drafts and one more) and per-sequence failures. If the batched
@@ -264,7 +264,7 @@ class ModelRunner:
             return self._pick(logits, rows, mask, sampler, drawn)
 
     def _evaluate(self, scheduled: list[tuple[Sequence, int]], logits: mx.array | None, rows: list,
-                  reserve: Callable[[Sequence], bool] | None) -> tuple[Any, bool, Draw | None]:
+                  reserve: Callable[[Sequence, int], bool] | None) -> tuple[Any, bool, Draw | None]:
         """Run the step's graph; (the grammar mask, whether this rank samples, the draw
         when it was queued with the graph)."""
         # The K/V writes are evaluated with the logits (every layer reads its pool after
@@ -300,19 +300,19 @@ class ModelRunner:
         return mask, sampler, drawn
 
     def _build_ahead(self, items: list[tuple[Sequence, int]], tokens: mx.array, rows: list[int]) -> None:
-        """Queue the next step's forward for `items` (one decode token each), its input
-        ids this step's `tokens` at `rows`."""
+        """Queue the next step's forward for `items` (sequence, the position of its next
+        token), its input ids this step's `tokens` at `rows`."""
         ids = tokens if rows == list(range(tokens.shape[0])) else tokens[mx.array(rows)]
         ids = ids.astype(mx.int32)
+        positions = [p for _, p in items]
         with maybe(self.profile, "metadata"):
-            input_ids, meta, _, _ = self.prepare(items, ahead_ids=ids)
+            input_ids, meta, _, _ = self.prepare([(seq, 1) for seq, _ in items], ahead=(ids, positions))
         with maybe(self.profile, "graph"):
             logits = self.model.logits(self.model(input_ids, meta))
         with maybe(self.profile, "device"):
             mx.async_eval(logits)
         self.ahead_built += len(items)
-        self.ahead = Lookahead(logits, {seq: i for i, (seq, _) in enumerate(items)},
-                               [seq.num_computed_tokens + 1 for seq, _ in items], rows)
+        self.ahead = Lookahead(logits, {seq: i for i, (seq, _) in enumerate(items)}, positions, rows)
 
     def _pick(self, logits: mx.array, rows: list, mask, sampler: bool, drawn: Draw | None = None
               ) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
