@@ -11,7 +11,9 @@ It is an early copy of work the next step would do, never a commitment. The next
 takes a sequence's row from it only when the scheduler gives that sequence one plain
 decode token at the position and with the input token the lookahead assumed; every other
 scheduled sequence (a new prompt, drafts, a forced token) is computed as usual, beside
-it. A prompt's last chunk draws a token too, so its first decode is built ahead as well. Its K/V writes are the ones the next step makes anyway (the same token at the same
+it. A prompt's last chunk draws a token too, so its first decode is built ahead as well.
+
+Its K/V writes are the ones the next step makes anyway (the same token at the same
 position), or, for a sequence that ended or was preempted meanwhile, land in blocks that
 nothing reads before writing them again: a block gets a prefix-cache hash only once all
 its tokens are computed, which the lookahead's token is not yet. Recurrent layers update
