@@ -126,12 +126,28 @@ def test_profile_mode_splits_a_steps_host_time(tiny_llama, tmp_path):
     assert "3 concurrent" in out and "paths: decode_attention reference, attention_ops" in out
     res = json.load(open(tmp_path / "bench_profile.json"))
     ms = res["ms_per_step"]
-    assert set(ms) == {"schedule", "metadata", "graph", "device", "sampler", "outputs"}
-    assert res["steps"] >= 5 and all(v > 0 for v in ms.values()) and res["tok_s"] > 0
+    engine_phases = {"schedule", "metadata", "graph", "device", "sampler", "outputs"}
+    assert set(ms) == engine_phases | {"requests", "delivery"}
+    assert res["steps"] >= 5 and all(ms[k] > 0 for k in engine_phases) and res["tok_s"] > 0
+    assert ms["requests"] == ms["delivery"] == 0  # offline: no server thread
     assert res["context"]["workload"]["concurrency"] == 3
+    assert res["async_scheduling"] and res["tokens_from_lookahead"] > 0.5
     split = res["device_split_ms_per_step"]
     assert set(split) == {"attention", "matmul", "rest"} and all(v > 0 for v in split.values())
     assert "device by kind" in out
+
+
+def test_profile_through_the_server_thread_times_requests_and_delivery(tiny_llama, tmp_path):
+    """`--through-server`: the requests go to the server's engine thread and come back as
+    streams; taking them and handing outputs on are timed too. Without async scheduling no
+    token comes from a lookahead."""
+    _run(["bench", "profile", tiny_llama, "-c", "3", "--prompt-len", "8", "--gen-len", "5", "--through-server",
+          "--no-async-scheduling", "--out-dir", str(tmp_path)])
+    res = json.load(open(tmp_path / "bench_profile.json"))
+    ms = res["ms_per_step"]
+    assert ms["requests"] > 0 and ms["delivery"] > 0 and ms["device"] > 0 and res["tok_s"] > 0
+    assert res["context"]["workload"]["through_server"] is True
+    assert not res["async_scheduling"] and res["tokens_from_lookahead"] == 0
 
 
 def test_the_device_split_changes_no_output_and_counts_every_kind(tiny_llama, tmp_path):

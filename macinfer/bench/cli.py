@@ -120,12 +120,15 @@ def engine(model, vs, out_dir, no_plots, prompt_len, gen_len, prefill_len, concu
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
               help="Build the next decode step while one computes (the engine's default), or not: the "
                    "profile before and after.")
-def profile(model, concurrency, prompt_len, gen_len, out_dir, async_scheduling):
+@click.option("--through-server", is_flag=True,
+              help="Submit the requests to the server's engine thread and read them as streams, as `serve` "
+                   "does: adds the phases of taking requests and delivering outputs.")
+def profile(model, concurrency, prompt_len, gen_len, out_dir, async_scheduling, through_server):
     from macinfer.bench import engine as mod
     from macinfer.loader import bundled_test_model
 
     results = mod.profile(model or bundled_test_model(), concurrency, prompt_len, gen_len,
-                          async_scheduling=async_scheduling)
+                          async_scheduling=async_scheduling, through_server=through_server)
     table = (f"{concurrency} concurrent, {prompt_len}-token prompts, {gen_len} new tokens: "
              f"{results['tok_s']:.1f} tok/s\n{results['table']}")
     _finish(results, out_dir, False, table)

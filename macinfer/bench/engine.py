@@ -149,9 +149,10 @@ def table(results: dict) -> str:
 
 
 def profile(model: str, concurrency: int = 32, prompt_len: int = 32, gen_len: int = 64,
-            kv_cache_gb: float = 1.0, async_scheduling: bool = True) -> dict:
+            kv_cache_gb: float = 1.0, async_scheduling: bool = True, through_server: bool = False) -> dict:
     """Host time per step by phase (`engine/profile.py`) for `concurrency` greedy requests
-    run to completion, after one untimed warm-up run."""
+    run to completion, after one untimed warm-up run; `through_server`: submitted to the
+    server's engine thread and read as streams on an event loop, as `serve` runs them."""
     from macinfer.engine.profile import StepProfile
 
     runner = MacinferRunner(model, max(concurrency, 1), kv_cache_gb, prompt_len + gen_len + 1)
@@ -165,7 +166,7 @@ def profile(model: str, concurrency: int = 32, prompt_len: int = 32, gen_len: in
     engine.runner.profile = prof
     rows = engine.stats["generation_tokens"], engine.runner.ahead_rows
     try:
-        _, total = runner.run(prompts, gen_len)
+        total = _through_server(engine, prompts, gen_len) if through_server else runner.run(prompts, gen_len)[1]
     finally:
         engine.runner.profile = None
     ahead = (engine.runner.ahead_rows - rows[1]) / max(engine.stats["generation_tokens"] - rows[0], 1)
@@ -176,12 +177,40 @@ def profile(model: str, concurrency: int = 32, prompt_len: int = 32, gen_len: in
         "quantization": loaded.config.get("quantization"), **versions(),
         "macinfer_flags": {"max_num_seqs": runner.config.max_num_seqs, **runner.engine.paths.describe()},
         "hardware": hardware(), "energy": energy(),
-        "workload": {"concurrency": concurrency, "prompt_len": prompt_len, "gen_len": gen_len, "greedy": True}},
+        "workload": {"concurrency": concurrency, "prompt_len": prompt_len, "gen_len": gen_len, "greedy": True,
+                     "through_server": through_server}},
         "tok_s": concurrency * gen_len / total, "steps": prof.steps, "ms_per_step": prof.per_step_ms(),
         "async_scheduling": engine.config.async_scheduling, "tokens_from_lookahead": ahead,
         "device_split_ms_per_step": split,
         "table": prof.table() + f"\ntokens whose forward was built a step ahead (async scheduling): {ahead:.0%}"
                  + "\n" + _split_table(split, prof.per_step_ms())}
+
+
+def _through_server(engine, prompts: list[list[int]], max_tokens: int) -> float:
+    """Seconds for `prompts` through the server's engine thread (`server/async_engine.py`),
+    each read as a stream on an asyncio loop."""
+    import asyncio
+
+    from macinfer.sampling_params import SamplingParams
+    from macinfer.server.async_engine import AsyncEngine
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def drain(stream) -> None:
+        async for _ in stream:
+            pass
+
+    async def go() -> float:
+        server = AsyncEngine(engine, max_pending=len(prompts))
+        try:
+            start = time.perf_counter()
+            streams = [server.submit(p, [params], f"profile-{i}") for i, p in enumerate(prompts)]
+            await asyncio.gather(*(drain(s) for s in streams))
+            return time.perf_counter() - start
+        finally:
+            server.shutdown(leave_thread=True)
+
+    return asyncio.run(go())
 
 
 def device_split(runner, prompts: list[list[int]], gen_len: int) -> dict[str, float]:

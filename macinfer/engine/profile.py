@@ -1,13 +1,14 @@
 """Where a step's time goes, on the host: scheduling, building the batch's metadata,
-building the forward graph, the device running it, sampling, and turning tokens into
-outputs (`macinfer bench profile`). Off unless asked for: two clock reads a phase."""
+building the forward graph, the device running it, sampling, turning tokens into
+outputs, and in the server's engine thread taking new requests and handing outputs to
+the event loop (`macinfer bench profile`). Off unless asked for: two clock reads a phase."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 
-PHASES = ("schedule", "metadata", "graph", "device", "sampler", "outputs")
+PHASES = ("requests", "schedule", "metadata", "graph", "device", "sampler", "outputs", "delivery")
 
 
 class StepProfile:

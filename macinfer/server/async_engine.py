@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from macinfer.engine.llm_engine import LLMEngine, RequestOutput
+from macinfer.engine.profile import maybe
 from macinfer.sampling_params import SamplingParams
 
 log = logging.getLogger("macinfer.server")
@@ -298,9 +299,10 @@ class AsyncEngine:
         block = not self.engine.has_unfinished_requests()
         try:
             cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-            self._apply(cmd)
-            while True:
-                self._apply(self._commands.get_nowait())
+            with maybe(self.engine.runner.profile, "requests"):  # (`macinfer bench profile --through-server`)
+                self._apply(cmd)
+                while True:
+                    self._apply(self._commands.get_nowait())
         except queue.Empty:
             pass
         if not self.engine.has_unfinished_requests():
@@ -309,8 +311,9 @@ class AsyncEngine:
         with DEVICE:
             outs = self.engine.step()
         try:
-            for out in outs:
-                self._deliver(out)
+            with maybe(self.engine.runner.profile, "delivery"):
+                for out in outs:
+                    self._deliver(out)
         except Exception:
             # A request the engine has finished gets no more steps: if its last output
             # cannot be delivered, answer it with an error rather than never.
