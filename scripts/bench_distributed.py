@@ -148,8 +148,11 @@ def run_ranks(args: list[str], env: dict, direct: bool) -> tuple[str, str]:
         return proc.stdout, proc.stderr
     from macinfer.bench.targets import free_port
 
+    ports = {free_port()}
+    while len(ports) < 2:  # (a port just released may be handed out again)
+        ports.add(free_port())
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]], f)
+        json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
     try:
         procs = [subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env={**env, "MLX_RANK": str(r), "MLX_HOSTFILE": f.name})

@@ -257,16 +257,16 @@ class ModelRunner:
         the failure is dropped. `reserve` (a sequence's next block, taken): build the
         next decode step ahead while this one computes (`engine/lookahead.py`)."""
         logits, rows = self.forward_logits(scheduled)
-        mask, sampler, drawn = self._evaluate(scheduled, logits, rows, reserve)
+        allowed, sampler, drawn = self._evaluate(scheduled, logits, rows, reserve)
         if logits is None:
             return [], []
         with maybe(self.profile, "sampler"):
-            return self._pick(logits, rows, mask, sampler, drawn)
+            return self._pick(logits, rows, allowed, sampler, drawn)
 
     def _evaluate(self, scheduled: list[tuple[Sequence, int]], logits: mx.array | None, rows: list,
                   reserve: Callable[[Sequence, int], bool] | None) -> tuple[Any, bool, Draw | None]:
-        """Run the step's graph; (the grammar mask, whether this rank samples, the draw
-        when it was queued with the graph)."""
+        """Run the step's graph; (the tokens grammars allow per row, whether this rank
+        samples, the draw when it was queued with the graph)."""
         # The K/V writes are evaluated with the logits (every layer reads its pool after
         # writing it), unless the step samples nothing. A lookahead writes the same pool
         # objects, so they must not be in the list it waits on.
@@ -274,7 +274,7 @@ class ModelRunner:
         outputs = [*([] if logits is None else [logits]), *([] if ahead else self.kv_cache.state())]
         if self.dist is not None:  # (a chunk that samples nothing still sends its hidden state on)
             outputs.extend(self._hidden)
-        mask, drawn = None, None
+        allowed, drawn = None, None
         sampler = self.dist is None or self.dist.is_driver
         grammar = (logits is not None and sampler and self.structured is not None
                    and any(s.matcher is not None for s in rows))
@@ -282,12 +282,12 @@ class ModelRunner:
             # Grammar masks are computed on the host while the device runs the forward pass.
             with maybe(self.profile, "device"):  # (MLX's CPU backend returns near the graph's end)
                 mx.async_eval(*outputs)
-            mask = self.structured.bitmask(rows) if grammar else None
+            if grammar:
+                allowed = allowed_tokens(self.structured.bitmask(rows), logits.shape[1])
         if ahead:
             items, draw_rows = candidates(scheduled, rows, reserve)
             if items:
                 with maybe(self.profile, "sampler"):
-                    allowed = allowed_tokens(mask, logits.shape[1]) if mask is not None else None
                     drawn = draw(logits, rows, allowed, self.eos_token_ids)
                 with maybe(self.profile, "device"):
                     mx.async_eval(drawn.tokens)
@@ -297,7 +297,7 @@ class ModelRunner:
         # below, where MLX would hand back the failed arrays as if evaluated.
         with maybe(self.profile, "device"):
             mx.eval(*outputs)
-        return mask, sampler, drawn
+        return allowed, sampler, drawn
 
     def _build_ahead(self, items: list[tuple[Sequence, int]], tokens: mx.array, rows: list[int]) -> None:
         """Queue the next step's forward for `items` (sequence, the position of its next
@@ -314,9 +314,8 @@ class ModelRunner:
         self.ahead_built += len(items)
         self.ahead = Lookahead(logits, {seq: i for i, (seq, _) in enumerate(items)}, positions, rows)
 
-    def _pick(self, logits: mx.array, rows: list, mask, sampler: bool, drawn: Draw | None = None
-              ) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
-        allowed = allowed_tokens(mask, logits.shape[1]) if mask is not None else None
+    def _pick(self, logits: mx.array, rows: list, allowed: mx.array | None, sampler: bool,
+              drawn: Draw | None = None) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
         owners = _owners(rows)
         failed: dict[Sequence, Exception] = {}
         try:
