@@ -12,15 +12,17 @@ from macinfer.sampling_params import SamplingParams
 
 @pytest.fixture
 def poisoned_sampler(monkeypatch):
-    """Sampling raises whenever the request 'bad' is in the rows (a late-found bad parameter)."""
-    real = model_runner.sample
+    """Sampling raises whenever the request 'bad' is in the rows (a late-found bad parameter),
+    both when a step samples at once and when it draws ahead for a lookahead."""
+    def poisoned(real):
+        def sample(logits, seqs, mask=None, eos_token_ids=()):
+            if any(s.request_id.startswith("bad") or s.params.stop_token_ids == [299] for s in seqs):
+                raise ValueError("poisoned request")
+            return real(logits, seqs, mask, eos_token_ids)
+        return sample
 
-    def sample(logits, seqs, mask=None, eos_token_ids=()):
-        if any(s.request_id.startswith("bad") or s.params.stop_token_ids == [299] for s in seqs):
-            raise ValueError("poisoned request")
-        return real(logits, seqs, mask, eos_token_ids)
-
-    monkeypatch.setattr(model_runner, "sample", sample)
+    monkeypatch.setattr(model_runner, "sample", poisoned(model_runner.sample))
+    monkeypatch.setattr(model_runner, "draw", poisoned(model_runner.draw))
 
 
 def _run(engine, requests):

@@ -287,11 +287,15 @@ class ModelRunner:
         if ahead:
             items, draw_rows = candidates(scheduled, rows, reserve)
             if items:
-                with maybe(self.profile, "sampler"):
-                    drawn = draw(logits, rows, allowed, self.eos_token_ids)
-                with maybe(self.profile, "device"):
-                    mx.async_eval(drawn.tokens)
-                self._build_ahead(items, drawn.tokens, draw_rows)
+                try:
+                    with maybe(self.profile, "sampler"):
+                        drawn = draw(logits, rows, allowed, self.eos_token_ids)
+                except Exception:
+                    drawn = None  # a row's bad parameter: `_pick` retries row by row, no lookahead
+                if drawn is not None:
+                    with maybe(self.profile, "device"):
+                        mx.async_eval(drawn.tokens)
+                    self._build_ahead(items, drawn.tokens, draw_rows)
         # Evaluate the forward pass on its own: an error here (e.g. out of memory
         # inside the graph) is the batch's, and must not reach the per-row retry
         # below, where MLX would hand back the failed arrays as if evaluated.
