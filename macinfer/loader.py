@@ -284,9 +284,10 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
     strict = True
     if distributed is not None and distributed.mode == "pipeline":  # the other ranks' layers may be absent
         from macinfer.distributed.files import check_missing
+        from macinfer.distributed.sharding import pipeline_ranges
 
         missing = [k for k in model.weight_names() if k not in weights]
-        check_missing(missing, len(model.decoder_layers), distributed.rank, distributed.size)
+        check_missing(missing, pipeline_ranges(model, distributed.size)[distributed.rank], distributed.rank)
         strict = not missing
     model.load_weights(list(weights.items()), strict=strict)
     del weights

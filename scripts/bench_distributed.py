@@ -7,7 +7,8 @@
 Measured: the same requests (greedy, 64 new tokens each, 128-token prompts) run by one
 process and by `mlx.launch -n 2 --backend ring` in pipeline and tensor mode: single-stream
 decode (tok/s, TPOT) and offline throughput at 8 concurrent, medians of `--repeats`
-(`pipeline-mb2`: a step's sequences in 2 micro-batches). On one
+(`pipeline`: two steps in flight, the default; `pipeline-d1`: one step at a time;
+`pipeline-mb2`: one step at a time, its sequences in 2 micro-batches). On one
 machine both ranks share its cores and the loopback: this shows what the sync costs, not
 what two Macs gain.
 
@@ -62,9 +63,11 @@ def traffic(ranks: int = 2, batch: int = 1) -> None:
         tp_bytes = 2 * layers * row * 2 * (ranks - 1) / ranks
         tp_msgs = 2 * layers * 2 * (ranks - 1)
         pp_bytes, pp_msgs = (ranks - 1) * row, ranks - 1
-        sync = 3  # macinfer's own per step: the inputs, the sampled tokens, the acknowledgement
         for mode, b, m, per_layer in (("tensor", tp_bytes, tp_msgs, 2 * row * 2 * (ranks - 1) / ranks),
                                       ("pipeline", pp_bytes, pp_msgs, row / layers)):
+            # macinfer's own per step: the inputs and the sampled tokens, and in tensor mode an
+            # acknowledgement (a pipeline with a step in flight has the hidden state coming back)
+            sync = 3 if mode == "tensor" else 2
             times = [(m + sync) * lat + b / TB5_BYTES_S for lat in LATENCY_S.values()]
             print(f"{name:<20} {mode:<9} {m + sync:>9} {per_layer / batch / 1024:>16.2f} {b / 2**20:>9.3f} "
                   + " ".join(f"{t * 1e3:>26.2f}" for t in times))
@@ -76,9 +79,10 @@ def _rank(model: str, mode: str, out: str, prompt_len: int, new: int, concurrent
     from macinfer.sampling_params import SamplingParams
 
     micro = int(mode.split("-mb")[1]) if "-mb" in mode else 1  # "pipeline-mb2": 2 micro-batches
+    depth = 1 if mode == "pipeline-d1" else 2  # "pipeline-d1": one step at a time
     engine = LLMEngine(model, EngineConfig(kv_cache_gb=0.2, max_model_len=1024, enable_prefix_caching=False,
-                                           distributed=None if mode == "single" else mode.split("-mb")[0],
-                                           pipeline_micro_batches=micro))
+                                           distributed=None if mode == "single" else mode.split("-")[0],
+                                           pipeline_micro_batches=micro, pipeline_depth=depth))
     if engine.dist is not None and not engine.dist.is_driver:
         engine.run_worker()
         return
@@ -171,7 +175,7 @@ def spin(direct: bool) -> None:
 
 def measure(model: str, repeats: int, prompt_len: int, new: int, concurrent: int, pin: bool = False,
             direct: bool = False) -> None:
-    modes = ["single", "pipeline", "pipeline-mb2", *(["pipeline-mb4"] if pin else []), "tensor"]
+    modes = ["single", "pipeline", "pipeline-d1", "pipeline-mb2", *(["pipeline-mb4"] if pin else []), "tensor"]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     env = {**os.environ, "PYTHONPATH": ROOT, **({"OPENBLAS_NUM_THREADS": "1", "MACINFER_BENCH_PIN": "1"} if pin else {})}
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,8 +15,12 @@ PROMPTS = [list(range(5, 45)), list(range(5, 45)) + [50, 51], [7, 9, 11, 13, 15]
 
 
 def run(model: str, mode: str | None) -> dict:
+    # "pipeline": two steps in flight (the default); "pipeline-d1": one at a time;
+    # "pipeline-mb2": one at a time, cut into 2 micro-batches
+    micro, depth = (2 if mode == "pipeline-mb2" else 1), (1 if mode == "pipeline-d1" else 2)
     engine = LLMEngine(model, EngineConfig(kv_cache_gb=0.05, max_num_batched_tokens=24, max_model_len=512,
-                                           distributed=mode, pipeline_micro_batches=2 if mode == "pipeline" else 1))
+                                           distributed=mode and mode.split("-")[0], pipeline_micro_batches=micro,
+                                           pipeline_depth=depth))
     if engine.dist is not None and not engine.dist.is_driver:
         engine.run_worker()
         return {}
@@ -33,7 +37,8 @@ def run(model: str, mode: str | None) -> dict:
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     cached = engine.block_manager.stats() if hasattr(engine.block_manager, "stats") else None
     engine.close()
-    return {"tokens": [done[i] for i in ids], "cached": cached, "micro_batched": engine.runner.micro_batched_steps}
+    return {"tokens": [done[i] for i in ids], "cached": cached, "micro_batched": engine.runner.micro_batched_steps,
+            "overlapped": engine.overlapped_steps}
 
 
 def fake_hub(root: str, out: str) -> None:

@@ -73,12 +73,17 @@ def test_generate_command_over_two_ranks(smollm2_gguf):
 def test_pipeline_parallel_gives_single_process_tokens(tmp_path, model_type):
     """A layer range on each rank (Qwen3-Next: Gated DeltaNet and attention layers, each
     rank keeping the state of its own); SmolLM2 runs in the `generate` and `serve` tests.
-    Steps with several sequences run as 2 micro-batches (`pipeline_micro_batches`) where
-    there is no recurrent state."""
+    Two steps in flight (the default `pipeline_depth`; with recurrent state, one step at a
+    time), and 2 micro-batches a step, give the same tokens. (One step at a time over two
+    ranks: the Hub test.)"""
     path = _tiny(tmp_path, model_type)
+    single = _run(path, "single", tmp_path)["tokens"]
     run = _run(path, "pipeline", tmp_path)
-    assert run["tokens"] == _run(path, "single", tmp_path)["tokens"]
-    assert (run["micro_batched"] > 0) == (model_type == "llama")
+    assert run["tokens"] == single
+    assert (run["overlapped"] > 0) == (model_type == "llama") and run["micro_batched"] == 0
+    if model_type == "llama":
+        run = _run(path, "pipeline-mb2", tmp_path)
+        assert run["tokens"] == single and run["micro_batched"] > 0 and run["overlapped"] == 0
 
 
 def test_each_pipeline_rank_fetches_only_its_own_hub_files(tmp_path):
@@ -110,7 +115,7 @@ def test_each_pipeline_rank_fetches_only_its_own_hub_files(tmp_path):
 
     out = tmp_path / "hub.json"
     env = {**ENV, "MACINFER_TEST_HUB": str(tmp_path / "hub")}
-    proc = subprocess.run(LAUNCH + [str(ROOT / "tests" / "distributed_run.py"), "test-org/tiny", "pipeline", str(out)],
+    proc = subprocess.run(LAUNCH + [str(ROOT / "tests" / "distributed_run.py"), "test-org/tiny", "pipeline-d1", str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     fetched = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in ("0", "1")}
@@ -203,7 +208,8 @@ def test_a_rank_that_hangs_ends_the_server_with_an_error(tmp_path):
 @pytest.mark.slow
 def test_distributed_serve_answers_concurrent_requests_and_ends_when_a_rank_dies(smollm2_gguf, smollm2_engine):
     """`mlx.launch ... macinfer serve --distributed pipeline`: 8 concurrent greedy requests
-    get one process's tokens; /status shows each rank's layers and memory; rank 1 killed,
+    get one process's tokens (two steps in flight); /status shows each rank's layers and
+    memory; rank 1 killed,
     the server exits with an error within 30 s."""
     from macinfer.sampling_params import SamplingParams
     from tests.helpers import generate
@@ -213,7 +219,8 @@ def test_distributed_serve_answers_concurrent_requests_and_ends_when_a_rank_dies
     try:
         status = httpx.get(f"{url}/status", timeout=10).json()["distributed"]
         assert status["mode"] == "pipeline" and [r["rank"] for r in status["ranks"]] == [0, 1]
-        assert "rank 0: layers 15-29; rank 1: layers 0-14" in status["ranks"][0]["plan"]
+        assert status["steps_in_flight"] == 2
+        assert "rank 0: layers 19-29; rank 1: layers 0-18" in status["ranks"][0]["plan"]  # the head weighs 8 layers
         assert all(r["weights_bytes"] > 0 and r["kv_bytes"] > 0 for r in status["ranks"])
 
         prompts = [f"Count from {i} to {i + 5}:" for i in range(8)]
@@ -247,9 +254,23 @@ def test_rank_file_selection_rules():
           "model.layers.2.mlp.weight": "b", "model.layers.3.mlp.weight": "b", "model.norm.weight": "c",
           "transformer.h.10.attn.weight": "d"}
     assert layer_of("transformer.h.10.attn.weight") == 10 and layer_of("lm_head.weight") is None
-    assert rank_files(wm, 4, 1, 2) == ["a", "c"] and rank_files(wm, 4, 0, 2) == ["b", "c"]  # rank 0: last layers
-    check_missing(["model.layers.0.mlp.weight"], 4, 0, 2)  # another rank's layer: fine
+    assert rank_files(wm, (0, 2)) == ["a", "c"] and rank_files(wm, (2, 4)) == ["b", "c"]
+    check_missing(["model.layers.0.mlp.weight"], (2, 4), 0)  # another rank's layer: fine
     with pytest.raises(ValueError, match="rank 0: weights missing for this rank's part: model.layers.3.mlp.weight"):
-        check_missing(["model.layers.3.mlp.weight"], 4, 0, 2)
+        check_missing(["model.layers.3.mlp.weight"], (2, 4), 0)
     with pytest.raises(ValueError, match="model.norm.weight"):
-        check_missing(["model.norm.weight"], 4, 1, 2)
+        check_missing(["model.norm.weight"], (0, 2), 1)
+
+
+def test_pipeline_ranges_balance_the_weights_a_step_reads():
+    """Contiguous ranges, the first layers on the highest rank; equal layers and no head: an
+    even split (extra layers to the lower ranks); rank 0's head counts as layers; every
+    rank keeps a layer, however large the head."""
+    from macinfer.distributed.sharding import layer_ranges
+
+    assert layer_ranges([1.0] * 30, 2) == [(15, 30), (0, 15)]
+    assert layer_ranges([1.0] * 5, 2) == [(2, 5), (0, 2)]
+    assert layer_ranges([1.0] * 30, 2, head=8.0) == [(19, 30), (0, 19)]  # SmolLM2-135M's proportions
+    assert layer_ranges([1.0] * 8, 3, head=1.0) == [(6, 8), (3, 6), (0, 3)]
+    assert layer_ranges([1.0] * 3, 3, head=100.0) == [(2, 3), (1, 2), (0, 1)]
+    assert layer_ranges([4.0, 4.0, 1.0, 1.0, 1.0, 1.0], 2) == [(1, 6), (0, 1)]  # dense first layers weigh more

@@ -1,5 +1,7 @@
-"""The next decode step built ahead (`engine/lookahead.py`): the same tokens as without it,
-whatever happens to the sequences between the step that built it and the step that uses it."""
+"""The next decode step built ahead (`engine/lookahead.py`), and a pipeline's two steps in
+flight (`distributed.engine.pipelined_step`): the same tokens as one step at a time, whatever
+happens to the sequences between the step that built or scheduled them and the step that
+takes their tokens."""
 
 import pytest
 
@@ -7,11 +9,13 @@ from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.sampling_params import SamplingParams
 
 
-def _run(model: str, async_scheduling: bool, num_kv_blocks: int | None = None) -> tuple[dict, LLMEngine]:
+def _run(model: str, async_scheduling: bool, num_kv_blocks: int | None = None, depth: int = 1
+         ) -> tuple[dict, LLMEngine]:
     """A workload where sequences join, finish on their length, get aborted and (with
     few blocks) preempted while others decode; per request: tokens and logprobs."""
     engine = LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=256, num_kv_blocks=num_kv_blocks,
                                            async_scheduling=async_scheduling))
+    engine.scheduler.depth = depth  # (one process: what a pipeline's driver runs, without the ranks)
     kinds = [
         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
         SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=33, ignore_eos=True, logprobs=2),
@@ -59,6 +63,26 @@ def test_the_same_tokens_with_and_without_lookahead(tiny_llama, blocks):
         assert on.scheduler.num_preemptions > 0 and on.scheduler.num_preemptions == off.scheduler.num_preemptions
     # Nothing left behind: every block back in the pool.
     assert on.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("blocks", [None, 24])
+def test_the_same_tokens_with_two_steps_in_flight(tiny_llama, blocks):
+    """A pipeline's scheduling with two steps in flight, run in one process: each step is
+    scheduled before the previous one's tokens are taken, without its sequences (never
+    preempted while in flight), the aborted one's tokens dropped. Every request's tokens,
+    logprobs and finish reason are those of one step at a time; most steps went in while
+    another was in flight, and every block is back at the end."""
+    plain, _ = _run(tiny_llama, False, blocks)
+    flight, engine = _run(tiny_llama, False, blocks, depth=2)
+    assert set(flight) == set(plain) and "r2" not in flight
+    for rid in plain:
+        assert flight[rid][0] == plain[rid][0], rid
+        assert flight[rid][1] == pytest.approx(plain[rid][1], abs=1e-5), rid
+        assert flight[rid][2] == plain[rid][2], rid
+    assert engine.overlapped_steps > 20 and engine._in_flight is None and not engine.scheduler.in_flight
+    if blocks:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_used_blocks == 0
 
 
 def test_every_token_after_the_first_comes_from_a_lookahead(tiny_llama):

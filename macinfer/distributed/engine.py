@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from macinfer.distributed.group import DistContext, DistributedError
+from macinfer.engine.profile import maybe
 
 HEARTBEAT = 2.0  # seconds between syncs while the driver is idle
 
@@ -33,12 +34,15 @@ class StepInputs:
         if self.ctx.is_driver:
             self.pending.append(event)
 
-    def sync(self) -> None:
-        """Driver: send this step's inputs to the workers (they replay them in `run_worker`)."""
+    def sync(self, ack: bool = True) -> None:
+        """Driver: send this step's inputs to the workers (they replay them in `run_worker`).
+        `ack`: wait for their answer (not while a pipeline's step is in flight: its hidden
+        state is on the way back ahead of any answer, and its arrival shows the ranks live)."""
         events, self.pending = self.pending, []
         self.last = time.monotonic()
         self.ctx.broadcast(events, "step inputs")
-        self.ctx.ack()
+        if ack:
+            self.ctx.ack()
 
     def due(self) -> bool:
         return time.monotonic() - self.last >= HEARTBEAT
@@ -51,7 +55,8 @@ def run_worker(engine: Any) -> None:
         events = ctx.broadcast(None, "step inputs")
         if events is None:  # the driver is closing
             return
-        ctx.ack()
+        if engine._in_flight is None:  # (as the driver's `sync`)
+            ctx.ack()
         for kind, *args in events:
             if kind == "add":
                 ids, params, rid, salt = args
@@ -60,6 +65,36 @@ def run_worker(engine: Any) -> None:
                 engine.abort_request(args[0])
         with ctx.watch("step"):
             engine.run_step()
+
+
+def pipelined_step(engine: Any) -> list:
+    """One step of a pipeline with two steps in flight (`EngineConfig.pipeline_depth`).
+
+    Step k is scheduled without step k-1's sequences (still in flight), then step k-1 is
+    finished: on the driver its forward is evaluated only now, after step k is built, and
+    its tokens are sampled and sent; a worker has already run step k's stage by then. So
+    while the driver runs the last layers of step k-1, the first stage runs step k: the
+    bubble is filled. Every rank schedules step k before taking step k-1's tokens, so
+    the plans agree without being shipped. Returns step k-1's outputs."""
+    sched, runner = engine.scheduler, engine.runner
+    with maybe(runner.profile, "schedule"):
+        plan = sched.schedule()
+    submitted = None
+    if plan:
+        engine._count(plan)
+        submitted = runner.submit(plan.scheduled)
+        sched.in_flight.update(seq for seq, _ in plan.scheduled)
+        engine.overlapped_steps += engine._in_flight is not None
+    prev, engine._in_flight = engine._in_flight, submitted
+    if prev is None:
+        return []
+    results, errors = runner.finish(prev)
+    sched.in_flight.difference_update(seq for seq, _ in prev.scheduled)
+    # A sequence aborted while its step was in flight has ended: its tokens are dropped.
+    results = [r for r in results if not r.seq.is_finished]
+    errors = [(seq, e) for seq, e in errors if not seq.is_finished]
+    with maybe(runner.profile, "outputs"):
+        return engine._outputs(prev, results, errors)  # (a step's outputs need its `scheduled` only)
 
 
 def shutdown(ctx: DistContext) -> None:

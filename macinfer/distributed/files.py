@@ -17,7 +17,7 @@ import os
 import re
 from typing import Any
 
-from macinfer.distributed.sharding import layer_ranges
+from macinfer.distributed.sharding import pipeline_ranges
 
 META = ["*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
 INDEX = "model.safetensors.index.json"
@@ -30,18 +30,18 @@ def layer_of(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def num_layers(config: dict[str, Any]) -> int:
-    """The decoder layers the pipeline splits: built (lazily, nothing evaluated) with
-    mlx-lm's class, as the rank will build it (a config's count can differ: layer_types,
-    MTP layers that sanitize drops)."""
+def config_ranges(config: dict[str, Any], size: int) -> list[tuple[int, int]]:
+    """Each rank's layers, from the model built (lazily, nothing evaluated) with mlx-lm's
+    class, as the rank will build it (a config's count can differ: layer_types, MTP layers
+    that sanitize drops)."""
     from macinfer.models import build_model
 
-    return len(build_model(config, "mlx-lm").decoder_layers)
+    return pipeline_ranges(build_model(config, "mlx-lm"), size)
 
 
-def rank_files(weight_map: dict[str, str], layers: int, rank: int, size: int) -> list[str]:
-    """The weight files pipeline rank `rank` of `size` needs."""
-    start, end = layer_ranges(layers, size)[rank]
+def rank_files(weight_map: dict[str, str], layers: tuple[int, int]) -> list[str]:
+    """The weight files a pipeline rank running decoder `layers` [start, end) needs."""
+    start, end = layers
     return sorted({f for key, f in weight_map.items()
                    if (i := layer_of(key)) is None or start <= i < end})
 
@@ -58,13 +58,14 @@ def fetch_for_rank(repo: str, mode: str, rank: int, size: int) -> str:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
         with open(config_path) as f:
-            patterns = rank_files(weight_map, num_layers(json.load(f)), rank, size)
+            patterns = rank_files(weight_map, config_ranges(json.load(f), size)[rank])
     return snapshot_download(repo, allow_patterns=META + patterns)
 
 
-def check_missing(missing: list[str], layers: int, rank: int, size: int) -> None:
-    """Tensors absent from disk are allowed only in the other ranks' layers."""
-    start, end = layer_ranges(layers, size)[rank]
+def check_missing(missing: list[str], layers: tuple[int, int], rank: int) -> None:
+    """Tensors absent from disk are allowed only in the other ranks' layers (this rank
+    runs decoder `layers` [start, end))."""
+    start, end = layers
     mine = [k for k in missing if (i := layer_of(k)) is None or start <= i < end]
     if mine:
         raise ValueError(f"rank {rank}: weights missing for this rank's part: {', '.join(mine[:5])}"

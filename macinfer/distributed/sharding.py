@@ -4,9 +4,11 @@ Tensor parallel: the model's own `shard(group)` (mlx-lm writes one per family: a
 heads and MLP columns split, one all-reduce after each), then the probe runs again, so
 each rank's KV pools hold its own heads. Pipeline: rank r keeps a contiguous range of
 decoder layers and drops the others' weights; as in mlx-lm, rank 0 runs the last layers
-(so the logits are where the sampler is) and the highest rank the first. The hidden
+(so the logits are where the sampler is) and the highest rank the first, but the ranges
+are balanced by weights read, the head counted on rank 0 (`pipeline_ranges`). The hidden
 state goes from each stage to the next with `send` / `recv_like` inside the forward pass,
-so one step is one pass through every rank in turn (no micro-batches: the bubble is whole).
+so one step is one pass through every rank in turn; two steps in flight keep the stages
+busy at once (`distributed.engine.pipelined_step`).
 """
 
 from __future__ import annotations
@@ -75,15 +77,52 @@ class _Stage(nn.Module):
         return out
 
 
-def layer_ranges(num_layers: int, size: int) -> list[tuple[int, int]]:
-    """[start, end) per rank: an even split, the first layers on the highest rank."""
-    base, extra = divmod(num_layers, size)
-    counts = [base + (1 if r < extra else 0) for r in range(size)]
-    ranges, end = [None] * size, num_layers
+def layer_ranges(costs: list[float], size: int, head: float = 0.0) -> list[tuple[int, int]]:
+    """[start, end) per rank, contiguous, the first layers on the highest rank and the last
+    on rank 0, which also runs the head: each rank's layers (rank 0's with the head) about
+    equal in `costs`, at least one layer each. Equal costs and no head: an even split."""
+    total = sum(costs) + head
+    ranges: list[tuple[int, int]] = [(0, 0)] * size
+    end, acc = len(costs), head
     for r in range(size):
-        ranges[r] = (end - counts[r], end)
-        end -= counts[r]
+        start, later = end, size - r - 1
+        if not later:
+            start = 0
+        while later and start - 1 >= later and (start == end or acc + costs[start - 1] / 2 <= total * (r + 1) / size):
+            start -= 1
+            acc += costs[start]
+        ranges[r] = (start, end)
+        end = start
     return ranges
+
+
+def _logical_size(module: nn.Module) -> int:
+    """Parameters a module holds, a quantized weight counted as the values it packs (so a
+    model splits the same whether its weights are quantized, expanded or not yet loaded)."""
+    total = 0
+    for _, m in module.named_modules():
+        local = {k: v for k, v in m.items() if isinstance(v, mx.array)}
+        if "scales" in local and hasattr(m, "bits"):
+            total += local.pop("weight").size * 32 // m.bits
+            local.pop("scales"), local.pop("biases", None)
+        total += sum(v.size for v in local.values())
+    return total
+
+
+def pipeline_ranges(model: Any, size: int) -> list[tuple[int, int]]:
+    """Each rank's layers, balanced by the weights a decode step reads: a stage's time is
+    reading its weights, and rank 0 also reads the head (SmolLM2-135M: the head is as
+    large as 8 of its 30 layers, so rank 0 takes 11 layers, rank 1 19). The one place the
+    split is decided: the files a rank fetches, the weights it may lack and its stage."""
+    layers = model.decoder_layers
+    costs = [float(_logical_size(layer)) for layer in layers]
+    mods = dict(model.named_modules())
+    heads = [m for name, m in mods.items() if name.split(".")[-1] == "lm_head"]
+    if not heads:  # tied: the embedding matrix is the head
+        heads = [max((m for m in mods.values() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))),
+                     key=_logical_size, default=None)]
+    head = float(_logical_size(heads[0])) if heads[0] is not None else 0.0
+    return layer_ranges(costs, size, head)
 
 
 def tensor_parallel(model: Any, ctx: DistContext) -> str:
@@ -123,7 +162,7 @@ def pipeline_parallel(model: Any, ctx: DistContext) -> str:
     n = len(layers)
     if n < ctx.size:
         raise UnsupportedModelError(f"--distributed pipeline over {ctx.size} ranks: the model has {n} layers")
-    ranges = layer_ranges(n, ctx.size)
+    ranges = pipeline_ranges(model, ctx.size)
     start, end = ranges[ctx.rank]
     model.fix_cache_shapes()  # every rank keeps every cache (same plan); only its layers write theirs
     recv_from = ctx.rank + 1 if ctx.rank < ctx.size - 1 else None

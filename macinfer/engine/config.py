@@ -42,6 +42,10 @@ class EngineConfig:
     distributed: str | None = None
     distributed_timeout: float = 60.0
     pipeline_micro_batches: int = 1  # pipeline mode: a step's sequences in this many overlapping forwards
+    # Pipeline mode: steps in flight at once. 2: the running sequences alternate between two
+    # steps, a stage computing one while the next takes the other (the bubble filled);
+    # 1: one step passes through every rank in turn (docs/distributed.md).
+    pipeline_depth: int = 2
     # Time the paths a decision may take at load (cached per device); False: the defaults.
     autotune: bool = True
     # The prefix cache's disk tier (`engine/disk_cache.py`): its size in GiB (None: off) and

@@ -59,6 +59,8 @@ class LLMEngine:
         context = (cfg.max_model_len, cfg.rope_scaling) if cfg.rope_scaling and cfg.max_model_len else None
         if cfg.pipeline_micro_batches != 1 and cfg.distributed != "pipeline":
             raise ValueError("--pipeline-micro-batches applies to --distributed pipeline only")
+        if cfg.pipeline_depth not in (1, 2):
+            raise ValueError(f"pipeline_depth {cfg.pipeline_depth}: 1 (one step at a time) or 2 (two in flight)")
         self.dist = None
         if cfg.distributed:
             if isinstance(model, LoadedModel):
@@ -130,8 +132,15 @@ class LLMEngine:
                 "vocab": self.model.args.vocab_size, "mlx": mx.__version__})
             self.distributed_status = dist_engine.rank_report(self.dist, self.model, self.kv_cache.nbytes)
             self.runner.dist, self.runner.micro_batches = self.dist, max(1, cfg.pipeline_micro_batches)
+            if self.dist.mode == "pipeline" and cfg.pipeline_micro_batches == 1 and states is None:
+                # (recurrent state is one step's plan; micro-batches are the other way to overlap)
+                self.scheduler.depth = cfg.pipeline_depth
+            self.distributed_status["steps_in_flight"] = self.scheduler.depth
+            log.info("%s: %d step(s) in flight", self.dist.describe(), self.scheduler.depth)
         self._check_against_mlx_lm()
         self.requests: dict[str, _RequestState] = {}
+        self._in_flight = None  # a pipeline's step whose tokens are not back yet (`pipelined_step`)
+        self.overlapped_steps = 0  # steps submitted while another was in flight
         if states is not None:
             log.info("recurrent state: %d caches, %.2f MiB a sequence; %d slots (%d running), a snapshot every "
                      "%d tokens", len(self.state_specs), states.bytes_per_slot / 2**20, states.num_slots,
@@ -256,7 +265,7 @@ class LLMEngine:
             self.scheduler.finish(state.seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -306,7 +315,7 @@ class LLMEngine:
         ends that request with finish_reason "error"; the others go on.
         """
         if self.dist is not None:  # the workers replay this step's inputs, then run it too
-            self._inputs.sync()
+            self._inputs.sync(ack=self._in_flight is None)
             with self.dist.watch("step"):
                 return self.run_step()
         return self.run_step()
@@ -335,16 +344,14 @@ class LLMEngine:
         dist_engine.run_worker(self)
 
     def run_step(self) -> list[RequestOutput]:
+        if self.scheduler.depth > 1:  # a pipeline with two steps in flight
+            return dist_engine.pipelined_step(self)
         prof = self.runner.profile
         with maybe(prof, "schedule"):
             sched = self.scheduler.schedule()
         if not sched:
             return []
-        if prof is not None:
-            prof.steps += 1
-        for seq, n in sched.scheduled:
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.stats["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+        self._count(sched)
         try:
             results, errors = self.runner.step(sched.scheduled, self._lookahead())
         except Exception as e:  # the batch itself failed: no sequence's KV can be trusted
@@ -359,6 +366,13 @@ class LLMEngine:
         if not self.scheduler.running:  # the sequences a lookahead was for have all ended
             self.runner.ahead = None
         return outputs
+
+    def _count(self, sched) -> None:
+        if self.runner.profile is not None:
+            self.runner.profile.steps += 1
+        for seq, n in sched.scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.stats["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
 
     def _outputs(self, sched, results, errors) -> list[RequestOutput]:
         """The step's sampled tokens appended, stops checked, outputs built."""

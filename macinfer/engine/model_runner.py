@@ -95,6 +95,15 @@ class _GroupTables:
         return meta
 
 
+@dataclass
+class Submitted:
+    """A step in flight: its forward built (and on a worker, run), its tokens not yet sampled."""
+    scheduled: list[tuple[Sequence, int]]
+    logits: mx.array | None
+    rows: list
+    hidden: list[mx.array]
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_manager: BlockManager | None = None,
                  structured: StructuredOutputs | None = None, explicit_ops: bool = False,
@@ -263,6 +272,33 @@ class ModelRunner:
         with maybe(self.profile, "sampler"):
             return self._pick(logits, rows, allowed, sampler, drawn)
 
+    def submit(self, scheduled: list[tuple[Sequence, int]]) -> "Submitted":
+        """A pipeline's step put in flight (`EngineConfig.pipeline_depth`): its forward is
+        built; on a worker it is evaluated now (its stage sends the hidden state on), on the
+        driver when `finish` takes it, after the next step is built behind it."""
+        logits, rows = self.forward_logits(scheduled)
+        # Every layer reads its pool after writing it, so the hidden state carries the K/V
+        # writes. (Holding the pools here would keep the next step from updating them in
+        # place: a copy of every pool a step.)
+        sub = Submitted(scheduled, logits, rows, self._hidden)
+        if self.dist is not None and not self.dist.is_driver:
+            with maybe(self.profile, "device"):
+                mx.eval(*sub.hidden)
+        return sub
+
+    def finish(self, sub: "Submitted") -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:
+        """Evaluate a submitted step and sample it (the driver), or take the driver's tokens."""
+        sampler = self.dist is None or self.dist.is_driver
+        with maybe(self.profile, "device"):
+            mx.eval(*([] if sub.logits is None or not self._needs_logits() else [sub.logits]), *sub.hidden)
+        if sub.logits is None:
+            return [], []
+        allowed = None
+        if sampler and self.structured is not None and any(s.matcher is not None for s in sub.rows):
+            allowed = allowed_tokens(self.structured.bitmask(sub.rows), sub.logits.shape[1])
+        with maybe(self.profile, "sampler"):
+            return self._pick(sub.logits, sub.rows, allowed, sampler)
+
     def _evaluate(self, scheduled: list[tuple[Sequence, int]], logits: mx.array | None, rows: list,
                   reserve: Callable[[Sequence, int], bool] | None) -> tuple[Any, bool, Draw | None]:
         """Run the step's graph; (the tokens grammars allow per row, whether this rank
@@ -271,11 +307,12 @@ class ModelRunner:
         # writing it), unless the step samples nothing. A lookahead writes the same pool
         # objects, so they must not be in the list it waits on.
         ahead = reserve is not None and logits is not None and self.dist is None and self.state is None
-        outputs = [*([] if logits is None else [logits]), *([] if ahead else self.kv_cache.state())]
+        sampler = self.dist is None or self.dist.is_driver
+        outputs = [*([] if logits is None or not self._needs_logits() else [logits]),
+                   *([] if ahead else self.kv_cache.state())]
         if self.dist is not None:  # (a chunk that samples nothing still sends its hidden state on)
             outputs.extend(self._hidden)
         allowed, drawn = None, None
-        sampler = self.dist is None or self.dist.is_driver
         grammar = (logits is not None and sampler and self.structured is not None
                    and any(s.matcher is not None for s in rows))
         if grammar or ahead:
@@ -302,6 +339,12 @@ class ModelRunner:
         with maybe(self.profile, "device"):
             mx.eval(*outputs)
         return allowed, sampler, drawn
+
+    def _needs_logits(self) -> bool:
+        """Whether this rank evaluates the logits: a pipeline worker's come from its own
+        stage's output and are never read (tensor-parallel ranks all run the head: it may
+        hold a collective)."""
+        return self.dist is None or self.dist.is_driver or self.dist.mode == "tensor"
 
     def _build_ahead(self, items: list[tuple[Sequence, int]], tokens: mx.array, rows: list[int]) -> None:
         """Queue the next step's forward for `items` (sequence, the position of its next

@@ -9,6 +9,9 @@ running sequence is preempted: its blocks are freed and it goes back to the
 front of the queue to be recomputed (prompt + tokens so far) later.
 With speculative decoding on, a decode may carry draft tokens after its real
 one (`seq.spec_token_ids`) while few sequences decode.
+With `depth` 2 (a pipeline over several ranks) a step may be scheduled while the
+previous one is still in flight: its sequences (`in_flight`) are skipped and never
+preempted, and a step takes at most half the sequences, so two steps alternate.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Scheduler:
         max_prefill_with_decodes: int | None = None,
         speculative: SpeculativeConfig | None = None,
         max_model_len: int | None = None,
+        depth: int = 1,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -54,6 +58,8 @@ class Scheduler:
         self.speculative = speculative
         self.max_model_len = max_model_len
         self._speculate = False
+        self.depth = depth
+        self.in_flight: set[Sequence] = set()  # scheduled in a step whose tokens are not back yet
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -87,14 +93,17 @@ class Scheduler:
         capped = num_decoding > 0 and self.max_prefill_with_decodes is not None
         self._speculate = self.speculative is not None and 0 < num_decoding <= self.speculative.max_batch
         self._prefill_left = self.max_prefill_with_decodes if capped else self._budget
+        # Two steps in flight take turns with about half the sequences each.
+        active = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        self._seats = -(-active // self.depth) if self.depth > 1 else 1 << 30
 
         # 1. Running sequences, oldest first; preempt the newest on a block shortage.
         #    Under the cap, running prefills wait for step 2, where they compete with
         #    the waiting prompts.
-        kept: list[Sequence] = []
         partial: list[Sequence] = []
-        queue = deque(sorted(self.running, key=lambda s: s.arrival))
-        while queue and self._budget > 0:
+        kept: list[Sequence] = [s for s in self.running if s in self.in_flight]
+        queue = deque(sorted((s for s in self.running if s not in self.in_flight), key=lambda s: s.arrival))
+        while queue and self._budget > 0 and len(out.scheduled) < self._seats:
             seq = queue.popleft()
             if capped and seq.num_tokens - seq.num_computed_tokens > 1:
                 partial.append(seq)
@@ -115,7 +124,7 @@ class Scheduler:
             candidates = list(self.waiting)
         admitting = True
         for seq in candidates:
-            if min(self._budget, self._prefill_left) <= 0:
+            if min(self._budget, self._prefill_left) <= 0 or len(out.scheduled) >= self._seats:
                 break
             if seq.status == SequenceStatus.RUNNING:
                 self._continue(seq, deque(), out)
