@@ -75,26 +75,38 @@ def pipelined_step(engine: Any) -> list:
     its tokens are sampled and sent; a worker has already run step k's stage by then. So
     while the driver runs the last layers of step k-1, the first stage runs step k: the
     bubble is filled. Every rank schedules step k before taking step k-1's tokens, so
-    the plans agree without being shipped. Returns step k-1's outputs."""
-    sched, runner = engine.scheduler, engine.runner
-    with maybe(runner.profile, "schedule"):
-        plan = sched.schedule()
-    submitted = None
-    if plan:
-        engine._count(plan)
-        submitted = runner.submit(plan.scheduled)
-        sched.in_flight.update(seq for seq, _ in plan.scheduled)
-        engine.overlapped_steps += engine._in_flight is not None
+    the plans agree without being shipped. When nothing could go in behind step k-1 (one
+    stream), the next step goes in once its tokens are taken, in the same call, not a call
+    later. Returns step k-1's outputs."""
+    submitted = _submit(engine)
     prev, engine._in_flight = engine._in_flight, submitted
     if prev is None:
         return []
+    sched, runner = engine.scheduler, engine.runner
     results, errors = runner.finish(prev)
     sched.in_flight.difference_update(seq for seq, _ in prev.scheduled)
     # A sequence aborted while its step was in flight has ended: its tokens are dropped.
     results = [r for r in results if not r.seq.is_finished]
     errors = [(seq, e) for seq, e in errors if not seq.is_finished]
     with maybe(runner.profile, "outputs"):
-        return engine._outputs(prev, results, errors)  # (a step's outputs need its `scheduled` only)
+        outputs = engine._outputs(prev, results, errors)  # (a step's outputs need its `scheduled` only)
+    if submitted is None:
+        engine._in_flight = _submit(engine)
+    return outputs
+
+
+def _submit(engine: Any) -> Any:
+    """Schedule a step and put it in flight (None: nothing to run)."""
+    sched, runner = engine.scheduler, engine.runner
+    with maybe(runner.profile, "schedule"):
+        plan = sched.schedule()
+    if not plan:
+        return None
+    engine._count(plan)
+    submitted = runner.submit(plan.scheduled)
+    sched.in_flight.update(seq for seq, _ in plan.scheduled)
+    engine.overlapped_steps += engine._in_flight is not None
+    return submitted
 
 
 def shutdown(ctx: DistContext) -> None:
