@@ -66,10 +66,11 @@ def _engine_options(f):
                      help="--distributed pipeline: run a step's sequences as this many micro-batches, so the "
                           "ranks' stages overlap. Measured with a device per rank, it loses in decode (each "
                           "micro-batch reads the weights again; docs/distributed.md).")(f)
-    f = click.option("--pipeline-depth", type=click.IntRange(1, 2), default=2, show_default=True,
-                     help="--distributed pipeline: steps in flight at once. 2: the sequences alternate between "
-                          "two steps, so one rank computes a step while the next takes the other; 1: a step "
-                          "passes through the ranks in turn.")(f)
+    f = click.option("--pipeline-depth", type=click.IntRange(1, 2), default=None,
+                     help="--distributed pipeline: steps in flight at once. 2 (the default): the sequences "
+                          "alternate between two steps, so one rank computes a step while the next takes the "
+                          "other; 1: a step passes through the ranks in turn (the default with recurrent state "
+                          "or micro-batches).")(f)
     f = click.option("--distributed-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
                      help="Seconds a step may wait on the other ranks before the run ends with an error "
                           "(a rank that hangs); a rank that dies ends it at once.")(f)
@@ -111,7 +112,7 @@ def _sampling_options(f):
 def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
                    kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
                    num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None,
-                   distributed_timeout=60.0, pipeline_micro_batches=1, pipeline_depth=2, no_autotune=False,
+                   distributed_timeout=60.0, pipeline_micro_batches=1, pipeline_depth=None, no_autotune=False,
                    kv_disk_gb=None, kv_disk_dir=None, async_scheduling=True):
     from macinfer.engine.llm_engine import EngineConfig
 

@@ -79,7 +79,7 @@ def _rank(model: str, mode: str, out: str, prompt_len: int, new: int, concurrent
     from macinfer.sampling_params import SamplingParams
 
     micro = int(mode.split("-mb")[1]) if "-mb" in mode else 1  # "pipeline-mb2": 2 micro-batches
-    depth = 1 if mode == "pipeline-d1" else 2  # "pipeline-d1": one step at a time
+    depth = 1 if mode == "pipeline-d1" else None  # "pipeline-d1": one step at a time
     engine = LLMEngine(model, EngineConfig(kv_cache_gb=0.2, max_model_len=1024, enable_prefix_caching=False,
                                            distributed=None if mode == "single" else mode.split("-")[0],
                                            pipeline_micro_batches=micro, pipeline_depth=depth))

@@ -17,7 +17,7 @@ PROMPTS = [list(range(5, 45)), list(range(5, 45)) + [50, 51], [7, 9, 11, 13, 15]
 def run(model: str, mode: str | None) -> dict:
     # "pipeline": two steps in flight (the default); "pipeline-d1": one at a time;
     # "pipeline-mb2": one at a time, cut into 2 micro-batches
-    micro, depth = (2 if mode == "pipeline-mb2" else 1), (1 if mode == "pipeline-d1" else 2)
+    micro, depth = (2 if mode == "pipeline-mb2" else 1), (1 if mode == "pipeline-d1" else None)
     engine = LLMEngine(model, EngineConfig(kv_cache_gb=0.05, max_num_batched_tokens=24, max_model_len=512,
                                            distributed=mode and mode.split("-")[0], pipeline_micro_batches=micro,
                                            pipeline_depth=depth))

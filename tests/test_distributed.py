@@ -142,6 +142,10 @@ def test_one_process_alone_is_refused():
         LLMEngine("unused", EngineConfig(distributed="pipeline"))
     with pytest.raises(ValueError, match="pipeline only"):
         LLMEngine("unused", EngineConfig(distributed="tensor", pipeline_micro_batches=2))
+    with pytest.raises(ValueError, match="--pipeline-depth applies to --distributed pipeline only"):
+        LLMEngine("unused", EngineConfig(pipeline_depth=2))
+    with pytest.raises(ValueError, match="choose one"):
+        LLMEngine("unused", EngineConfig(distributed="pipeline", pipeline_depth=2, pipeline_micro_batches=2))
 
 
 def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:

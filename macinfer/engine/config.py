@@ -44,8 +44,9 @@ class EngineConfig:
     pipeline_micro_batches: int = 1  # pipeline mode: a step's sequences in this many overlapping forwards
     # Pipeline mode: steps in flight at once. 2: the running sequences alternate between two
     # steps, a stage computing one while the next takes the other (the bubble filled);
-    # 1: one step passes through every rank in turn (docs/distributed.md).
-    pipeline_depth: int = 2
+    # 1: one step passes through every rank in turn (docs/distributed.md). None: 2 where it
+    # applies (no recurrent state, no micro-batches), else 1.
+    pipeline_depth: int | None = None
     # Time the paths a decision may take at load (cached per device); False: the defaults.
     autotune: bool = True
     # The prefix cache's disk tier (`engine/disk_cache.py`): its size in GiB (None: off) and

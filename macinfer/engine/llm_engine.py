@@ -59,8 +59,14 @@ class LLMEngine:
         context = (cfg.max_model_len, cfg.rope_scaling) if cfg.rope_scaling and cfg.max_model_len else None
         if cfg.pipeline_micro_batches != 1 and cfg.distributed != "pipeline":
             raise ValueError("--pipeline-micro-batches applies to --distributed pipeline only")
-        if cfg.pipeline_depth not in (1, 2):
-            raise ValueError(f"pipeline_depth {cfg.pipeline_depth}: 1 (one step at a time) or 2 (two in flight)")
+        if cfg.pipeline_depth is not None:
+            if cfg.distributed != "pipeline":
+                raise ValueError("--pipeline-depth applies to --distributed pipeline only")
+            if cfg.pipeline_depth not in (1, 2):
+                raise ValueError(f"--pipeline-depth {cfg.pipeline_depth}: 1 (one step at a time) or 2 (two in flight)")
+            if cfg.pipeline_depth == 2 and cfg.pipeline_micro_batches != 1:
+                raise ValueError("--pipeline-depth 2 and --pipeline-micro-batches are two ways to overlap the "
+                                 "stages; choose one")
         self.dist = None
         if cfg.distributed:
             if isinstance(model, LoadedModel):
@@ -132,9 +138,11 @@ class LLMEngine:
                 "vocab": self.model.args.vocab_size, "mlx": mx.__version__})
             self.distributed_status = dist_engine.rank_report(self.dist, self.model, self.kv_cache.nbytes)
             self.runner.dist, self.runner.micro_batches = self.dist, max(1, cfg.pipeline_micro_batches)
-            if self.dist.mode == "pipeline" and cfg.pipeline_micro_batches == 1 and states is None:
-                # (recurrent state is one step's plan; micro-batches are the other way to overlap)
-                self.scheduler.depth = cfg.pipeline_depth
+            if self.dist.mode == "pipeline" and cfg.pipeline_micro_batches == 1:
+                if states is not None and cfg.pipeline_depth == 2:  # a step's plan updates the state
+                    raise ValueError("--pipeline-depth 2: this model has recurrent state, which runs one "
+                                     "step at a time; use --pipeline-depth 1 (its default)")
+                self.scheduler.depth = cfg.pipeline_depth or (2 if states is None else 1)
             self.distributed_status["steps_in_flight"] = self.scheduler.depth
             log.info("%s: %d step(s) in flight", self.dist.describe(), self.scheduler.depth)
         self._check_against_mlx_lm()

@@ -293,9 +293,7 @@ class ModelRunner:
             mx.eval(*([] if sub.logits is None or not self._needs_logits() else [sub.logits]), *sub.hidden)
         if sub.logits is None:
             return [], []
-        allowed = None
-        if sampler and self.structured is not None and any(s.matcher is not None for s in sub.rows):
-            allowed = allowed_tokens(self.structured.bitmask(sub.rows), sub.logits.shape[1])
+        allowed = self._allowed(sub.rows, sub.logits) if sampler and self._has_grammar(sub.rows) else None
         with maybe(self.profile, "sampler"):
             return self._pick(sub.logits, sub.rows, allowed, sampler)
 
@@ -313,14 +311,13 @@ class ModelRunner:
         if self.dist is not None:  # (a chunk that samples nothing still sends its hidden state on)
             outputs.extend(self._hidden)
         allowed, drawn = None, None
-        grammar = (logits is not None and sampler and self.structured is not None
-                   and any(s.matcher is not None for s in rows))
+        grammar = logits is not None and sampler and self._has_grammar(rows)
         if grammar or ahead:
             # Grammar masks are computed on the host while the device runs the forward pass.
             with maybe(self.profile, "device"):  # (MLX's CPU backend returns near the graph's end)
                 mx.async_eval(*outputs)
             if grammar:
-                allowed = allowed_tokens(self.structured.bitmask(rows), logits.shape[1])
+                allowed = self._allowed(rows, logits)
         if ahead:
             items, draw_rows = candidates(scheduled, rows, reserve)
             if items:
@@ -339,6 +336,13 @@ class ModelRunner:
         with maybe(self.profile, "device"):
             mx.eval(*outputs)
         return allowed, sampler, drawn
+
+    def _has_grammar(self, rows: list) -> bool:
+        return self.structured is not None and any(s.matcher is not None for s in rows)
+
+    def _allowed(self, rows: list, logits: mx.array) -> mx.array:
+        """The tokens each row's grammar allows now, as a mask over the vocabulary."""
+        return allowed_tokens(self.structured.bitmask(rows), logits.shape[1])
 
     def _needs_logits(self) -> bool:
         """Whether this rank evaluates the logits: a pipeline worker's come from its own
