@@ -152,3 +152,20 @@ def float64_decode_attention(q, kp, vp, tables, lens, window=None, sinks=None, s
             denom = p.sum() + (math.exp(sinks[h] - top) if sinks is not None else 0.0)
             out[b, h] = (p / denom) @ v
     return out
+
+
+class ProcessProbe:
+    """What a benchmark's isolated process sees (`macinfer.bench.isolated`)."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def where(self) -> tuple[str, int, int]:
+        import mlx.core as mx
+
+        limit = mx.set_cache_limit(0)
+        mx.set_cache_limit(limit)
+        return self.tag, os.getpid(), limit
+
+    def fail(self) -> None:
+        raise ValueError("probe failed on purpose")

@@ -169,3 +169,30 @@ def test_the_device_split_changes_no_output_and_counts_every_kind(tiny_llama, tm
         timed = [o.token_ids for o in generate(engine, prompts, params)]
     assert timed == plain and nn.Linear.__call__ is linear
     assert all(split.seconds[k] > 0 for k in ("attention", "matmul", "rest"))
+
+
+def test_the_compared_engine_runs_in_a_process_of_its_own():
+    """macinfer's allocator settings are this process's; the engine it is compared
+    with gets MLX's defaults in its own process, and its errors come back."""
+    import subprocess
+    import sys
+
+    import mlx.core as mx
+
+    from macinfer.bench.isolated import Isolated
+
+    default = int(subprocess.check_output([sys.executable, "-c", "import mlx.core as mx; print(mx.set_cache_limit(0))"]))
+    ours = mx.set_cache_limit(default + (1 << 30))
+    try:
+        with Isolated("tests.helpers:ProcessProbe", "mlx-lm", name="probe") as child:
+            tag, pid, limit = child.where()
+            assert (tag, limit) == ("mlx-lm", default) and pid != os.getpid()
+            assert child.peak_rss_gb() > 0
+            with pytest.raises(RuntimeError, match="probe failed on purpose"):
+                child.fail()
+            assert child.where()[1] == pid  # an error does not end the child
+    finally:
+        mx.set_cache_limit(ours)
+    assert child._proc.poll() == 0
+    with pytest.raises(RuntimeError, match="No module named"):
+        Isolated("no_such_module:Thing")

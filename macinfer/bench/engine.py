@@ -1,5 +1,5 @@
 """Offline engine benchmark: macinfer's engine against mlx-lm's own generation on
-the same weights, in one process, one run. Random-token prompts (fixed seed),
+the same weights, one run, mlx-lm in a process of its own (`isolated`). Random-token prompts (fixed seed),
 greedy, EOS ignored, so both do exactly the same work. Medians over repeats, the
 engines taking turns within each measurement."""
 
@@ -13,6 +13,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from macinfer.bench.isolated import Isolated
 from macinfer.bench.common import energy, hardware, process_peak_rss_gb, same_weights_dir, versions
 
 
@@ -84,7 +85,7 @@ def run(model: str, vs: list[str], prompt_len: int = 32, gen_len: int = 64, pref
     weights = None
     if "mlx-lm" in vs:
         model_dir, weights = same_weights_dir(model)
-        runners.append(MlxLmRunner(model_dir))
+        runners.append(Isolated("macinfer.bench.engine:MlxLmRunner", model_dir, name="mlx-lm"))
     loaded = runners[0].engine.loaded
     vocab = runners[0].engine.model.args.vocab_size
     rng = np.random.default_rng(0)
@@ -128,8 +129,10 @@ def run(model: str, vs: list[str], prompt_len: int = 32, gen_len: int = 64, pref
         for name, (_, total) in measure([prompt(prompt_len) for _ in range(c)], batch_gen_len, f"c={c}").items():
             out[name]["throughput"][str(c)] = c * batch_gen_len / total
     for r in runners:
-        out[r.name]["peak_rss_gb_process"] = process_peak_rss_gb()  # one process: the peak of both
+        out[r.name]["peak_rss_gb_process"] = r.peak_rss_gb() if isinstance(r, Isolated) else process_peak_rss_gb()
         results["engines"][r.name] = out[r.name]
+        if isinstance(r, Isolated):
+            r.close()
     return results
 
 

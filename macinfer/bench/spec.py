@@ -18,6 +18,7 @@ from typing import Callable
 import mlx.core as mx
 
 from macinfer.bench.common import energy, hardware, process_peak_rss_gb, same_weights_dir, versions
+from macinfer.bench.isolated import Isolated
 
 _CODE = '''def mean(xs):
     total = 0
@@ -79,6 +80,18 @@ def _macinfer(engine, prompt: list[int], max_tokens: int, grammar: str | None = 
     return out.token_ids, ttft, time.perf_counter() - start
 
 
+class MlxLmGreedy:
+    """mlx-lm's own single-stream generation (run in its own process: `isolated`)."""
+
+    def __init__(self, model_dir: str):
+        from mlx_lm import load
+
+        self.model, _ = load(model_dir)
+
+    def run(self, prompt: list[int], max_tokens: int, eos: set[int]) -> tuple[list[int], float, float]:
+        return _mlx_lm(self.model, prompt, max_tokens, eos)
+
+
 def _mlx_lm(model, prompt: list[int], max_tokens: int, eos: set[int]) -> tuple[list[int], float, float]:
     from mlx_lm.generate import generate_step
 
@@ -111,11 +124,9 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
     }
     weights = None
     if "mlx-lm" in vs:
-        from mlx_lm import load
-
         model_dir, weights = same_weights_dir(model)
-        lm, _ = load(model_dir)
-        engines["mlx-lm"] = lambda p, g=None: _mlx_lm(lm, p, max_tokens, eos)
+        lm = Isolated("macinfer.bench.spec:MlxLmGreedy", model_dir, name="mlx-lm")
+        engines["mlx-lm"] = lambda p, g=None: lm.run(p, max_tokens, eos)
     sc = spec.config
     results: dict = {"mode": "spec", "context": {
         "model": os.path.basename(resolve(model).rstrip("/")), "model_type": plain.loaded.config.get("model_type"),
@@ -157,7 +168,10 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
         row["engines"][spec_name].update(draft_tokens=d // repeats, accepted_tokens=a // repeats,
                                          acceptance_rate=a / d if d else 0.0)
         results["tasks"][task] = row
-    results["peak_rss_gb_process"] = process_peak_rss_gb()  # every engine in this one process
+    results["peak_rss_gb_process"] = process_peak_rss_gb()  # macinfer's engines share this process
+    if "mlx-lm" in vs:
+        results["peak_rss_gb_mlx_lm_process"] = lm.peak_rss_gb()
+        lm.close()
     return results
 
 

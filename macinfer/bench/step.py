@@ -5,7 +5,8 @@ nodes a step holds (counted from an export, for both).
 
 The caches are filled with random K/V (attention cost does not depend on the
 values), so long contexts need no prefill; contexts past the model's trained
-length are fine for timing. Medians over repeats, one process, one run.
+length are fine for timing. Medians over repeats, one run; mlx-lm in a process of
+its own (`isolated`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable
 import mlx.core as mx
 
 from macinfer.bench.common import energy, hardware, same_weights_dir, versions
+from macinfer.bench.isolated import Isolated
 
 DEFAULT_POINTS = ("1x128", "1x1024", "1x4096", "1x8192", "4x1024", "16x1024", "16x4096", "64x128")
 HOST_POINTS = ("4x1024", "4x4096", "4x16384")
@@ -165,7 +167,7 @@ def run(model: str, vs: list[str], points: list[tuple[int, int]], host_points: l
     theirs, weights = None, None
     if "mlx-lm" in vs:
         model_dir, weights = same_weights_dir(model)
-        theirs = MlxLmStep(model_dir)
+        theirs = Isolated("macinfer.bench.step:MlxLmStep", model_dir, name="mlx-lm")
     layers = ours.engine.model.args.num_hidden_layers
     loaded = ours.engine.loaded
     results: dict = {"mode": "step", "context": {
@@ -196,6 +198,8 @@ def run(model: str, vs: list[str], points: list[tuple[int, int]], host_points: l
         results["nodes"][name] = {"batch": NODES_POINT[0], "context": NODES_POINT[1], "total": total,
                                   "per_layer": total / layers, "top": dict(c.most_common(8))}
     tick("nodes")
+    if theirs is not None:
+        theirs.close()
     return results
 
 
