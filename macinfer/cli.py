@@ -29,7 +29,7 @@ MODEL_HELP = _model_help()
 
 
 # `serve`'s prompt tokens per step while others decode: a long prompt's chunk stalls
-# every stream of its step. Measured on the 2-core CPU (README, mixed load); not yet on Metal,
+# every stream of its step. Measured on the 2-core CPU (docs/benchmarks.md, mixed load); not yet on Metal,
 # where prompt tokens are far cheaper and the cap should cost long prompts little.
 SERVE_PREFILL_WITH_DECODES = 128
 

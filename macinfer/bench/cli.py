@@ -60,11 +60,11 @@ def _targets(vs: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
 
 
 def _in_process(vs: tuple[str, ...], no_plots: bool, mode: str) -> list[str]:
-    """Checks for the modes that run engines in this process: mlx-lm only, no URLs."""
+    """Checks for the modes that run the engines themselves: mlx-lm only, no URLs."""
     _check_plots(not no_plots)
     vs = _targets(vs, ("mlx-lm",))
     if any(v.startswith("http") for v in vs):
-        raise click.BadParameter(f"{mode} mode compares in-process engines (mlx-lm); use `bench serve` for a URL",
+        raise click.BadParameter(f"{mode} mode compares engines it runs itself (mlx-lm); use `bench serve` for a URL",
                                  param_hint="--vs")
     return vs
 
