@@ -14,7 +14,8 @@ import pytest
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.engine.structured import json_schema_grammar
-from macinfer.kv.state import SeqChunk, plan_state
+from macinfer.kv.spec import StateSpec
+from macinfer.kv.state import StateCall, StatePool, SeqChunk, plan_state, slot_runs
 from macinfer.sampling_params import SamplingParams
 from tests.helpers import generate, make_mlx_lm_model, save_model_dir
 from tests.test_architecture_matrix import _reference_greedy
@@ -223,3 +224,56 @@ def test_states_are_written_in_place_after_requests_finish(hybrid):
             mx.eval(engine.kv_cache.state())
             peaks.append(mx.get_peak_memory() - before)
     assert max(peaks) < largest / 2, (peaks, largest)  # not even the steps that moved slots
+
+
+def test_resident_states_behave_as_written_slots():
+    """The pool keeps a call's new states resident instead of writing them into their
+    slots; under any mix of calls, slot copies and snapshot writes, what every read
+    sees is what plain slots would hold (a NumPy model of the slots), and a repeated
+    call reads its states as they were left, without going through the pool."""
+    rng = np.random.default_rng(0)
+    specs = [StateSpec(((2, 3), (4,)), (mx.float32, mx.float32)), StateSpec(((5,),), (mx.float32,))]
+    pool = StatePool(specs, 12)
+    ref = [[np.zeros((12, *s), np.float32) for s in spec.shapes] for spec in specs]
+
+    def call(slots):
+        return StateCall(rows=None, n=len(slots), length=1, slots=mx.array(slots, dtype=mx.int32), fresh=False,
+                         runs=slot_runs(slots))
+
+    batch = call(list(range(6)))
+    for step in range(300):
+        op = rng.integers(6)
+        cache = int(rng.integers(2))
+        if op <= 2:  # a step's call: mostly the same decode batch, sometimes others
+            c = batch if op < 2 else call(sorted(rng.choice(12, int(rng.integers(1, 7)), replace=False).tolist()))
+            got = pool.gather(cache, c)
+            for e, g in enumerate(got):
+                np.testing.assert_array_equal(np.array(g), ref[cache][e][np.array(c.slots)])
+            new = [None if rng.random() < 0.2 else np.asarray(g) * 0.5 + step for g in got]
+            pool.scatter(cache, c, [None if v is None else mx.array(v) for v in new])
+            for e, v in enumerate(new):
+                if v is not None:
+                    ref[cache][e][np.array(c.slots)] = v
+            if op < 2 and rng.random() < 0.3:  # a snapshot written from the new state
+                dst = int(rng.integers(12))
+                vals = [None if v is None else v[:1] for v in new]
+                pool.write(cache, dst, [None if v is None else mx.array(v) for v in vals])
+                for e, v in enumerate(vals):
+                    if v is not None:
+                        ref[cache][e][dst] = v[0]
+        elif op == 3:  # a slot moved or a snapshot restored: every cache
+            src, dst = (int(x) for x in rng.choice(12, 2, replace=False))
+            pool.copy(src, dst)
+            for entries in ref:
+                for a in entries:
+                    a[dst] = a[src]
+        elif op == 4:
+            mx.eval(pool.state())
+        else:
+            batch = call(sorted(rng.choice(12, 6, replace=False).tolist()))
+    assert pool.resident  # the decode batch's states were held, not written back each step
+    pool.flush_slots()
+    assert not pool.resident
+    for entries, ref_entries in zip(pool.arrays, ref):
+        for a, r in zip(entries, ref_entries):
+            np.testing.assert_array_equal(np.array(a), r)

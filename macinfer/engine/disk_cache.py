@@ -130,6 +130,7 @@ class DiskCache:
         for group, items in by_group.items():
             ids = mx.array([idx for _, idx in items], dtype=mx.int32)
             if group < 0:  # state snapshots: every state array's slots
+                self.kv.states.flush_slots({idx for _, idx in items})
                 arrays = [_storable(a[ids]) for entries in self.kv.states.arrays for a in entries]
                 copies.append((items, arrays, [1] * len(arrays)))
                 continue
@@ -199,6 +200,7 @@ class DiskCache:
 
     def restore_state(self, slot: int, record: list[np.ndarray]) -> None:
         self.save_pending()
+        self.kv.states.flush_slots({slot})
         arrays = [a for entries in self.kv.states.arrays for a in entries]
         for a, x in zip(arrays, record):
             v = mx.array(x)

@@ -26,7 +26,14 @@ from macinfer.kv.spec import StateSpec
 
 
 class StatePool:
-    """Every recurrent cache's entries, one `[num_slots, *shape]` array each."""
+    """Every recurrent cache's entries, one `[num_slots, *shape]` array each.
+
+    The states a call wrote stay *resident*: held as the call's own `[n, ...]` arrays,
+    not written into the pool, until something else needs those slots. A decode batch
+    whose sequences are the same as last step's (most steps) reads them as they are
+    and replaces them, as mlx-lm's batch cache does: no gather out of the pool and no
+    write back into it. Anything else that reads or writes those slots (another call,
+    a slot copy, a snapshot, the disk tier) writes them into the pool first (`flush`)."""
 
     def __init__(self, specs: list[StateSpec], num_slots: int):
         self.specs, self.num_slots = specs, num_slots
@@ -36,6 +43,8 @@ class StatePool:
     def reset(self) -> None:
         self.arrays = [[mx.zeros((self.num_slots, *s), dtype=d) for s, d in zip(spec.shapes, spec.dtypes)]
                        for spec in self.specs]
+        # cache -> (the call, its entries' newest values; None: the pool's are current)
+        self.resident: dict[int, tuple[StateCall, list[mx.array | None]]] = {}
 
     @property
     def bytes_per_slot(self) -> int:
@@ -50,25 +59,51 @@ class StatePool:
     # calls list their slots in runs of consecutive ones, and a running batch's slots are
     # kept packed (`StateSlots`), so a decode call is one run.
     def gather(self, cache: int, call: "StateCall") -> list[mx.array]:
+        held = self.resident.get(cache)
+        if held is not None and held[0].runs == call.runs:
+            return [a[call.slots] if v is None else v for a, v in zip(self.arrays[cache], held[1])]
+        self.flush(cache)
         return [a[call.slots] for a in self.arrays[cache]]
 
     def scatter(self, cache: int, call: "StateCall", values: list[mx.array | None]) -> None:
+        """`call`'s new states: kept resident (see the class), not written yet."""
         if self.before_write is not None:
             self.before_write()
+        held = self.resident.get(cache)
+        if held is not None and held[0].runs != call.runs:
+            self.flush(cache)
+            held = None
+        values = [None if v is None else v.astype(a.dtype) for a, v in zip(self.arrays[cache], values)]
+        if held is not None:  # entries this call left alone keep their resident values
+            values = [h if v is None else v for v, h in zip(values, held[1])]
+        self.resident[cache] = (call, values)
+
+    def flush(self, cache: int) -> None:
+        """Write `cache`'s resident states into their slots."""
+        held = self.resident.pop(cache, None)
+        if held is None:
+            return
+        call, values = held
         for a, v in zip(self.arrays[cache], values):
             if v is None:
                 continue
-            v = v.astype(a.dtype)
             if len(call.runs) > MAX_RUNS:
                 a[call.slots] = v
                 continue
             for off, start, n in call.runs:
                 a[start : start + n] = v[off : off + n]
 
+    def flush_slots(self, slots: set[int] | None = None) -> None:
+        """Write the resident states of every cache that holds one of `slots` (None: all)."""
+        for cache, (call, _) in list(self.resident.items()):
+            if slots is None or any(start <= s < start + n for _, start, n in call.runs for s in slots):
+                self.flush(cache)
+
     def write(self, cache: int, slot: int, values: list[mx.array | None]) -> None:
         """One sequence's state (`values` of shape [1, ...]) into `slot`."""
         if self.before_write is not None:
             self.before_write()
+        self.flush_slots({slot})
         for a, v in zip(self.arrays[cache], values):
             if v is not None:
                 a[slot : slot + 1] = v.astype(a.dtype)
@@ -77,6 +112,7 @@ class StatePool:
         """Slot `src` into slot `dst`, in every cache (a snapshot restored or kept, a state moved)."""
         if self.before_write is not None:
             self.before_write()
+        self.flush_slots({src, dst})
         # Read, then write, each evaluated now: a slot read and written back in one graph
         # keeps the write from happening in place (a copy of the whole pool array), and
         # copies left pending into the next step made every later step copy whole pool
@@ -92,7 +128,9 @@ class StatePool:
         mx.eval(self.state())
 
     def state(self) -> list[mx.array]:
-        return [a for entries in self.arrays for a in entries]
+        """Every array a step may have changed: the pool's and the resident states."""
+        return [a for entries in self.arrays for a in entries] + \
+            [v for _, values in self.resident.values() for v in values if v is not None]
 
 
 MAX_RUNS = 8  # more runs of consecutive slots than this: one scatter
