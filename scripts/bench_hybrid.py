@@ -16,7 +16,6 @@ SSM layers; DeepSeek-V3 MLA: 16 heads, latent 256, rope 32), then runs `macinfer
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -63,10 +62,9 @@ def main() -> None:
     ap.add_argument("--points", nargs="+", default=["1x128", "1x1024", "8x128", "8x1024", "32x128", "32x512"])
     ap.add_argument("--json", help="write every result here")
     args = ap.parse_args()
-    import mlx.core as mx
-
     from macinfer.bench import engine as bench_engine
     from macinfer.bench import step as bench_step
+    from macinfer.memory import release_freed
 
     out = {}
     for family in args.family:
@@ -78,8 +76,7 @@ def main() -> None:
         points = [bench_step.parse_point(p) for p in args.points]
         # The engine of `bench engine` is garbage (its pools ~1 GB): freed before the step
         # bench builds its own, whose steps ran ~1.5x slower beside it (Mamba-2 at 32 x 128).
-        gc.collect()
-        mx.clear_cache()
+        release_freed()
         steps = bench_step.run(path, ["mlx-lm"], points, [], repeats=max(5, args.repeats))
         print(bench_step.table(steps))
         out[family] = {"engine": res, "step": steps}
