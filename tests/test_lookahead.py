@@ -11,8 +11,9 @@ from macinfer.sampling_params import SamplingParams
 
 def _run(model: str, async_scheduling: bool, num_kv_blocks: int | None = None, depth: int = 1
          ) -> tuple[dict, LLMEngine]:
-    """A workload where sequences join, finish on their length, get aborted and (with
-    few blocks) preempted while others decode; per request: tokens and logprobs."""
+    """A workload where sequences join, finish on their length, get aborted, (with few
+    blocks) preempted and have tokens forced on them while others decode; per request:
+    tokens and logprobs."""
     engine = LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=256, num_kv_blocks=num_kv_blocks,
                                            async_scheduling=async_scheduling))
     engine.scheduler.depth = depth  # (one process: what a pipeline's driver runs, without the ranks)
@@ -27,7 +28,7 @@ def _run(model: str, async_scheduling: bool, num_kv_blocks: int | None = None, d
     ]
     arrivals = {0: [0, 1], 3: [2, 3], 6: [4, 0], 9: [1, 2, 3, 4]}  # step -> kinds arriving
     done: dict[str, tuple] = {}
-    step, n = 0, 0
+    step, n, forced = 0, 0, False
     while step in arrivals or engine.has_unfinished_requests():
         for kind in arrivals.get(step, []):
             prompt = [(5 * n + 3 * j) % 200 + 10 for j in range(6 + 5 * n)]
@@ -35,6 +36,10 @@ def _run(model: str, async_scheduling: bool, num_kv_blocks: int | None = None, d
             n += 1
         if step == 12:
             engine.abort_request("r2")
+        r0 = engine.requests.get("r0")
+        if r0 is not None and r0.seq.num_output_tokens >= 10 and not forced:
+            r0.seq.forced_token_ids = [42, 43]  # a thinking budget's closing marker replaces two draws
+            forced = True
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = (out.token_ids, [lp.logprob for lp in out.logprobs or []],
@@ -97,15 +102,55 @@ def test_every_token_after_the_first_comes_from_a_lookahead(tiny_llama):
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_no_lookahead_where_it_would_be_wrong(tmp_path):
-    """Recurrent state is updated in place by a forward: a hybrid model never looks ahead."""
+def _recurrent_model(family: str, tmp_path) -> str:
     from tests.helpers import make_mlx_lm_model, save_model_dir
     from tests.zoo import tiny_config
 
-    config = tiny_config("qwen3_next")
-    path = save_model_dir(str(tmp_path / "qwen3_next"), config, make_mlx_lm_model(config))
-    engine = LLMEngine(path, EngineConfig(max_num_seqs=4, max_model_len=128))
-    engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.runner.ahead_built == 0
+    config = tiny_config(family)
+    return save_model_dir(str(tmp_path / family), config, make_mlx_lm_model(config))
+
+
+# Qwen3-Next: Gated DeltaNet + attention; RWKV-7: two modules share a layer's state cache.
+@pytest.mark.parametrize("family,blocks", [("qwen3_next", None), ("qwen3_next", 24), ("rwkv7", None)])
+def test_recurrent_models_look_ahead_with_the_same_tokens(tmp_path, family, blocks):
+    """The step built ahead sets its recurrent states aside; the next step commits the rows
+    it takes. Sequences that finish (a slot moves), get aborted or preempted leave their
+    states untouched by the lookahead: every request's tokens and logprobs equal one step
+    at a time, most decode rows came from a lookahead, every state slot is back."""
+    path = _recurrent_model(family, tmp_path)
+    plain, off = _run(path, False, blocks)
+    ahead, on = _run(path, True, blocks)
+    assert set(plain) == set(ahead) and len(plain) == 9
+    for rid in plain:
+        assert ahead[rid][0] == plain[rid][0], rid
+        assert ahead[rid][1] == pytest.approx(plain[rid][1], abs=1e-5), rid
+        assert ahead[rid][2] == plain[rid][2], rid
+    generated = sum(len(t) for t, _, _ in plain.values())
+    assert off.runner.ahead_rows == 0 and on.runner.ahead_rows > 0.8 * generated, (on.runner.ahead_rows, generated)
+    assert on.scheduler.num_preemptions == off.scheduler.num_preemptions
+    assert len(on.block_manager.state.free_running) == 8 and on.block_manager.num_used_blocks == 0
+
+
+def test_a_lookahead_takes_the_snapshots_its_steps_take(tmp_path):
+    """A decode token that completes a block keeps the sequence's state there (its mark, what
+    an agent's next turn resumes from). With the step built ahead that happens when the next
+    step takes it: each turn hits exactly as far into the previous answer as one step at a
+    time does, and gives the same tokens."""
+    path = _recurrent_model("qwen3_next", tmp_path)
+    runs = []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(path, EngineConfig(max_num_seqs=4, max_model_len=512, async_scheduling=async_scheduling))
+        prompt, turns = [(7 * j) % 250 + 5 for j in range(21)], []
+        for turn in range(3):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=37, ignore_eos=True), request_id=f"t{turn}")
+            finished = []
+            while engine.has_unfinished_requests():
+                finished += [o for o in engine.step() if o.finished]
+            out = finished[0]
+            turns.append((out.token_ids, out.num_cached_tokens, len(prompt)))
+            prompt = prompt + out.token_ids + [11, 12, 13]
+        runs.append(turns)
+        assert (engine.runner.ahead_rows > 60) == async_scheduling, engine.runner.ahead_rows
+    assert runs[0] == runs[1]
+    # turn 2 resumes inside turn 1's answer (21 + 37 tokens: the boundary at 48), not at its prompt's end
+    assert runs[1][1][1] == 48, runs

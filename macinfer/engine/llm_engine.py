@@ -421,10 +421,10 @@ class LLMEngine:
 
     def _lookahead(self) -> Callable[[Sequence, int], bool] | None:
         """How the runner takes a sequence's next block when it may build the next decode
-        step ahead (`engine/lookahead.py`); None where it may not: recurrent state (updated
-        in place), several ranks (lockstep collectives), a step that may speculate."""
+        step ahead (`engine/lookahead.py`); None where it may not: several ranks (lockstep
+        collectives), a step that may speculate."""
         sched = self.scheduler
-        if (not self.config.async_scheduling or self.dist is not None or self.block_manager.state is not None
+        if (not self.config.async_scheduling or self.dist is not None
                 or (sched.speculative is not None and len(sched.running) <= sched.speculative.max_batch)):
             return None
         return self._reserve_next

@@ -16,9 +16,11 @@ it. A prompt's last chunk draws a token too, so its first decode is built ahead 
 Its K/V writes are the ones the next step makes anyway (the same token at the same
 position), or, for a sequence that ended or was preempted meanwhile, land in blocks that
 nothing reads before writing them again: a block gets a prefix-cache hash only once all
-its tokens are computed, which the lookahead's token is not yet. Recurrent layers update
-their state in place, so hybrid models do not look ahead; nor do several ranks (their
-steps are collectives in lockstep) or steps that may speculate.
+its tokens are computed, which the lookahead's token is not yet. Recurrent layers' new
+states are set aside (`StatePool.staging`) and committed only for the rows the next step
+takes, with the state snapshots that step would have taken (`commit_states`); a row not
+taken leaves its sequence's state as it was. Several ranks (their steps are collectives
+in lockstep) and steps that may speculate do not look ahead.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Callable
 import mlx.core as mx
 
 from macinfer.engine.sequence import Sequence
+from macinfer.kv.state import StateCall, slot_runs
 
 
 @dataclass
@@ -38,6 +41,9 @@ class Lookahead:
     positions: list[int]  # per row: the position it computed
     draw_rows: list[int]  # per row: the row of step n's draw it took as its input token
     token_values: list[int] | None = None  # those tokens, once step n's draw is read back
+    # Recurrent models: each cache's staged (call, new states), and each sequence's row in them.
+    states: dict | None = None
+    state_rows: dict[Sequence, int] | None = None
 
     def take(self, scheduled: list[tuple[Sequence, int]]
              ) -> tuple[mx.array | None, list[Sequence], list[tuple[Sequence, int]]]:
@@ -57,6 +63,28 @@ class Lookahead:
         if rows == list(range(len(self.positions))):
             return self.logits, seqs, rest
         return self.logits[mx.array(rows)], seqs, rest
+
+    def commit_states(self, seqs: list[Sequence], slots) -> None:
+        """The taken sequences' new recurrent states, into the pool (`slots`: the
+        `StateSlots`) at their slots now (a finished request's slot may have moved one),
+        with the snapshots their step takes (`StateSlots.cuts`, as `ModelRunner.prepare`
+        does: a decode token's state is kept at the block boundary it completes)."""
+        if not self.states or not seqs:
+            return
+        pool = slots.pool
+        order = sorted(seqs, key=lambda s: s.state_slot)
+        js = [self.state_rows[s] for s in order]
+        taken = [s.state_slot for s in order]
+        call = StateCall(rows=None, n=len(order), length=1, slots=mx.array(taken, dtype=mx.int32),
+                         fresh=False, runs=slot_runs(taken))
+        index = None if js == list(range(len(self.state_rows))) else mx.array(js, dtype=mx.int32)
+        for cache, (_, values) in self.states.items():
+            pool.scatter(cache, call, [v if v is None or index is None else v[index] for v in values])
+        for seq, j in zip(order, js):
+            for _, dst in slots.cuts(seq, seq.num_computed_tokens, 1):
+                for cache, (_, values) in self.states.items():
+                    pool.write(cache, dst, [None if v is None else v[j : j + 1] for v in values])
+        slots.publish_pending()
 
 
 def candidates(scheduled: list[tuple[Sequence, int]], samplers: list, reserve: Callable[[Sequence, int], bool]

@@ -192,6 +192,8 @@ class ModelRunner:
             if taken is not None:
                 logits.append(taken)
                 self.ahead_rows += len(seqs)
+                if self.state is not None:
+                    ahead.commit_states(seqs, self.state)
         parts = self._micro_batches(scheduled) if scheduled else []
         self.micro_batched_steps += len(parts) > 1
         for part in parts:
@@ -303,8 +305,8 @@ class ModelRunner:
         samples, the draw when it was queued with the graph)."""
         # The K/V writes are evaluated with the logits (every layer reads its pool after
         # writing it), unless the step samples nothing. A lookahead writes the same pool
-        # objects, so they must not be in the list it waits on.
-        ahead = reserve is not None and logits is not None and self.dist is None and self.state is None
+        # objects, so they must not be in the list it waits on (it evaluates them itself).
+        ahead = reserve is not None and logits is not None and self.dist is None
         sampler = self.dist is None or self.dist.is_driver
         outputs = [*([] if logits is None or not self._needs_logits() else [logits]),
                    *([] if ahead else self.kv_cache.state())]
@@ -330,6 +332,8 @@ class ModelRunner:
                     with maybe(self.profile, "device"):
                         mx.async_eval(drawn.tokens)
                     self._build_ahead(items, drawn.tokens, draw_rows)
+        if ahead and self.ahead is None and self.state is not None:
+            outputs.extend(self.kv_cache.state())  # built nothing: the states are evaluated here
         # Evaluate the forward pass on its own: an error here (e.g. out of memory
         # inside the graph) is the batch's, and must not reach the per-row retry
         # below, where MLX would hand back the failed arrays as if evaluated.
@@ -358,12 +362,26 @@ class ModelRunner:
         positions = [p for _, p in items]
         with maybe(self.profile, "metadata"):
             input_ids, meta, _, _ = self.prepare([(seq, 1) for seq, _ in items], ahead=(ids, positions))
-        with maybe(self.profile, "graph"):
-            logits = self.model.logits(self.model(input_ids, meta))
+        pool = self.kv_cache.states if self.state is not None else None
+        if pool is not None:
+            pool.staging = {}  # its recurrent states set aside until the next step takes its rows
+        try:
+            with maybe(self.profile, "graph"):
+                logits = self.model.logits(self.model(input_ids, meta))
+        finally:
+            staged = None if pool is None else pool.staging
+            if pool is not None:
+                pool.staging = None
         with maybe(self.profile, "device"):
-            mx.async_eval(logits)
+            # The pool's own arrays too: this step's writes (snapshots, slot writes) done now,
+            # in place, rather than left pending under a later write.
+            mx.async_eval(logits, *([] if pool is None else [a for entries in pool.arrays for a in entries]))
         self.ahead_built += len(items)
         self.ahead = Lookahead(logits, {seq: i for i, (seq, _) in enumerate(items)}, positions, rows)
+        if pool is not None:  # the staged call holds the sequences in slot order (one decode call)
+            assert len(meta.state.rounds) == 1 and len(meta.state.rounds[0]) == 1, meta.state.rounds
+            by_slot = sorted((seq for seq, _ in items), key=lambda q: q.state_slot)
+            self.ahead.states, self.ahead.state_rows = staged, {q: j for j, q in enumerate(by_slot)}
 
     def _pick(self, logits: mx.array, rows: list, allowed: mx.array | None, sampler: bool,
               drawn: Draw | None = None) -> tuple[list[StepResult], list[tuple[Sequence, Exception]]]:

@@ -38,6 +38,7 @@ class StatePool:
     def __init__(self, specs: list[StateSpec], num_slots: int):
         self.specs, self.num_slots = specs, num_slots
         self.before_write = None  # the disk tier's hook: evicted snapshots copied out first
+        self.staging: dict[int, tuple[StateCall, list[mx.array | None]]] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -67,6 +68,12 @@ class StatePool:
 
     def scatter(self, cache: int, call: "StateCall", values: list[mx.array | None]) -> None:
         """`call`'s new states: kept resident (see the class), not written yet."""
+        if self.staging is not None:  # a step built ahead: set aside (a second module's entries merged)
+            held = self.staging.get(cache)
+            if held is not None:
+                values = [h if v is None else v for v, h in zip(values, held[1])]
+            self.staging[cache] = (call, values)
+            return
         if self.before_write is not None:
             self.before_write()
         held = self.resident.get(cache)
@@ -151,7 +158,7 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
 @dataclass
 class StateCall:
     """One run of a recurrent module: `n` sequences' next `length` tokens each."""
-    rows: mx.array  # [n * length] rows of the step's flat batch, sequence-major
+    rows: mx.array | None  # [n * length] rows of the step's flat batch, sequence-major (None: a lookahead's commit)
     n: int
     length: int
     slots: mx.array  # [n] each sequence's slot (read before, written after), increasing
