@@ -31,7 +31,11 @@ class Isolated:
         self.name = name or target.rsplit(":", 1)[-1]
         self._proc = subprocess.Popen([sys.executable, "-m", "macinfer.bench.isolated"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._call("__init__", target, *args)
+        try:
+            self._call("__init__", target, *args)
+        except Exception:
+            self.close()  # (the child would otherwise wait on its stdin until this object is collected)
+            raise
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:

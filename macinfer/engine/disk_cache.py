@@ -131,7 +131,7 @@ class DiskCache:
             ids = mx.array([idx for _, idx in items], dtype=mx.int32)
             if group < 0:  # state snapshots: every state array's slots
                 self.kv.states.flush_slots({idx for _, idx in items})
-                arrays = [_storable(a[ids]) for entries in self.kv.states.arrays for a in entries]
+                arrays = [_storable(a[ids]) for a in self.kv.states.slot_arrays()]
                 copies.append((items, arrays, [1] * len(arrays)))
                 continue
             arrays, rows = [], []
@@ -181,7 +181,7 @@ class DiskCache:
         arrays = self.store.get(self.state_key(h))
         if arrays is None:
             return None
-        want = [a for entries in self.kv.states.arrays for a in entries]
+        want = self.kv.states.slot_arrays()
         if len(arrays) != len(want) or any(x.shape != (1, *a.shape[1:]) or x.dtype.itemsize != a.itemsize
                                            for x, a in zip(arrays, want)):
             log.warning("KV disk tier: record %s does not fit this model's state; dropped", self.state_key(h))
@@ -201,7 +201,7 @@ class DiskCache:
     def restore_state(self, slot: int, record: list[np.ndarray]) -> None:
         self.save_pending()
         self.kv.states.flush_slots({slot})
-        arrays = [a for entries in self.kv.states.arrays for a in entries]
+        arrays = self.kv.states.slot_arrays()
         for a, x in zip(arrays, record):
             v = mx.array(x)
             a[slot:slot + 1] = v.view(a.dtype) if v.dtype != a.dtype else v

@@ -375,7 +375,7 @@ class ModelRunner:
         with maybe(self.profile, "device"):
             # The pool's own arrays too: this step's writes (snapshots, slot writes) done now,
             # in place, rather than left pending under a later write.
-            mx.async_eval(logits, *([] if pool is None else [a for entries in pool.arrays for a in entries]))
+            mx.async_eval(logits, *([] if pool is None else pool.slot_arrays()))
         self.ahead_built += len(items)
         self.ahead = Lookahead(logits, {seq: i for i, (seq, _) in enumerate(items)}, positions, rows)
         if pool is not None:  # the staged call holds the sequences in slot order (one decode call)

@@ -53,7 +53,11 @@ class StatePool:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for entries in self.arrays for a in entries)
+        return sum(a.nbytes for a in self.slot_arrays())
+
+    def slot_arrays(self) -> list[mx.array]:
+        """Every cache's entries, flat: the pool's own arrays (not the resident states)."""
+        return [a for entries in self.arrays for a in entries]
 
     # MLX's CPU scatter costs ~5 ns an element (a decode step of 32 sequences of a small
     # Gated DeltaNet model: 31 of 104 ms), a slice update writes in place at memory speed:
@@ -126,17 +130,15 @@ class StatePool:
         # arrays too (Mamba-2 at 32 sequences: decode steps 65 -> 98-120 ms after the first
         # batch of requests finished, for as long as the engine ran).
         index = mx.array([src], dtype=mx.int32)
-        rows = [a[index] for entries in self.arrays for a in entries]
+        rows = [a[index] for a in self.slot_arrays()]
         mx.eval(rows)
-        rows.reverse()
-        for entries in self.arrays:
-            for a in entries:
-                a[dst : dst + 1] = rows.pop()
+        for a, row in zip(self.slot_arrays(), rows):
+            a[dst : dst + 1] = row
         mx.eval(self.state())
 
     def state(self) -> list[mx.array]:
         """Every array a step may have changed: the pool's and the resident states."""
-        return [a for entries in self.arrays for a in entries] + \
+        return self.slot_arrays() + \
             [v for _, values in self.resident.values() for v in values if v is not None]
 
 
