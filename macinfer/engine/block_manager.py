@@ -20,7 +20,7 @@ from array import array
 from collections import OrderedDict
 
 from macinfer.engine.sequence import Sequence
-from macinfer.engine.state_manager import StateSlots
+from macinfer.engine.state_group import StateSlots
 from macinfer.kv.spec import CacheGroup, FullAttention, cdiv
 
 

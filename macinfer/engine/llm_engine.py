@@ -25,7 +25,7 @@ from macinfer.engine.scoring import score
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import SpeculativeConfig, record_verdict
-from macinfer.engine.state_manager import StateSlots
+from macinfer.engine.state_group import StateSlots
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.engine.cache_plan import plan_caches
 from macinfer.distributed import engine as dist_engine

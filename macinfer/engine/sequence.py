@@ -48,7 +48,7 @@ class Sequence:
     num_released_blocks: list[int] = field(default_factory=list)  # per group: leading entries given back
     matcher: Any = None  # llguidance matcher of a request with a grammar (state: the output so far)
     state_slot: int | None = None  # recurrent-state slot while running (hybrid models)
-    state_mark: int = 0  # position of the state kept in its mark slot (`engine/state_manager.py`)
+    state_mark: int = 0  # position of the state kept in its mark slot (`engine/state_group.py`)
     thinking: str = "before"  # thinking budget: "before" the think block, "open", or "closed"
     thinking_tokens: int = 0  # output tokens inside the open think block
     forced_token_ids: list[int] = field(default_factory=list)  # the next tokens, whatever is sampled

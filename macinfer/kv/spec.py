@@ -16,7 +16,7 @@ builds and the K/V its layers actually write), as vLLM v1's KV cache specs are:
 - a `StateSpec` is a recurrent layer's per-sequence state (conv windows, SSM or
   linear-attention state: mlx-lm's `ArraysCache` entries): fixed bytes a sequence,
   whatever its length, kept in a slot of a state pool (`kv/state.py`), not in blocks.
-  Its prefix-hit rule is a snapshot taken at a block boundary (`engine/state_manager.py`).
+  Its prefix-hit rule is a snapshot taken at a block boundary (`engine/state_group.py`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A recurrent layer (Gated DeltaNet, Mamba, short convolutions, RWKV) keeps a fixe
 state per sequence instead of K/V rows: mlx-lm's `ArraysCache` entries. Here each
 entry of each such cache is one array `[num_slots, *shape]`; a running sequence
 owns a slot, and snapshots of states at block boundaries (the prefix cache of
-recurrent layers, `engine/state_manager.py`) live in other slots of the same pool.
+recurrent layers, `engine/state_group.py`) live in other slots of the same pool.
 
 A step's rows are ragged (decode rows and prompt chunks of several sequences),
 but a recurrence must see each sequence's tokens in order. `plan_state` groups
