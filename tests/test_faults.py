@@ -5,7 +5,7 @@ import asyncio
 import httpx
 import pytest
 
-import macinfer.engine.model_runner as model_runner
+import macinfer.engine.runner as model_runner
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.sampling_params import SamplingParams
 

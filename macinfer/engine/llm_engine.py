@@ -18,7 +18,7 @@ from macinfer.engine.disk_cache import disk_cache_for
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.config import EngineConfig
 from macinfer.engine.embedding import EmbeddingJob
-from macinfer.engine.model_runner import ModelRunner
+from macinfer.engine.runner import ModelRunner
 from macinfer.engine.profile import maybe
 from macinfer.engine.outputs import RequestOutput, _RequestState
 from macinfer.engine.scoring import score
