@@ -34,6 +34,7 @@ from tests.helpers import generate, make_mlx_lm_model, save_model_dir
 from tests.zoo import tiny_config
 
 from tests.test_architectures import FAMILIES
+from tests.test_state_group import STATEFUL
 
 TOKENS = [list(range(5, 45)), list(range(100, 140)), [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27]]
 CHUNKS = [9, 13, 1, 1, 1, 6]
@@ -140,6 +141,8 @@ def test_runs_like_mlx_lm(model_type, tmp_path):
     windows = _windows(ref, config)
 
     engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, model_impl="mlx-lm", max_num_batched_tokens=24))
+    # tests/test_state_group.py speculates on every family with recurrent state: its list is current.
+    assert (engine.kv_cache.states is not None) == (model_type in STATEFUL), model_type
     seqs = [TOKENS[0][:31], TOKENS[1][:31]]
     # plamo3's mlx-lm file masks W + 1 keys in a prompt but keeps W in its cache for
     # decodes; the cache (W keys, as RotatingKVCache(W) holds) is the reference.

@@ -13,7 +13,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-import macinfer.engine.runner as model_runner
+import macinfer.engine.runner.execution as model_runner
 from macinfer import LLM
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.kv.cache import KVCache

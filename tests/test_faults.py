@@ -5,7 +5,8 @@ import asyncio
 import httpx
 import pytest
 
-import macinfer.engine.runner as model_runner
+import macinfer.engine.runner.execution as execution
+import macinfer.engine.runner.verification as verification
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.sampling_params import SamplingParams
 
@@ -21,8 +22,8 @@ def poisoned_sampler(monkeypatch):
             return real(logits, seqs, mask, eos_token_ids)
         return sample
 
-    monkeypatch.setattr(model_runner, "sample", poisoned(model_runner.sample))
-    monkeypatch.setattr(model_runner, "draw", poisoned(model_runner.draw))
+    monkeypatch.setattr(verification, "sample", poisoned(verification.sample))
+    monkeypatch.setattr(execution, "draw", poisoned(execution.draw))
 
 
 def _run(engine, requests):

@@ -20,7 +20,7 @@ from array import array
 from collections import OrderedDict
 
 from macinfer.engine.sequence import Sequence
-from macinfer.engine.state_group import StateSlots
+from macinfer.engine.state_group import StateGroup
 from macinfer.kv.spec import CacheGroup, FullAttention, cdiv
 
 
@@ -115,6 +115,7 @@ class GroupBlocks:
 
     def __init__(self, group: CacheGroup, block_size: int):
         self.group, self.kind, self.block_size = group, group.kind, block_size
+        self.index = group.index  # its block tables in `seq.block_tables`, its records' key on the disk
         self.pool = BlockPool(group.num_blocks, reserve_null=group.kind.bounded)
         if self.pool.num_usable < 1:
             raise ValueError(f"the KV cache group of {group.kind.describe()} needs at least one block")
@@ -136,6 +137,12 @@ class GroupBlocks:
                 table[i] = NULL_BLOCK
         seq.num_released_blocks[g] = max(seq.num_released_blocks[g], first)
 
+    def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
+        """Whether `num_tokens` tokens of `seq` fit leaving `reserve` blocks free; first
+        releases its unreachable blocks."""
+        self.release_unreachable(seq)
+        return self.blocks_needed(seq, num_tokens) + reserve <= len(self.pool.free_blocks)
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         table = seq.block_tables[self.group.index]
         start = max(len(table), self.first_block(seq.num_computed_tokens)) if self.kind.bounded else len(table)
@@ -150,13 +157,13 @@ class GroupBlocks:
         while len(table) < cdiv(num_tokens, self.block_size):
             table.append(self.pool.take())
 
-    def longest_hit(self, hashes: list[bytes], limit: int, on_disk=None) -> int:
+    def longest_hit(self, hashes: list[bytes], limit: int, disk=None) -> int:
         """The most leading blocks (at most `limit`) this group can serve as a prefix hit,
-        from memory or (`on_disk(group, hash)`) from the disk tier."""
+        from memory or from the disk tier."""
         cached, g = self.pool.cached, self.group.index
         run, n = [], 0  # run[i]: cached blocks ending at block i, consecutive
         for h in hashes[:limit]:
-            n = n + 1 if h in cached or (on_disk is not None and on_disk(g, h)) else 0
+            n = n + 1 if h in cached or (disk is not None and disk.has_block(g, h)) else 0
             run.append(n)
         m = limit
         while m and run[m - 1] < m - self.first_block(m * self.block_size):
@@ -167,10 +174,29 @@ class GroupBlocks:
         """The block indices a hit of `hits` blocks takes in this group."""
         return range(self.first_block(hits * self.block_size) if hits else 0, hits)
 
-    def attach(self, seq: Sequence, hashes: list[bytes], hits: int, records: dict | None = None,
+    def read_disk(self, hashes: list[bytes], hits: int, reads: dict, disk) -> int | None:
+        """Read the hit's blocks memory lacks into `reads` ((group, index) -> arrays); None
+        when all read back and fit the free blocks, else the block count the hit must stay under."""
+        cached, gi = self.pool.cached, self.group.index
+        span = self.hit_range(hits)
+        free = len(self.pool.free_blocks) - sum(
+            1 for i in span if hashes[i] in cached and self.pool.blocks[cached[hashes[i]]].ref_count == 0)
+        for i in span:
+            if hashes[i] in cached or (gi, i) in reads:
+                continue
+            if free <= 0:
+                return i
+            record = disk.read_block(gi, hashes[i])
+            if record is None:  # corrupt, or gone since the lookup: recomputed from here on
+                return i
+            reads[gi, i] = record
+            free -= 1
+        return None
+
+    def attach(self, seq: Sequence, hashes: list[bytes], hits: int, reads: dict | None = None,
                disk=None) -> int:
-        """Take the hit blocks: those in memory by reference, then (`records`: index ->
-        arrays read from the disk tier) fresh blocks filled from the disk. Returns how
+        """Take the hit blocks: those in memory by reference, then (`reads`: (group, index)
+        -> arrays read from the disk tier) fresh blocks filled from the disk. Returns how
         many came from the disk."""
         table = seq.block_tables[self.group.index]
         span = self.hit_range(hits)
@@ -186,7 +212,7 @@ class GroupBlocks:
         for k, i in enumerate(span):
             if ids[k] is None:
                 ids[k] = self.pool.take()
-                restored.append((ids[k], records[i]))
+                restored.append((ids[k], reads[self.group.index, i]))
                 self.pool.publish(ids[k], hashes[i])
         if restored:
             disk.restore_blocks(self.group.index, restored)
@@ -201,32 +227,52 @@ class GroupBlocks:
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so they are evicted before the shared-prefix heads.
-        for bid in reversed(seq.block_tables[self.group.index]):
+        tables = seq.block_tables
+        for bid in reversed(tables[self.group.index] if self.group.index < len(tables) else []):
             if bid != NULL_BLOCK or not self.kind.bounded:
                 self.pool.release(bid)
 
+    def drop_cache(self) -> None:
+        self.pool.drop_cache()
+
+    def attach_disk(self, disk) -> None:
+        self.pool.on_evict = lambda block_id, h: disk.evicted_block(self.index, block_id, h)
+
+    def disk_entries(self, disk) -> list[tuple[str, int, int]]:
+        """What the disk tier writes at close: every cached block it lacks."""
+        return [(disk.block_key(self.index, h), self.index, bid) for h, bid in list(self.pool.cached.items())
+                if disk.block_key(self.index, h) not in disk.store]
+
+    def stats(self) -> dict:
+        return {"kind": self.kind.describe(), "layers": list(self.group.layers), "block_size": self.block_size,
+                "blocks_total": self.pool.num_usable, "blocks_used": self.pool.num_used,
+                "blocks_cached": len(self.pool.cached)}
+
 
 class BlockManager:
-    """Block tables of every sequence, one per cache group (`macinfer.kv.spec`), and the
-    prefix cache. The groups share one hash chain: a block index names the same tokens
-    in every group. A prefix hit is the longest that every group can serve."""
+    """Block tables of every sequence, one per K/V cache group (`macinfer.kv.spec`), the
+    recurrent state's group where the model has one, and the prefix cache. The groups
+    share one hash chain: a block index names the same tokens in every group. A prefix
+    hit is the longest that every group can serve. Every rule of a kind of cache lives in
+    its group class (`GroupBlocks`, `StateGroup`); this class only iterates them."""
 
     def __init__(self, groups: list[CacheGroup] | int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_key: str = "", state: StateSlots | None = None):
+                 cache_key: str = "", state: StateGroup | None = None):
         if isinstance(groups, int):  # one full-attention group of this many blocks
             groups = [CacheGroup(0, FullAttention(), (), num_blocks=groups)]
         if groups and groups[0].num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
-        # Recurrent state (hybrid and recurrent models): a slot per sequence, snapshots for hits.
-        self.state = state
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # Root of every hash chain: the model (and adapter, when there are any), so
         # a cache can never be matched across weights.
         self.root_hash = hashlib.blake2b(b"macinfer:" + cache_key.encode(), digest_size=16).digest()
-        self.groups = [GroupBlocks(g, block_size) for g in groups]
+        self.kv_groups = [GroupBlocks(g, block_size) for g in groups]
+        # Recurrent state (hybrid and recurrent models): a slot per sequence, snapshots for hits.
+        self.state = state
+        self.groups: list[GroupBlocks | StateGroup] = [*self.kv_groups, *([state] if state is not None else [])]
         # A model with no attention (Mamba, RWKV) has no K/V groups: nothing to count.
-        self.pool = self.groups[0].pool if self.groups else BlockPool(0)
+        self.pool = self.kv_groups[0].pool if self.kv_groups else BlockPool(0)
         self.num_blocks = groups[0].num_blocks if groups else 0
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found in the cache
@@ -235,9 +281,7 @@ class BlockManager:
     def attach_disk(self, disk) -> None:
         self.disk = disk
         for g in self.groups:
-            g.pool.on_evict = lambda block_id, h, g=g.group.index: disk.evicted_block(g, block_id, h)
-        if self.state is not None:
-            self.state.on_evict = disk.evicted_state
+            g.attach_disk(disk)
 
     @property
     def blocks(self) -> list[Block]:
@@ -264,9 +308,9 @@ class BlockManager:
         return len(self.pool.cached)
 
     def _tables(self, seq: Sequence) -> None:
-        if len(seq.block_tables) != len(self.groups):
-            seq.block_tables = [[] for _ in self.groups]
-            seq.num_released_blocks = [0] * len(self.groups)
+        if len(seq.block_tables) != len(self.kv_groups):
+            seq.block_tables = [[] for _ in self.kv_groups]
+            seq.num_released_blocks = [0] * len(self.kv_groups)
 
     # -- hashing --------------------------------------------------------------
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
@@ -303,70 +347,40 @@ class BlockManager:
             if bad is None:
                 break
             hits = self._agree(hashes, bad, disk)
-        restored = []
-        for g in self.groups:
-            records = {i: reads[g.group.index, i] for i in g.hit_range(hits) if (g.group.index, i) in reads}
-            restored.append(g.attach(seq, hashes, hits, records, disk))
-        if self.state is not None:
-            self.state.attach(seq, hashes, hits, reads.get(("s", hits - 1)), disk)
+        restored = [g.attach(seq, hashes, hits, reads, disk) for g in self.groups]
         self.prefix_hits += hits * self.block_size
-        if disk is not None:  # tokens whose K/V (first group), or whose state alone, came from the disk
-            disk.hit_tokens += (restored[0] if restored else hits * (("s", hits - 1) in reads)) * self.block_size
+        if disk is not None and restored:  # tokens the disk served (the first group's)
+            disk.hit_tokens += restored[0] * self.block_size
         return hits * self.block_size
 
     def _agree(self, hashes: list[bytes], limit: int, disk) -> int:
-        """The longest hit (at most `limit` blocks) every group and the state can serve."""
-        on_disk = disk.has_block if disk is not None else None
+        """The longest hit (at most `limit` blocks) every group can serve."""
         hits, prev = limit, -1
         while hits != prev:  # each group may shorten the hit; stop when all agree
             prev = hits
             for g in self.groups:
-                hits = g.longest_hit(hashes, hits, on_disk)
-            if self.state is not None:
-                hits = self.state.longest_hit(hashes, hits, disk.has_state if disk is not None else None)
+                hits = g.longest_hit(hashes, hits, disk)
         return hits
 
     def _read_disk(self, hashes: list[bytes], hits: int, reads: dict) -> int | None:
-        """Read the hit's blocks (and end snapshot) memory lacks into `reads`; None when all
-        read back and fit the free blocks, else the block count the hit must stay under."""
-        disk = self.disk
+        """Read what memory lacks of the hit into `reads`; None when all read back and fit,
+        else the block count the hit must stay under."""
         for g in self.groups:
-            cached, gi = g.pool.cached, g.group.index
-            free = len(g.pool.free_blocks) - sum(
-                1 for i in g.hit_range(hits) if hashes[i] in cached and g.pool.blocks[cached[hashes[i]]].ref_count == 0)
-            for i in g.hit_range(hits):
-                if hashes[i] in cached or (gi, i) in reads:
-                    continue
-                if free <= 0:
-                    return i
-                record = disk.read_block(gi, hashes[i])
-                if record is None:  # corrupt, or gone since the lookup: recomputed from here on
-                    return i
-                reads[gi, i] = record
-                free -= 1
-        if self.state is not None and hashes[hits - 1] not in self.state.snapshots and ("s", hits - 1) not in reads:
-            record = disk.read_state(hashes[hits - 1])
-            if record is None:
-                return hits - 1
-            reads["s", hits - 1] = record
+            bad = g.read_disk(hashes, hits, reads, self.disk)
+            if bad is not None:
+                return bad
         return None
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs in the first group so that `num_tokens` tokens fit."""
         self._tables(seq)
-        return self.groups[0].blocks_needed(seq, num_tokens) if self.groups else 0
+        return self.kv_groups[0].blocks_needed(seq, num_tokens) if self.kv_groups else 0
 
     def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
         """Whether `num_tokens` tokens fit, leaving `reserve` free blocks in every group;
         first releases `seq`'s unreachable blocks."""
         self._tables(seq)
-        if self.state is not None and seq.state_slot is None and not self.state.free_running:
-            return False  # every state slot is held (embedding jobs beside max_num_seqs requests)
-        for g in self.groups:
-            g.release_unreachable(seq)
-            if g.blocks_needed(seq, num_tokens) + reserve > len(g.pool.free_blocks):
-                return False
-        return True
+        return all(g.can_allocate(seq, num_tokens, reserve) for g in self.groups)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq`'s block tables to hold `num_tokens` tokens, evicting LRU cached blocks."""
@@ -374,8 +388,6 @@ class BlockManager:
             raise RuntimeError("out of KV blocks; call can_allocate first")
         for g in self.groups:
             g.allocate(seq, num_tokens)
-        if self.state is not None:
-            self.state.assign(seq)
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Publish the hashes of blocks that are full once `num_computed_tokens`
@@ -398,26 +410,18 @@ class BlockManager:
         """Forget every cached block: after a failed step the K/V pools are reset, so
         no hash, published in that step or earlier, names real K/V any more."""
         for g in self.groups:
-            g.pool.drop_cache()
-        if self.state is not None:
-            self.state.drop_cache()
+            g.drop_cache()
 
     def free(self, seq: Sequence) -> None:
-        if len(seq.block_tables) == len(self.groups):
-            for g in self.groups:
-                g.free(seq)
-        if self.state is not None:
-            self.state.release(seq)
-        seq.block_tables = [[] for _ in self.groups]
-        seq.num_released_blocks = [0] * len(self.groups)
+        for g in self.groups:
+            g.free(seq)
+        seq.block_tables = [[] for _ in self.kv_groups]
+        seq.num_released_blocks = [0] * len(self.kv_groups)
         seq.num_committed_blocks = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def stats(self) -> list[dict]:
-        """Per group: its kind, layers, blocks total and in use."""
-        return [{"kind": g.kind.describe(), "layers": list(g.group.layers), "block_size": self.block_size,
-                 "blocks_total": g.pool.num_usable, "blocks_used": g.pool.num_used,
-                 "blocks_cached": len(g.pool.cached)} for g in self.groups] + \
-            ([self.state.stats()] if self.state is not None else [])
+        """Per group: its kind, layers, blocks (or state slots) total and in use."""
+        return [g.stats() for g in self.groups]

@@ -2,7 +2,7 @@
 a prefix that misses in memory continues there (`kv/disk_tier.py` keeps the files).
 
 - **Out.** A cached block taken for reuse (`BlockPool.take`) or a state snapshot evicted
-  (`StateSlots`) is queued here by id. Before the pools are next written (the step's first
+  (`StateGroup`) is queued here by id. Before the pools are next written (the step's first
   K/V write, a restore, a state update: `KVCache.before_write`, `StatePool.before_write`)
   the queued blocks are copied out in one gather per pool array, evaluated, and handed to
   the store's writer thread. The pool is not copied whole and the disk is never waited on.
@@ -150,17 +150,12 @@ class DiskCache:
         """Write every cached block and snapshot memory holds (at shutdown or unload)."""
         if not self.store.enabled:
             return
-        for g, gb in enumerate(block_manager.groups):
-            items = [(self.block_key(g, h), g, bid) for h, bid in list(gb.pool.cached.items())
-                     if self.block_key(g, h) not in self.store]
+        for group in block_manager.groups:
+            items = group.disk_entries(self)
             for start in range(0, len(items), _FLUSH_CHUNK):
                 self.pending.extend(items[start:start + _FLUSH_CHUNK])
                 self.save_pending()
                 self.store.flush(timeout)
-        if block_manager.state is not None:
-            self.pending.extend((self.state_key(h), -1, slot) for h, slot in block_manager.state.snapshots.items()
-                                if self.state_key(h) not in self.store)
-            self.save_pending()
         self.store.flush(timeout)
 
     # -- in ----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from macinfer.engine.scoring import score
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
 from macinfer.engine.speculative import SpeculativeConfig, record_verdict
-from macinfer.engine.state_group import StateSlots
+from macinfer.engine.state_group import StateGroup
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.engine.cache_plan import plan_caches
 from macinfer.distributed import engine as dist_engine
@@ -111,7 +111,7 @@ class LLMEngine:
         # A sequence must always fit the pool alone, so preemption can always make room.
         if groups:
             self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
-        slots = None if states is None else StateSlots(states, cfg.max_num_seqs, bs, plan.interval,
+        slots = None if states is None else StateGroup(states, cfg.max_num_seqs, bs, plan.interval,
                                                        cfg.enable_prefix_caching, plan.num_verify)
         self.disk = disk_cache_for(self) if cfg.kv_disk_gb else None
         self.block_manager = BlockManager(groups, bs, cfg.enable_prefix_caching,
@@ -196,8 +196,6 @@ class LLMEngine:
             st["caches"] = list(g.caches)
             st["bytes_per_token"] = g.bytes_per_block // self.kv_cache.block_size
             st["bytes"] = self.kv_cache.group_nbytes(g)
-        if self.kv_cache.states is not None:  # the recurrent state: slots, not blocks
-            stats[-1].update(caches=len(self.state_specs), bytes=self.kv_cache.states.nbytes)
         return stats
 
     def memory_bytes(self) -> int:

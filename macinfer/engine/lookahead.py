@@ -64,14 +64,15 @@ class Lookahead:
             return self.logits, seqs, rest
         return self.logits[mx.array(rows)], seqs, rest
 
-    def commit_states(self, seqs: list[Sequence], slots) -> None:
-        """The taken sequences' new recurrent states, into the pool (`slots`: the
-        `StateSlots`) at their slots now (a finished request's slot may have moved one),
-        with the snapshots their step takes (`StateSlots.cuts`, as `ModelRunner.prepare`
-        does: a decode token's state is kept at the block boundary it completes)."""
+    def commit_states(self, seqs: list[Sequence], group, step) -> None:
+        """The taken sequences' new recurrent states, into the pool (`group`: the
+        `StateGroup`) at their slots now (a finished request's slot may have moved one),
+        with the snapshots their step takes, staged in its transaction `step`
+        (`StateGroup.cuts`, as `inputs.build_inputs` does: a decode token's state is kept
+        at the block boundary it completes)."""
         if not self.states or not seqs:
             return
-        pool = slots.pool
+        pool = group.pool
         order = sorted(seqs, key=lambda s: s.state_slot)
         js = [self.state_rows[s] for s in order]
         taken = [s.state_slot for s in order]
@@ -81,10 +82,10 @@ class Lookahead:
         for cache, (_, values) in self.states.items():
             pool.scatter(cache, call, [v if v is None or index is None else v[index] for v in values])
         for seq, j in zip(order, js):
-            for _, dst in slots.cuts(seq, seq.num_computed_tokens, 1):
+            for _, dst in group.cuts(seq, seq.num_computed_tokens, 1, step):
                 for cache, (_, values) in self.states.items():
                     pool.write(cache, dst, [None if v is None else v[j : j + 1] for v in values])
-        slots.publish_pending()
+        step.commit()
 
 
 def candidates(scheduled: list[tuple[Sequence, int]], samplers: list, reserve: Callable[[Sequence, int], bool]

@@ -1,0 +1,166 @@
+"""A scheduled step's inputs: flat token ids and positions, each cache group's slots and
+block tables, the recurrent-state plan, and which rows sample. Host tables only: the
+forward (`execution`) turns them into a graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import mlx.core as mx
+import numpy as np
+
+from macinfer.engine.block_manager import GroupBlocks
+from macinfer.engine.sequence import Sequence
+from macinfer.engine.speculative import DraftRow, verify_rows
+from macinfer.engine.state_group import StateGroup, StateStep
+from macinfer.kernels.paged_attention import PARTITION_SIZE
+from macinfer.kv.attention import AttentionMetadata
+from macinfer.kv.cache import KVCache
+from macinfer.kv.prefill_plan import PrefillSpan
+from macinfer.kv.spec import cdiv
+from macinfer.kv.state import SeqChunk, plan_state
+
+
+class GroupTables:
+    """Slots and block tables of one cache group for a step, as they are gathered."""
+
+    def __init__(self, group: GroupBlocks | None, block_size: int):
+        self.group, self.bs = group, block_size
+        self.kind = None if group is None else group.kind
+        self.slots: list[int] = []
+        self.decode_tables: list[list[int]] = []
+        self.decode_lens: list[int] = []
+        self.decode_floors: list[int] = []
+        self.decode_groups: list[tuple[int, int]] = []
+        self.prefills: list[PrefillSpan] = []
+
+    def add(self, table: list[int], pos: np.ndarray, row: int, as_decodes: bool = False) -> None:
+        """One scheduled sequence: new tokens at `pos`, rows from `row`. A bounded group's
+        tables start at the first block the step's first query reads. A single token, or
+        a speculating sequence (`as_decodes`: its real token and drafts), is attended as
+        decode rows, one per token, each with its own context length: the in-place
+        decode path, with no gathered copy of the context."""
+        bs = self.bs
+        bounded = self.kind is not None and self.kind.bounded
+        first_block = self.group.first_block(int(pos[0])) if bounded else 0
+        origin = first_block * bs
+        t = np.asarray(table, dtype=np.int64)
+        self.slots.extend((t[pos // bs] * bs + pos % bs).tolist())
+        if len(pos) == 1 or as_decodes:
+            if as_decodes:
+                self.decode_groups.append((len(self.decode_tables), len(pos)))
+            for p in pos.tolist():
+                self.decode_tables.append(table[first_block : cdiv(p + 1, bs)])
+                self.decode_lens.append(p + 1 - origin)  # counted from the table's first block
+                if bounded:
+                    self.decode_floors.append(int(self.kind.key_floor(p)) - origin)
+            return
+        context = int(pos[-1]) + 1
+        blocks = table[first_block : cdiv(context, bs)]
+        self.prefills.append(PrefillSpan(row, len(pos), context - origin, mx.array(blocks, dtype=mx.int32), origin))
+
+    def metadata(self, kv_cache: KVCache, positions: mx.array, explicit_ops: bool,
+                 prefill_tile: int | None, mla_expand_from: int | None = None,
+                 decode_partition: int = PARTITION_SIZE) -> AttentionMetadata:
+        meta = AttentionMetadata(
+            kv_cache=kv_cache,
+            positions=positions,
+            slots=np.asarray(self.slots, dtype=np.int64),
+            kind=self.kind,
+            explicit_ops=explicit_ops,
+            prefill_tile=prefill_tile,
+            mla_expand_from=mla_expand_from,
+            decode_partition=decode_partition,
+            num_decodes=len(self.decode_tables),
+            prefills=self.prefills,
+            decode_groups=self.decode_groups,
+        )
+        # The attention takes plain decode rows first, then each speculating group.
+        assert not self.decode_groups or sum(n for _, n in self.decode_groups) == \
+            len(self.decode_tables) - self.decode_groups[0][0], "plain decodes must precede speculating ones"
+        if self.decode_tables:
+            width = max(len(t) for t in self.decode_tables)
+            padded = np.zeros((len(self.decode_tables), width), dtype=np.int32)
+            for i, t in enumerate(self.decode_tables):
+                padded[i, : len(t)] = t
+            meta.decode_block_tables = mx.array(padded)
+            meta.decode_context_lens = mx.array(self.decode_lens, dtype=mx.int32)
+            meta.decode_max_context = max(self.decode_lens)
+            if self.decode_floors and max(self.decode_floors) > 0:
+                meta.decode_floors = mx.array(self.decode_floors, dtype=mx.int32)
+        return meta
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    """What every step's metadata carries from load (`kernels.choices.Paths`)."""
+    block_size: int
+    explicit_ops: bool = False
+    prefill_tile: int | None = None
+    mla_expand_from: int | None = None
+    decode_partition: int = PARTITION_SIZE
+
+
+def build_inputs(
+    scheduled: list[tuple[Sequence, int]], groups: list[GroupBlocks | None], kv_cache: KVCache, cfg: InputConfig,
+    state: StateGroup | None = None, step: StateStep | None = None, ahead: tuple[mx.array, list[int]] | None = None,
+) -> tuple[mx.array, AttentionMetadata, list[int], list[Sequence | DraftRow]]:
+    """Flat inputs for `scheduled` (decodes and speculating sequences first, then prompt
+    chunks: the scheduler's order). Returns (input_ids, metadata, rows to sample, what
+    each row samples for: a sequence, or one of its drafts).
+    `step`: the engine step's state transaction; with it, recurrent states are kept at
+    block boundaries for the prefix cache and a speculating sequence's state is kept
+    before its verify (without it, nothing is: scoring, embeddings, the step built ahead).
+    `ahead`: (input ids, positions) of one decode token per sequence, the next step's,
+    built while this one computes (`engine/lookahead.py`)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    sample_rows: list[int] = []
+    sample_seqs: list[Sequence | DraftRow] = []
+    tables = [GroupTables(g, cfg.block_size) for g in groups]
+    chunks: list[SeqChunk] = []
+
+    for k, (seq, n) in enumerate(scheduled):
+        start = seq.num_computed_tokens if ahead is None else ahead[1][k]
+        row = len(positions)
+        drafts = seq.spec_token_ids
+        real = n - len(drafts)
+        if ahead is None:
+            ids.extend(seq.token_slice(start, start + real))
+            ids.extend(drafts)
+        pos = np.arange(start, start + n)
+        positions.extend(pos.tolist())
+        for g, t in enumerate(tables):
+            t.add(seq.block_tables[g], pos, row, as_decodes=bool(drafts))
+        if state is not None:
+            if drafts:  # its state before the drafts, restored if one is rejected
+                if step is None:
+                    raise RuntimeError("a speculating sequence's inputs need the step's state transaction")
+                step.keep(seq)
+            cuts = state.cuts(seq, start, real, step) if step is not None else []
+            chunks.append(SeqChunk(row, n, seq.state_slot, start == 0, cuts))
+        if ahead is not None or start + real == seq.num_tokens:
+            # A speculating sequence samples at its real token and after each draft.
+            sample_rows.extend(range(row + real - 1, row + n))
+            sample_seqs.extend(verify_rows(seq) if drafts else [seq])
+
+    pos_arr = mx.array(positions, dtype=mx.int32)
+    metas = [t.metadata(kv_cache, pos_arr, cfg.explicit_ops, cfg.prefill_tile, cfg.mla_expand_from,
+                        cfg.decode_partition) for t in tables]
+    meta = metas[0] if metas else AttentionMetadata(kv_cache, pos_arr, np.zeros(0, dtype=np.int64))
+    meta.groups = metas
+    if state is not None:
+        meta.state = plan_state(chunks)
+    input_ids = ahead[0] if ahead is not None else mx.array(ids, dtype=mx.int32)
+    return input_ids, meta, sample_rows, sample_seqs
+
+
+def prompt_logprob_spans(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int, int]]:
+    """(sequence, first row, first position, rows) of prompt positions whose next
+    prompt token's logprob is wanted in this step (rows follow the scheduled order)."""
+    spans, row = [], 0
+    for seq, n in scheduled:
+        start = seq.num_computed_tokens
+        if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            spans.append((seq, row, start, min(start + n, seq.num_prompt_tokens - 1) - start))
+        row += n
+    return spans
