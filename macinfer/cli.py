@@ -364,7 +364,7 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
     import os
 
     from macinfer.engine.llm_engine import LLMEngine
-    from macinfer.kv.cache import available_memory_bytes
+    from macinfer.kernels.backend import Backend
     from macinfer.loader import ModelNotFoundError, resolve
     from macinfer.server.model_pool import ModelPool, ModelSource, discover, disk_bytes, unique
 
@@ -389,7 +389,7 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
         if pin not in by_name:
             raise click.ClickException(f"--pin {pin}: no such model (served: {', '.join(s.name for s in sources)})")
         by_name[pin].pinned = True
-    budget = int(max_memory_gb * 2**30) if max_memory_gb else available_memory_bytes()
+    budget = int(max_memory_gb * 2**30) if max_memory_gb else Backend.detect().available_memory()
     def load(src):
         shown = [-1]
 

@@ -229,10 +229,10 @@ def should_dequantize(model: nn.Module) -> bool:
         return False
     if choice == "float32":
         return True
-    from macinfer.kv.cache import available_memory_bytes
+    from macinfer.kernels.backend import Backend
 
     f32_bytes = sum(m.scales.shape[0] * m.scales.shape[1] * m.group_size * 4 for m in quantized)
-    return f32_bytes < available_memory_bytes() // 4
+    return f32_bytes < Backend.detect().available_memory() // 4
 
 
 def load(ref: str, impl: str = "auto", progress: Callable[[int, int], None] | None = None,

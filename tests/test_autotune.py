@@ -17,7 +17,6 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MACINFER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("MACINFER_AUTOTUNE", raising=False)
     monkeypatch.delenv("MACINFER_FORCE_ATTENTION_OPS", raising=False)  # (conftest fixes it for the other tests)
-    autotune.configure(None)
 
 
 def _timer(times):
@@ -89,9 +88,9 @@ def test_a_forced_path_wins_over_timings(monkeypatch):
 
 def test_measuring_off_takes_the_default(monkeypatch):
     timer, calls = _timer({"explicit": 0.005, "fused": 0.001})
-    autotune.configure(False)  # --no-autotune
-    assert autotune.choose("attention_ops", {"d": 64}, _paths("explicit", "fused"), "explicit", timer) == "explicit"
-    autotune.configure(None)
+    off = autotune.Tuning(on=False)  # an engine's --no-autotune
+    assert autotune.choose("attention_ops", {"d": 64}, _paths("explicit", "fused"), "explicit", timer,
+                           tuning=off) == "explicit"
     monkeypatch.setenv("MACINFER_AUTOTUNE", "0")
     assert autotune.choose("attention_ops", {"d": 64}, _paths("explicit", "fused"), "explicit", timer) == "explicit"
     assert calls == []
@@ -111,10 +110,10 @@ def test_the_engine_takes_the_measured_attention_ops(tmp_path, monkeypatch, tiny
 
     original = autotune.choose
 
-    def choose(decision, shape, candidates, default, timer=None):
+    def choose(decision, shape, candidates, default, timer=None, **kw):
         fake.fused = candidates.get("fused")
         return original(decision, shape, candidates, default, fake if decision == "attention_ops" else timer
-                        or autotune.median_seconds)
+                        or autotune.median_seconds, **kw)
 
     monkeypatch.setattr(autotune, "choose", choose)
     engine = LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01))
@@ -129,16 +128,15 @@ def test_the_split_k_partition_is_timed_on_metal_only(monkeypatch, tiny_llama):
     from macinfer.loader import load
 
     model = load(tiny_llama).model
-    assert choices.choose_decode_partition(model, model.layer_specs) == 512 and "no verdicts" in autotune.table()
-    monkeypatch.setattr(choices.kernels, "mode", lambda: "metal")
+    assert choices.choose_decode_partition(model, model.layer_specs, "reference") == 512
+    assert "no verdicts" in autotune.table()
     monkeypatch.setattr(choices.paged_kernels, "supported", lambda *a: True)
     monkeypatch.setattr(choices, "launch", lambda calls: dict(calls[0].template)["PART"])
     real = autotune.choose
     for times, want in (({256: 4.0, 512: 3.0, 1024: 2.0}, 1024), ({256: 1.0, 512: 3.0, 1024: 2.0}, 256)):
-        autotune.configure(None)
         monkeypatch.setattr(choices.autotune, "choose",
                             lambda *a, times=times, **k: real(*a, **k, timer=lambda fn: times[fn()] * 1e-3))
-        assert choices.choose_decode_partition(model, model.layer_specs) == want
+        assert choices.choose_decode_partition(model, model.layer_specs, "metal") == want
         (autotune.cache_dir() / "autotune.json").unlink()
 
 

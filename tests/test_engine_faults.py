@@ -227,25 +227,22 @@ def test_interrupted_generate_leaves_nothing_running(tiny_llama):
 def test_kernel_self_check_falls_back_when_a_kernel_is_wrong(tiny_llama, monkeypatch, caplog):
     """CPU twin of the Mac start-up check: the emulated kernels pass; a broken one
     is caught and the engine runs the reference path with the same tokens."""
-    from macinfer import kernels
     from macinfer.kernels import paged_attention
 
     monkeypatch.setenv("MACINFER_KERNELS", "emulate")
-    try:
-        good = LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01))
-        assert kernels.mode() == "emulate"
-        want = generate(good, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
-        real = paged_attention.decode_calls
+    good = LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01))
+    assert good.backend.kernel_mode == "emulate" and good.paths.decode_attention == "emulate"
+    want = generate(good, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+    real = paged_attention.decode_calls
 
-        def wrong(q, *a, **k):
-            calls = real(q * 2.0, *a, **k)  # a kernel that computes the wrong thing
-            return calls
+    def wrong(q, *a, **k):
+        calls = real(q * 2.0, *a, **k)  # a kernel that computes the wrong thing
+        return calls
 
-        monkeypatch.setattr(paged_attention, "decode_calls", wrong)
-        with caplog.at_level("WARNING"):
-            engine = LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01))
-        assert kernels.mode() == "reference"
-        assert "self-check" in caplog.text and "reference MLX path" in caplog.text
-        assert generate(engine, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids == want
-    finally:
-        kernels.configure(None)
+    monkeypatch.setattr(paged_attention, "decode_calls", wrong)
+    with caplog.at_level("WARNING"):
+        engine = LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01))
+    assert engine.backend.kernel_mode == "reference" and engine.paths.decode_attention == "reference"
+    assert good.paths.decode_attention == "emulate"  # each engine keeps its own verdict
+    assert "self-check" in caplog.text and "reference MLX path" in caplog.text
+    assert generate(engine, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids == want

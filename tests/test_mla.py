@@ -87,7 +87,6 @@ def test_latent_decode_kernel_in_the_engine_equals_the_reference(tmp_path, monke
 
     if shutil.which("g++") is None:
         pytest.skip("the CPU emulator needs g++")
-    from macinfer import kernels
     from macinfer.kernels import paged_attention as paged_kernels
 
     launched = []
@@ -100,7 +99,7 @@ def test_latent_decode_kernel_in_the_engine_equals_the_reference(tmp_path, monke
     def run(mode):
         monkeypatch.setenv("MACINFER_KERNELS", mode)
         engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, num_speculative_tokens=2, prompt_lookup_min=1))
-        assert kernels.mode() == mode
+        assert engine.paths.decode_attention == mode
         launched.clear()  # the start-up self-check's launches
         logits = engine.score([PROMPTS[0]], [30, 1, 1, 1])[0]
         return logits, [o.token_ids for o in generate(engine, prompts, params)]
@@ -183,7 +182,7 @@ def test_prompt_form_is_chosen_by_measurement_and_cached(tmp_path, monkeypatch, 
         return {16: (1.0, 2.0), 64: (2.0, 1.5), 256: (4.0, 1.0), 512: (9.0, 2.0)}
 
     monkeypatch.setattr(mla, "measure_forms", fake)
-    monkeypatch.setattr(mla.choose_expand_from, "__defaults__", (fake,))
+    monkeypatch.setattr(mla.choose_expand_from, "__defaults__", (mla.autotune.Tuning(), fake))
     with caplog.at_level(logging.INFO, logger="macinfer"):
         assert LLMEngine(path, EngineConfig(kv_cache_gb=0.01)).runner.mla_expand_from == 64
         assert LLMEngine(path, EngineConfig(kv_cache_gb=0.01)).runner.mla_expand_from == 64

@@ -16,7 +16,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from macinfer.kv.cache import KVCache, available_memory_bytes, layer_bytes_per_token, plan_blocks
+from macinfer.kernels.backend import Backend
+from macinfer.kv.cache import KVCache, layer_bytes_per_token, plan_blocks
 from macinfer.kv.spec import CacheGroup, LayerKV, StateSpec, group_caches
 from macinfer.kv.state import StatePool
 
@@ -47,7 +48,7 @@ def snapshot_interval(cfg: Any, groups: list[CacheGroup], slot_bytes: int) -> in
     return int(min(max(-(-tokens // bs) * bs, 256), 4096)) // bs * bs or bs
 
 
-def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int) -> CachePlan:
+def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, backend: Backend) -> CachePlan:
     """The pools for `model` under `cfg` (an `EngineConfig`); a ValueError a user can act on
     when the budget cannot hold them."""
     bs = cfg.block_size
@@ -73,12 +74,12 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int) ->
         return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps)) + \
             fixed_state + int(n * per_block)
 
-    available = available_memory_bytes()
+    available = backend.available_memory()
     if cfg.kv_cache_gb is not None:
         budget = int(cfg.kv_cache_gb * 2**30)
         if budget > available:
-            raise ValueError(f"--kv-cache-gb {cfg.kv_cache_gb:g} is more memory than this machine can give "
-                             f"({available / 2**30:.1f} GiB available now); lower it")
+            raise ValueError(f"--kv-cache-gb {cfg.kv_cache_gb:g} is more memory than this {backend.kind} device can "
+                             f"give ({available / 2**30:.1f} GiB available now); lower it")
     else:
         # What the configuration needs (one full context, or max_num_seqs typical
         # conversations), but never more than a share of the free memory.
@@ -105,18 +106,5 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int) ->
             snapshots = min(max(budget - fixed_state, 0) // slot_bytes, max_blocks * bs // interval)
         states = StatePool(state_specs, 2 * cfg.max_num_seqs + num_verify + snapshots)
     kv_cache = KVCache(layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype, states)
-    set_memory_limits(model, kv_cache, available)
+    backend.set_limits(sum(v.nbytes for _, v in tree_flatten(model.parameters())), kv_cache.nbytes)
     return CachePlan(layer_specs, state_specs, groups, num_blocks, interval, num_verify, kv_cache)
-
-
-def set_memory_limits(model: Any, kv_cache: KVCache, available: int) -> None:
-    if mx.default_device() == mx.cpu:
-        # MLX's CPU buffer cache defaults to 32 MiB: a step's attention temporaries
-        # (gathered K/V, about the size of the KV in use) would be page-faulted in
-        # fresh every step. Measured at 16 sequences x 1k context on SmolLM2:
-        # 289k -> 10k page faults per decode step.
-        mx.set_cache_limit(max(256 << 20, min(kv_cache.nbytes, available // 4)))
-    if mx.metal.is_available():
-        # Keep weights + KV resident (wired) up to what Metal recommends, as mlx-lm does.
-        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-        mx.set_wired_limit(min(weights + kv_cache.nbytes, available_memory_bytes()))

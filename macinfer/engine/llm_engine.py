@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer import kernels
+from macinfer.kernels.backend import Backend
 from macinfer.kernels.choices import choose_paths
 from macinfer.engine.disk_cache import disk_cache_for
 from macinfer.engine.block_manager import BlockManager
@@ -97,15 +98,17 @@ class LLMEngine:
 
         from macinfer.kernels.selfcheck import self_check
 
-        kernels.configure(self_check(kernels.requested_mode()))
+        # This engine's device: its memory, limits, self-checked kernels and the paths chosen below.
+        self.backend = Backend.detect(autotune=None if cfg.autotune else False)
+        self.backend.kernel_mode = self_check(kernels.requested_mode())
         # One cache spec per layer, decided by the model at load; caches of one kind form a
         # group; the budget buys each group's pool (`cache_plan.py`).
-        plan = plan_caches(self.model, cfg, self._kv_dtype(), self.max_model_len)
+        plan = plan_caches(self.model, cfg, self._kv_dtype(), self.max_model_len, self.backend)
         if self.dist is not None:  # one block plan for all ranks: every pool holds the smallest count
             agreed = dist_engine.agree_on_blocks(self.dist, plan.num_blocks)
             if agreed != plan.num_blocks:
                 plan = plan_caches(self.model, dataclasses.replace(cfg, num_kv_blocks=agreed), self._kv_dtype(),
-                                   self.max_model_len)
+                                   self.max_model_len, self.backend)
         self.layer_specs, self.state_specs, self.kv_cache = plan.layer_specs, plan.state_specs, plan.kv_cache
         groups, num_blocks, states, bs = plan.groups, plan.num_blocks, plan.kv_cache.states, cfg.block_size
         # A sequence must always fit the pool alone, so preemption can always make room.
@@ -125,12 +128,15 @@ class LLMEngine:
         # Where there is more than one correct path (Metal kernels or MLX's ops, explicit or
         # fused attention ops, MLA's prompt form): the faster on the model's own shapes,
         # measured once per device and cached (`kernels/choices.py`).
-        self.paths = choose_paths(self.model, self.layer_specs, self.kv_cache.dtype, cfg.autotune)
+        self.paths = choose_paths(self.model, self.layer_specs, self.kv_cache.dtype, self.backend)
+        if hasattr(self.model, "use_paths"):  # paths inside the model's own layers (the Llama file's qmv)
+            self.model.use_paths(self.paths)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.structured,
                                   explicit_ops=self.paths.explicit_ops, prefill_tile=self.paths.prefill_tile,
                                   eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                                   mla_expand_from=self.paths.mla_expand_from,
-                                  decode_partition=self.paths.decode_partition)
+                                  decode_partition=self.paths.decode_partition,
+                                  decode_attention=self.paths.decode_attention)
         self.distributed_status = None
         if self.dist is not None:
             dist_engine.check_same_model(self.dist, {
@@ -159,7 +165,7 @@ class LLMEngine:
             self.kv_cache.nbytes / 2**30, self.kv_cache.dtype, " as int8" if self.kv_cache.quantized else "", bs,
             "; ".join(f"{g.kind.describe()}: {len(g.layers)} layers ({len(g.caches)} keep K/V), "
                       f"{g.num_blocks} blocks, {g.bytes_per_block // bs} bytes a token" for g in groups),
-            self.max_model_len, "reference (int8 KV)" if self.kv_cache.quantized else kernels.mode(),
+            self.max_model_len, "reference (int8 KV)" if self.kv_cache.quantized else self.paths.decode_attention,
         )
 
     def _check_against_mlx_lm(self) -> None:

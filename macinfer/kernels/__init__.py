@@ -1,4 +1,8 @@
-"""Custom Metal kernels and the switch that picks them.
+"""The device layer: the engine's `Backend` (memory, limits, the paths chosen at load),
+custom Metal kernels with their self-check, emulator and load-time timing (`autotune`,
+`choices`). Imports only MLX and NumPy; every other layer may import it.
+
+Custom Metal kernels and the switch that asks for them:
 
 `MACINFER_KERNELS` = `auto` (default: Metal kernels when `mx.metal.is_available()`,
 else the reference MLX ops), `metal` (insist), `reference` (never use kernels),
@@ -15,23 +19,9 @@ import mlx.core as mx
 MODES = ("auto", "metal", "reference", "emulate")
 
 
-_configured: str | None = None
-
-
-def configure(backend: str | None) -> None:
-    """Fix the backend for this process (the engine does it once at load, after
-    its self-check); None goes back to reading MACINFER_KERNELS."""
-    global _configured
-    _configured = backend
-
-
-def mode() -> str:
-    """The attention backend in force: 'metal', 'reference' or 'emulate'."""
-    return _configured or requested_mode()
-
-
 def requested_mode() -> str:
-    """What MACINFER_KERNELS asks for, resolved against this machine."""
+    """What MACINFER_KERNELS asks for, resolved against this machine (an engine's
+    `Backend.kernel_mode` is this after its self-check)."""
     choice = os.environ.get("MACINFER_KERNELS", "auto").lower()
     if choice not in MODES:
         raise ValueError(f"MACINFER_KERNELS={choice!r}; expected one of {', '.join(MODES)}")

@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,18 +25,10 @@ _lock = threading.Lock()
 MARGIN = 0.1  # another path must be this much faster than the default to replace it
 
 
-_configured: bool | None = None
-
-
-def configure(on: bool | None) -> None:
-    """`--no-autotune` (False) for this process; None: back to MACINFER_AUTOTUNE."""
-    global _configured
-    _configured = on
-
-
-def enabled() -> bool:
-    if _configured is not None:
-        return _configured
+def enabled(on: bool | None = None) -> bool:
+    """`on` (an engine's `--no-autotune`: False), else MACINFER_AUTOTUNE."""
+    if on is not None:
+        return on
     return os.environ.get("MACINFER_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -45,14 +38,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "macinfer"
 
 
-def device_key() -> str:
-    """The device the verdicts hold for: MLX's device and version, and the machine."""
-    try:
-        info = mx.metal.device_info() if mx.metal.is_available() else {}
-    except Exception:  # noqa: BLE001 - older MLX: no device info
-        info = {}
-    name = info.get("architecture") or info.get("device_name") or platform.processor() or platform.machine()
+def device_key(info: dict[str, Any] | None = None) -> str:
+    """The device the verdicts hold for: MLX's device, its name (`mx.device_info()`: a Metal
+    GPU's architecture, a CUDA GPU's or the CPU's name) and version, and the machine."""
+    if info is None:
+        try:
+            info = dict(mx.device_info())
+        except Exception:  # noqa: BLE001 - older MLX: no device info
+            info = {}
+    name = info.get("architecture") if mx.metal.is_available() else None
+    name = name or info.get("device_name") or info.get("architecture") or platform.processor() or platform.machine()
     return f"{mx.default_device()}|{name}|{os.cpu_count()} cpus|mlx {mx.__version__}"
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """An engine's measuring: on (None: MACINFER_AUTOTUNE decides), and its device's key."""
+    on: bool | None = None
+    key: str | None = None  # None: this process's device
+
+    @property
+    def enabled(self) -> bool:
+        return enabled(self.on)
+
+    @property
+    def device(self) -> str:
+        return self.key or device_key()
 
 
 def _path() -> Path:
@@ -66,13 +77,14 @@ def _read() -> dict:
         return {}
 
 
-def verdict(decision: str, shape: dict[str, Any], measure: Callable[[], dict]) -> dict | None:
+def verdict(decision: str, shape: dict[str, Any], measure: Callable[[], dict], tuning: Tuning = Tuning()
+            ) -> dict | None:
     """The cached verdict for `decision` on this device and `shape`, or `measure()`'s (a
     JSON-able dict), stored for the next load; None when measuring is off. A cached verdict
     comes back with `cached: True`."""
-    if not enabled():
+    if not tuning.enabled:
         return None
-    key = f"{decision}|{device_key()}|{json.dumps(shape, sort_keys=True)}"
+    key = f"{decision}|{tuning.device}|{json.dumps(shape, sort_keys=True)}"
     with _lock:
         known = _read().get(key)
     if known is not None:
@@ -112,7 +124,7 @@ def forced(decision: str) -> str | None:
 
 
 def choose(decision: str, shape: dict[str, Any], candidates: dict[str, Callable[[], Any] | None], default: str,
-           timer: Callable[[Callable[[], Any]], float] = median_seconds) -> str:
+           timer: Callable[[Callable[[], Any]], float] = median_seconds, tuning: Tuning = Tuning()) -> str:
     """The path to take for `decision` on this device: each candidate is a function running
     that path once on the model's own shapes, or None where the path cannot run here (its
     self-check failed, or it is the CPU emulator: a correctness tool, never timed). The
@@ -143,7 +155,7 @@ def choose(decision: str, shape: dict[str, Any], candidates: dict[str, Callable[
             best = default
         return {"choice": best, "ms": ms}
 
-    found = verdict(decision, dict(shape, paths=viable), measure)
+    found = verdict(decision, dict(shape, paths=viable), measure, tuning)
     if found is None:
         return default if default in viable else viable[0]
     log.info("%s: %s (%s ms on this device%s)", decision, found["choice"],

@@ -28,7 +28,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from macinfer import kernels
 from macinfer.kernels import autotune
 from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kernels import quantized as quantized_kernels
@@ -67,9 +66,9 @@ def _decode_case(h: int, kvh: int, d: int, dv: int, dtype: Any, context: int = D
     return q, k, v, tables, lens
 
 
-def choose_decode_attention(model: Any, layer_specs: list) -> str:
-    """'metal' or 'reference' (what `kernels.mode()` is then configured to)."""
-    mode = kernels.mode()
+def choose_decode_attention(model: Any, layer_specs: list, mode: str, tuning: autotune.Tuning = autotune.Tuning()
+                            ) -> str:
+    """'metal' or 'reference' where the self-checked kernel `mode` is 'metal'; else `mode`."""
     shape = attention_shape(model, layer_specs)
     if mode != "metal" or shape is None:
         return mode
@@ -86,18 +85,19 @@ def choose_decode_attention(model: Any, layer_specs: list) -> str:
     }
     return autotune.choose("decode_attention", dict(heads=h, kv_heads=kvh, d=d, dv=dv, dtype=str(dtype),
                                                     batch=DECODE_BATCH, context=DECODE_CONTEXT),
-                           candidates, default="metal")
+                           candidates, default="metal", tuning=tuning)
 
 
 PARTITIONS = (256, 512, 1024)  # split-K partition sizes timed, in tokens
 PARTITION_CONTEXT = 8192  # long enough that each size splits it
 
 
-def choose_decode_partition(model: Any, layer_specs: list) -> int:
+def choose_decode_partition(model: Any, layer_specs: list, mode: str,
+                            tuning: autotune.Tuning = autotune.Tuning()) -> int:
     """The decode kernel's split-K partition: each size timed on a long context (Metal
     only: elsewhere the kernel does not run for real, and the default stands)."""
     shape = attention_shape(model, layer_specs)
-    if kernels.mode() != "metal" or shape is None:
+    if mode != "metal" or shape is None:
         return paged_kernels.PARTITION_SIZE
     h, kvh, d, dv, dtype = shape
     if not paged_kernels.supported(d, h // kvh, dv):
@@ -106,12 +106,13 @@ def choose_decode_partition(model: Any, layer_specs: list) -> int:
     candidates = {str(p): (lambda p=p: launch(paged_kernels.decode_calls(
         q, k, v, tables, lens, d ** -0.5, BLOCK, PARTITION_CONTEXT, partition_size=p))) for p in PARTITIONS}
     shape_key = dict(heads=h, kv_heads=kvh, d=d, dv=dv, dtype=str(dtype), batch=DECODE_BATCH, context=PARTITION_CONTEXT)
-    return int(autotune.choose("decode_partition", shape_key, candidates, default=str(paged_kernels.PARTITION_SIZE)))
+    return int(autotune.choose("decode_partition", shape_key, candidates, default=str(paged_kernels.PARTITION_SIZE),
+                               tuning=tuning))
 
 
-def choose_qmv(model: Any) -> bool:
+def choose_qmv(model: Any, mode: str, tuning: autotune.Tuning = autotune.Tuning()) -> bool:
     """Whether quantized MLPs use the batched qmv kernel (False: `mx.quantized_matmul`)."""
-    if kernels.mode() != "metal":
+    if mode != "metal":
         return False
     mlp = next((m for _, m in model.named_modules() if isinstance(getattr(m, "gate_proj", None), nn.QuantizedLinear)
                 and isinstance(getattr(m, "up_proj", None), nn.QuantizedLinear)), None)
@@ -125,10 +126,10 @@ def choose_qmv(model: Any) -> bool:
     }
     shape = dict(rows=DECODE_BATCH, w=list(mlp.gate_proj.weight.shape), bits=mlp.gate_proj.bits,
                  group=mlp.gate_proj.group_size)
-    return autotune.choose("qmv", shape, candidates, default="mlx") == "kernel"
+    return autotune.choose("qmv", shape, candidates, default="mlx", tuning=tuning) == "kernel"
 
 
-def choose_attention_ops(model: Any, layer_specs: list) -> bool:
+def choose_attention_ops(model: Any, layer_specs: list, tuning: autotune.Tuning = autotune.Tuning()) -> bool:
     """Whether prompt attention is written out in explicit ops (True) or MLX's fused SDPA."""
     from macinfer.kv.attention import dense_attention
 
@@ -147,13 +148,14 @@ def choose_attention_ops(model: Any, layer_specs: list) -> bool:
         "fused": lambda: dense_attention(q, k, v, d ** -0.5, "causal", False, None),
     }
     shape_key = dict(heads=h, kv_heads=kvh, d=d, dv=dv, dtype=str(dtype), chunk=CHUNK, context=CHUNK_CONTEXT)
-    return autotune.choose("attention_ops", shape_key, candidates, default="explicit" if cpu else "fused") == "explicit"
+    return autotune.choose("attention_ops", shape_key, candidates, default="explicit" if cpu else "fused",
+                           tuning=tuning) == "explicit"
 
 
 @dataclass(frozen=True)
 class Paths:
     """Every path decided at load, carried from there (the runner's metadata reads them)."""
-    decode_attention: str  # "metal" | "reference" | "emulate" (`kernels.mode()`)
+    decode_attention: str  # "metal" | "reference" | "emulate" (the backend's self-checked mode, or timed)
     qmv_kernel: bool
     explicit_ops: bool  # prompt attention (and RoPE tables) written out in explicit ops
     prefill_tile: int | None  # query tile of explicit causal prompt attention
@@ -166,15 +168,18 @@ class Paths:
                 "mla_prompt_expanded_from": self.mla_expand_from, "decode_partition": self.decode_partition}
 
 
-def choose_paths(model: Any, layer_specs: list, kv_dtype: Any, autotune_on: bool = True) -> Paths:
-    """Each decision in turn (after the kernels' self-check), and the process's kernel
-    switches set to match."""
+def choose_paths(model: Any, layer_specs: list, kv_dtype: Any, backend: Any) -> Paths:
+    """Each decision in turn, on `backend` (a `Backend`: its self-checked kernel mode, its
+    measuring); the paths are the backend's from here on."""
     from macinfer.kv.mla import choose_expand_from
 
-    autotune.configure(None if autotune_on else False)  # None: MACINFER_AUTOTUNE decides
-    kernels.configure(choose_decode_attention(model, layer_specs))
-    quantized_kernels.configure(choose_qmv(model))
-    explicit = choose_attention_ops(model, layer_specs)
+    tuning, mode = backend.tuning, backend.kernel_mode
+    decode = choose_decode_attention(model, layer_specs, mode, tuning)
+    explicit = choose_attention_ops(model, layer_specs, tuning)
     tile = PREFILL_TILE if explicit else None
-    return Paths(kernels.mode(), quantized_kernels.enabled(), explicit, tile,
-                 choose_expand_from(model, kv_dtype, explicit, tile), choose_decode_partition(model, layer_specs))
+    # The emulated qmv kernel runs where it is asked for (MACINFER_QMV_KERNEL=1): a correctness check.
+    qmv = choose_qmv(model, decode, tuning) or (decode == "emulate" and quantized_kernels.enabled())
+    backend.paths = Paths(decode, qmv, explicit, tile,
+                          choose_expand_from(model, kv_dtype, explicit, tile, tuning),
+                          choose_decode_partition(model, layer_specs, decode, tuning))
+    return backend.paths

@@ -19,18 +19,9 @@ QMV_INPUTS = ["x", "w", "scales", "biases"]
 SWIGLU_INPUTS = QMV_INPUTS + ["w_up", "scales_up", "biases_up"]
 
 
-_configured: bool | None = None
-
-
-def configure(on: bool | None) -> None:
-    """Fixed at load by measurement (`kernels/choices.py`); None: back to the environment."""
-    global _configured
-    _configured = on
-
-
 def enabled() -> bool:
-    if _configured is not None:
-        return _configured
+    """Whether MACINFER_QMV_KERNEL asks for the kernel outside an engine (its self-check
+    then covers it); an engine's models take the verdict of `choices.choose_qmv`."""
     return os.environ.get("MACINFER_QMV_KERNEL", "0") == "1"
 
 

@@ -8,8 +8,8 @@ layer copies its context; prefill chunks gather their blocks once and use
 `mx.fast.scaled_dot_product_attention`, or, where that is not a fused kernel
 (`AttentionMetadata.explicit_ops`, the CPU), the same attention written out
 with a power-of-two softmax. Decodes go to the paged-attention Metal
-kernel when `macinfer.kernels.mode()` says so (on a Mac by default;
-`MACINFER_KERNELS` forces a choice).
+kernel when the engine's backend chose it at load (`AttentionMetadata.decode_attention`:
+on a Mac by default; `MACINFER_KERNELS` forces a choice).
 
 The flat token batch is ordered decodes first (one query token per row: a
 decoding sequence, or one token of a speculating sequence's draft, each with
@@ -28,7 +28,6 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from macinfer import kernels
 from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kernels.call import launch
 from macinfer.kv.cache import KVCache, kv_rows
@@ -61,6 +60,9 @@ class AttentionMetadata:
     mla_expand_from: int | None = None
     # The Metal decode kernel's split-K partition, in tokens (timed at load on Metal).
     decode_partition: int = paged_kernels.PARTITION_SIZE
+    # Decode attention: "metal" (the kernel), "emulate" (its source on the CPU emulator) or
+    # "reference" (MLX ops): the engine backend's choice at load (`kernels.choices.Paths`).
+    decode_attention: str = "reference"
     groups: "list[AttentionMetadata]" = field(default_factory=list)
     state: Any = None  # the step's recurrent-state plan (`kv/state.py`; None: no recurrent layers)
     # Arrays every layer of a step shares (built by the first layer that needs them).
@@ -113,7 +115,7 @@ def exp2_weights(scores: mx.array, sinks: mx.array | None = None) -> tuple[mx.ar
 def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
                       sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
     pool = meta.kv_cache.pool(layer)
-    backend = kernels.mode()
+    backend = meta.decode_attention
     if (backend != "reference" and not pool.quantized and sinks is None and softcap is None
             and (meta.kind is None or meta.window is not None or not meta.kind.bounded)
             and (pool.head_dim == pool.v_head_dim or pool.v_in_k)

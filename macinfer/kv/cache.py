@@ -89,25 +89,6 @@ def plan_blocks(groups: list[CacheGroup], budget_bytes: int, caps: list[int], ma
     return lo
 
 
-def available_memory_bytes() -> int:
-    """What the machine can give the KV cache before model weights are counted.
-
-    On a Mac: MLX's recommended working set (what Metal lets a process keep
-    resident). Elsewhere: the memory the OS reports as available right now.
-    """
-    if mx.metal.is_available():
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        return int(info["max_recommended_working_set_size"])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 class LayerPool:
     """One layer's K and V pools, `[num_blocks * kvh * bs, d]` rows each; with
     kv_cache_dtype="int8", each row is stored MLX-affine-quantized (8 bits, group-wise

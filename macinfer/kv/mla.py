@@ -143,7 +143,7 @@ def crossover(timings: dict[int, tuple[float, float]]) -> int | None:
 
 
 def choose_expand_from(model: Any, dtype: mx.Dtype, explicit_ops: bool, prefill_tile: int | None,
-                       measure=measure_forms) -> int | None:
+                       tuning: autotune.Tuning = autotune.Tuning(), measure=measure_forms) -> int | None:
     """The chunk length from which prompt chunks take the expanded form on this device
     (None: never), decided once at load."""
     projections = getattr(model, "mla_projections", None)  # the adapter's probe: (embed_q, unembed_out, dims)
@@ -161,7 +161,7 @@ def choose_expand_from(model: Any, dtype: mx.Dtype, explicit_ops: bool, prefill_
         return {"expand_from": crossover(timings),
                 "ms": {str(n): [round(a * 1e3, 3), round(e * 1e3, 3)] for n, (a, e) in timings.items()}}
 
-    verdict = autotune.verdict("mla_prefill", shape, run)
+    verdict = autotune.verdict("mla_prefill", shape, run, tuning)
     if verdict is None:  # autotuning off: the absorbed form, as before it was measured
         return None
     figures = ", ".join(f"{n}: {a:g}/{e:g} ms" for n, (a, e) in verdict["ms"].items())

@@ -14,7 +14,6 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from macinfer import kernels
 from macinfer.kv.attention import LOG2E, AttentionMetadata, paged_attention
 from macinfer.kernels import quantized as quantized_kernels
 from macinfer.kernels.call import launch
@@ -117,6 +116,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.qmv: str | None = None  # the batched qmv kernel: "metal" | "emulate" (`Model.use_paths`)
 
     def fuse(self) -> None:
         fused = fuse_linears([self.gate_proj, self.up_proj])
@@ -128,10 +128,9 @@ class MLP(nn.Module):
         if "gate_up_proj" in self:
             gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
             return self.down_proj(swiglu(gate, up))
-        if quantized_kernels.enabled() and kernels.mode() != "reference" \
-                and quantized_kernels.supported(self.gate_proj, x.shape[0]):
+        if self.qmv is not None and quantized_kernels.supported(self.gate_proj, x.shape[0]):
             call = quantized_kernels.qmv_call(x, self.gate_proj, self.up_proj)
-            return self.down_proj(launch([call], emulate=kernels.mode() == "emulate"))
+            return self.down_proj(launch([call], emulate=self.qmv == "emulate"))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -189,6 +188,12 @@ class Model(nn.Module):
             weights.pop("lm_head.scales", None)
             weights.pop("lm_head.biases", None)
         return weights
+
+    def use_paths(self, paths) -> None:
+        """The paths its engine chose at load (`kernels.choices.Paths`): the qmv kernel for
+        quantized MLPs, on this model only."""
+        for layer in self.layers:
+            layer.mlp.qmv = paths.decode_attention if paths.qmv_kernel else None
 
     def fuse_projections(self) -> None:
         """After loading: merge q/k/v and gate/up into single matmuls where the

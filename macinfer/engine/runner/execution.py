@@ -40,8 +40,10 @@ class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_manager: BlockManager | None = None,
                  structured: StructuredOutputs | None = None, explicit_ops: bool = False,
                  prefill_tile: int | None = None, eos_token_ids: tuple[int, ...] = (),
-                 mla_expand_from: int | None = None, decode_partition: int = PARTITION_SIZE):
+                 mla_expand_from: int | None = None, decode_partition: int = PARTITION_SIZE,
+                 decode_attention: str = "reference"):
         self.model = model
+        self.decode_attention = decode_attention  # see AttentionMetadata
         self.decode_partition = decode_partition  # see AttentionMetadata
         self.eos_token_ids = tuple(eos_token_ids)  # what `min_tokens` holds back
         self.explicit_ops = explicit_ops  # see AttentionMetadata
@@ -65,7 +67,7 @@ class ModelRunner:
     def inputs(self) -> InputConfig:
         """The paths chosen at load that every step's metadata carries."""
         return InputConfig(self.block_size, self.explicit_ops, self.prefill_tile, self.mla_expand_from,
-                           self.decode_partition)
+                           self.decode_partition, self.decode_attention)
 
     def prepare(
         self, scheduled: list[tuple[Sequence, int]], step: StateStep | None = None,

@@ -58,18 +58,17 @@ class GroupTables:
         blocks = table[first_block : cdiv(context, bs)]
         self.prefills.append(PrefillSpan(row, len(pos), context - origin, mx.array(blocks, dtype=mx.int32), origin))
 
-    def metadata(self, kv_cache: KVCache, positions: mx.array, explicit_ops: bool,
-                 prefill_tile: int | None, mla_expand_from: int | None = None,
-                 decode_partition: int = PARTITION_SIZE) -> AttentionMetadata:
+    def metadata(self, kv_cache: KVCache, positions: mx.array, cfg: "InputConfig") -> AttentionMetadata:
         meta = AttentionMetadata(
             kv_cache=kv_cache,
             positions=positions,
             slots=np.asarray(self.slots, dtype=np.int64),
             kind=self.kind,
-            explicit_ops=explicit_ops,
-            prefill_tile=prefill_tile,
-            mla_expand_from=mla_expand_from,
-            decode_partition=decode_partition,
+            explicit_ops=cfg.explicit_ops,
+            prefill_tile=cfg.prefill_tile,
+            mla_expand_from=cfg.mla_expand_from,
+            decode_partition=cfg.decode_partition,
+            decode_attention=cfg.decode_attention,
             num_decodes=len(self.decode_tables),
             prefills=self.prefills,
             decode_groups=self.decode_groups,
@@ -92,12 +91,13 @@ class GroupTables:
 
 @dataclass(frozen=True)
 class InputConfig:
-    """What every step's metadata carries from load (`kernels.choices.Paths`)."""
+    """What every step's metadata carries from load (the engine backend's `Paths`)."""
     block_size: int
     explicit_ops: bool = False
     prefill_tile: int | None = None
     mla_expand_from: int | None = None
     decode_partition: int = PARTITION_SIZE
+    decode_attention: str = "reference"
 
 
 def build_inputs(
@@ -144,8 +144,7 @@ def build_inputs(
             sample_seqs.extend(verify_rows(seq) if drafts else [seq])
 
     pos_arr = mx.array(positions, dtype=mx.int32)
-    metas = [t.metadata(kv_cache, pos_arr, cfg.explicit_ops, cfg.prefill_tile, cfg.mla_expand_from,
-                        cfg.decode_partition) for t in tables]
+    metas = [t.metadata(kv_cache, pos_arr, cfg) for t in tables]
     meta = metas[0] if metas else AttentionMetadata(kv_cache, pos_arr, np.zeros(0, dtype=np.int64))
     meta.groups = metas
     if state is not None:
