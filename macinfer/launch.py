@@ -40,7 +40,7 @@ def main() -> None:
         if not found and "libopenblas" not in loaded and not os.environ.get("MACINFER_NO_PRELOAD"):
             print("macinfer: OpenBLAS is not installed; MLX's CPU matmuls are ~20x slower without it "
                   "(sudo apt install libopenblas0-pthread; MACINFER_NO_PRELOAD=1 silences this)", file=sys.stderr)
-    from macinfer.cli import main as cli
+    from macinfer.cli.main import main as cli
 
     cli()
 

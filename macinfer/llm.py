@@ -59,7 +59,7 @@ class _Worker:
 def _release(worker: _Worker, engine_box: list) -> None:
     """Run when an LLM is collected (or closed): the engine is freed on its own thread,
     then the thread ends and MLX's buffer cache gives the memory back."""
-    from macinfer.memory import release_freed
+    from macinfer.loading.memory import release_freed
 
     def free() -> None:
         if engine_box and engine_box[0].disk is not None:

@@ -48,7 +48,7 @@ def main() -> None:
     import numpy as np
 
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-    from macinfer.loader import bundled_test_model, load
+    from macinfer.loading.loader import bundled_test_model, load
     from macinfer.sampling_params import SamplingParams
 
     loaded = load(args.model or bundled_test_model())

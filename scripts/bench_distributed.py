@@ -238,7 +238,7 @@ def main() -> None:
     if args.only != "measure":
         traffic()
     if args.only != "traffic":
-        from macinfer.loader import bundled_test_model
+        from macinfer.loading.loader import bundled_test_model
 
         measure(args.model or bundled_test_model(), args.repeats, args.prompt_len, args.new_tokens, args.concurrent, args.pin,
                 args.direct)

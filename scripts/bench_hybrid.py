@@ -64,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     from macinfer.bench import engine as bench_engine
     from macinfer.bench import step as bench_step
-    from macinfer.memory import release_freed
+    from macinfer.loading.memory import release_freed
 
     out = {}
     for family in args.family:

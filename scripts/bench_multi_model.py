@@ -69,7 +69,7 @@ def memory_roundtrip() -> None:
     import mlx.core as mx
 
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-    from macinfer.loader import bundled_test_model
+    from macinfer.loading.loader import bundled_test_model
     from macinfer.server.app import create_app
     from macinfer.server.model_pool import ModelPool, ModelSource
 
@@ -113,7 +113,7 @@ def main() -> None:
     import mlx.core as mx
 
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-    from macinfer.loader import bundled_test_model
+    from macinfer.loading.loader import bundled_test_model
     from macinfer.server.async_engine import AsyncEngine
 
     path = bundled_test_model()

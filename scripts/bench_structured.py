@@ -18,7 +18,7 @@ import time
 from macinfer.bench.common import hardware, versions
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.engine.structured import json_schema_grammar
-from macinfer.loader import bundled_test_model
+from macinfer.loading.loader import bundled_test_model
 from macinfer.sampling_params import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {

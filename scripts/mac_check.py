@@ -112,7 +112,7 @@ def check_paths() -> None:
     os.environ["MACINFER_CACHE_DIR"] = tempfile.mkdtemp(prefix="macinfer-mac-check-")
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
     from macinfer.kernels import autotune
-    from macinfer.loader import bundled_test_model
+    from macinfer.loading.loader import bundled_test_model
 
     engine = LLMEngine(bundled_test_model(), EngineConfig(kv_cache_gb=0.25, max_model_len=2048))
     print("\npaths chosen by measurement (bundled SmolLM2, Q4_1; the verdict, then each path's time)")

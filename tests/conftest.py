@@ -16,7 +16,7 @@ from tests.helpers import tiny_model_dir
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
-    from macinfer.loader import bundled_test_model
+    from macinfer.loading.loader import bundled_test_model
 
     return bundled_test_model()
 
@@ -24,7 +24,7 @@ def smollm2_gguf() -> str:
 @pytest.fixture(scope="session")
 def smollm2_mlx_dir(smollm2_gguf, tmp_path_factory) -> str:
     """The bundled GGUF converted to an MLX directory mlx-lm can load."""
-    from macinfer.convert import convert_gguf
+    from macinfer.loading.convert import convert_gguf
 
     return convert_gguf(smollm2_gguf, str(tmp_path_factory.mktemp("smollm2-mlx")))
 

@@ -21,7 +21,7 @@ class ServerProcess:
     def __init__(self, model: str, *args: str, timeout: float = 120):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "macinfer.cli", "serve", model, "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "macinfer.cli.main", "serve", model, "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.time() + timeout

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm import load as mlx_lm_load
 
-from macinfer.loader import _dequantize_modules, should_dequantize
+from macinfer.loading.loader import _dequantize_modules, should_dequantize
 from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow

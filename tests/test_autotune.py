@@ -125,7 +125,7 @@ def test_the_split_k_partition_is_timed_on_metal_only(monkeypatch, tiny_llama):
     """On the CPU the default stands, untimed; where the kernel runs for real each size is
     timed (here: injected timings, the launches stubbed) and the fastest taken."""
     from macinfer.kernels import choices
-    from macinfer.loader import load
+    from macinfer.loading.loader import load
 
     model = load(tiny_llama).model
     assert choices.choose_decode_partition(model, model.layer_specs, "reference") == 512

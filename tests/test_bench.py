@@ -7,7 +7,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from macinfer.cli import main
+from macinfer.cli.main import main
 from tests.server_process import ServerProcess
 
 pytest.importorskip("matplotlib")

@@ -8,8 +8,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from macinfer.chat_templates import BUILTIN, ChatTemplateOptionError, resolve_chat_template
-from macinfer.cli import main
+from macinfer.text.chat_templates import BUILTIN, ChatTemplateOptionError, resolve_chat_template
+from macinfer.cli.main import main
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

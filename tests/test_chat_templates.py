@@ -4,7 +4,7 @@ on the same tokenizer files; special tokens in content stay text."""
 import pytest
 from transformers import AutoTokenizer
 
-from macinfer.tokenizer import ChatTemplateError, TokenizerWrapper
+from macinfer.text.tokenizer import ChatTemplateError, TokenizerWrapper
 from tests.tokenizer_fixtures import TOOL_HISTORY, WEATHER_TOOL, write_tokenizer_dir
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}

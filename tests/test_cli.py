@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from macinfer.cli import main
+from macinfer.cli.main import main
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-from macinfer.loader import load
+from macinfer.loading.loader import load
 from macinfer.models.rope import extend_context
 from macinfer.sampling_params import SamplingParams
 from tests.helpers import generate, make_mlx_lm_model, tiny_config, tiny_model_dir
@@ -68,7 +68,7 @@ def test_refusals(tmp_path):
 def test_an_architecture_that_ignores_the_scaling_is_refused(tmp_path, monkeypatch):
     """Where the built model's RoPE did not take the scaling (an architecture that reads its
     RoPE settings from another field), the load is refused rather than run unscaled."""
-    import macinfer.loader as loader
+    import macinfer.loading.loader as loader
 
     path, _ = tiny_model_dir(tmp_path, "llama", max_position_embeddings=TRAINED)
     monkeypatch.setattr(loader, "uses_scaled_rope", lambda model, kind: False)

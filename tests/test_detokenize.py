@@ -5,8 +5,8 @@ that rebuild it (#20 items 1 and 3). Vocabularies are written by the tests."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from macinfer.gguf_file import GGUFFile
-from macinfer.tokenizer import IncrementalDetokenizer, TokenizerWrapper, token_text
+from macinfer.gguf.file import GGUFFile
+from macinfer.text.tokenizer import IncrementalDetokenizer, TokenizerWrapper, token_text
 from tests.gguf_writer import write_gguf
 from tests.helpers import tiny_config
 from tests.tokenizer_fixtures import write_tokenizer_dir

@@ -169,7 +169,7 @@ def test_server_process_exits_nonzero_when_the_engine_dies(tiny_llama, tmp_path)
                 except httpx.TransportError:
                     time.sleep(0.1)
         threading.Thread(target=client, daemon=True).start()
-        from macinfer.cli import main
+        from macinfer.cli.main import main
         main(["serve", {tiny_llama!r}, "--port", "{port}", "--kv-cache-gb", "0.01"])
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from macinfer.cli import main
+from macinfer.cli.main import main
 from macinfer.engine.cache_plan import DEFAULT_TOKENS_PER_SEQ
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 

@@ -10,10 +10,10 @@ from click.testing import CliRunner
 from gguf import GGMLQuantizationType as Q
 from mlx.utils import tree_flatten
 
-from macinfer.cli import main
-from macinfer.convert import llama3_factors
+from macinfer.cli.main import main
+from macinfer.loading.convert import llama3_factors
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-from macinfer.loader import ModelLoadError, ModelNotFoundError, load, resolve
+from macinfer.loading.loader import ModelLoadError, ModelNotFoundError, load, resolve
 from macinfer.models import UnsupportedArchitectureError
 from tests.gguf_writer import dequantized, llama_tensors, random_kquant, write_gguf
 from tests.helpers import make_mlx_lm_model, save_model_dir, tiny_config
@@ -59,7 +59,7 @@ def test_convert_turns_rope_freqs_into_llama3_scaling(tmp_path):
     tensors = llama_tensors(config, ref)
     tensors["rope_freqs.weight"] = np.array(llama3_factors(128, 500000.0, config["rope_scaling"]), dtype=np.float32)
     write_gguf(str(tmp_path / "m.gguf"), config, tensors)
-    from macinfer.convert import convert_gguf
+    from macinfer.loading.convert import convert_gguf
 
     out = load(convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "mlx")))
     assert out.config["rope_scaling"]["rope_type"] == "llama3" and "rope_freq_factors" not in out.config
@@ -191,7 +191,7 @@ def test_unknown_pre_tokenizer_is_refused(tmp_path):
 
 def test_user_defined_tokens_decode_as_text(smollm2_engine):
     """GGUF USER_DEFINED tokens (Qwen3's <think>) are text; CONTROL ones are skipped."""
-    from macinfer.gguf_tokenizer import tokenizer_from_gguf
+    from macinfer.gguf.tokenizer import tokenizer_from_gguf
 
     tokens = ["<unk>", "<|im_end|>", "<think>", "</think>"] + list("abcdefghijklmnopqrstuvwxyz ")
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,

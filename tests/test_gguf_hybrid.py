@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-from macinfer.gguf import load_gguf
-from macinfer.gguf_hybrid import to_model_names
+from macinfer.gguf.load import load_gguf
+from macinfer.gguf.hybrid import to_model_names
 from macinfer.sampling_params import SamplingParams
 from tests.gguf_writer import hybrid_tensors, write_hybrid_gguf
 from tests.helpers import generate, make_mlx_lm_model
@@ -134,7 +134,7 @@ def test_pre_tokenizers_these_families_name():
     """`tokenizer.ggml.pre` of these families' files, split as llama.cpp's llama-vocab.cpp
     does: Qwen3.5 keeps combining marks with their letter, DeepSeek V3 splits digits in
     threes and CJK runs apart first, LFM2 / Falcon-H1 / GLM-4 split as Llama 3."""
-    from macinfer.gguf_tokenizer import PRE_TOKENIZERS
+    from macinfer.gguf.tokenizer import PRE_TOKENIZERS
 
     def pieces(name: str) -> list[str]:
         text = "cafe\u0301 12345 日本語abc, x!"

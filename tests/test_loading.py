@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from macinfer.loader import ModelNotFoundError, load
+from macinfer.loading.loader import ModelNotFoundError, load
 from macinfer.models import UnsupportedArchitectureError
-from macinfer.tokenizer import IncrementalDetokenizer
+from macinfer.text.tokenizer import IncrementalDetokenizer
 from tests.gguf_writer import llama_tensors, write_gguf
 from tests.helpers import make_mlx_lm_model, tiny_config, tiny_model_dir
 

@@ -7,7 +7,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from macinfer.cli import main
+from macinfer.cli.main import main
 from tests.gguf_writer import llama_tensors, write_gguf
 from tests.helpers import make_mlx_lm_model, tiny_config
 

@@ -299,7 +299,7 @@ def test_serve_several_models_from_the_command_line(smollm2_gguf, two_tiny):
 def test_serve_refuses_options_that_do_not_fit(tmp_path, two_tiny):
     from click.testing import CliRunner
 
-    from macinfer.cli import main
+    from macinfer.cli.main import main
 
     port = ["--port", "0"]
     cases = {("serve", *port): "give a MODEL (or several, or --models-dir DIR)",

@@ -11,7 +11,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def loaded(tiny_llama):
-    from macinfer.loader import load
+    from macinfer.loading.loader import load
 
     return load(tiny_llama)
 

@@ -287,7 +287,7 @@ def test_sigterm_under_load_ends_requests_cleanly(tiny_llama):
 
 
 def _serve(args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "macinfer.cli", "serve", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "macinfer.cli.main", "serve", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -311,7 +311,7 @@ def test_kv_budget_beyond_memory_is_refused(tiny_llama):
 
 def test_server_starts_under_a_low_fd_limit(tiny_llama):
     port = free_port()
-    cmd = (f"ulimit -n 256 && exec {sys.executable} -m macinfer.cli serve {tiny_llama} --port {port} "
+    cmd = (f"ulimit -n 256 && exec {sys.executable} -m macinfer.cli.main serve {tiny_llama} --port {port} "
            "--kv-cache-gb 0.01")
     p = subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from macinfer import reasoning, tool_parsers
-from macinfer.tool_parsers import ToolCallStream, detect, make, parse
+from macinfer.text import reasoning, tool_parsers
+from macinfer.text.tool_parsers import ToolCallStream, detect, make, parse
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}

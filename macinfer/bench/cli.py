@@ -125,7 +125,7 @@ def engine(model, vs, out_dir, no_plots, prompt_len, gen_len, prefill_len, concu
                    "does: adds the phases of taking requests and delivering outputs.")
 def profile(model, concurrency, prompt_len, gen_len, out_dir, async_scheduling, through_server):
     from macinfer.bench import engine as mod
-    from macinfer.loader import bundled_test_model
+    from macinfer.loading.loader import bundled_test_model
 
     results = mod.profile(model or bundled_test_model(), concurrency, prompt_len, gen_len,
                           async_scheduling=async_scheduling, through_server=through_server)
@@ -270,12 +270,12 @@ def prefix(model, vs, out_dir, no_plots, turns, clients, max_tokens):
 
 def _tokenizer(model: str):
     """The model's tokenizer alone (no weights), to size prompts in tokens."""
-    from macinfer.loader import resolve
-    from macinfer.tokenizer import TokenizerWrapper
+    from macinfer.loading.loader import resolve
+    from macinfer.text.tokenizer import TokenizerWrapper
 
     path = resolve(model)
     if path.endswith(".gguf"):
-        from macinfer.gguf_file import GGUFFile
+        from macinfer.gguf.file import GGUFFile
 
         return TokenizerWrapper.from_gguf_metadata(GGUFFile(path).metadata)
     with open(os.path.join(path, "config.json")) as f:

@@ -143,8 +143,8 @@ def same_weights_dir(model: str) -> tuple[str, str]:
     from mlx.utils import tree_flatten
     from mlx_lm import load as mlx_lm_load
 
-    from macinfer.convert import convert_gguf
-    from macinfer.loader import _dequantize_modules, resolve, should_dequantize
+    from macinfer.loading.convert import convert_gguf
+    from macinfer.loading.loader import _dequantize_modules, resolve, should_dequantize
 
     path = resolve(model)
     src = convert_gguf(path, tempfile.mkdtemp(prefix="macinfer-bench-")) if path.endswith(".gguf") else path

@@ -79,7 +79,7 @@ def run(model: str, vs: list[str], prompt_len: int = 32, gen_len: int = 64, pref
         concurrency: tuple[int, ...] = (1, 8, 32), batch_gen_len: int = 32, repeats: int = 3,
         kv_cache_gb: float = 1.0, tick: Callable[[str], None] = lambda _: None) -> dict:
     """Results for macinfer and each of `vs` ("mlx-lm"); `tick(label)` after each measurement."""
-    from macinfer.loader import resolve
+    from macinfer.loading.loader import resolve
 
     runners: list = [MacinferRunner(model, max(concurrency), kv_cache_gb, prefill_len + gen_len + 8)]
     weights = None

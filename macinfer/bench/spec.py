@@ -110,7 +110,7 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
         tick: Callable[[str], None] = lambda _: None) -> dict:
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
     from macinfer.engine.structured import json_schema_grammar
-    from macinfer.loader import resolve
+    from macinfer.loading.loader import resolve
 
     base = dict(max_num_seqs=4, kv_cache_gb=0.5, enable_prefix_caching=False)  # the model's own context
     plain = LLMEngine(model, EngineConfig(**base))

@@ -161,7 +161,7 @@ class MlxLmStep:
 def run(model: str, vs: list[str], points: list[tuple[int, int]], host_points: list[tuple[int, int]],
         repeats: int = 5, tick: Callable[[str], None] = lambda _: None) -> dict:
     """Results for macinfer and each of `vs` ("mlx-lm"); `tick(label)` after each measurement."""
-    from macinfer.loader import resolve
+    from macinfer.loading.loader import resolve
 
     ours = MacinferStep(model, points + host_points + [NODES_POINT])
     theirs, weights = None, None

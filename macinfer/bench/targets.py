@@ -93,7 +93,7 @@ def start(spec: str, model: str, mlx_dir: str | None, macinfer_args: list[str]) 
                 if flag in args:
                     del args[args.index(flag):args.index(flag) + 2]
             args.append("--no-prefix-caching")
-        cmd = [sys.executable, "-m", "macinfer.cli", "serve", model, "--port", str(port), "--served-model-name",
+        cmd = [sys.executable, "-m", "macinfer.cli.main", "serve", model, "--port", str(port), "--served-model-name",
                "bench", *args]
         served = "bench"
     elif spec == "mlx-lm":

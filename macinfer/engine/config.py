@@ -33,7 +33,7 @@ class EngineConfig:
     # cache (None: where a snapshot costs about the K/V of the tokens it spans, 256 to 4096).
     state_snapshot_interval: int | None = None
     # Replaces the model's chat template: a Jinja file, inline Jinja, or a built-in name
-    # (`macinfer.chat_templates`: chatml, llama3, hermes).
+    # (`macinfer.text.chat_templates`: chatml, llama3, hermes).
     chat_template: str | None = None
     # Stretch RoPE ("yarn" or "linear") so max_model_len may exceed the trained context.
     rope_scaling: str | None = None

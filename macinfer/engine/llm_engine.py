@@ -31,10 +31,10 @@ from macinfer.engine.structured import StructuredOutputs
 from macinfer.engine.cache_plan import plan_caches
 from macinfer.distributed import engine as dist_engine
 from macinfer.distributed import group as dist_group
-from macinfer.loader import LoadedModel, load
-from macinfer.reasoning import track_thinking
+from macinfer.loading.loader import LoadedModel, load
+from macinfer.text.reasoning import track_thinking
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
-from macinfer.tokenizer import IncrementalDetokenizer
+from macinfer.text.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("macinfer")
 
@@ -79,7 +79,7 @@ class LLMEngine:
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         if cfg.chat_template is not None:
-            from macinfer.chat_templates import resolve_chat_template
+            from macinfer.text.chat_templates import resolve_chat_template
 
             missing = self.tokenizer.set_chat_template(resolve_chat_template(cfg.chat_template))
             if missing:

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from macinfer.engine.sequence import Sequence, TokenLogprob
-from macinfer.tokenizer import IncrementalDetokenizer
+from macinfer.text.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("macinfer")
 

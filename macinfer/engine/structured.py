@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.engine.sequence import Sequence
-from macinfer.tokenizer import TokenizerWrapper
+from macinfer.text.tokenizer import TokenizerWrapper
 
 
 class GrammarError(ValueError):

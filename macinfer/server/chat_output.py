@@ -16,10 +16,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from macinfer import reasoning as reasoning_mod
-from macinfer import tool_parsers
+from macinfer.text import reasoning as reasoning_mod
+from macinfer.text import tool_parsers
 from macinfer.engine.structured import GrammarError, json_schema_grammar
-from macinfer.tool_parsers import ToolCall, ToolCallStream
+from macinfer.text.tool_parsers import ToolCall, ToolCallStream
 
 
 class PlanError(ValueError):

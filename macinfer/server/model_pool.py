@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from macinfer.memory import release_freed
+from macinfer.loading.memory import release_freed
 
 log = logging.getLogger("macinfer.server")
 
@@ -323,7 +323,7 @@ class ModelPool:
 def context_length(path: str) -> int | None:
     try:
         if path.endswith(".gguf"):
-            from macinfer.gguf_file import GGUFFile
+            from macinfer.gguf.file import GGUFFile
 
             meta = GGUFFile(path).metadata
             return int(meta[f"{meta['general.architecture']}.context_length"])
@@ -352,7 +352,7 @@ def disk_bytes(path: str) -> int:
 def discover(models_dir: str | None, hf_cache: bool) -> list[ModelSource]:
     """Servable models in a directory (MLX/HF model folders and .gguf files) and in the
     Hugging Face cache; unsupported ones are logged with the reason and left out."""
-    from macinfer.model_store import CachedModel, _describe_dir, list_models
+    from macinfer.loading.model_store import CachedModel, _describe_dir, list_models
 
     found: list[ModelSource] = []
     if models_dir:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from macinfer import reasoning
+from macinfer.text import reasoning
 from macinfer.engine.llm_engine import RequestOutput
 from macinfer.engine.sequence import TokenLogprob
 from macinfer.engine.structured import GrammarError
@@ -21,7 +21,7 @@ from macinfer.server.metrics import ServerMetrics
 from macinfer.server import chat_output
 from macinfer.server.chat_output import ChatPlan
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, now, usage
-from macinfer.tokenizer import IncrementalDetokenizer, TokenizerWrapper, token_text
+from macinfer.text.tokenizer import IncrementalDetokenizer, TokenizerWrapper, token_text
 
 log = logging.getLogger("macinfer.server")
 

@@ -13,11 +13,11 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from macinfer import pooling as pooling_mod
-from macinfer.gguf_file import ModelLoadError
+from macinfer.loading import pooling as pooling_mod
+from macinfer.gguf.file import ModelLoadError
 from macinfer.models import UnsupportedArchitectureError, build_model
 from macinfer.models.rope import extend_context, uses_scaled_rope
-from macinfer.tokenizer import TokenizerWrapper
+from macinfer.text.tokenizer import TokenizerWrapper
 
 log = logging.getLogger("macinfer")
 
@@ -36,7 +36,7 @@ class LoadedModel:
     config: dict[str, Any]
     source: str  # resolved local path
     name: str  # what the user asked for
-    pooling: Any = None  # macinfer.pooling.Pooling when the model publishes embedding use
+    pooling: Any = None  # macinfer.loading.pooling.Pooling when the model publishes embedding use
 
 
 def bundled_test_model() -> str:
@@ -264,7 +264,7 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelNotFoundError(f"{path}: expected a .gguf file or a model directory")
-        from macinfer.gguf import load_gguf
+        from macinfer.gguf.load import load_gguf
 
         config, weights, meta = load_gguf(path, progress)
         tokenizer = TokenizerWrapper.from_gguf_metadata(meta)

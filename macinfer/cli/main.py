@@ -11,10 +11,10 @@ import time
 import click
 
 from macinfer import __version__
-from macinfer.cli_options import LOG_LEVELS
-from macinfer.cli_options import log_options as _log_options
-from macinfer.cli_options import setup_logging as _setup_logging
-from macinfer.tool_parsers import FORMATS
+from macinfer.cli.options import LOG_LEVELS
+from macinfer.cli.options import log_options as _log_options
+from macinfer.cli.options import setup_logging as _setup_logging
+from macinfer.text.tool_parsers import FORMATS
 
 def _model_help() -> str:
     from macinfer.models import ARCHITECTURES, VERDICTS
@@ -229,7 +229,7 @@ def generate(model, prompt, raw, temperature, max_tokens, top_p, top_k, seed, **
 @_engine_options
 @_log_options
 def chat(model, system, temperature, max_tokens, top_p, top_k, seed, **engine_opts):
-    from macinfer.repl import ChatREPL
+    from macinfer.cli.repl import ChatREPL
 
     params = _params(temperature, max_tokens, top_p, top_k, seed)
     engine = _load_engine(model, **engine_opts)
@@ -247,7 +247,7 @@ main.add_command(chat, name="run")  # Ollama's name for it
 @_log_options
 def convert(gguf, out_dir):
     """Convert a GGUF file to an MLX model directory (loads in mlx-lm too)."""
-    from macinfer.convert import convert_gguf
+    from macinfer.loading.convert import convert_gguf
 
     try:
         convert_gguf(gguf, out_dir)
@@ -365,7 +365,7 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
 
     from macinfer.engine.llm_engine import LLMEngine
     from macinfer.kernels.backend import Backend
-    from macinfer.loader import ModelNotFoundError, resolve
+    from macinfer.loading.loader import ModelNotFoundError, resolve
     from macinfer.server.model_pool import ModelPool, ModelSource, discover, disk_bytes, unique
 
     sources = []
@@ -410,7 +410,7 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
 
 def _add_groups() -> None:
     from macinfer.bench.cli import bench
-    from macinfer.cli_models import models
+    from macinfer.cli.models import models
 
     main.add_command(bench)
     main.add_command(models)

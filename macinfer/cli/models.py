@@ -6,7 +6,7 @@ import json
 
 import click
 
-from macinfer.cli_options import log_options as _log_options
+from macinfer.cli.options import log_options as _log_options
 
 @click.group()
 def models():
@@ -19,7 +19,7 @@ def models_list(as_json):
     """The bundled model and the cached ones, with size, architecture, quantization and whether macinfer runs them."""
     import json
 
-    from macinfer.model_store import bundled, list_models
+    from macinfer.loading.model_store import bundled, list_models
 
     found = [m for m in [bundled()] if m is not None] + list_models()
     if as_json:
@@ -59,7 +59,7 @@ def models_architectures(as_json):
 @click.argument("repo")
 def models_info(repo):
     """Details of one cached model."""
-    from macinfer.model_store import find
+    from macinfer.loading.model_store import find
 
     try:
         m = find(repo)
@@ -74,7 +74,7 @@ def models_info(repo):
 @_log_options
 def models_pull(ref):
     """Download REF (org/Model, or org/Model-GGUF:Q4_K_M for one GGUF file) into the cache."""
-    from macinfer.loader import resolve
+    from macinfer.loading.loader import resolve
 
     try:
         path = resolve(ref)
@@ -88,7 +88,7 @@ def models_pull(ref):
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 def models_rm(repo, yes):
     """Delete a cached model (every revision)."""
-    from macinfer.model_store import find, remove
+    from macinfer.loading.model_store import find, remove
 
     try:
         m = find(repo)

@@ -15,8 +15,8 @@ import os
 
 import mlx.core as mx
 
-from macinfer.gguf import load_gguf
-from macinfer.tokenizer import TokenizerWrapper
+from macinfer.gguf.load import load_gguf
+from macinfer.text.tokenizer import TokenizerWrapper
 
 log = logging.getLogger("macinfer")
 

@@ -18,8 +18,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from macinfer import gguf_arch, gguf_hybrid
-from macinfer.gguf_file import GGUFFile, ModelLoadError
+from macinfer.gguf import arch as gguf_arch, hybrid as gguf_hybrid
+from macinfer.gguf.file import GGUFFile, ModelLoadError
 
 log = logging.getLogger("macinfer")
 Progress = Callable[[int, int], None]  # (tensors done, tensors in all)

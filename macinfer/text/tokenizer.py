@@ -23,7 +23,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from macinfer.gguf_tokenizer import tokenizer_from_gguf
+from macinfer.gguf.tokenizer import tokenizer_from_gguf
 
 Message = dict[str, Any]
 

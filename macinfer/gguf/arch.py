@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from macinfer.gguf_file import ModelLoadError
+from macinfer.gguf.file import ModelLoadError
 
 # llama.cpp block tensor name -> HF/mlx-lm name under model.layers.N
 _COMMON = {
@@ -106,7 +106,7 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
 
 
 def arch_of(meta: dict[str, Any]) -> str:
-    from macinfer.gguf_hybrid import ARCHS as HYBRID
+    from macinfer.gguf.hybrid import ARCHS as HYBRID
 
     arch = meta.get("general.architecture")
     if arch not in ARCHS and arch not in HYBRID:

