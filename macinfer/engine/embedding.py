@@ -4,7 +4,7 @@ them with generation steps (and stop between two when its client leaves)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -12,8 +12,15 @@ import numpy as np
 from macinfer.engine.sequence import Sequence
 from macinfer.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from macinfer.engine.llm_engine import LLMEngine
+
+class EmbeddingEngine(Protocol):
+    """What a job reads of its engine (`LLMEngine`), named here so neither module imports the other."""
+    loaded: Any  # its `pooling`
+    config: Any  # its `max_num_batched_tokens`
+    block_manager: Any
+    runner: Any
+    model: Any
+    kv_cache: Any
 
 
 class EmbeddingBusyError(RuntimeError):
@@ -25,7 +32,7 @@ class EmbeddingJob:
     pass over as many input chunks as the token budget holds (decode-sized inputs
     and prompt chunks together); `close()` gives back every KV block it holds."""
 
-    def __init__(self, engine: LLMEngine, token_lists: list[list[int]]):
+    def __init__(self, engine: EmbeddingEngine, token_lists: list[list[int]]):
         self.engine = engine
         self.pooling = engine.loaded.pooling
         self.seqs = [Sequence(f"embed-{i}", list(t), SamplingParams(temperature=0), 0)

@@ -3,7 +3,7 @@
 Each architecture maps its `{arch}.*` metadata onto the config fields the
 model class reads, and its `blk.N.*` tensor names onto mlx-lm's parameter
 names. Conversions llama.cpp's converter applied are undone here: Q/K rows
-permuted for the llama arch (see `gguf.py`), and Gemma's norm weights stored
+permuted for the llama arch (see `load.py`), and Gemma's norm weights stored
 as (1 + w).
 """
 
@@ -105,21 +105,8 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     )
 
 
-def arch_of(meta: dict[str, Any]) -> str:
-    from macinfer.gguf.hybrid import ARCHS as HYBRID
-
-    arch = meta.get("general.architecture")
-    if arch not in ARCHS and arch not in HYBRID:
-        from macinfer.models import UnsupportedArchitectureError
-
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture {arch!r} in GGUF; supported: " + ", ".join(sorted({*ARCHS, *HYBRID})))
-    return arch
-
-
-def config_for(meta: dict[str, Any], scalar: Callable[[Any], Any]) -> tuple[str, dict[str, Any]]:
-    """(arch, HF-style config) from GGUF metadata."""
-    arch = arch_of(meta)
+def config_for(arch: str, meta: dict[str, Any], scalar: Callable[[Any], Any]) -> dict[str, Any]:
+    """The HF-style config of one of these architectures from GGUF metadata."""
 
     def get(key: str, default: Any = None) -> Any:
         value = scalar(meta.get(f"{arch}.{key}", default))
@@ -131,7 +118,7 @@ def config_for(meta: dict[str, Any], scalar: Callable[[Any], Any]) -> tuple[str,
     config = {"model_type": model_type, **_base(get, meta)}
     if extra is not None:
         config.update(extra(get, meta))
-    return arch, config
+    return config
 
 
 def hf_name(arch: str, name: str) -> str | None:

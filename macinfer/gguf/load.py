@@ -67,8 +67,22 @@ def _scalar(v: Any) -> Any:
     return v.item() if isinstance(v, mx.array) else v
 
 
+SUPPORTED_ARCHS = frozenset({*gguf_arch.ARCHS, *gguf_hybrid.ARCHS})  # llama.cpp's names this loader reads
+
+
+def arch_of(meta: dict[str, Any]) -> str:
+    """The file's llama.cpp architecture, refused at load when this loader cannot read it."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        from macinfer.models import UnsupportedArchitectureError
+
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {arch!r} in GGUF; supported: " + ", ".join(sorted(SUPPORTED_ARCHS)))
+    return arch
+
+
 def gguf_config(meta: dict[str, Any], names: set[str] = frozenset()) -> dict[str, Any]:
-    arch = gguf_arch.arch_of(meta)
+    arch = arch_of(meta)
     if arch in gguf_hybrid.ARCHS:
         def need(key: str, default: Any = ...) -> Any:
             value = meta.get(f"{arch}.{key}", None if default is ... else default)
@@ -78,7 +92,7 @@ def gguf_config(meta: dict[str, Any], names: set[str] = frozenset()) -> dict[str
 
         config = gguf_hybrid.config_for(arch, need, meta, names)
     else:
-        arch, config = gguf_arch.config_for(meta, _scalar)
+        config = gguf_arch.config_for(arch, meta, _scalar)
 
     def get(key: str, default: Any = None) -> Any:
         return _scalar(meta.get(f"{arch}.{key}", default))
@@ -211,7 +225,7 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
             raise ModelLoadError(f"{os.path.basename(path)}: could not read tensors ({e})") from None
     else:
         raw = _requantize(f, progress)
-    arch = gguf_arch.arch_of(meta)
+    arch = arch_of(meta)
     if arch in gguf_hybrid.ARCHS:  # named by the model class's own parameters (lazy: nothing allocated)
         from macinfer.models.mlx_lm_adapter import instantiate
 

@@ -52,7 +52,7 @@ def _describe_dir(m: CachedModel) -> None:
             m.architecture, "not one mlx-lm implements")
         return
     if m.gguf_files:
-        from macinfer.gguf.arch import ARCHS
+        from macinfer.gguf.load import SUPPORTED_ARCHS
         from macinfer.gguf.file import GGUFFile, ModelLoadError
 
         try:
@@ -62,7 +62,7 @@ def _describe_dir(m: CachedModel) -> None:
             return
         m.architecture = meta.get("general.architecture")
         m.quantization = ", ".join(sorted({f.rsplit("-", 1)[-1].removesuffix(".gguf") for f in m.gguf_files}))
-        m.supported = m.architecture in ARCHS
+        m.supported = m.architecture in SUPPORTED_ARCHS
         m.why = "" if m.supported else f"GGUF architecture {m.architecture!r} is not supported"
         return
     m.why = "no config.json or .gguf file"

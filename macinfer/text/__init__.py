@@ -1,2 +1,2 @@
 """Tokens <-> text: tokenizers and incremental detokenizing, chat templates, tool-call and
-reasoning parsers. Imports no other package of macinfer's."""
+reasoning parsers. Imports gguf (a GGUF file's own tokenizer)."""
