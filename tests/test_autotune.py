@@ -1,4 +1,4 @@
-"""Paths chosen by measurement at load (`kernels/autotune.py`, `kernels/choices.py`), with
+"""Paths chosen by measurement at load (`kernels/autotune.py`, `engine/choices.py`), with
 injected timings: the faster path wins, the verdict is cached and read back on the next
 load, a path that cannot run (failed self-check, the CPU emulator) never wins, a forced
 path wins over any timing, and measuring off takes the default."""
@@ -124,7 +124,7 @@ def test_the_engine_takes_the_measured_attention_ops(tmp_path, monkeypatch, tiny
 def test_the_split_k_partition_is_timed_on_metal_only(monkeypatch, tiny_llama):
     """On the CPU the default stands, untimed; where the kernel runs for real each size is
     timed (here: injected timings, the launches stubbed) and the fastest taken."""
-    from macinfer.kernels import choices
+    from macinfer.engine import choices
     from macinfer.loading.loader import load
 
     model = load(tiny_llama).model

@@ -1,5 +1,5 @@
 """The next decode step built ahead (`engine/lookahead.py`), and a pipeline's two steps in
-flight (`distributed.engine.pipelined_step`): the same tokens as one step at a time, whatever
+flight (`engine.multi_rank.pipelined_step`): the same tokens as one step at a time, whatever
 happens to the sequences between the step that built or scheduled them and the step that
 takes their tokens."""
 

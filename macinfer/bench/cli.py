@@ -25,7 +25,7 @@ def _finish(results: dict, out_dir: str, plots: bool, table: str) -> None:
     chosen = {k: flags[k] for k in ("decode_attention", "attention_ops", "qmv_kernel", "mla_prompt_expanded_from",
                                     "decode_partition")
               if k in flags}
-    if chosen:  # the paths measured at load (kernels/choices.py)
+    if chosen:  # the paths measured at load (engine/choices.py)
         click.echo("paths: " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
     path = save_json(results, os.path.join(out_dir, f"bench_{results['mode']}.json"))
     click.echo(f"wrote {path}")

@@ -174,7 +174,7 @@ def run(model: str, vs: list[str], points: list[tuple[int, int]], host_points: l
         "model": os.path.basename(resolve(model).rstrip("/")), "model_type": loaded.config.get("model_type"),
         "quantization": loaded.config.get("quantization"), "mlx_lm_weights": weights, **versions(),
         "macinfer_flags": {"block_size": ours.config.block_size, "prefix_caching": False,
-                           **ours.engine.paths.describe()},  # the paths chosen at load (kernels/choices.py)
+                           **ours.engine.paths.describe()},  # the paths chosen at load (engine/choices.py)
         "hardware": hardware(), "energy": energy(),
         "workload": {"points": [f"{b}x{l}" for b, l in points], "host_points": [f"{b}x{l}" for b, l in host_points],
                      "repeats": repeats, "kv": "random K/V at the given context, one new token per sequence"},

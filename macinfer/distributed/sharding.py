@@ -8,7 +8,7 @@ decoder layers and drops the others' weights; as in mlx-lm, rank 0 runs the last
 are balanced by weights read, the head counted on rank 0 (`pipeline_ranges`). The hidden
 state goes from each stage to the next with `send` / `recv_like` inside the forward pass,
 so one step is one pass through every rank in turn; two steps in flight keep the stages
-busy at once (`distributed.engine.pipelined_step`).
+busy at once (`engine.multi_rank.pipelined_step`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import numpy as np
 
 from macinfer import kernels
 from macinfer.kernels.backend import Backend
-from macinfer.kernels.choices import choose_paths
+from macinfer.engine.choices import choose_paths
 from macinfer.engine.disk_cache import disk_cache_for
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.config import EngineConfig
@@ -29,7 +29,7 @@ from macinfer.engine.speculative import SpeculativeConfig, record_verdict
 from macinfer.engine.state_group import StateGroup
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.engine.cache_plan import plan_caches
-from macinfer.distributed import engine as dist_engine
+from macinfer.engine import multi_rank as dist_engine
 from macinfer.distributed import group as dist_group
 from macinfer.loading.loader import LoadedModel, load
 from macinfer.text.reasoning import track_thinking
@@ -96,7 +96,7 @@ class LLMEngine:
                              "stretch RoPE to it (YaRN)")
         self.max_model_len = cfg.max_model_len or model_len
 
-        from macinfer.kernels.selfcheck import self_check
+        from macinfer.engine.selfcheck import self_check
 
         # This engine's device: its memory, limits, self-checked kernels and the paths chosen below.
         self.backend = Backend.detect(autotune=None if cfg.autotune else False)
@@ -127,7 +127,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
         # Where there is more than one correct path (Metal kernels or MLX's ops, explicit or
         # fused attention ops, MLA's prompt form): the faster on the model's own shapes,
-        # measured once per device and cached (`kernels/choices.py`).
+        # measured once per device and cached (`engine/choices.py`).
         self.paths = choose_paths(self.model, self.layer_specs, self.kv_cache.dtype, self.backend)
         if hasattr(self.model, "use_paths"):  # paths inside the model's own layers (the Llama file's qmv)
             self.model.use_paths(self.paths)

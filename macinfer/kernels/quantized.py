@@ -1,7 +1,7 @@
 """Batched decode quantized matmul (and fused SwiGLU) Metal kernels.
 
 On Metal, used when it beats `mx.quantized_matmul` on the model's own MLP at load
-(`kernels/choices.py`; `MACINFER_FORCE_QMV=kernel|mlx`); `scripts/mac_check.py`
+(`engine/choices.py`; `MACINFER_FORCE_QMV=kernel|mlx`); `scripts/mac_check.py`
 measures it too. Correctness is checked everywhere through the CPU emulator.
 """
 

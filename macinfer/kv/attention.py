@@ -61,7 +61,7 @@ class AttentionMetadata:
     # The Metal decode kernel's split-K partition, in tokens (timed at load on Metal).
     decode_partition: int = paged_kernels.PARTITION_SIZE
     # Decode attention: "metal" (the kernel), "emulate" (its source on the CPU emulator) or
-    # "reference" (MLX ops): the engine backend's choice at load (`kernels.choices.Paths`).
+    # "reference" (MLX ops): the engine backend's choice at load (`engine.choices.Paths`).
     decode_attention: str = "reference"
     groups: "list[AttentionMetadata]" = field(default_factory=list)
     state: Any = None  # the step's recurrent-state plan (`kv/state.py`; None: no recurrent layers)

@@ -190,7 +190,7 @@ class Model(nn.Module):
         return weights
 
     def use_paths(self, paths) -> None:
-        """The paths its engine chose at load (`kernels.choices.Paths`): the qmv kernel for
+        """The paths its engine chose at load (`engine.choices.Paths`): the qmv kernel for
         quantized MLPs, on this model only."""
         for layer in self.layers:
             layer.mlp.qmv = paths.decode_attention if paths.qmv_kernel else None

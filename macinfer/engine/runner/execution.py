@@ -10,7 +10,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from macinfer.distributed.engine import share_samples
+from macinfer.engine.multi_rank import share_samples
 from macinfer.engine.block_manager import BlockManager, GroupBlocks
 from macinfer.engine.lookahead import Lookahead, candidates
 from macinfer.engine.profile import maybe
