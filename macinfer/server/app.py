@@ -24,7 +24,7 @@ from macinfer.server.metrics import ServerMetrics
 from macinfer.server.model_pool import ModelPool, PoolError, Served, ModelSource
 from macinfer.server import webui as chat_page
 from macinfer.server.middleware import Guard
-from macinfer.server import anthropic, ollama, context_editing, responses, status_routes
+from macinfer.server import anthropic, ollama, context_editing, responses, status as status_routes
 from macinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                       TokenizeRequest, describe_validation_error)
 from macinfer.server.serving import DEFAULT_MAX_TOKENS, APIError, OpenAIServing
