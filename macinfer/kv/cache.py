@@ -13,7 +13,6 @@ kernel reads it with unit stride.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import mlx.core as mx

@@ -12,15 +12,18 @@ as thinking, text and tool_use blocks, or as their streaming events.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from macinfer.server import chat_output
+from macinfer.server import chat_output, context_editing
 from macinfer.server.context_editing import ContextManagement
+from macinfer.server.routing import Routing
 from macinfer.server.protocol import _NO_INPUT, ChatCompletionRequest
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -358,3 +361,29 @@ async def events(model_name: str, turn, gen, applied: list[dict] | None = None,
                 yield _event("message_stop", {})
     finally:
         gen.close()
+
+
+def add_routes(app: FastAPI, routing: Routing) -> None:
+    """/v1/messages (with context editing) and /v1/messages/count_tokens, over the chat path."""
+    pool = routing.pool
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, request: Request):
+        async with pool.use(req.model) as m:
+            applied = None
+            if req.context_management is not None:  # Anthropic's context editing, before the prompt is built
+                req, applied = await asyncio.to_thread(
+                    context_editing.apply, req,
+                    lambda r: len(m.serving.chat_prompt(routing.to_chat(r, "messages")).ids),
+                    lambda text: len(m.engine.tokenizer.encode(text, add_special_tokens=False)))
+            omit = thinking_omitted(req)
+            return await routing.translated(m, req, "messages", request,
+                                            lambda t, s: events(m.name, t, s, applied, omit),
+                                            lambda f, t: message(req, m.name, f, t, applied))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: CountTokensRequest):
+        """Anthropic's token count: the prompt the same request to /v1/messages would run."""
+        async with pool.use(req.model) as m:
+            turn = await asyncio.to_thread(m.serving.chat_prompt, routing.to_chat(req, "messages"))
+        return {"input_tokens": len(turn.ids)}

@@ -1,37 +1,29 @@
-"""The FastAPI app: routes, auth, body limit, OpenAI-style errors; and `run_server`."""
+"""The FastAPI app: middleware (auth, body limit, hosts), errors in each API's own shape, the
+health probes, and every API surface's routes composed (`routing.py`); and `run_server`."""
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import hashlib
-import re
 import contextlib
-import json
+import hashlib
 import logging
 
 from fastapi import FastAPI, Request
-from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from macinfer.engine.embedding import EmbeddingBusyError
 from macinfer.engine.llm_engine import LLMEngine
-from macinfer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from macinfer.server.metrics import ServerMetrics
-from macinfer.server.model_pool import ModelPool, PoolError, Served, ModelSource
+from macinfer.server import anthropic, embeddings, ollama, openai, responses, status
 from macinfer.server import webui as chat_page
+from macinfer.server.async_engine import AsyncEngine
+from macinfer.server.metrics import ServerMetrics
 from macinfer.server.middleware import Guard
-from macinfer.server import anthropic, ollama, context_editing, responses, status as status_routes
-from macinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                      TokenizeRequest, describe_validation_error)
+from macinfer.server.model_pool import ModelPool, ModelSource, PoolError, Served
+from macinfer.server.protocol import describe_validation_error
+from macinfer.server.routing import Routing
 from macinfer.server.serving import DEFAULT_MAX_TOKENS, APIError, OpenAIServing
 
 log = logging.getLogger("macinfer.server")
-
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
 
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                  405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -137,223 +129,9 @@ def create_app(engine: LLMEngine | ModelPool, model_name: str | None = None, api
             return JSONResponse({"status": "error", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
-    status_routes.add_routes(app, pool, metrics)
-
-    def _add_header(request: Request, name: str, value: str) -> None:
-        """A header for this response's head (the Guard middleware adds them)."""
-        extra = getattr(request.state, "response_headers", [])
-        request.state.response_headers = [*extra, (name.encode(), value.encode())]
-
-    def _say_ignored(request: Request, turn) -> None:
-        """Fields this model cannot act on (a reasoning effort for a template with no thinking
-        control): named in `x-macinfer-ignored` and the log, not refused (every agent sends them)."""
-        if turn.ignored:
-            log.info("request fields this model cannot act on: %s", ", ".join(turn.ignored))
-            _add_header(request, "x-macinfer-ignored", ",".join(turn.ignored))
-
-    async def _start(m: Served, kind: str, req, prompt, max_tokens, logprobs, request: Request, plan=None):
-        """Validate, tokenize (never on the event loop: a large prompt takes seconds) and
-        admit a request; returns (request id, prompt ids, output stream)."""
-        ids, params, limit = await asyncio.to_thread(m.serving.prepare, req, prompt, max_tokens, logprobs, plan)
-        if limit is not None:
-            _add_header(request, "x-macinfer-max-tokens", limit)
-        try:
-            index = getattr(request.state, "api_key_index", None)
-            client = (None if index is None else key_ids[index], req.user)
-            rid, stream = m.serving.submit(req, ids, params, kind, client)
-        except QueueFullError as e:
-            raise APIError(429, str(e), type="rate_limit_error", code="server_busy",
-                           headers={"Retry-After": "1"}) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type="server_error") from None
-        return rid, ids, stream
-
-    def _sse(events, stream) -> StreamingResponse:
-        # The background task runs even if the client left before the body started.
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                 background=BackgroundTask(stream.close))
-
-    async def _run(m: Served, kind: str, req, prompt, max_tokens, logprobs, request: Request, turn=None):
-        rid, ids, stream = await _start(m, kind, req, prompt, max_tokens, logprobs, request, turn and turn.plan)
-        if req.stream:
-            return _sse(m.serving.stream(kind, req, rid, ids, stream, turn), stream)
-        return await m.serving.complete(kind, req, rid, ids, stream, request, turn)
-
-    async def _chat_translated(m: Served, chat: ChatCompletionRequest, request: Request):
-        """Start a chat translated from another API; (chat turn, stream, final output or None)."""
-        turn = await asyncio.to_thread(m.serving.chat_prompt, chat)
-        _say_ignored(request, turn)
-        _, _, stream = await _start(m, "chat", chat, turn.ids, chat.max_tokens, None, request, turn.plan)
-        if chat.stream:
-            return turn, stream, None
-        final = (await m.serving.wait_final(stream, request))[0]
-        metrics.observe(final, m.name)
-        return turn, stream, final
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        async with pool.use(req.model) as m:
-            turn = await asyncio.to_thread(m.serving.chat_prompt, req)
-            _say_ignored(request, turn)
-            logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            return await _run(m, "chat", req, turn.ids, req.max_completion_tokens or req.max_tokens, logprobs,
-                              request, turn)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        async with pool.use(req.model) as m:
-            return await _run(m, "completion", req, prompt, req.max_tokens or 16, req.logprobs, request)
-
-    def _to_chat(req, param: str) -> ChatCompletionRequest:
-        """A request of another API as a chat request, or a 400 in the client's terms."""
-        try:
-            return req.to_chat()
-        except ValidationError as e:  # the translated request breaks a chat rule: say it in the client's terms
-            msg, _ = describe_validation_error(e.errors())
-            raise APIError(400, msg, param=param) from None
-        except (ValueError, TypeError, AttributeError, KeyError) as e:  # a shape the checks above missed
-            msg = str(e) if isinstance(e, ValueError) else f"malformed `{param}`"
-            # Messages start with the field they are about ("text.format ...", "tools[0]: ...").
-            named = re.match(r"(system|tools|tool_choice|text|thinking)\b", msg)
-            raise APIError(400, msg, param=named.group(1) if named else param) from None
-
-    async def _translated(m: Served, req, param: str, request: Request, events, whole):
-        """Serve a request of another API through the chat path: `events(turn, stream)`
-        streams it, `whole(final, turn)` answers it at once."""
-        turn, stream, final = await _chat_translated(m, _to_chat(req, param), request)
-        if final is None:
-            return _sse(events(turn, stream), stream)
-        return whole(final, turn)
-
-    @app.post("/v1/messages")
-    async def messages(req: anthropic.MessagesRequest, request: Request):
-        async with pool.use(req.model) as m:
-            applied = None
-            if req.context_management is not None:  # Anthropic's context editing, before the prompt is built
-                req, applied = await asyncio.to_thread(
-                    context_editing.apply, req, lambda r: len(m.serving.chat_prompt(_to_chat(r, "messages")).ids),
-                    lambda text: len(m.engine.tokenizer.encode(text, add_special_tokens=False)))
-            omit = anthropic.thinking_omitted(req)
-            return await _translated(m, req, "messages", request,
-                                     lambda t, s: anthropic.events(m.name, t, s, applied, omit),
-                                     lambda f, t: anthropic.message(req, m.name, f, t, applied))
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(req: anthropic.CountTokensRequest):
-        """Anthropic's token count: the prompt the same request to /v1/messages would run."""
-        async with pool.use(req.model) as m:
-            turn = await asyncio.to_thread(m.serving.chat_prompt, _to_chat(req, "messages"))
-        return {"input_tokens": len(turn.ids)}
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        """vLLM's /tokenize: a prompt, or messages through the chat template."""
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "send either `prompt` or `messages`", param="prompt")
-        async with pool.use(req.model) as m:
-            if req.messages is not None:
-                chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-                ids = (await asyncio.to_thread(m.serving.chat_prompt, chat)).ids
-            else:
-                ids = await asyncio.to_thread(m.engine.tokenizer.encode, req.prompt, req.add_special_tokens)
-            out = {"count": len(ids), "max_model_len": m.engine.max_model_len, "tokens": ids}
-            if req.return_token_strs:
-                out["token_strs"] = [m.engine.tokenizer.id_to_token(i) for i in ids]
-        return out
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        async with pool.use(req.model) as m:
-            vocab = m.engine.model.args.vocab_size
-            if any(not 0 <= t < vocab for t in req.tokens):
-                raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-            return {"prompt": m.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
-
-    @app.post("/v1/responses")
-    async def responses_create(req: responses.ResponsesRequest, request: Request):
-        dropped = req.hosted_tools()
-        if dropped:
-            log.info("responses: hosted tools left out (this server cannot run them): %s", ", ".join(dropped))
-            _add_header(request, "x-macinfer-dropped-tools", ",".join(dropped))
-        async with pool.use(req.model) as m:
-            return await _translated(m, req, "input", request, lambda t, s: responses.events(req, m.name, t, s),
-                                     lambda f, t: responses.response(req, m.name, f, t))
-
-    async def _embed(m: Served, inputs: list, request: Request):
-        """Pooled embeddings of `inputs` (texts or token lists): (vectors, token count)."""
-        engine, async_engine = m.engine, m.async_engine
-        if engine.loaded.pooling is None:
-            raise APIError(400, "this model does not publish embedding use (no sentence-transformers pooling "
-                           "config, no GGUF pooling_type): it has no embeddings endpoint", param="model",
-                           code="model_not_supported")
-        if len(inputs) > MAX_EMBEDDING_INPUTS:
-            raise APIError(400, f"input holds {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} per request",
-                           param="input")
-        tok = engine.tokenizer
-        ids = await asyncio.to_thread(lambda: [tok.encode(x) if isinstance(x, str) else list(x) for x in inputs])
-        vocab = engine.model.args.vocab_size
-        for i, x in enumerate(ids):
-            if not x or len(x) > engine.max_model_len:
-                raise APIError(400, f"input {i} has {len(x)} tokens; 1 to {engine.max_model_len} fit", param="input")
-            if any(not 0 <= t < vocab for t in x):
-                raise APIError(400, f"input {i}: token ids must be in [0, {vocab})", param="input")
-        job = None
-        try:
-            job = await async_engine.call(engine.embedding_job, ids)
-            # One forward pass per call: generation steps run between them, and a
-            # client that leaves stops the work at the next pass.
-            while not await async_engine.call(job.step):
-                if await request.is_disconnected():
-                    log.info("embeddings: client left after %d of %d inputs; stopped", job.next, len(ids))
-                    raise APIError(499, "client disconnected")
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type="server_error") from None
-        except EmbeddingBusyError as e:
-            raise APIError(503, str(e), type="server_error", headers={"Retry-After": "1"}) from None
-        except APIError:
-            raise
-        except Exception:
-            log.exception("embedding failed")
-            raise APIError(500, "embedding failed with an internal error (details are in the server log)",
-                           type="server_error") from None
-        finally:
-            if job is not None:
-                with contextlib.suppress(Exception):
-                    await async_engine.call(job.close)
-        return job.results, sum(len(x) for x in ids)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(req: EmbeddingRequest, request: Request):
-        inputs = req.input
-        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
-            inputs = [inputs]
-        async with pool.use(req.model) as m:
-            results, n = await _embed(m, inputs, request)
-            name = m.name
-
-        async def body():
-            # Written a few vectors at a time on the event loop, which serves other
-            # streams between them: one json.dumps (or FastAPI's encoder) of 2,000
-            # vectors holds the GIL for ~0.5 s, a pause every stream would see.
-            yield '{"object": "list", "data": ['
-            for i, v in enumerate(results):
-                emb = (base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
-                       else v.astype(float).tolist())
-                yield ("" if i == 0 else ", ") + json.dumps({"object": "embedding", "index": i, "embedding": emb})
-                if i % 32 == 31:
-                    await asyncio.sleep(0)
-            yield (f'], "model": {json.dumps(name)}, '
-                   f'"usage": {json.dumps({"prompt_tokens": n, "total_tokens": n})}}}')
-
-        return StreamingResponse(body(), media_type="application/json")
-
-    ollama.add_routes(app, pool, _chat_translated, _embed, _add_header)
+    routing = Routing(pool, metrics, key_ids)
+    for surface in (openai, anthropic, responses, embeddings, ollama, status):
+        surface.add_routes(app, routing)
     return app
 
 

@@ -281,11 +281,14 @@ def _to_chat_error(e: Exception):
     return APIError(400, msg)
 
 
-def add_routes(app: Any, pool, chat_translated, embed, add_header) -> None:
+def add_routes(app: Any, routing: Any) -> None:
     """The routes, over the same models: a `name:tag` model name resolves to a served model
     by its name or alias (with one model, any name reaches it, as the other APIs take any)."""
     from macinfer import __version__
+    from macinfer.server.embeddings import embed
     from macinfer.server.serving import APIError
+
+    pool, chat_translated, add_header = routing.pool, routing.chat_translated, routing.add_header
 
     def entry(e, served) -> dict[str, Any]:
         name = e.name if ":" in e.name else f"{e.name}:latest"

@@ -11,15 +11,20 @@ files...) are refused with a 400 naming the field.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from macinfer.server import chat_output
 from macinfer.server.protocol import ChatCompletionRequest
+from macinfer.server.routing import Routing
+
+log = logging.getLogger("macinfer.server")
 
 _NOOP = {"previous_response_id": (None,), "store": (None, False),
          "truncation": (None, "disabled"), "metadata": None, "background": (None, False),
@@ -372,3 +377,16 @@ async def events(req: ResponsesRequest, model_name: str, turn, gen) -> AsyncIter
                 yield event("response.completed" if not length else "response.incomplete", {"response": final})
     finally:
         gen.close()
+
+
+def add_routes(app: FastAPI, routing: Routing) -> None:
+    """/v1/responses, over the chat path."""
+    @app.post("/v1/responses")
+    async def responses_create(req: ResponsesRequest, request: Request):
+        dropped = req.hosted_tools()
+        if dropped:
+            log.info("responses: hosted tools left out (this server cannot run them): %s", ", ".join(dropped))
+            routing.add_header(request, "x-macinfer-dropped-tools", ",".join(dropped))
+        async with routing.pool.use(req.model) as m:
+            return await routing.translated(m, req, "input", request, lambda t, s: events(req, m.name, t, s),
+                                            lambda f, t: response(req, m.name, f, t))

@@ -12,7 +12,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from macinfer.server.model_pool import ModelPool, Served
 
 
-def add_routes(app: Any, pool: ModelPool, metrics: Any) -> None:
+def add_routes(app: Any, routing: Any) -> None:
+    pool: ModelPool = routing.pool
+    metrics = routing.metrics
     created = int(time.time())  # one value for the server's life, as clients cache model lists
 
     def model_card(entry) -> dict:
