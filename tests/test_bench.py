@@ -32,6 +32,23 @@ def test_engine_mode_against_mlx_lm_on_the_same_weights(tiny_llama, tmp_path):
     for e in res["engines"].values():
         assert e["decode_tok_s"] > 0 and set(e["throughput"]) == {"1", "2"}
     assert os.path.getsize(tmp_path / "engine_throughput_vs_concurrency.png") > 1000
+    assert set(res["spread"]) == {"decode", "prefill", "c=1", "c=2"}
+    assert {"macinfer", "mlx-lm", "machine", "ratio"} <= set(res["spread"]["c=2"])
+
+
+def test_a_wide_spread_is_flagged_with_its_source():
+    """The paired ratio steady while both engines swing together: the machine; one engine
+    swinging alone on a steady machine: the engines. Narrow spreads say nothing."""
+    from macinfer.bench.engine import spread, spread_note
+
+    def note(rates, machine):
+        return spread_note({"spread": {"c=32": spread(rates, machine)}, "context": {"workload": {"repeats": 4}}})
+
+    machine_drift = note({"macinfer": [100, 80, 120, 90], "mlx-lm": [70, 56, 84, 63]}, [200, 160, 240, 180])
+    assert "c=32 spread 42%" in machine_drift and "ratio 1.43-1.43: the machine (its matmul speed varied 42%; the ratio held)" in machine_drift
+    engine_noise = note({"macinfer": [100, 70, 130, 95], "mlx-lm": [70, 71, 69, 70]}, [200, 201, 199, 200])
+    assert "the engines (macinfer 62%, mlx-lm 3%), not the machine" in engine_noise
+    assert note({"macinfer": [100, 101, 99], "mlx-lm": [70, 71, 69]}, [200, 200, 200]) == ""
 
 
 def test_step_mode_times_steps_host_and_graph_nodes(tiny_llama, tmp_path):

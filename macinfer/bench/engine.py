@@ -105,35 +105,105 @@ def run(model: str, vs: list[str], prompt_len: int = 32, gen_len: int = 64, pref
                      "prompts": "random token ids (fixed seed)", "sampling": "greedy, EOS ignored"},
     }, "engines": {}}
 
-    def measure(prompts, max_tokens, label) -> dict[str, tuple[float, float]]:
+    spreads: dict[str, dict] = {}
+
+    def measure(prompts, max_tokens, label, rate) -> dict[str, tuple[float, float]]:
         """Median (ttft, total) per engine; repeats interleaved across engines, so a
-        drift in this machine's speed (15-30% here) hits every engine alike."""
+        drift in this machine's speed hits every engine alike. Each repeat also times a
+        fixed matmul (the machine's own speed, `machine_gflops`), and the figure's spread is
+        kept per engine, for the paired ratio and for the machine (`spread`)."""
         runs: dict[str, list] = {r.name: [] for r in runners}
+        machine = []
         for _ in range(repeats):
+            machine.append(machine_gflops())
             for r in runners:
                 runs[r.name].append(r.run(prompts, max_tokens))
         tick(label)
+        spreads[label] = spread({name: [rate(x) for x in rs] for name, rs in runs.items()}, machine)
         return {name: (statistics.median(x[0] for x in rs), statistics.median(x[1] for x in rs))
                 for name, rs in runs.items()}
 
     out: dict[str, dict] = {r.name: {"throughput": {}} for r in runners}
     for r in runners:
         r.run([prompt(8)], 4)  # warm-up
-    for name, (ttft, total) in measure([prompt(prompt_len)], gen_len, "decode").items():
+    for name, (ttft, total) in measure([prompt(prompt_len)], gen_len, "decode",
+                                       lambda x: (gen_len - 1) / (x[1] - x[0])).items():
         out[name]["decode_tok_s"] = (gen_len - 1) / (total - ttft)
         out[name]["tpot_ms"] = 1000 * (total - ttft) / (gen_len - 1)
-    for name, (ttft, _) in measure([prompt(prefill_len)], 1, "prefill").items():
+    for name, (ttft, _) in measure([prompt(prefill_len)], 1, "prefill", lambda x: prefill_len / x[0]).items():
         out[name]["prefill_tok_s"] = prefill_len / ttft
         out[name]["ttft_s"] = ttft
     for c in concurrency:
-        for name, (_, total) in measure([prompt(prompt_len) for _ in range(c)], batch_gen_len, f"c={c}").items():
+        for name, (_, total) in measure([prompt(prompt_len) for _ in range(c)], batch_gen_len, f"c={c}",
+                                        lambda x, c=c: c * batch_gen_len / x[1]).items():
             out[name]["throughput"][str(c)] = c * batch_gen_len / total
     for r in runners:
         out[r.name]["peak_rss_gb_process"] = r.peak_rss_gb() if isinstance(r, Isolated) else process_peak_rss_gb()
         results["engines"][r.name] = out[r.name]
         if isinstance(r, Isolated):
             r.close()
+    results["spread"] = spreads
     return results
+
+
+WIDE = 0.10  # a spread (max - min over the median) wider than this is flagged
+
+
+def machine_gflops(n: int = 512, calls: int = 8) -> float:
+    """This machine's speed right now: a fixed float32 matmul's GFLOPS (what a decode step
+    mostly is on the CPU), timed where the engines' repeats run, between them."""
+    import time
+
+    import mlx.core as mx
+
+    a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
+    mx.eval(a @ b)
+    start = time.perf_counter()
+    mx.eval([a @ b + i for i in range(calls)])
+    return 2 * n**3 * calls / (time.perf_counter() - start) / 1e9
+
+
+def _rel(values: list[float]) -> float:
+    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
+
+
+def spread(rates: dict[str, list[float]], machine: list[float]) -> dict:
+    """Per engine and for the machine: (max - min) / median over the repeats; with two
+    engines, the per-repeat ratio's min / median / max. Where the ratio is steadier than
+    either engine the two moved together: the machine, not an engine."""
+    out: dict = {name: round(_rel(v), 3) for name, v in rates.items()}
+    out["machine"] = round(_rel(machine), 3)
+    names = list(rates)
+    if len(names) == 2:
+        ratios = [a / b for a, b in zip(rates[names[0]], rates[names[1]]) if b]
+        out["ratio"] = [round(min(ratios), 3), round(statistics.median(ratios), 3), round(max(ratios), 3)]
+    return out
+
+
+def spread_note(results: dict) -> str:
+    """One line per figure whose spread is wide, saying where it came from."""
+    lines = []
+    for label, sp in results.get("spread", {}).items():
+        engines = {k: v for k, v in sp.items() if k not in ("machine", "ratio")}
+        worst = max(engines.values(), default=0.0)
+        if worst <= WIDE:
+            continue
+        ratio = sp.get("ratio")
+        ratio_rel = (ratio[2] - ratio[0]) / ratio[1] if ratio and ratio[1] else None
+        held = ratio_rel is not None and ratio_rel <= WIDE
+        if sp["machine"] > WIDE:
+            where = f"the machine (its matmul speed varied {sp['machine']:.0%}" + (
+                "; the ratio held)" if held else f"; the ratio moved {ratio_rel:.0%} too: the load hit the engines "
+                "unevenly)" if ratio_rel is not None else ")")
+        elif held or (ratio_rel is not None and ratio_rel < worst / 2):
+            where = f"the machine (the engines moved together: the ratio varied {ratio_rel:.0%})"
+        else:
+            where = "the engines ({}), not the machine (matmul speed varied {:.0%})".format(
+                ", ".join(f"{k} {v:.0%}" for k, v in engines.items()), sp["machine"])
+        lines.append(f"warning: {label} spread {worst:.0%} over {results['context']['workload']['repeats']} repeats"
+                     + (f", ratio {ratio[0]:.2f}-{ratio[2]:.2f}" if ratio else "") + f": {where}; "
+                     "more --repeats, or a quieter machine, narrow it")
+    return "\n".join(lines)
 
 
 def table(results: dict) -> str:
@@ -142,13 +212,21 @@ def table(results: dict) -> str:
             (f"prefill tok/s ({results['context']['workload']['prefill_len']})", lambda e: e["prefill_tok_s"])]
     rows += [(f"throughput c={c} tok/s", lambda e, c=c: e["throughput"][c]) for c in results["engines"][names[0]]["throughput"]]
     lines = [f"{'metric':<28}" + "".join(f"{n:>12}" for n in names) + ("   ratio" if len(names) == 2 else "")]
-    for label, get in rows:
+    spreads = list(results.get("spread", {}).values())  # decode, prefill, then each concurrency (the rows' order)
+    spreads = [spreads[0], spreads[0], *spreads[1:]] if spreads else []
+    if spreads:
+        lines[0] += "  (range over repeats)  machine"
+    for i, (label, get) in enumerate(rows):
         vals = [get(results["engines"][n]) for n in names]
         line = f"{label:<28}" + "".join(f"{v:>12.2f}" for v in vals)
         if len(vals) == 2 and vals[1]:
             line += f"{vals[0] / vals[1]:>8.2f}"
+            sp = spreads[i] if i < len(spreads) else None
+            if sp and "ratio" in sp and i != 1:  # (TPOT shares decode's repeats)
+                line += f"  ({sp['ratio'][0]:.2f}-{sp['ratio'][2]:.2f}){'':>12}{sp['machine']:>6.0%}"
         lines.append(line)
-    return "\n".join(lines)
+    note = spread_note(results)
+    return "\n".join(lines + ([note] if note else []))
 
 
 def profile(model: str, concurrency: int = 32, prompt_len: int = 32, gen_len: int = 64,
