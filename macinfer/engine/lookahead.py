@@ -17,7 +17,7 @@ Its K/V writes are the ones the next step makes anyway (the same token at the sa
 position), or, for a sequence that ended or was preempted meanwhile, land in blocks that
 nothing reads before writing them again: a block gets a prefix-cache hash only once all
 its tokens are computed, which the lookahead's token is not yet. Recurrent layers' new
-states are set aside (`StatePool.staging`) and committed only for the rows the next step
+states are set aside (`StateGroup.staged`) and committed only for the rows the next step
 takes, with the state snapshots that step would have taken (`commit_states`); a row not
 taken leaves its sequence's state as it was. Several ranks (their steps are collectives
 in lockstep) and steps that may speculate do not look ahead.
@@ -31,7 +31,6 @@ from typing import Callable
 import mlx.core as mx
 
 from macinfer.engine.sequence import Sequence
-from macinfer.kv.state import StateCall, slot_runs
 
 
 @dataclass
@@ -42,7 +41,7 @@ class Lookahead:
     draw_rows: list[int]  # per row: the row of step n's draw it took as its input token
     token_values: list[int] | None = None  # those tokens, once step n's draw is read back
     # Recurrent models: each cache's staged (call, new states), and each sequence's row in them.
-    states: dict | None = None
+    staged: dict | None = None
     state_rows: dict[Sequence, int] | None = None
 
     def take(self, scheduled: list[tuple[Sequence, int]]
@@ -65,27 +64,10 @@ class Lookahead:
         return self.logits[mx.array(rows)], seqs, rest
 
     def commit_states(self, seqs: list[Sequence], group, step) -> None:
-        """The taken sequences' new recurrent states, into the pool (`group`: the
-        `StateGroup`) at their slots now (a finished request's slot may have moved one),
-        with the snapshots their step takes, staged in its transaction `step`
-        (`StateGroup.cuts`, as `inputs.build_inputs` does: a decode token's state is kept
-        at the block boundary it completes)."""
-        if not self.states or not seqs:
-            return
-        pool = group.pool
-        order = sorted(seqs, key=lambda s: s.state_slot)
-        js = [self.state_rows[s] for s in order]
-        taken = [s.state_slot for s in order]
-        call = StateCall(rows=None, n=len(order), length=1, slots=mx.array(taken, dtype=mx.int32),
-                         fresh=False, runs=slot_runs(taken))
-        index = None if js == list(range(len(self.state_rows))) else mx.array(js, dtype=mx.int32)
-        for cache, (_, values) in self.states.items():
-            pool.scatter(cache, call, [v if v is None or index is None else v[index] for v in values])
-        for seq, j in zip(order, js):
-            for _, dst in group.cuts(seq, seq.num_computed_tokens, 1, step):
-                for cache, (_, values) in self.states.items():
-                    pool.write(cache, dst, [None if v is None else v[j : j + 1] for v in values])
-        step.commit()
+        """The taken sequences' staged recurrent states, committed by their group
+        (`StateGroup.commit_staged`) in this step's transaction `step`."""
+        if self.staged and seqs:
+            group.commit_staged(self.staged, self.state_rows, seqs, step)
 
 
 def candidates(scheduled: list[tuple[Sequence, int]], samplers: list, reserve: Callable[[Sequence, int], bool]

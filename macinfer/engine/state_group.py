@@ -32,11 +32,14 @@ prepares inputs again but cannot reset it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
+
+import mlx.core as mx
 
 from macinfer.engine.sequence import Sequence
-from macinfer.kv.state import StatePool
+from macinfer.kv.state import StateCall, StatePool, slot_runs
 
 
 
@@ -115,6 +118,41 @@ class StateGroup:
             raise RuntimeError("a state step began before the last one committed its snapshots")
         self.step = StateStep(self)
         return self.step
+
+    # -- a step built ahead (`engine/lookahead.py`) ------------------------------------
+    @contextmanager
+    def staged(self) -> Iterator[dict]:
+        """While the next step's graph is built ahead: its new states are set aside (the
+        dict filled: cache -> (call, values)), not written, until `commit_staged`."""
+        staged: dict = {}
+        self.pool.staging = staged
+        try:
+            yield staged
+        finally:
+            self.pool.staging = None
+
+    def arrays(self) -> list[mx.array]:
+        """The pool's arrays (evaluated with a step built ahead: its writes done in place)."""
+        return self.pool.slot_arrays()
+
+    def commit_staged(self, staged: dict, rows: dict[Sequence, int], seqs: list[Sequence], step: StateStep) -> None:
+        """The new states of `seqs` (their `rows` in the staged call, in slot order), into
+        their slots now (a finished request's slot may have moved one), with the snapshots
+        their step takes, staged in `step` (a decode token's state is kept at the block
+        boundary it completes, as `inputs.build_inputs` does); others stay as they were."""
+        order = sorted(seqs, key=lambda s: s.state_slot)
+        js = [rows[s] for s in order]
+        taken = [s.state_slot for s in order]
+        call = StateCall(rows=None, n=len(order), length=1, slots=mx.array(taken, dtype=mx.int32),
+                         fresh=False, runs=slot_runs(taken))
+        index = None if js == list(range(len(rows))) else mx.array(js, dtype=mx.int32)
+        for cache, (_, values) in staged.items():
+            self.pool.scatter(cache, call, [v if v is None or index is None else v[index] for v in values])
+        for seq, j in zip(order, js):
+            for _, dst in self.cuts(seq, seq.num_computed_tokens, 1, step):
+                for cache, (_, values) in staged.items():
+                    self.pool.write(cache, dst, [None if v is None else v[j : j + 1] for v in values])
+        step.commit()
 
     # -- the group interface (as `GroupBlocks`) ----------------------------------------
     def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:

@@ -4,6 +4,7 @@ and finished, the evaluation; its tokens come from `verification`."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -237,26 +238,21 @@ class ModelRunner:
         positions = [p for _, p in items]
         with maybe(self.profile, "metadata"):
             input_ids, meta, _, _ = self.prepare([(seq, 1) for seq, _ in items], ahead=(ids, positions))
-        pool = self.kv_cache.states if self.state is not None else None
-        if pool is not None:
-            pool.staging = {}  # its recurrent states set aside until the next step takes its rows
-        try:
+        with contextlib.ExitStack() as stack:
+            # Its recurrent states set aside until the next step takes its rows.
+            staged = stack.enter_context(self.state.staged()) if self.state is not None else None
             with maybe(self.profile, "graph"):
                 logits = self.model.logits(self.model(input_ids, meta))
-        finally:
-            staged = None if pool is None else pool.staging
-            if pool is not None:
-                pool.staging = None
         with maybe(self.profile, "device"):
-            # The pool's own arrays too: this step's writes (snapshots, slot writes) done now,
-            # in place, rather than left pending under a later write.
-            mx.async_eval(logits, *([] if pool is None else pool.slot_arrays()))
+            # The state pool's own arrays too: this step's writes (snapshots, slot writes) done
+            # now, in place, rather than left pending under a later write.
+            mx.async_eval(logits, *([] if self.state is None else self.state.arrays()))
         self.ahead_built += len(items)
         self.ahead = Lookahead(logits, {seq: i for i, (seq, _) in enumerate(items)}, positions, rows)
-        if pool is not None:  # the staged call holds the sequences in slot order (one decode call)
+        if staged is not None:  # the staged call holds the sequences in slot order (one decode call)
             assert len(meta.state.rounds) == 1 and len(meta.state.rounds[0]) == 1, meta.state.rounds
             by_slot = sorted((seq for seq, _ in items), key=lambda q: q.state_slot)
-            self.ahead.states, self.ahead.state_rows = staged, {q: j for j, q in enumerate(by_slot)}
+            self.ahead.staged, self.ahead.state_rows = staged, {q: j for j, q in enumerate(by_slot)}
 
     def _pick(self, logits: mx.array, rows: list, allowed: mx.array | None, sampler: bool,
               drawn: Draw | None = None, step: StateStep | None = None
