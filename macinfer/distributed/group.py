@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -24,6 +25,8 @@ log = logging.getLogger("macinfer")
 
 MODES = ("pipeline", "tensor")
 DEFAULT_TIMEOUT = 60.0  # seconds a collective may take before the group is declared hung
+LAUNCHER_POLL = 0.5  # seconds between looks at whether this rank's launcher still runs
+WORKER_GRACE = 30.0  # seconds a worker waits for rank 0 to close once the launcher is gone
 
 
 class DistributedError(RuntimeError):
@@ -154,4 +157,31 @@ def init(mode: str, timeout: float = DEFAULT_TIMEOUT) -> DistContext:
             f"--distributed {mode}")
     ctx = DistContext(mode, group, timeout)
     ctx.start_watchdog()
+    watch_launcher(ctx)
     return ctx
+
+
+def watch_launcher(ctx: DistContext, poll: float = LAUNCHER_POLL) -> None:
+    """Every rank ends when the process that started it (`mlx.launch`, or ssh's session for a
+    remote rank) ends, whatever signal that one got: a supervisor's SIGTERM reaches the
+    launcher alone. Noticed by the parent changing (a look every `poll` seconds: the same on
+    Linux and macOS, and unlike a parent-death signal blind to which thread started us).
+    Rank 0 then shuts down as a single process does on SIGTERM (stops accepting, finishes or
+    ends its requests, lets the workers return); a worker waits for that, and exits by
+    itself after `WORKER_GRACE` seconds if it never comes. A rank started by init (ppid 1)
+    has no launcher to follow."""
+    parent = os.getppid()
+    if parent <= 1:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        log.warning("rank %d: its launcher (pid %d) ended; shutting down", ctx.rank, parent)
+        if ctx.is_driver:
+            os.kill(os.getpid(), signal.SIGTERM)  # (the server's handler: a graceful shutdown)
+        else:
+            time.sleep(WORKER_GRACE)
+            fatal(f"rank {ctx.rank}: its launcher ended and rank 0 did not close within {WORKER_GRACE:.0f} s")
+
+    threading.Thread(target=watch, name="macinfer-launcher-watch", daemon=True).start()

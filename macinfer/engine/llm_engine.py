@@ -327,16 +327,21 @@ class LLMEngine:
         ends that request with finish_reason "error"; the others go on.
         """
         if self.dist is not None:  # the workers replay this step's inputs, then run it too
-            self._inputs.sync(ack=self._in_flight is None)
+            self._inputs.sync(busy=self.has_unfinished_requests(), in_flight=self._in_flight is not None)
             with self.dist.watch("step"):
                 return self.run_step()
         return self.run_step()
 
     def idle(self) -> None:
-        """Called by a serving loop with nothing to run: over several ranks, a sync now and
-        then (a dead or hung rank is found while idle, and aborts reach the workers)."""
+        """Called by a serving loop with nothing to run: over several ranks, a sync when one
+        is due (the workers wake for it; a dead or hung rank is found; aborts reach them)."""
         if self.dist is not None and self._inputs.due():
             self.step()
+
+    def idle_wait(self, longest: float) -> float:
+        """How long a serving loop with nothing to run may wait for requests (at most
+        `longest`) before it calls `idle` again."""
+        return min(longest, self._inputs.wait()) if self.dist is not None else longest
 
     def close(self) -> None:
         """Write the prefix cache to its disk tier (when on); over several ranks, let the

@@ -7,8 +7,19 @@ are deterministic functions of those inputs, so every rank plans the same batch 
 it being shipped; the forward pass's collectives (all-reduces of the tensor-parallel
 shards, the pipeline's sends) keep them in step. Rank 0 samples (it holds the real logits
 in both modes) and broadcasts the tokens, so grammars, stop strings and drafts advance the
-same everywhere. When idle the driver still syncs every `HEARTBEAT` seconds, so a dead or
-hung rank is found within `HEARTBEAT + timeout`, not at the next request.
+same everywhere.
+
+Idle, the ranks sleep. MLX's ring transport spins a core while a receive is pending (its
+socket thread polls a non-blocking socket), so no rank waits in a receive it does not
+expect to complete soon: after each idle sync the driver syncs again after an interval
+both sides know (10 ms after the last work, doubling to `IDLE_MAX`), and a worker sleeps
+until then before it receives. A request that arrives meanwhile is sent at once; the
+worker takes it at its next wake-up (within the interval). A worker times each sleep from
+when its last receive completed: when it woke early that is when the driver's message
+arrived, so it never drifts behind the driver (it would then make the driver wait), and
+it spins at most the driver's lateness. Every `HEARTBEAT` seconds an idle sync asks for an
+answer too, which the driver reads at its next sync (by then it has arrived: no wait), so
+a dead or hung rank is found within `HEARTBEAT + timeout`, not at the next request.
 """
 
 from __future__ import annotations
@@ -21,41 +32,77 @@ from typing import Any
 from macinfer.distributed.group import DistContext, DistributedError
 from macinfer.engine.profile import maybe
 
-HEARTBEAT = 2.0  # seconds between syncs while the driver is idle
+HEARTBEAT = 2.0  # seconds between round trips (acks) while idle
+IDLE_FIRST, IDLE_MAX = 0.01, 0.25  # seconds between idle syncs: after the last work, doubling to the max
 
 
 class StepInputs:
-    """The driver's requests added / aborted since the last step."""
+    """The driver's requests added / aborted since the last step, and the idle cadence
+    (kept alike on every rank: a function of the syncs both sides saw)."""
 
     def __init__(self, ctx: DistContext):
-        self.ctx, self.pending, self.last = ctx, [], time.monotonic()
+        self.ctx, self.pending = ctx, []
+        self.last = self.last_ack = time.monotonic()
+        self.idle_syncs = 0  # syncs in a row with no inputs and nothing to run
+        self.owed = False  # an idle heartbeat's answers, read at the next sync
 
     def record(self, event: tuple) -> None:
         if self.ctx.is_driver:
             self.pending.append(event)
 
-    def sync(self, ack: bool = True) -> None:
-        """Driver: send this step's inputs to the workers (they replay them in `run_worker`).
-        `ack`: wait for their answer (not while a pipeline's step is in flight: its hidden
-        state is on the way back ahead of any answer, and its arrival shows the ranks live)."""
-        events, self.pending = self.pending, []
-        self.last = time.monotonic()
-        self.ctx.broadcast(events, "step inputs")
-        if ack:
+    def sync(self, busy: bool, in_flight: bool) -> None:
+        """Driver: send this step's inputs to the workers (they replay them in `run_worker`)
+        and whether they answer: a round trip, except while a pipeline's step is in flight
+        (its hidden state is on the way back ahead of any answer, and its arrival shows the
+        ranks live) and on idle syncs between heartbeats; an idle heartbeat's answers are
+        read at the next sync, before anything else comes from the workers."""
+        if self.owed:
             self.ctx.ack()
+            self.owed = False
+        events, self.pending = self.pending, []
+        now = time.monotonic()
+        working = busy or bool(events)
+        ack = not in_flight and (working or now - self.last_ack >= HEARTBEAT)
+        self.ctx.broadcast((events, ack), "step inputs")
+        if ack:
+            self.last_ack = now
+            if working:
+                self.ctx.ack()
+            else:
+                self.owed = True
+        self.last = now
+        self.count(events, busy)
+
+    def count(self, events: list, busy: bool) -> None:
+        """After a sync, on every rank: `busy` (requests to run once `events` are applied)."""
+        self.idle_syncs = 0 if events or busy else self.idle_syncs + 1
+
+    def interval(self) -> float:
+        """Seconds from one idle sync to the next (0: not idle, the next step follows at once)."""
+        return min(IDLE_FIRST * 2 ** (self.idle_syncs - 1), IDLE_MAX) if self.idle_syncs else 0.0
+
+    def wait(self) -> float:
+        """Driver: seconds until the next idle sync is due."""
+        return max(0.0, self.last + self.interval() - time.monotonic())
 
     def due(self) -> bool:
-        return time.monotonic() - self.last >= HEARTBEAT
+        return self.wait() == 0.0
 
 
 def run_worker(engine: Any) -> None:
-    """A worker's life: replay the driver's inputs and run each step, until it shuts down."""
-    ctx = engine.dist
+    """A worker's life: replay the driver's inputs and run each step, until it shuts down.
+    Idle, it sleeps until the driver's next sync is due before it receives (see above)."""
+    ctx, inputs = engine.dist, engine._inputs
+    arrived = time.monotonic()
     while True:
-        events = ctx.broadcast(None, "step inputs")
-        if events is None:  # the driver is closing
+        if inputs.interval():
+            time.sleep(max(0.0, arrived + inputs.interval() - time.monotonic()))
+        payload = ctx.broadcast(None, "step inputs")
+        arrived = time.monotonic()
+        if payload is None:  # the driver is closing
             return
-        if engine._in_flight is None:  # (as the driver's `sync`)
+        events, ack = payload
+        if ack:  # (as the driver's `sync`)
             ctx.ack()
         for kind, *args in events:
             if kind == "add":
@@ -63,6 +110,7 @@ def run_worker(engine: Any) -> None:
                 engine.add_request(ids, params, rid, cache_salt=salt)
             else:
                 engine.abort_request(args[0])
+        inputs.count(events, engine.has_unfinished_requests())
         with ctx.watch("step"):
             engine.run_step()
 

@@ -298,7 +298,7 @@ class AsyncEngine:
     def _iteration(self) -> None:
         block = not self.engine.has_unfinished_requests()
         try:
-            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=self.engine.idle_wait(0.5)) if block else self._commands.get_nowait()
             with maybe(self.engine.runner.profile, "requests"):  # (`macinfer bench profile --through-server`)
                 self._apply(cmd)
                 while True:
