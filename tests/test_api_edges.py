@@ -13,7 +13,6 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 
 from macinfer.loading.loader import _dequantize_modules, should_dequantize
-from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +26,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--kv-cache-gb", "0.2",
-                      "--max-model-len", "1024", "--max-num-seqs", "16", "--max-queue", "256",
-                      "--num-speculative-tokens", "3")
-    yield s
-    out = s.stop()
-    assert "Traceback" not in out, out[-3000:]
+def server(smollm2_server):
+    return smollm2_server  # (tests/conftest.py: one server a session for the modules that only send requests)
 
 
 def _strict_json(text: str):

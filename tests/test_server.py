@@ -20,15 +20,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    # Speculation on: solo requests draft, 16 concurrent ones do not, and every test
-    # comparing them (or streams with non-streamed answers) checks they agree.
-    s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--kv-cache-gb", "0.1",
-                      "--max-model-len", "1024", "--max-num-seqs", "16", "--max-queue", "16",
-                      "--num-speculative-tokens", "4")
-    yield s
-    out = s.stop()
-    assert "Traceback" not in out, out
+def server(smollm2_server):
+    return smollm2_server  # (tests/conftest.py: one server a session for the modules that only send requests)
 
 
 @pytest.fixture(scope="module")

@@ -149,18 +149,18 @@ def run(model: str, vs: list[str], prompt_len: int = 32, gen_len: int = 64, pref
 WIDE = 0.10  # a spread (max - min over the median) wider than this is flagged
 
 
-def machine_gflops(n: int = 512, calls: int = 8) -> float:
+def machine_gflops(n: int = 512, calls: int = 8, reps: int = 5) -> float:
     """This machine's speed right now: a fixed float32 matmul's GFLOPS (what a decode step
-    mostly is on the CPU), timed where the engines' repeats run, between them."""
-    import time
-
-    import mlx.core as mx
-
+    mostly is on the CPU), timed where the engines' repeats run, between them; the median of
+    `reps` timings after a warm-up (a lone first timing reads 30% low: BLAS threads waking)."""
     a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
     mx.eval(a @ b)
-    start = time.perf_counter()
-    mx.eval([a @ b + i for i in range(calls)])
-    return 2 * n**3 * calls / (time.perf_counter() - start) / 1e9
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        mx.eval([a @ b + i for i in range(calls)])
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 * calls / statistics.median(times) / 1e9
 
 
 def _rel(values: list[float]) -> float:
