@@ -40,12 +40,12 @@ def smollm2_engine(smollm2_gguf):
 def smollm2_server(smollm2_gguf):
     """One `macinfer serve` of the bundled model for the modules that only send it requests
     (tests/test_server.py, test_tools_api.py, test_api_edges.py): started once a session.
-    Speculation on: solo requests draft, 16 concurrent ones do not, and every test comparing
+    Speculation on: solo requests draft, 16 or 32 concurrent ones do not, and every test comparing
     them (or streams with non-streamed answers) checks they agree."""
     from tests.server_process import ServerProcess
 
     s = ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--kv-cache-gb", "0.2",
-                      "--max-model-len", "1024", "--max-num-seqs", "16", "--max-queue", "256",
+                      "--max-model-len", "1024", "--max-num-seqs", "32", "--max-queue", "256",
                       "--num-speculative-tokens", "4")
     yield s
     out = s.stop()

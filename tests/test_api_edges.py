@@ -158,7 +158,7 @@ def test_malformed_nested_bodies_are_400s_naming_the_field(server, path, body, f
 
 def test_seeded_constrained_requests_never_fail(server):
     """200 seeded requests held to a schema (integers, strings, arrays) or to a forced
-    tool call, 16 at a time: no 5xx; each answer is valid JSON, or cut at max_tokens
+    tool call, 32 at a time: no 5xx; each answer is valid JSON, or cut at max_tokens
     ("length"). Seeds 12, 13, 15 and 18 failed every time before the noise fix."""
     async def one(c, seed):
         kind = seed % 3
@@ -174,7 +174,7 @@ def test_seeded_constrained_requests_never_fail(server):
         return seed, kind, r.status_code, r.json()
 
     async def run():
-        limit = asyncio.Semaphore(16)
+        limit = asyncio.Semaphore(32)
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
             async def guarded(seed):
                 async with limit:
