@@ -62,7 +62,7 @@ class StatePool:
     # MLX's CPU scatter costs ~5 ns an element (a decode step of 32 sequences of a small
     # Gated DeltaNet model: 31 of 104 ms), a slice update writes in place at memory speed:
     # calls list their slots in runs of consecutive ones, and a running batch's slots are
-    # kept packed (`StateSlots`), so a decode call is one run.
+    # kept packed (`StateGroup`), so a decode call is one run.
     def gather(self, cache: int, call: "StateCall") -> list[mx.array]:
         held = self.resident.get(cache)
         if held is not None and held[0].runs == call.runs:
