@@ -3,6 +3,7 @@
 import _thread
 import gc
 import os
+import signal
 import threading
 import time
 
@@ -128,6 +129,9 @@ def test_ctrl_c_in_generate_aborts_its_requests(llm, during):
     """Ctrl-C while the requests are being added (the worker still adds them after the
     caller has gone) or while a step runs: nothing keeps decoding afterwards."""
     real = getattr(llm, during)
+    # Python's own Ctrl-C handler, even where this process was started with SIGINT ignored
+    # (a background job of a shell without job control): interrupt_main() goes through it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def interrupted(*args):  # Ctrl-C arrives while the caller waits on this call
         out = real(*args)
@@ -140,6 +144,7 @@ def test_ctrl_c_in_generate_aborts_its_requests(llm, during):
             llm.generate(["a long one"] * 4, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     finally:
         delattr(llm, during)
+        signal.signal(signal.SIGINT, previous)
     start = time.time()
     assert llm._call(lambda: llm.engine.num_running + llm.engine.num_waiting) == 0
     assert time.time() - start < 1.0
