@@ -42,7 +42,6 @@ from macinfer.engine.sequence import Sequence
 from macinfer.kv.state import StateCall, StatePool, slot_runs
 
 
-
 @dataclass
 class StateStep:
     """One engine step's transaction on the state group. `keep` copies a speculating
@@ -53,7 +52,6 @@ class StateStep:
     group: "StateGroup"
     kept: dict[int, int] = field(default_factory=dict)  # id(seq) -> its spare slot
     staged: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, slot) written by the graph
-    open: bool = True
 
     def keep(self, seq: Sequence) -> None:
         spares = self.group.verify_slots

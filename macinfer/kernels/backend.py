@@ -90,8 +90,3 @@ class Backend:
         if self.kind == "metal":
             # Keep weights + KV resident (wired) up to what Metal recommends, as mlx-lm does.
             mx.set_wired_limit(min(weights_bytes + kv_bytes, self.available_memory()))
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "device": self.name, "kernels": self.kernel_mode,
-                "memory_bytes": self.available_memory(),
-                **({"paths": self.paths.describe()} if self.paths is not None else {})}

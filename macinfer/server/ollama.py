@@ -27,6 +27,7 @@ from starlette.background import BackgroundTask
 
 from macinfer.server import chat_output
 from macinfer.server.protocol import ChatCompletionRequest
+from macinfer.server.routing import Routing
 
 # Ollama option -> our request field
 _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
@@ -281,7 +282,7 @@ def _to_chat_error(e: Exception):
     return APIError(400, msg)
 
 
-def add_routes(app: Any, routing: Any) -> None:
+def add_routes(app: Any, routing: Routing) -> None:
     """The routes, over the same models: a `name:tag` model name resolves to a served model
     by its name or alias (with one model, any name reaches it, as the other APIs take any)."""
     from macinfer import __version__

@@ -10,9 +10,10 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from macinfer.server.model_pool import ModelPool, Served
+from macinfer.server.routing import Routing
 
 
-def add_routes(app: Any, routing: Any) -> None:
+def add_routes(app: Any, routing: Routing) -> None:
     pool: ModelPool = routing.pool
     metrics = routing.metrics
     created = int(time.time())  # one value for the server's life, as clients cache model lists
