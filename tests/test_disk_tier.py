@@ -130,22 +130,25 @@ def test_an_unwritable_directory_turns_the_tier_off_at_start(tmp_path, tiny_llam
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     engine = _engine(tiny_llama, blocker / "kv")
-    assert not engine.block_manager.disk.enabled and "cannot write" in caplog.text
+    assert not engine.block_manager.disk.enabled and "cannot create" in caplog.text
     assert len(generate(engine, [_prompt(50)], GREEDY)[0].token_ids) == 8
 
 
 def test_the_store_is_bounded_least_recently_used_first(tmp_path):
     store = DiskStore(str(tmp_path), "m", capacity=13_000)
     arrays = [np.arange(500, dtype=np.float32)]  # ~2 KB a record
+    k = [f"0-{i:016x}" for i in range(8)]
     for i in range(8):
-        store.put(f"k{i}", arrays)
+        store.put(k[i], arrays)
         store.flush()
         if i == 2:
-            assert store.get("k0") is not None  # k0 used: k1 is now the oldest
-    assert store.bytes <= 13_000 and "k1" not in store and "k2" not in store and "k0" in store and "k7" in store
+            assert store.get(k[0]) is not None  # k0 used: k1 is now the oldest
+    assert store.bytes <= 13_000 and k[1] not in store and k[2] not in store and k[0] in store and k[7] in store
+    store.close()
     reopened = DiskStore(str(tmp_path), "m", capacity=13_000)  # the index is rebuilt from the files
     assert set(reopened.index) == set(store.index)
-    assert np.array_equal(reopened.get("k7")[0], arrays[0])
+    assert np.array_equal(reopened.get(k[7])[0], arrays[0])
+    reopened.close()
 
 
 def test_other_weights_or_layout_never_see_the_records(tmp_path, tiny_llama, wide_llama):
@@ -157,6 +160,9 @@ def test_other_weights_or_layout_never_see_the_records(tmp_path, tiny_llama, wid
     assert where(wide_llama, kv_cache_dtype="int8") != plain
     assert where(tiny_llama) != plain
     assert where(wide_llama, max_model_len=4096, rope_scaling="yarn") != plain  # RoPE changes K
+    # the same length stretched two ways (the case): two identities
+    assert where(wide_llama, max_model_len=4096, rope_scaling="linear") != where(
+        wide_llama, max_model_len=4096, rope_scaling="yarn")
 
 
 def test_requests_of_another_isolation_salt_miss(tmp_path, tiny_llama):

@@ -31,7 +31,7 @@ from macinfer.kv.disk_tier import DiskStore
 
 log = logging.getLogger("macinfer.kv")
 
-FORMAT = "macinfer-kv-disk-1"
+FORMAT = "macinfer-kv-disk-2"
 _FLUSH_CHUNK = 128  # blocks copied out at a time at close (bounds the memory a flush takes)
 
 
@@ -58,11 +58,14 @@ def fingerprint(source: str) -> str:
     return h.hexdigest()
 
 
-def identity(source: str, model: Any, kv_cache: Any, block_size: int) -> str:
-    """What a record's bytes depend on: weights, model arguments (RoPE scaling included),
-    the cache layout and dtypes."""
-    parts = [FORMAT, fingerprint(source), repr(model.args), str(kv_cache.dtype), kv_cache.kv_cache_dtype,
-             str(block_size), repr(kv_cache.layers), repr([(g.kind, g.caches) for g in kv_cache.groups])]
+def identity(source: str, model: Any, kv_cache: Any, block_size: int, config: dict | None = None,
+             layer_specs: Any = None) -> str:
+    """What a record's bytes depend on: the weights, the model's config as loaded (RoPE kind
+    and parameters, `--rope-scaling` and the length it stretches to included), the cache
+    layout (kinds, windows, sharing), its dtypes and the block size."""
+    parts = [FORMAT, fingerprint(source), repr(model.args), repr(config or {}),
+             repr(layer_specs), str(kv_cache.dtype), kv_cache.kv_cache_dtype, str(block_size),
+             repr(kv_cache.layers), repr([(g.kind, g.caches) for g in kv_cache.groups])]
     if kv_cache.states is not None:
         parts.append(repr([(s.shapes, s.dtypes) for s in kv_cache.states.specs]))
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=12).hexdigest()
@@ -201,6 +204,10 @@ class DiskCache:
             v = mx.array(x)
             a[slot:slot + 1] = v.view(a.dtype) if v.dtype != a.dtype else v
 
+    def close(self) -> None:
+        """End the store's writer thread (after what is queued is written)."""
+        self.store.close()
+
     def stats(self) -> dict:
         return {**self.store.stats(), "hit_tokens": self.hit_tokens}
 
@@ -215,6 +222,7 @@ def disk_cache_for(engine: Any) -> DiskCache:
         raise ValueError("--kv-disk-gb keeps the prefix cache on disk: it needs prefix caching on")
     if engine.dist is not None:
         raise ValueError("--kv-disk-gb is not supported with --distributed yet")
-    key = identity(engine.loaded.source, engine.model, engine.kv_cache, cfg.block_size)
+    key = identity(engine.loaded.source, engine.model, engine.kv_cache, cfg.block_size, engine.loaded.config,
+                   engine.layer_specs)
     store = DiskStore(cfg.kv_disk_dir or default_dir(), key, int(cfg.kv_disk_gb * 2**30))
     return DiskCache(store, engine.kv_cache, cfg.block_size, key)

@@ -352,6 +352,7 @@ class LLMEngine:
                 disk.flush(self.block_manager)
             except Exception:  # a shutdown goes on: the tier is a cache
                 log.exception("writing the prefix cache to disk failed")
+            disk.close()
         if self.dist is not None and self.dist.is_driver:
             dist_engine.shutdown(self.dist)
             self.dist = None
