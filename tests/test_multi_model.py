@@ -39,11 +39,11 @@ def _app(sources, **pool_kw):
 
     loads = []
 
-    def load(src: ModelSource) -> LLMEngine:
+    def load(src: ModelSource, limit: int | None = None) -> LLMEngine:
         loads.append(src.name)
-        return LLMEngine(src.path, EngineConfig(kv_cache_gb=0.01, max_model_len=256))
+        return LLMEngine(src.path, EngineConfig(kv_cache_gb=0.01, max_model_len=256, memory_limit_bytes=limit))
 
-    pool = ModelPool(sources, load, **pool_kw)
+    pool = ModelPool(sources, load, kv_bytes=int(0.01 * GiB), **pool_kw)
     return create_app(pool), pool, loads
 
 
@@ -211,12 +211,15 @@ class _FakeAsync:
     def shutdown(self, leave_thread=False):
         self.closed = True
 
+    def wait_stopped(self):
+        pass
+
 
 def test_pool_rules_with_injected_sizes():
     """The pool's rules alone: pinned models stay, LRU order, keep_alive, the size guess."""
     sizes = {"a": 4, "b": 4, "c": 4, "p": 2}
     pool = ModelPool([ModelSource(n, n, pinned=n == "p", disk_bytes=s * GiB) for n, s in sizes.items()],
-                     lambda src: _FakeEngine(sizes[src.name] * GiB), budget_bytes=11 * GiB, idle_ttl=60)
+                     lambda src, limit: _FakeEngine(sizes[src.name] * GiB), budget_bytes=11 * GiB, idle_ttl=60)
     pool.attach(lambda engine, src: Served(src.name, engine, _FakeAsync(), None))
 
     async def use(name):
@@ -312,3 +315,33 @@ def test_serve_refuses_options_that_do_not_fit(tmp_path, two_tiny):
     for args, want in cases.items():
         r = CliRunner().invoke(main, list(args))
         assert r.exit_code in (1, 2) and want in r.output, (args, r.output)
+
+
+def test_the_weights_estimate_before_a_load_covers_the_weights_as_loaded(smollm2_engine, smollm2_gguf, two_tiny):
+    """The budget decides before a load from the files' headers: the GGUF's quantized
+    tensors count as the float32 the CPU backend expands them to (2.6x the file here)."""
+    from mlx.utils import tree_flatten
+
+    from macinfer.loading.memory import weights_estimate
+
+    loaded = sum(v.nbytes for _, v in tree_flatten(smollm2_engine.model.parameters()))
+    estimate = weights_estimate(smollm2_gguf)
+    assert loaded <= estimate <= 1.1 * loaded, (loaded, estimate, os.path.getsize(smollm2_gguf))
+    assert estimate > 2 * os.path.getsize(smollm2_gguf)
+    engine = LLMEngine(two_tiny[0], EngineConfig(kv_cache_gb=0.01, max_model_len=256))
+    assert weights_estimate(two_tiny[0]) == sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
+    assert weights_estimate("/nonexistent") == 0
+
+
+def test_an_engine_stays_within_the_memory_limit_it_is_given(two_tiny):
+    from mlx.utils import tree_flatten
+
+    probe = LLMEngine(two_tiny[0], EngineConfig(max_model_len=256))
+    weights = sum(v.nbytes for _, v in tree_flatten(probe.model.parameters()))
+    limit = weights + 4 * 2**20
+    engine = LLMEngine(two_tiny[0], EngineConfig(max_model_len=256, memory_limit_bytes=limit))
+    assert engine.memory_bytes() <= limit
+    with pytest.raises(ValueError, match="memory budget leaves"):
+        LLMEngine(two_tiny[0], EngineConfig(max_model_len=256, kv_cache_gb=0.01, memory_limit_bytes=limit))
+    with pytest.raises(ValueError, match="more than the .* the memory budget leaves"):
+        LLMEngine(two_tiny[0], EngineConfig(max_model_len=256, memory_limit_bytes=weights // 2))

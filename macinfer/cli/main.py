@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import sys
@@ -390,7 +391,7 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
             raise click.ClickException(f"--pin {pin}: no such model (served: {', '.join(s.name for s in sources)})")
         by_name[pin].pinned = True
     budget = int(max_memory_gb * 2**30) if max_memory_gb else Backend.detect().available_memory()
-    def load(src):
+    def load(src, limit=None):
         shown = [-1]
 
         def progress(done: int, total: int) -> None:  # a line at each quarter, in the server's log
@@ -399,9 +400,11 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
                 shown[0] = quarter
                 logging.getLogger("macinfer.server").info("loading model %s: %d%%", src.name, 25 * quarter)
 
-        return LLMEngine(src.path, _engine_config(**engine_opts), progress=progress)
+        cfg = dataclasses.replace(_engine_config(**engine_opts), memory_limit_bytes=limit)
+        return LLMEngine(src.path, cfg, progress=progress)
 
-    pool = ModelPool(sources, load, budget_bytes=budget, idle_ttl=idle_ttl)
+    kv = engine_opts.get("kv_cache_gb")
+    pool = ModelPool(sources, load, budget_bytes=budget, idle_ttl=idle_ttl, kv_bytes=int(kv * 2**30) if kv else None)
     for src in sources:  # the first MODEL and the pinned ones load now; the others on demand
         if (given and src is sources[0]) or src.pinned:
             pool.preloaded(src.name, _load_engine(src.path, **engine_opts))

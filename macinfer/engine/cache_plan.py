@@ -75,15 +75,25 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
             fixed_state + int(n * per_block)
 
     available = backend.available_memory()
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    limit = cfg.memory_limit_bytes
+    if limit is not None:  # a share of a server's budget: weights and KV within it
+        available = min(available, limit)
+        if weights >= limit:
+            raise ValueError(f"the weights take {weights / 2**30:.2f} GiB, more than the {limit / 2**30:.2f} GiB "
+                             "the memory budget leaves this model (--max-memory-gb)")
     if cfg.kv_cache_gb is not None:
         budget = int(cfg.kv_cache_gb * 2**30)
         if budget > available:
             raise ValueError(f"--kv-cache-gb {cfg.kv_cache_gb:g} is more memory than this {backend.kind} device can "
                              f"give ({available / 2**30:.1f} GiB available now); lower it")
+        if limit is not None and weights + budget > limit:
+            raise ValueError(f"--kv-cache-gb {cfg.kv_cache_gb:g} and the weights ({weights / 2**30:.2f} GiB) are "
+                             f"more than the {limit / 2**30:.2f} GiB the memory budget leaves this model "
+                             "(--max-memory-gb)")
     else:
         # What the configuration needs (one full context, or max_num_seqs typical
         # conversations), but never more than a share of the free memory.
-        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         wanted = max(max_model_len, cfg.max_num_seqs * DEFAULT_TOKENS_PER_SEQ)
         budget = min(int(cfg.kv_cache_fraction * max(available - weights, 0)), pool_bytes(-(-wanted // bs)))
     num_blocks = plan_blocks(groups, budget - fixed_state, caps, max_blocks, per_block)

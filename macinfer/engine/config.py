@@ -53,5 +53,8 @@ class EngineConfig:
     # directory (None: ~/.cache/macinfer/kv).
     kv_disk_gb: float | None = None
     kv_disk_dir: str | None = None
+    # The most this engine may hold, weights and KV together (None: what the device gives).
+    # A multi-model server sets it to the room its memory budget leaves (`model_pool.py`).
+    memory_limit_bytes: int | None = None
     # Build the next decode step's graph while this one computes (`engine/lookahead.py`).
     async_scheduling: bool = True

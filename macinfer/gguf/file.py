@@ -107,7 +107,9 @@ class GGUFFile:
             raise ModelLoadError(
                 f"{name}: truncated or corrupt GGUF header ({size} bytes): re-download the file"
             ) from None
-        align = int(self.metadata.get("general.alignment", 32))
+        align = self.metadata.get("general.alignment", 32)
+        if type(align) is not int or align <= 0 or align & (align - 1):
+            raise ModelLoadError(f"{name}: general.alignment {align!r} is not a power of two")
         data_start = (cur.pos + align - 1) // align * align
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 

@@ -218,6 +218,11 @@ class AsyncEngine:
         # A step ends in well under a second; writing the prefix cache to disk may take longer.
         self._parked.wait(timeout=60 if getattr(self.engine, "disk", None) is not None else 5)
 
+    def wait_stopped(self) -> None:
+        """Block until the step thread is parked (after `shutdown`): however long its last
+        step or the prefix cache's write to disk takes."""
+        self._parked.wait()
+
     @property
     def running(self) -> bool:
         return not self._parked.is_set()

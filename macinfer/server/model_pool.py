@@ -19,12 +19,13 @@ import functools
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from macinfer.loading.memory import release_freed
+from macinfer.loading.memory import release_freed, weights_estimate
 
 log = logging.getLogger("macinfer.server")
 
@@ -42,11 +43,16 @@ class ModelSource:
     path: str
     aliases: tuple[str, ...] = ()
     pinned: bool = False
-    disk_bytes: int = 0  # the weights' files: the size guess before the first load
+    disk_bytes: int = 0  # the weights' files (listings)
 
     @property
     def names(self) -> set[str]:
         return {self.name, *self.aliases}
+
+    @functools.cached_property
+    def weights_bytes(self) -> int:
+        """The weights as they will be loaded, from the files' headers (0: unknown)."""
+        return weights_estimate(self.path) if self.path else 0
 
     @functools.cached_property
     def context_length(self) -> int | None:
@@ -70,8 +76,11 @@ class Served:
         return self.async_engine.num_pending > 0 or self.engine.has_unfinished_requests()
 
     def close(self) -> None:
+        """Stop the step thread and wait until it has let go of the engine (its prefix cache
+        written first): only then is the memory free to count."""
         self.async_engine.drain("the model is being unloaded")
         self.async_engine.shutdown(leave_thread=True)
+        self.async_engine.wait_stopped()
 
 
 @dataclass
@@ -96,8 +105,13 @@ class Entry:
     def busy(self) -> bool:
         return self.users > 0 or (self.served is not None and self.served.busy())
 
-    def need_bytes(self) -> int:
-        return self.known_bytes or self.source.disk_bytes
+    def need_bytes(self, kv_guess: int | None = None) -> int:
+        """Its size: measured at its last load, else its weights as they will load plus the
+        KV it will take (`kv_guess`; else a quarter of the weights, about the default share)."""
+        if self.known_bytes:
+            return self.known_bytes
+        weights = max(self.source.weights_bytes, self.source.disk_bytes)
+        return weights + (kv_guess if kv_guess is not None else weights // 4)
 
 
 class PoolError(Exception):
@@ -114,12 +128,14 @@ class ModelPool:
     as loaded (`single`), every `model` value reaches it, as llama-server does."""
 
     def __init__(self, sources: list[ModelSource], load: Callable[[ModelSource], Any] | None = None,
-                 budget_bytes: int | None = None, idle_ttl: float | None = None, wait_seconds: float = 60.0):
+                 budget_bytes: int | None = None, idle_ttl: float | None = None, wait_seconds: float = 60.0,
+                 kv_bytes: int | None = None):
         if not sources:
             raise ValueError("no models to serve")
         self.entries = {s.name: Entry(s) for s in sources}
         self.load_fn = load
         self.budget = budget_bytes
+        self.kv_bytes = kv_bytes  # each model's KV cache when the engine options fix it (--kv-cache-gb)
         self.idle_ttl = idle_ttl
         self.wait_seconds = wait_seconds
         self.wrap: Callable[[Any, ModelSource], Served] | None = None
@@ -127,6 +143,9 @@ class ModelPool:
         self._engines: dict[str, Any] = {}  # loaded before the app existed, wrapped at `attach`
         self._reaper: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # room making and unloads: one at a time
+        # Loads one at a time, each from making its room to its measured size: a load never
+        # starts while another one's memory is still unknown (two would both pass the check).
+        self._loading = asyncio.Lock()
 
     @classmethod
     def one(cls, engine: Any, name: str, aliases: tuple[str, ...] = ()) -> "ModelPool":
@@ -178,6 +197,7 @@ class ModelPool:
         """The model's serving stack, loaded first if it is not; held busy until the block ends."""
         entry = self.resolve(model)
         entry.users += 1
+        entry.keep_alive = None  # a keep-alive is per request (Ollama's): this one sets its own, if any
         try:
             served = await self._ensure(entry)
             entry.last_used = time.monotonic()
@@ -199,17 +219,24 @@ class ModelPool:
         return entry.served
 
     async def _load(self, entry: Entry) -> None:
+        async with self._loading:
+            await self._load_one(entry)
+
+    async def _load_one(self, entry: Entry) -> None:
         async with self._lock:
-            await self._make_room(entry, entry.need_bytes())
+            await self._make_room(entry, entry.need_bytes(self.kv_bytes))
+            # The engine may take what the budget leaves (weights and KV), no more.
+            limit = None if self.budget is None else self.budget - self._used_by_others(entry)
         started = time.perf_counter()
         log.info("loading model %s from %s", entry.name, entry.source.path)
         try:
-            engine = await asyncio.to_thread(self._build_engine, entry.source)
+            engine = await asyncio.to_thread(self._build_engine, entry.source, limit)
         except PoolError:
             raise
         except Exception as e:  # the model's files: every request waiting on it gets the reason
             log.exception("loading model %s failed", entry.name)
-            raise PoolError(503, f"model `{entry.name}` failed to load: {e}", "model_load_failed") from None
+            raise PoolError(503, f"model `{entry.name}` failed to load: {_no_paths(str(e))}",
+                            "model_load_failed") from None
         served = self.wrap(engine, entry.source)
         entry.known_bytes, entry.loads = served.nbytes, entry.loads + 1
         entry.served = served
@@ -223,11 +250,11 @@ class ModelPool:
         log.info("loaded model %s in %.1fs (%.2f GiB: weights and KV cache)", entry.name,
                  time.perf_counter() - started, entry.known_bytes / GiB)
 
-    def _build_engine(self, source: ModelSource) -> Any:
+    def _build_engine(self, source: ModelSource, limit: int | None) -> Any:
         from macinfer.server.async_engine import DEVICE
 
         with DEVICE:  # a load takes its turn on the device like a step
-            return self.load_fn(source)
+            return self.load_fn(source, limit)
 
     def _used_by_others(self, entry: Entry) -> int:
         return sum(e.known_bytes for e in self.entries.values() if e is not entry and e.served is not None)
@@ -320,6 +347,12 @@ class ModelPool:
         return out
 
 
+def _no_paths(message: str) -> str:
+    """A message for clients: absolute paths cut to their last part (the server's folders
+    are its own business; the log keeps them whole)."""
+    return re.sub(r"(?<![\w.])/(?:[^\s/:'\"`]+/)+([^\s/:'\"`]*)", r"\1", message)
+
+
 def context_length(path: str) -> int | None:
     try:
         if path.endswith(".gguf"):
@@ -333,44 +366,77 @@ def context_length(path: str) -> int | None:
             for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"):
                 if isinstance(c.get(key), int):
                     return c[key]
-    except (OSError, ValueError, KeyError, TypeError, ImportError):
+    except Exception:  # a listing shows no context rather than fail (the load will say why)
         pass
     return None
 
 
 def disk_bytes(path: str) -> int:
-    """The weights' size on disk: a file, or a directory's weight files."""
+    """The weights' size on disk: a file, or a folder's weight files (links to folders are
+    not followed: a folder linking to itself would never end; dangling links count 0)."""
     if os.path.isfile(path):
         return os.path.getsize(path)
     total = 0
-    for root, _, files in os.walk(path, followlinks=True):
-        total += sum(os.path.getsize(os.path.join(root, f)) for f in files
-                     if f.endswith((".safetensors", ".gguf", ".npz")))
+    for root, _, files in os.walk(path):
+        for f in files:
+            if f.endswith((".safetensors", ".gguf", ".npz")):
+                try:
+                    total += os.path.getsize(os.path.join(root, f))
+                except OSError:
+                    pass
     return total
+
+
+def _dir_source(models_dir: str, name: str) -> ModelSource | None:
+    """The model a `--models-dir` entry holds, or None (logged) when it holds none we serve.
+    Raises on files we cannot read; `discover` skips those with a warning."""
+    from macinfer.loading.model_store import CachedModel, _describe_dir
+
+    path = os.path.join(models_dir, name)
+    if name.endswith(".gguf") and os.path.isfile(path):
+        from macinfer.gguf.file import GGUFFile
+
+        GGUFFile(path)  # its header must read: a broken file is skipped here, not at a listing
+        return ModelSource(name.removesuffix(".gguf"), path, (name,), disk_bytes=os.path.getsize(path))
+    if not os.path.isdir(path):
+        return None
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    m = CachedModel(name, 0, "", path, gguf_files=ggufs)
+    _describe_dir(m)
+    if not m.supported:
+        log.warning("--models-dir: %s left out: %s", name, m.why)
+        return None
+    if os.path.exists(os.path.join(path, "config.json")):
+        weights = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+        missing = [f for f in weights if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise ValueError(f"{missing[0]} is missing or a dangling link")
+        return ModelSource(name, path, disk_bytes=disk_bytes(path))
+    target = os.path.join(path, ggufs[0])
+    from macinfer.gguf.file import GGUFFile
+
+    GGUFFile(target)
+    return ModelSource(name, target, disk_bytes=disk_bytes(target))
 
 
 def discover(models_dir: str | None, hf_cache: bool) -> list[ModelSource]:
     """Servable models in a directory (MLX/HF model folders and .gguf files) and in the
-    Hugging Face cache; unsupported ones are logged with the reason and left out."""
-    from macinfer.loading.model_store import CachedModel, _describe_dir, list_models
+    Hugging Face cache; unsupported or unreadable ones are logged with the reason and left
+    out (a bad file never stops the server nor breaks a listing)."""
+    from macinfer.loading.model_store import list_models
 
     found: list[ModelSource] = []
     if models_dir:
         if not os.path.isdir(models_dir):
             raise ValueError(f"--models-dir {models_dir}: not a directory")
         for name in sorted(os.listdir(models_dir)):
-            path = os.path.join(models_dir, name)
-            if name.endswith(".gguf") and os.path.isfile(path):
-                found.append(ModelSource(name.removesuffix(".gguf"), path, (name,), disk_bytes=os.path.getsize(path)))
-            elif os.path.isdir(path):
-                ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-                m = CachedModel(name, 0, "", path, gguf_files=ggufs)
-                _describe_dir(m)
-                if not m.supported:
-                    log.warning("--models-dir: %s left out: %s", name, m.why)
-                    continue
-                target = path if os.path.exists(os.path.join(path, "config.json")) else os.path.join(path, ggufs[0])
-                found.append(ModelSource(name, target, disk_bytes=disk_bytes(target)))
+            try:
+                source = _dir_source(models_dir, name)
+            except Exception as e:  # a damaged or odd file: that entry only
+                log.warning("--models-dir: %s left out: %s", name, e)
+                continue
+            if source is not None:
+                found.append(source)
     if hf_cache:
         for m in list_models():
             if not m.supported:

@@ -14,6 +14,7 @@ them. Errors are Ollama's `{"error": message}`.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.background import BackgroundTask
 
 from macinfer.server import chat_output
@@ -53,7 +54,7 @@ class _Base(BaseModel):
     format: Literal["json"] | dict[str, Any] | Literal[""] | None = None
     options: dict[str, Any] | None = None
     stream: bool = True  # Ollama streams unless told not to
-    keep_alive: float | str | None = None
+    keep_alive: StrictInt | StrictFloat | StrictStr | None = None
     think: bool | Literal["low", "medium", "high"] | None = None
 
 
@@ -79,7 +80,7 @@ class EmbedRequest(BaseModel):
     input: str | list[str]
     truncate: bool = True
     options: dict[str, Any] | None = None
-    keep_alive: float | str | None = None
+    keep_alive: StrictInt | StrictFloat | StrictStr | None = None
     dimensions: int | None = None
 
 
@@ -120,21 +121,29 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+_FOREVER = 1e9  # seconds (31 years): longer keep-alives mean "never unload", as a negative one does
+
+
 def keep_alive_seconds(value: float | str) -> float:
     """Ollama's keep_alive: seconds as a number, or a Go duration ("5m", "1h30m", "-1");
-    negative means forever."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    text = value.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    sign = -1.0 if text.startswith("-") else 1.0
-    parts = re.findall(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)", text.lstrip("+-"))
-    if not parts or "".join(n + u for n, u in parts) != text.lstrip("+-"):
+    negative (or longer than `_FOREVER`) means forever; NaN and infinities are refused."""
+    if isinstance(value, bool):
         raise ValueError(f"keep_alive: {value!r} is not a duration (e.g. 300, \"5m\", \"1h\", -1)")
-    return sign * sum(float(n) * _UNITS[u] for n, u in parts)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            sign = -1.0 if text.startswith("-") else 1.0
+            parts = re.findall(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)", text.lstrip("+-"))
+            if not parts or "".join(n + u for n, u in parts) != text.lstrip("+-"):
+                raise ValueError(f"keep_alive: {value!r} is not a duration (e.g. 300, \"5m\", \"1h\", -1)") from None
+            seconds = sign * sum(float(n) * _UNITS[u] for n, u in parts)
+    if not math.isfinite(seconds):
+        raise ValueError(f"keep_alive: {value!r} is not a finite duration (use -1 to keep the model loaded)")
+    return -1.0 if seconds > _FOREVER else seconds
 
 
 def to_chat(req: ChatRequest | GenerateRequest, single: bool = True) -> tuple[ChatCompletionRequest, list[str]]:
