@@ -64,6 +64,10 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return InvalidSamplingParamsError(name, f"{name} {why}")
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise bad(name, f"must be a number, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -84,8 +88,9 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise bad("seed", f"must be an integer in [-2^63, 2^64), got {self.seed!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
@@ -104,6 +109,8 @@ class SamplingParams:
                 raise bad("logit_bias", f"maps at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to values in [-100, 100]")
         if len(self.stop_token_ids) > MAX_STOP_STRINGS * 4:
             raise bad("stop_token_ids", f"takes at most {MAX_STOP_STRINGS * 4} ids")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {list(self.stop_token_ids)!r}")
         if self.thinking_budget is not None:
             if not isinstance(self.thinking_budget, int) or self.thinking_budget < 1 or not self.thinking_end:
                 raise bad("thinking_budget", "must be an integer >= 1, with the closing marker's token ids")

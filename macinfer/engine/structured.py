@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.engine.sequence import Sequence
+from macinfer.text.json_limits import MAX_JSON_DEPTH, value_depth
 from macinfer.text.tokenizer import TokenizerWrapper
 
 
@@ -30,6 +31,8 @@ def json_schema_grammar(schema: dict[str, Any] | None) -> str:
     """An llguidance grammar for JSON matching `schema` (None: any JSON object)."""
     import llguidance
 
+    if schema is not None and value_depth(schema) > MAX_JSON_DEPTH:
+        raise GrammarError(f"the JSON schema nests deeper than {MAX_JSON_DEPTH} levels")
     schema = {"type": "object"} if schema is None else _bounded_integers(schema)
     try:
         # Compact JSON: no free whitespace, which a small model can loop on.

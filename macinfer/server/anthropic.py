@@ -25,6 +25,7 @@ from macinfer.server import chat_output, context_editing
 from macinfer.server.context_editing import ContextManagement
 from macinfer.server.routing import Routing
 from macinfer.server.protocol import _NO_INPUT, ChatCompletionRequest
+from macinfer.text import json_limits
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -47,10 +48,24 @@ class TextBlock(BaseModel):
     text: str
 
 
+class OutputFormat(BaseModel):
+    """Structured output: the answer is JSON matching `schema` (the grammar path)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+    name: str | None = None
+    strict: bool | None = None
+
+    def response_format(self) -> dict[str, Any]:
+        return {"type": "json_schema", "json_schema": {"name": self.name or "output", "schema": self.schema_}}
+
+
 class OutputConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     effort: Literal["low", "medium", "high", "max"] | None = None  # mapped as `reasoning_effort`
+    format: OutputFormat | None = None  # Anthropic's structured output (Claude Code's title request)
 
 
 class Message(BaseModel):
@@ -154,6 +169,7 @@ class MessagesRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-output beta's place for `output_config.format`
     context_management: ContextManagement | None = None  # applied in `context_editing`
 
     @model_validator(mode="after")
@@ -213,6 +229,7 @@ class MessagesRequest(BaseModel):
                 budget = self.thinking.budget_tokens  # the think block is closed at this many tokens
         configs = [self.output_config] + [m.output_config for m in self.messages]
         effort = next((c.effort for c in reversed(configs) if c is not None and c.effort is not None), None)
+        fmt = (self.output_config.format if self.output_config else None) or self.output_format
         last = self.messages[-1]
         continues = last.role == "assistant" and not any(b["type"] == "tool_use" for b in last.blocks())
         return ChatCompletionRequest(
@@ -222,6 +239,7 @@ class MessagesRequest(BaseModel):
             continue_final_message=continues, add_generation_prompt=not continues,
             tools=tools or None, tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=kwargs,
             reasoning_effort={"max": "high"}.get(effort, effort), thinking_budget=budget,
+            response_format=fmt.response_format() if fmt else None,
         )
 
 
@@ -242,7 +260,7 @@ def stop_reason(out, calls: bool) -> tuple[str, str | None]:
 
 def _tool_use(call) -> dict[str, Any]:
     try:
-        args = json.loads(call.arguments or "{}")
+        args = json_limits.loads(call.arguments or "{}")
     except ValueError:
         args = {}
     return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name, "input": args}

@@ -20,6 +20,7 @@ from macinfer.text import reasoning as reasoning_mod
 from macinfer.text import tool_parsers
 from macinfer.engine.structured import GrammarError, json_schema_grammar
 from macinfer.text.tool_parsers import ToolCall, ToolCallStream
+from macinfer.text import json_limits
 
 
 class PlanError(ValueError):
@@ -162,7 +163,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 fn = dict(c.get("function") or {})
                 if isinstance(fn.get("arguments"), str):
                     try:
-                        fn["arguments"] = json.loads(fn["arguments"])
+                        fn["arguments"] = json_limits.loads(fn["arguments"])
                     except ValueError:
                         pass
                 fixed.append({**c, "function": fn})

@@ -16,6 +16,8 @@ import secrets
 import socket
 from collections.abc import Awaitable, Callable
 
+from macinfer.text.json_limits import JSONTooDeep, check_depth
+
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -86,6 +88,54 @@ def allowed_host_names(bound: str, extra: tuple[str, ...] = ()) -> set[str] | No
     return names
 
 
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|"
+                             rb"(?<![0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def json_body_problem(scope: Scope, body: bytes) -> str | None:
+    """Why a request body is refused before any route sees it (None: it is not). A body that
+    is JSON is read as JSON whatever its Content-Type says (as Ollama and llama-server do:
+    `curl -d` sends form encoding); it may nest MAX_JSON_DEPTH deep and hold no unpaired
+    UTF-16 surrogate escape (not text: the tokenizer would fail on it)."""
+    headers = scope.get("headers") or []
+    kind = next((v for k, v in headers if k == b"content-type"), b"").split(b";")[0].strip().lower()
+    if kind.startswith(b"multipart/") or body.lstrip()[:1] not in (b"{", b"["):
+        return None
+    if kind != b"application/json":
+        scope["headers"] = [(k, v) for k, v in headers if k != b"content-type"] + \
+            [(b"content-type", b"application/json")]
+    try:
+        check_depth(body, "the request body")
+    except JSONTooDeep as e:
+        return str(e)
+    if _LONE_SURROGATE.search(body):  # a candidate (an escaped backslash may precede it): parse to be sure
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None  # the route says what is wrong with it
+        where = _surrogate_at(value, "")
+        if where is not None:
+            return f"{where or 'body'} contains an unpaired UTF-16 surrogate (invalid Unicode)"
+    return None
+
+
+def _surrogate_at(value, path: str) -> str | None:
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return p
+        elif isinstance(v, dict):
+            stack.extend((x, f"{p}.{k}" if p else str(k)) for k, x in v.items())
+            stack.extend((k, p) for k in v)
+        elif isinstance(v, list):
+            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
+    return None
+
+
 class Guard:
     """Host header check (DNS-rebinding defence: a browser page on another name cannot
     reach the server through the user's browser; addresses are always answered), API key
@@ -150,13 +200,20 @@ class Guard:
                     return await self._too_large(send, scope["path"])
                 if not message.get("more_body", False):
                     break
+        body = b"".join(chunks)
+        if body:
+            # ~25 ms a MB: a large body is looked at off the event loop (streams go on)
+            refused = json_body_problem(scope, body) if len(body) < 1 << 20 else \
+                await asyncio.to_thread(json_body_problem, scope, body)
+            if refused:
+                return await send_error(send, 400, refused, "invalid_request_error", path=scope["path"])
         replayed = False
 
         async def replay() -> dict:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # later calls see the client's disconnect
 
         started = False

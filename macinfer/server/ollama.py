@@ -29,6 +29,7 @@ from starlette.background import BackgroundTask
 from macinfer.server import chat_output
 from macinfer.server.protocol import ChatCompletionRequest
 from macinfer.server.routing import Routing
+from macinfer.text import json_limits
 
 # Ollama option -> our request field
 _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
@@ -103,13 +104,22 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if m.get("images"):
             raise ValueError(f"messages[{i}].images: images are not supported (this server runs text models)")
         msg: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
+        if m.get("content") is not None and not isinstance(m["content"], str):
+            raise ValueError(f"messages[{i}].content: must be a string")
         if role == "assistant" and m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise ValueError(f"messages[{i}].tool_calls: must be a list of {{\"function\": {{...}}}} objects")
             calls = []
             for j, c in enumerate(m["tool_calls"]):
-                fn = c.get("function") or {}
+                where = f"messages[{i}].tool_calls[{j}]"
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name", ""), str) \
+                        or not isinstance(fn.get("arguments", {}), (dict, str)):
+                    raise ValueError(f"{where}: must be {{\"function\": {{\"name\": string, \"arguments\": object}}}}")
                 call_id = f"call_{i}_{j}"
-                calls.append({"id": call_id, "type": "function",
-                              "function": {"name": fn.get("name", ""), "arguments": json.dumps(fn.get("arguments", {}))}})
+                args = fn.get("arguments", {})
+                calls.append({"id": call_id, "type": "function", "function": {
+                    "name": fn.get("name", ""), "arguments": args if isinstance(args, str) else json.dumps(args)}})
                 pending.append(call_id)
             msg["tool_calls"] = calls
         if role == "tool":
@@ -157,7 +167,10 @@ def to_chat(req: ChatRequest | GenerateRequest, single: bool = True) -> tuple[Ch
             ignored.append(f"options.{key}")
         else:
             raise ValueError(f"options.{key} is not supported by this server")
-    if fields.get("max_tokens") is not None and fields["max_tokens"] < 0:  # Ollama's -1: until done
+    limit = fields.get("max_tokens")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        raise ValueError(f"options.num_predict: must be an integer (-1: until done), got {limit!r}")
+    if limit is not None and limit < 0:  # Ollama's -1: until done
         del fields["max_tokens"]
     if req.keep_alive is not None:
         keep_alive_seconds(req.keep_alive)  # a malformed one is a 400 either way
@@ -192,7 +205,7 @@ def _calls(proc) -> list[dict[str, Any]]:
     out = []
     for c in proc.calls:
         try:
-            args = json.loads(c.arguments or "{}")
+            args = json_limits.loads(c.arguments or "{}")
         except ValueError:
             args = {}
         out.append({"function": {"name": c.name, "arguments": args}})

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from macinfer.server.routing import Routing
 from macinfer.server.serving import APIError
+
+MAX_CHARS_PER_TOKEN = 64  # /tokenize's cap: longer prompts cannot fit the context anyway
 
 
 def add_routes(app: FastAPI, routing: Routing) -> None:
@@ -39,15 +42,25 @@ def add_routes(app: FastAPI, routing: Routing) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send either `prompt` or `messages`", param="prompt")
         async with pool.use(req.model) as m:
-            if req.messages is not None:
-                chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-                ids = (await asyncio.to_thread(m.serving.chat_prompt, chat)).ids
-            else:
-                ids = await asyncio.to_thread(m.engine.tokenizer.encode, req.prompt, req.add_special_tokens)
-            out = {"count": len(ids), "max_model_len": m.engine.max_model_len, "tokens": ids}
-            if req.return_token_strs:
-                out["token_strs"] = [m.engine.tokenizer.id_to_token(i) for i in ids]
-        return out
+            cap = MAX_CHARS_PER_TOKEN * m.engine.max_model_len
+            if req.prompt is not None and len(req.prompt) > cap:
+                raise APIError(400, f"prompt is {len(req.prompt)} characters; /tokenize takes at most {cap} "
+                               f"({MAX_CHARS_PER_TOKEN} per token of this model's {m.engine.max_model_len}-token "
+                               "context: a longer text cannot fit it)", param="prompt")
+
+            def count() -> dict:  # off the event loop: megabytes take seconds to tokenize
+                if req.messages is not None:
+                    chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+                    ids = m.serving.chat_prompt(chat).ids
+                else:
+                    ids = m.engine.tokenizer.encode(req.prompt, req.add_special_tokens)
+                out = {"count": len(ids), "max_model_len": m.engine.max_model_len, "tokens": ids}
+                if req.return_token_strs:
+                    out["token_strs"] = [m.engine.tokenizer.id_to_token(i) for i in ids]
+                return out
+
+            # the JSON of a million ids is written off the loop too
+            return await asyncio.to_thread(lambda: JSONResponse(count()))
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from macinfer.text import json_limits
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ class ToolCall:
 def _args_json(value: Any) -> str | None:
     if isinstance(value, str):  # some models emit the arguments already serialized
         try:
-            value = json.loads(value)
+            value = json_limits.loads(value)
         except ValueError:
             return None
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
@@ -151,7 +152,7 @@ class Qwen3Coder(Format):
         if kind == "string":
             return raw
         try:
-            return json.loads(raw)
+            return json_limits.loads(raw)
         except ValueError:
             return raw
 
