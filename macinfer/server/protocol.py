@@ -107,6 +107,8 @@ def check_text_parts(data: Any) -> Any:
     if isinstance(data, dict) and isinstance(data.get("content"), list):
         for i, part in enumerate(data["content"]):
             kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(kind, str):
+                raise ValueError(f"content[{i}]: a part needs a string `type`, got {kind!r:.40}")
             if kind in _NO_INPUT:
                 raise ValueError(f"content[{i}] is a {kind} part: this model has no {_NO_INPUT[kind]} input")
             if kind != "text":
