@@ -52,13 +52,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, (tuple, type(None))):
+            self.stop = list(self.stop or [])
+        if isinstance(self.stop_token_ids, (tuple, type(None))):
+            self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.validate()
         if 0.0 < self.temperature < _MIN_TEMPERATURE:  # below float precision of the logits: greedy
             self.temperature = 0.0
-        self.validate()
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -68,6 +70,9 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 raise bad(name, f"must be a number, got {value!r}")
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), list):
+                raise bad(name, f"must be a list, got {getattr(self, name)!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
