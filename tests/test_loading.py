@@ -96,3 +96,27 @@ def test_unsupported_architecture_gguf(tmp_path):
     mx.save_gguf(path, {"token_embd.weight": mx.zeros((4, 4))}, {"general.architecture": "falcon"})
     with pytest.raises(UnsupportedArchitectureError, match="'falcon'"):
         load(path)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_tiny_minicpm_with_its_scales_loads_and_matches_mlx_lm(tmp_path, tie):
+    """MiniCPM's `dim_model_base`, `scale_depth`, `scale_emb`, tied or not. Tied, mlx-lm's
+    sanitizer copies the embedding to an lm_head the tied model lacks (mlx_lm.load then
+    refuses the directory); the loader drops that copy, and the tokens equal mlx-lm's
+    model built in memory on the same weights."""
+    from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+    from tests.test_architectures import _reference_greedy
+
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.sampling_params import SamplingParams
+
+    config = {"model_type": "minicpm", "hidden_size": 64, "dim_model_base": 32, "num_hidden_layers": 2,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+              "vocab_size": 300, "scale_depth": 1.4, "scale_emb": 12.0, "max_position_embeddings": 2048,
+              "rope_theta": 10000.0, "tie_word_embeddings": tie, "eos_token_id": 2}
+    ref = make_mlx_lm_model(config, seed=3)
+    path = save_model_dir(str(tmp_path / "minicpm"), config, ref)
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
+    prompt = list(range(5, 30))
+    got = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].token_ids
+    assert got == _reference_greedy(ref, prompt, 10)

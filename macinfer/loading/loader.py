@@ -280,6 +280,11 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
                                            f"({config.get('model_type')}) does not take RoPE scaling from its config")
     config = extended
     weights = model.sanitize(weights)
+    if config.get("tie_word_embeddings") and "lm_head.weight" in weights and hasattr(model, "weight_names") \
+            and "lm_head.weight" not in set(model.weight_names()):
+        # A tied model has no lm_head; some mlx-lm sanitizers (MiniCPM's) copy the
+        # embedding there anyway, which its own load then refuses. The copy is the embedding.
+        del weights["lm_head.weight"]
     _quantize_like_weights(model, config, weights)
     strict = True
     if distributed is not None and distributed.mode == "pipeline":  # the other ranks' layers may be absent
