@@ -59,6 +59,9 @@ CONFIG_WINDOWS = {
     "gemma2": lambda cfg, i: cfg.get("sliding_window") if i % 2 == 0 else None,  # even layers slide
     "starcoder2": lambda cfg, i: cfg.get("sliding_window"),
     "phi3": lambda cfg, i: cfg.get("sliding_window"),
+    # Mistral 7B v0.1 (sliding_window 4096 of 32768 positions): the paper's and transformers'
+    # and vLLM's semantics; mlx-lm and llama.cpp attend to everything (docs/architectures.md).
+    "mistral": lambda cfg, i: cfg.get("sliding_window"),
 }
 
 
