@@ -4,6 +4,7 @@ import _thread
 import gc
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -150,3 +151,23 @@ def test_ctrl_c_in_generate_aborts_its_requests(llm, during):
     assert time.time() - start < 1.0
     out = llm.generate("next", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
     assert len(out.token_ids) == 3
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS preloading is a Linux matter")
+def test_the_python_api_loads_openblas_as_the_cli_does():
+    """`import macinfer` in a plain Python (no LD_PRELOAD) binds MLX to OpenBLAS; MLX
+    imported first gets one line saying how to get it."""
+    import glob
+    import subprocess
+
+    if not glob.glob("/usr/lib/*/openblas-pthread/libopenblas.so.0"):
+        pytest.skip("OpenBLAS is not installed here")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MACINFER_PRELOADED")}
+    probe = "import macinfer; print('libopenblas' in open('/proc/self/maps').read())"
+    first = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert first.stdout.strip() == "True" and "macinfer:" not in first.stderr, first.stderr
+    late = subprocess.run([sys.executable, "-c", "import mlx.core; " + probe], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert late.stdout.strip() == "False"
+    lines = [ln for ln in late.stderr.splitlines() if ln.startswith("macinfer:")]
+    assert len(lines) == 1 and "LD_PRELOAD=" in lines[0]
