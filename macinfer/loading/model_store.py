@@ -106,6 +106,9 @@ def bundled() -> CachedModel | None:
 
 
 def find(repo_id: str, cache_dir: str | None = None) -> CachedModel:
+    """A model `models list` shows, by its name: the bundled one or a cached repo."""
+    if repo_id in ("smollm2", "bundled") and (b := bundled()) is not None:
+        return b
     for m in list_models(cache_dir):
         if m.repo_id == repo_id:
             return m
