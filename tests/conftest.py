@@ -14,6 +14,22 @@ os.environ.setdefault("MACINFER_FORCE_ATTENTION_OPS", "explicit")
 from tests.helpers import tiny_model_dir
 
 
+def _patient_httpx(seconds: float = 300.0) -> None:
+    """No client timeout shorter than the work it waits for: httpx's default is 5 s, and on
+    two busy cores a 900-token prompt alone takes ~10 s (#40). Every httpx call and client
+    the tests make without a timeout of their own waits up to `seconds`."""
+    import httpx
+
+    patient = httpx.Timeout(seconds)
+    for fn in (httpx.request, httpx.stream, httpx.get, httpx.post, httpx.put, httpx.patch, httpx.delete,
+               httpx.head, httpx.options, httpx.Client.__init__, httpx.AsyncClient.__init__):
+        if fn.__kwdefaults__ and "timeout" in fn.__kwdefaults__:
+            fn.__kwdefaults__["timeout"] = patient
+
+
+_patient_httpx()
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     from macinfer.loading.loader import bundled_test_model
