@@ -13,24 +13,12 @@ def _load_openblas() -> None:
     on Linux, MLX's CPU matmuls use whatever BLAS the process has, ~20x faster with OpenBLAS.
     Loaded with RTLD_GLOBAL before MLX is, its symbols are the ones MLX binds to; when MLX
     was imported first, one line says how to get it."""
-    import glob
-    import os
+    from macinfer.launch import openblas_plan
 
-    from macinfer.launch import OPENBLAS, openblas_to_preload
-
-    if sys.platform != "linux":
-        return
-    try:
-        with open("/proc/self/maps") as f:
-            loaded = f.read()
-    except OSError:
-        loaded = ""
-    found = sorted(glob.glob(OPENBLAS))
-    lib = openblas_to_preload(os.environ, loaded, found)
+    lib, missing = openblas_plan()
     if lib is None:
-        if not found and "libopenblas" not in loaded and not os.environ.get("MACINFER_NO_PRELOAD"):
-            print("macinfer: OpenBLAS is not installed; MLX's CPU matmuls are ~20x slower without it "
-                  "(sudo apt install libopenblas0-pthread; MACINFER_NO_PRELOAD=1 silences this)", file=sys.stderr)
+        if missing:
+            print(missing, file=sys.stderr)
         return
     if "mlx.core" in sys.modules:
         print(f"macinfer: MLX was imported before macinfer, without OpenBLAS: CPU matmuls run ~20x slower; "

@@ -84,9 +84,10 @@ def test_serve_help_lists_the_registry():
     assert r.exit_code == 0 and all(a in r.output for a in ARCHITECTURES)
 
 
-def test_the_command_preloads_openblas_once_on_linux():
-    """`macinfer` run directly (not through the Makefile) re-executes itself once with OpenBLAS
-    preloaded, before MLX loads: without it the CPU backend's matmuls are ~20x slower."""
+def test_the_command_binds_mlx_to_openblas_on_linux():
+    """`macinfer` run directly (not through the Makefile's LD_PRELOAD) loads OpenBLAS before
+    MLX: without it the CPU backend's matmuls are ~20x slower."""
+    import glob
     import os
     import subprocess
     import sys
@@ -97,21 +98,14 @@ def test_the_command_preloads_openblas_once_on_linux():
     assert openblas_to_preload({}, "", [lib]) == (lib if sys.platform == "linux" else None)
     assert openblas_to_preload({}, "7f00 r-xp /usr/lib/x/libopenblasp-r0.3.so", [lib]) is None  # loaded already
     assert openblas_to_preload({"LD_PRELOAD": lib}, "", [lib]) is None
-    assert openblas_to_preload({"MACINFER_PRELOADED": "1"}, "", [lib]) is None  # never twice
+    assert openblas_to_preload({"MACINFER_PRELOADED": "1"}, "", [lib]) is None
     assert openblas_to_preload({"MACINFER_NO_PRELOAD": "1"}, "", [lib]) is None
     assert openblas_to_preload({}, "", []) is None
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MACINFER_PRELOADED")}
-    probe = ("import sys; sys.argv = ['macinfer', '--version']; sys.orig_argv = [sys.executable, '-c', ''];"
-             "import macinfer.launch as l; l.main()")
-    # The re-executed process runs `python -c ''`: a clean exit, and no loop.
+    probe = ("import sys; sys.argv = ['macinfer', '--version']; import macinfer.launch as l\n"
+             "try:\n    l.main()\nexcept SystemExit:\n    pass\n"
+             "print('libopenblas' in open('/proc/self/maps').read())")
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    import glob
-
+    assert r.returncode == 0 and "macinfer" in r.stdout, r.stderr
     if sys.platform == "linux" and glob.glob(OPENBLAS):
-        # in the preloaded process the library is mapped before anything imports MLX
-        check = ("import os, sys; sys.orig_argv = [sys.executable, '-c', "
-                 "'import os; print(\"libopenblas\" in open(\"/proc/self/maps\").read(), os.environ[\"MACINFER_PRELOADED\"])'];"
-                 "import macinfer.launch as l; l.main()")
-        r = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
-        assert r.stdout.split() == ["True", "1"], r.stdout + r.stderr
+        assert r.stdout.split()[-1] == "True" and "macinfer:" not in r.stderr, r.stdout + r.stderr
