@@ -92,7 +92,7 @@ def test_the_command_binds_mlx_to_openblas_on_linux():
     import subprocess
     import sys
 
-    from macinfer.launch import OPENBLAS, openblas_to_preload
+    from macinfer import OPENBLAS, openblas_to_preload
 
     lib = "/usr/lib/x/openblas-pthread/libopenblas.so.0"
     assert openblas_to_preload({}, "", [lib]) == (lib if sys.platform == "linux" else None)
