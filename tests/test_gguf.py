@@ -209,6 +209,9 @@ def test_hub_gguf_references(monkeypatch, tmp_path):
 
     files = ["README.md", "Model-Q4_K_M.gguf", "Model-Q8_0.gguf", "Model-f16.gguf", "mmproj-Model-Q4_K_M.gguf"]
     fetched = []
+    from macinfer.loading import loader
+
+    monkeypatch.setattr(loader, "_check_hub_reachable", lambda ref: None)  # the Hub is the fake below
     monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo: files)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download",
                         lambda repo, filename: fetched.append((repo, filename)) or str(tmp_path / filename))
@@ -222,7 +225,8 @@ def test_hub_gguf_references(monkeypatch, tmp_path):
 
 def test_hub_gguf_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelNotFoundError, match="could not fetch model 'no-org/no-model-GGUF:Q4_K_M'"):
+    with pytest.raises(ModelNotFoundError, match="'no-org/no-model-GGUF:Q4_K_M' is not in the Hugging Face cache "
+                       "and HF_HUB_OFFLINE is set"):
         resolve("no-org/no-model-GGUF:Q4_K_M")
 
 

@@ -93,10 +93,12 @@ class Entry:
     known_bytes: int = 0  # measured at its last load
     keep_alive: float | None = None  # seconds idle before unload, set by a request (Ollama's keep_alive)
     loads: int = 0
+    unloading: bool = False  # no request reaches it any more, and its memory is not back yet
 
     @property
     def state(self) -> str:
-        return "loaded" if self.served else "loading" if self.loading else "unloaded"
+        return "loaded" if self.served else "loading" if self.loading else "unloading" if self.unloading \
+            else "unloaded"
 
     @property
     def name(self) -> str:

@@ -333,13 +333,14 @@ def add_routes(app: Any, routing: Routing) -> None:
     async def ollama_ps():
         out = []
         for e in pool.entries.values():
-            if e.served is None:
+            if e.served is None and not e.unloading:  # (one being unloaded holds memory still)
                 continue
-            ttl = e.keep_alive if e.keep_alive is not None else pool.idle_ttl
+            ttl = 0 if e.unloading else e.keep_alive if e.keep_alive is not None else pool.idle_ttl
             never = pool.single or e.source.pinned or ttl is None or ttl < 0
             expires = "2318-01-01T00:00:00Z" if never else time.strftime(
                 "%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + max(ttl - (time.monotonic() - e.last_used), 0)))
-            out.append({**entry(e, e.served), "size_vram": e.served.nbytes, "expires_at": expires})
+            size = e.served.nbytes if e.served is not None else e.known_bytes
+            out.append({**entry(e, e.served), "size_vram": size, "expires_at": expires})
         return {"models": out}
 
     @app.post("/api/show")

@@ -75,7 +75,12 @@ def add_routes(app: Any, routing: Routing) -> None:
             "requests": {"running": 0, "waiting": 0}}
         if not pool.single:
             out["models"] = [model_summary(e) for e in pool.entries.values()]
-            out["memory"] = {"budget_bytes": pool.budget, "used_bytes": sum(s.nbytes for s in pool.loaded())}
+            import mlx.core as mx
+
+            # used: what the loaded models hold by their own count; device_active: what MLX has
+            # allocated in this process (all models, temporaries), which an unload must give back
+            out["memory"] = {"budget_bytes": pool.budget, "used_bytes": sum(s.nbytes for s in pool.loaded()),
+                             "device_active_bytes": mx.get_active_memory()}
         return out
 
     @app.get("/metrics")
