@@ -121,9 +121,10 @@ def test_idle_ttl_unloads_and_the_memory_returns(two_tiny):
     assert state == "unloaded"
     assert loaded[0] - before[0] >= 0.9 * size  # MLX's active memory grew by the model's weights and KV
     assert after[0] - before[0] < 0.05 * size, (before, loaded, after, size)  # and came back
-    # The process's RSS shrank too: by part of the model only in this long-lived test process (its
-    # heap holds what earlier tests left, in any order); test_memory_budget measures a server's own.
-    assert loaded[1] - after[1] > 0.25 * size, (before, loaded, after, size)
+    # (Not the RSS: in this long-lived test process, 1.3 GB after whatever tests ran before it in
+    # any order, glibc may keep a 16 MB model's pages; a shuffled run saw them all kept while MLX's
+    # memory was back to the byte. test_memory_budget checks a server process's own RSS over 22
+    # unloads, and scripts/bench_multi_model.py --memory measures it.)
     assert again.status_code == 200 and loads == ["beta", "beta"]  # the next request loaded it again
 
 
