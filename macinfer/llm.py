@@ -143,7 +143,15 @@ class LLM:
             return fn(*args)
         if self._worker.stopped:
             raise RuntimeError("this LLM is closed")
-        return self._worker.submit(fn, *args).result()
+        future = self._worker.submit(fn, *args)
+        try:
+            return future.result()
+        except RuntimeError as e:
+            # Ctrl-C landing inside the future's lock surfaces as "cannot release un-acquired
+            # lock" (seen in a shuffled CI run): the user pressed Ctrl-C, so that is what they get.
+            if isinstance(e.__context__, KeyboardInterrupt):
+                raise e.__context__ from None
+            raise
 
     def _add(self, prompts: list, params_list: list[SamplingParams], ids: list[str]) -> None:
         added: list[str] = []

@@ -157,9 +157,10 @@ def test_malformed_nested_bodies_are_400s_naming_the_field(server, path, body, f
 
 
 def test_seeded_constrained_requests_never_fail(server):
-    """200 seeded requests held to a schema (integers, strings, arrays) or to a forced
+    """100 seeded requests held to a schema (integers, strings, arrays) or to a forced
     tool call, 32 at a time: no 5xx; each answer is valid JSON, or cut at max_tokens
-    ("length"). Seeds 12, 13, 15 and 18 failed every time before the noise fix."""
+    ("length"). Seeds 12, 13, 15 and 18 failed every time before the noise fix (200 seeds
+    until #40: halved for the suite's time; every kind still gets 33 or more)."""
     async def one(c, seed):
         kind = seed % 3
         body = {"messages": [{"role": "user", "content": "Describe a person." if kind else "Weather in Paris?"}],
@@ -179,7 +180,7 @@ def test_seeded_constrained_requests_never_fail(server):
             async def guarded(seed):
                 async with limit:
                     return await one(c, seed)
-            return await asyncio.gather(*(guarded(s) for s in range(200)))
+            return await asyncio.gather(*(guarded(s) for s in range(100)))
 
     results = asyncio.run(run())
     assert [r[:3] for r in results if r[2] != 200] == []
