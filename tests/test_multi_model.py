@@ -249,6 +249,32 @@ def test_pool_rules_with_injected_sizes():
     assert err.code == "model_too_large" and "2.00 GiB of it held by pinned models" in err.message
 
 
+def test_a_model_is_unloading_until_its_step_thread_let_go():
+    """Between the unload's start and its memory's return the model is listed as
+    "unloading" (Ollama's /api/ps keeps it): a client waiting for it to leave the list
+    then sees the memory back, not 20 MiB of it still held (seen in CI under load)."""
+    import threading
+
+    release, seen = threading.Event(), []
+    slow = _FakeAsync()
+    slow.wait_stopped = lambda: release.wait(10)
+    pool = ModelPool([ModelSource("a", "a", disk_bytes=GiB)], lambda src, limit: _FakeEngine(GiB), idle_ttl=60)
+    pool.attach(lambda engine, src: Served(src.name, engine, slow, None))
+
+    async def go():
+        async with pool.use("a"):
+            pass
+        task = asyncio.ensure_future(pool._unload(pool.entries["a"], "test"))
+        await asyncio.sleep(0.1)
+        seen.append(pool.entries["a"].state)
+        release.set()
+        await task
+        seen.append(pool.entries["a"].state)
+
+    asyncio.run(go())
+    assert seen == ["unloading", "unloaded"]
+
+
 def test_models_dir_and_names(tmp_path, two_tiny):
     import shutil
 

@@ -300,7 +300,11 @@ class ModelPool:
             box.clear()  # the last reference: the engine goes now
             release_freed()  # the freed buffers back to the system, not to MLX's cache or the heap
 
-        await asyncio.to_thread(close)
+        entry.unloading = True  # listed (state "unloading") until its memory is back
+        try:
+            await asyncio.to_thread(close)
+        finally:
+            entry.unloading = False
         log.info("unloaded model %s (%s)", entry.name, why)
 
     def unload_when_idle(self, entry: Entry) -> None:
