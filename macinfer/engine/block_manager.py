@@ -24,11 +24,15 @@ from macinfer.engine.state_group import StateGroup
 from macinfer.kv.spec import CacheGroup, FullAttention, cdiv
 
 
-def block_hash(parent: bytes, tokens: list[int], salt: str | None) -> bytes:
+def block_hash(parent: bytes, tokens: list[int], salt: str | None, images: bytes = b"") -> bytes:
+    """A block's key: its tokens, its parent's key, the request's salt, and the content of
+    any image whose placeholder tokens it holds (the tokens alone are the same for all images)."""
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(array("q", tokens).tobytes())
     if salt:
         h.update(b"\x00salt\x00" + salt.encode())
+    if images:
+        h.update(b"\x00image\x00" + images)
     return h.digest()
 
 
@@ -322,7 +326,8 @@ class BlockManager:
             tokens = tokens or seq.token_ids
             i = len(hashes)
             parent = hashes[-1] if hashes else self.root_hash
-            hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt))
+            images = seq.images.block_key(i * bs, (i + 1) * bs) if seq.images is not None else b""
+            hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt, images))
         return hashes[:num_full_blocks]
 
     # -- allocation -------------------------------------------------------------

@@ -58,3 +58,7 @@ class EngineConfig:
     memory_limit_bytes: int | None = None
     # Build the next decode step's graph while this one computes (`engine/lookahead.py`).
     async_scheduling: bool = True
+    # A vision checkpoint's image path (`macinfer/vision/`): loaded when its family runs
+    # (False: served text-only), with this much memory for encoded images kept by content.
+    images: bool = True
+    encoder_cache_mb: int = 256

@@ -7,7 +7,7 @@ import logging
 import random
 import time
 import uuid
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -35,6 +35,9 @@ from macinfer.loading.loader import LoadedModel, load
 from macinfer.text.reasoning import track_thinking
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.text.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from macinfer.vision.inputs import ImageInputs
 
 log = logging.getLogger("macinfer")
 
@@ -95,6 +98,7 @@ class LLMEngine:
                              f"{model_len} tokens; use at most {model_len}, or add --rope-scaling yarn to "
                              "stretch RoPE to it (YaRN)")
         self.max_model_len = cfg.max_model_len or model_len
+        self.vision, self.vision_refusal = self._load_vision()
 
         from macinfer.engine.selfcheck import self_check
 
@@ -193,6 +197,44 @@ class LLMEngine:
                 "so it would run wrong")
         self.block_manager.drop_cache()
 
+    def _load_vision(self):
+        """(the image path, None), or (None, why images are refused) for a vision checkpoint;
+        (None, None) for a text model (`vision/support.py`)."""
+        from macinfer.vision.support import is_vision_config, load_vision
+
+        config = self.loaded.config
+        if not is_vision_config(config):
+            return None, None
+        if not self.config.images:
+            return None, "it is served text-only (images off)"
+        if self.dist is not None:
+            return None, "images are not served over --distributed ranks"
+        if self.loaded.source.endswith(".gguf"):
+            return None, "a GGUF's vision projector (mmproj) is not loaded"
+        embed = getattr(self.model, "embed_module", lambda: None)()
+        if embed is None:
+            return None, "its language model takes no embeddings in place of tokens"
+        vision, why = load_vision(self.loaded.source, config, self.tokenizer, embed, self.model.kv_dtype(),
+                                  cache_bytes=self.config.encoder_cache_mb * 2**20)
+        if vision is not None:
+            log.info("images: %s's vision tower and projector loaded (%.1f MiB)", config.get("model_type"),
+                     vision.encoder.nbytes / 2**20)
+        return vision, why
+
+    def prepare_images(self, prompt: list[int], images: list) -> tuple[list[int], "ImageInputs"]:
+        """The prompt's image markers expanded for `images` (decoded PIL images) by the
+        model's processor: the ids to queue and the `images` argument of `add_request`.
+        CPU work on the host (resizing): callers on an event loop run it in a worker.
+        Raises ImageError (the request's fault) or ValueError (this model takes no images)."""
+        if self.vision is None:
+            raise ValueError("this model takes no images" + (f": {self.vision_refusal}" if self.vision_refusal
+                                                              else " (a text model)"))
+        if len(images) > self.vision.limits.max_images:
+            from macinfer.vision.images import ImageError
+
+            raise ImageError(f"{len(images)} images; at most {self.vision.limits.max_images} a request")
+        return self.vision.processor.expand(prompt, images)
+
     def cache_groups(self) -> list[dict]:
         """Per cache group: its kind, the layers reading it and the caches keeping K/V in it,
         block size, blocks total/used/cached, bytes per token and in all; for a model with
@@ -205,10 +247,11 @@ class LLMEngine:
         return stats
 
     def memory_bytes(self) -> int:
-        """What this engine holds: weights plus the KV pools (and recurrent state)."""
+        """What this engine holds: weights (a vision tower's too) plus the KV pools (and recurrent state)."""
         from mlx.utils import tree_flatten
 
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters())) + self.kv_cache.nbytes
+        vision = self.vision.encoder.nbytes if self.vision is not None else 0
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters())) + self.kv_cache.nbytes + vision
 
     def _kv_dtype(self) -> mx.Dtype:
         """The dtype K/V come out of the projections in (what mlx-lm's cache would hold)."""
@@ -249,16 +292,21 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        images: "ImageInputs | None" = None,
     ) -> str:
         """Queue a request. `cache_salt` keeps its prefix-cache entries private:
-        only requests with the same salt can reuse them."""
+        only requests with the same salt can reuse them. `images`: from `prepare_images`
+        (the prompt its ids)."""
         params = params or SamplingParams()
         ids = self.validate_request(prompt, params)
+        if images is not None and (self.vision is None or self.dist is not None):
+            raise ValueError("this model takes no images")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         seed = params.seed if params.seed is not None else random.getrandbits(32)
-        seq = Sequence(request_id, ids, params, seed, arrival_time=time.perf_counter(), cache_salt=cache_salt)
+        seq = Sequence(request_id, ids, params, seed, arrival_time=time.perf_counter(), cache_salt=cache_salt,
+                       images=images if images is not None and images.spans else None)
         if params.grammar is not None:
             seq.matcher = self.structured.matcher(params.grammar)  # GrammarError: the request's fault
         prompt_text = prompt if isinstance(prompt, str) else None
@@ -369,6 +417,9 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         if not sched:
             return []
+        failed = self._encode_images(sched.scheduled) if self.vision is not None else []
+        if not sched.scheduled:
+            return failed
         self._count(sched)
         try:
             results, errors = self.runner.step(sched.scheduled, self._lookahead())
@@ -380,10 +431,30 @@ class LLMEngine:
             self._recover_after_failed_step()
             return outputs
         with maybe(prof, "outputs"):
-            outputs = self._outputs(sched, results, errors)
+            outputs = failed + self._outputs(sched, results, errors)
         if not self.scheduler.running:  # the sequences a lookahead was for have all ended
             self.runner.ahead = None
         return outputs
+
+    def _encode_images(self, scheduled: list) -> list[RequestOutput]:
+        """Encode the images the step's prompt chunks reach (each once: the encoder caches
+        by content, and a sequence keeps its features for a recompute). A request whose
+        image fails ends alone, with the reason; it leaves the step."""
+        failed = []
+        for item in list(scheduled):
+            seq, n = item
+            if seq.images is None:
+                continue
+            try:
+                for span in seq.images.overlapping(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                    if span.features is None:
+                        span.features = self.vision.encoder.encode(span)
+                        span.pixels = None
+            except Exception as e:  # noqa: BLE001 - the image's fault or the family's: this request only
+                log.warning("request %s: encoding an image failed: %s", seq.request_id, e)
+                scheduled.remove(item)
+                failed.append(self._fail(seq, e))
+        return failed
 
     def _count(self, sched) -> None:
         if self.runner.profile is not None:

@@ -65,6 +65,10 @@ class AttentionMetadata:
     decode_attention: str = "reference"
     groups: "list[AttentionMetadata]" = field(default_factory=list)
     state: Any = None  # the step's recurrent-state plan (`kv/state.py`; None: no recurrent layers)
+    # Rows whose input is an image's encoded features instead of their token's embedding
+    # (`macinfer/vision/`), and those features [len(rows), hidden] (None: no image this step).
+    image_rows: mx.array | None = None
+    image_features: mx.array | None = None
     # Arrays every layer of a step shares (built by the first layer that needs them).
     _memo: dict[Any, mx.array] = field(default_factory=dict)
 

@@ -172,6 +172,7 @@ class MlxLmModel(nn.Module):
         object.__setattr__(self, "_inner_path", inner.split("."))
         params = inspect.signature(_resolve(text, inner).__call__).parameters
         self._inner_takes_mask = "mask" in params and params["mask"].default is inspect.Parameter.empty
+        self._inner_takes_embeddings = "input_embeddings" in params  # what images are spliced into
         from mlx_lm.models.cache import make_prompt_cache
 
         # The innermost make_cache (a wrapper may not pass its text model's on).
@@ -261,6 +262,11 @@ class MlxLmModel(nn.Module):
             inner = _resolve(self._text, ".".join(self._inner_path))
             if self._inner_takes_mask:  # e.g. phixtral's decoder: (x, mask, cache)
                 return inner(input_ids[:, None], mask=None, cache=caches)
+            meta = forward.meta
+            if meta is not None and meta.image_rows is not None:  # image features in place of their tokens
+                h = inner.embed_tokens(input_ids)
+                h[meta.image_rows] = meta.image_features.astype(h.dtype)
+                return inner(input_ids[:, None], cache=caches, input_embeddings=h[:, None, :])
             return inner(input_ids[:, None], cache=caches)
         finally:
             set_active(None)
@@ -362,6 +368,13 @@ class MlxLmModel(nn.Module):
                 patch_receiver(cls)
 
     # -- the interface -----------------------------------------------------------
+    def embed_module(self) -> nn.Module | None:
+        """The token embedding images are spliced beside (None: this model cannot take
+        embeddings in place of tokens)."""
+        inner = _resolve(self._text, ".".join(self._inner_path))
+        ok = self._inner_takes_embeddings and not self._inner_takes_mask
+        return getattr(inner, "embed_tokens", None) if ok else None
+
     def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:
         return self._run(input_ids, Forward(meta=meta, state_plan=meta.state))[:, 0, :]
 

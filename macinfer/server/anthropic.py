@@ -31,7 +31,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                500: "api_error", 503: "overloaded_error"}
 _REFUSED = ("mcp_servers", "container")
-_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+_BLOCKS = {"user": ("text", "image", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
            "system": ("text",)}
 # Accepted, without effect on the output: billing and provider-side caching hints.
 _BOOKKEEPING = ("service_tier", "cache_control")
@@ -85,12 +85,18 @@ class Message(BaseModel):
                 if not isinstance(kind, str):
                     raise ValueError(f"content[{i}]: a content block needs a `type`")
                 if kind in _NO_INPUT:
-                    raise ValueError(f"content[{i}] is a {kind} block: this model has no {_NO_INPUT[kind]} input")
+                    raise ValueError(f"content[{i}] is a {kind} block: {_NO_INPUT[kind]} input is not supported")
                 if kind not in _BLOCKS[self.role]:
                     raise ValueError(f"content[{i}]: a {self.role} message cannot hold a {kind!r} block "
                                      f"(supported: {', '.join(_BLOCKS[self.role])})")
                 if kind == "text" and not isinstance(b.get("text"), str):
                     raise ValueError(f"content[{i}]: a text block needs `text`")
+                if kind == "image":
+                    source = b.get("source")
+                    if not isinstance(source, dict) or source.get("type") != "base64" \
+                            or not isinstance(source.get("data"), str) or not isinstance(source.get("media_type"), str):
+                        raise ValueError(f"content[{i}]: an image block needs a base64 `source` with `media_type` "
+                                         "and `data` (url and file sources are not fetched)")
                 if kind == "tool_use" and not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
                                                and isinstance(b.get("input"), dict)):
                     raise ValueError(f"content[{i}]: a tool_use block needs `id`, `name` and an `input` object")
@@ -204,7 +210,13 @@ class MessagesRequest(BaseModel):
                     result = _result_text(b.get("content"))
                     out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                                 "content": f"Error: {result}" if b.get("is_error") else result})
-            if text or not any(b["type"] == "tool_result" for b in blocks):
+            if any(b["type"] == "image" for b in blocks):  # the parts in order, images as data URLs
+                parts = [{"type": "text", "text": b["text"]} if b["type"] == "text" else
+                         {"type": "image_url", "image_url": {
+                             "url": f"data:{b['source']['media_type']};base64,{b['source']['data']}"}}
+                         for b in blocks if b["type"] in ("text", "image")]
+                out.append({"role": "user", "content": parts})
+            elif text or not any(b["type"] == "tool_result" for b in blocks):
                 out.append({"role": "user", "content": text})
         return out
 

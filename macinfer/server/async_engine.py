@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+from typing import Any
 import logging
 import queue
 import threading
@@ -153,7 +154,7 @@ class AsyncEngine:
 
     def submit(
         self, prompt_ids: list[int], params_list: list[SamplingParams], request_id: str,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, images: Any = None,
     ) -> "RequestStream":
         """Admit len(params_list) choices of one prompt, or raise QueueFullError now."""
         if self.dead or self.draining or not self.running:
@@ -167,7 +168,7 @@ class AsyncEngine:
             for rid in stream.rids:
                 self._routes[rid] = _Pending(stream.loop, stream.queue)
         for rid, params in zip(stream.rids, params_list):
-            self._commands.put(("add", rid, prompt_ids, params, cache_salt))
+            self._commands.put(("add", rid, prompt_ids, params, cache_salt, images))
         return stream
 
     async def call(self, fn, *args):
@@ -237,12 +238,15 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, salt = cmd
+            _, rid, ids, params, salt, images = cmd
             with self._lock:
                 if rid not in self._routes:  # aborted before it started
                     return
             try:
-                self.engine.add_request(ids, params, rid, cache_salt=salt)
+                if images is None:
+                    self.engine.add_request(ids, params, rid, cache_salt=salt)
+                else:
+                    self.engine.add_request(ids, params, rid, cache_salt=salt, images=images)
             except Exception as e:  # validated already; anything left is this request's
                 log.exception("could not add request %s", rid)
                 self._deliver(RequestOutput(rid, ids, "", [], "", [], True, "error", error=str(e)))

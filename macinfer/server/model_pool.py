@@ -347,7 +347,12 @@ class ModelPool:
         if e.source.path and e.source.context_length:
             out["context_length"] = e.source.context_length
         if e.served is not None:
-            out["max_model_len"] = e.served.engine.max_model_len
+            engine = e.served.engine
+            out["max_model_len"] = engine.max_model_len
+            # Which inputs it takes; a vision checkpoint whose images are refused says why.
+            out["input_modalities"] = ["text", "image"] if getattr(engine, "vision", None) is not None else ["text"]
+            if getattr(engine, "vision_refusal", None):
+                out["images_refused"] = engine.vision_refusal
         if e.known_bytes or e.source.disk_bytes:
             out["size_bytes"] = e.known_bytes or e.source.disk_bytes
         return out

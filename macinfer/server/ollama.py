@@ -93,6 +93,16 @@ class ShowRequest(BaseModel):
     verbose: bool = False
 
 
+def _with_images(images: Any, text: str, where: str) -> list[dict[str, Any]]:
+    """Ollama's base64 images (before the text, as Ollama renders them) as OpenAI's parts."""
+    if not isinstance(images, list) or not all(isinstance(b, str) for b in images):
+        raise ValueError(f"{where}: a list of base64 strings")
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": b if b.startswith("data:")
+                                                                        else f"data:image/*;base64,{b}"}}
+                                   for b in images]
+    return parts + ([{"type": "text", "text": text}] if text else [])
+
+
 def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ollama's messages as OpenAI's: tool calls with ids and JSON arguments, tool results
     answering the calls in order."""
@@ -101,11 +111,11 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         role = m.get("role")
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"messages[{i}].role: {role!r} is not system, user, assistant or tool")
-        if m.get("images"):
-            raise ValueError(f"messages[{i}].images: images are not supported (this server runs text models)")
         msg: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
         if m.get("content") is not None and not isinstance(m["content"], str):
             raise ValueError(f"messages[{i}].content: must be a string")
+        if m.get("images"):
+            msg["content"] = _with_images(m["images"], msg["content"], f"messages[{i}].images")
         if role == "assistant" and m.get("tool_calls"):
             if not isinstance(m["tool_calls"], list):
                 raise ValueError(f"messages[{i}].tool_calls: must be a list of {{\"function\": {{...}}}} objects")
@@ -191,13 +201,14 @@ def to_chat(req: ChatRequest | GenerateRequest, single: bool = True) -> tuple[Ch
         if req.tools:
             fields["tools"] = req.tools
     else:
-        for name in ("images", "suffix", "template", "context"):
+        for name in ("suffix", "template", "context"):
             if getattr(req, name):
                 raise ValueError(f"{name} is not supported by this server")
         if req.raw:
             raise ValueError("raw is not supported by this server; send the prompt through the chat template")
+        prompt: Any = _with_images(req.images, req.prompt, "images") if req.images else req.prompt
         fields["messages"] = ([{"role": "system", "content": req.system}] if req.system else []) + \
-            [{"role": "user", "content": req.prompt}]
+            [{"role": "user", "content": prompt}]
     return ChatCompletionRequest.model_validate(fields), ignored
 
 
@@ -349,7 +360,8 @@ def add_routes(app: Any, routing: Routing) -> None:
         async with pool.use(e.name) as m:
             engine = m.engine
             caps = ["completion"] + (["tools"] if m.serving._renders_tools() else []) + \
-                (["embedding"] if engine.loaded.pooling is not None else [])
+                (["embedding"] if engine.loaded.pooling is not None else []) + \
+                (["vision"] if engine.vision is not None else [])
             return {"modelfile": "", "parameters": "", "template": engine.tokenizer.chat_template or "",
                     "details": model_details(engine), "capabilities": caps,
                     "model_info": {"general.architecture": engine.loaded.config.get("model_type", ""),

@@ -97,22 +97,37 @@ class TextPart(BaseModel):
     text: str
 
 
-_NO_INPUT = {"image_url": "vision", "input_image": "vision", "image": "vision", "input_audio": "audio",
-             "audio": "audio", "file": "file", "input_file": "file"}
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # refused unless auto (`vision/messages.py`)
+
+
+class ImagePart(BaseModel):
+    """OpenAI's image part; the other APIs' images arrive here as data URLs."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+_NO_INPUT = {"input_audio": "audio", "audio": "audio", "video_url": "video", "video": "video",
+             "file": "file", "input_file": "file"}
 
 
 def check_text_parts(data: Any) -> Any:
-    """A message dict whose content, if a list of parts, holds text parts only
-    (image, audio and file parts get a message saying the model cannot take them)."""
+    """A message dict whose content, if a list of parts, holds text and image parts only
+    (audio, video and file parts get a message saying no model here takes them)."""
     if isinstance(data, dict) and isinstance(data.get("content"), list):
         for i, part in enumerate(data["content"]):
             kind = part.get("type") if isinstance(part, dict) else None
             if not isinstance(kind, str):
                 raise ValueError(f"content[{i}]: a part needs a string `type`, got {kind!r:.40}")
             if kind in _NO_INPUT:
-                raise ValueError(f"content[{i}] is a {kind} part: this model has no {_NO_INPUT[kind]} input")
-            if kind != "text":
-                raise ValueError(f"content[{i}]: unsupported content part type {kind!r} (only 'text')")
+                raise ValueError(f"content[{i}] is a {kind} part: {_NO_INPUT[kind]} input is not supported")
+            if kind not in ("text", "image_url"):
+                raise ValueError(f"content[{i}]: unsupported content part type {kind!r} (only 'text', 'image_url')")
     return data
 
 
@@ -136,7 +151,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
@@ -152,7 +167,16 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
+
+    def template_content(self) -> Any:
+        """What the chat template gets: the text, or the parts in order when images are among them."""
+        if not self.has_images():
+            return self.text()
+        return [p.model_dump(exclude_none=True) for p in self.content]
 
 
 class FunctionSpec(BaseModel):

@@ -131,15 +131,25 @@ class ResponsesRequest(BaseModel):
                 for j, part in enumerate(content):
                     if not isinstance(part, dict):
                         raise ValueError(f"input[{i}].content[{j}]: a content part is an object with a `type`")
+                    if part.get("type") == "input_image" and role == "user":
+                        url = part.get("image_url")
+                        if not isinstance(url, str) or part.get("file_id") is not None:
+                            raise ValueError(f"input[{i}].content[{j}]: an input_image part needs an `image_url` "
+                                             "(a data URL; file ids are not supported)")
+                        detail = part.get("detail")
+                        parts.append({"type": "image_url", "image_url": {"url": url, **(
+                            {"detail": detail} if detail is not None else {})}})
+                        continue
                     if part.get("type") not in ("input_text", "output_text", "text"):
                         raise ValueError(f"input[{i}].content[{j}]: {part.get('type')!r} parts are not supported "
-                                         "(only text; this model has no vision or audio input)")
+                                         "(text, and input_image in user messages)")
                     if not isinstance(part.get("text"), str):
                         raise ValueError(f"input[{i}].content[{j}]: a text part needs `text`")
-                    parts.append(part["text"])
-                content = "".join(parts)
-            if not isinstance(content, str):
-                raise ValueError(f"input[{i}]: content must be text")
+                    parts.append({"type": "text", "text": part["text"]})
+                images = any(p["type"] == "image_url" for p in parts)
+                content = parts if images else "".join(p["text"] for p in parts)
+            if not isinstance(content, (str, list)):
+                raise ValueError(f"input[{i}]: content must be text or content parts")
             out.append({"role": "system" if role == "developer" else role, "content": content})
         return out
 

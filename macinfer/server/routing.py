@@ -41,7 +41,8 @@ class Routing:
             log.info("request fields this model cannot act on: %s", ", ".join(turn.ignored))
             self.add_header(request, "x-macinfer-ignored", ",".join(turn.ignored))
 
-    async def start(self, m: Served, kind: str, req, prompt, max_tokens, logprobs, request: Request, plan=None):
+    async def start(self, m: Served, kind: str, req, prompt, max_tokens, logprobs, request: Request, plan=None,
+                    images=None):
         """Validate, tokenize (never on the event loop: a large prompt takes seconds) and
         admit a request; returns (request id, prompt ids, output stream)."""
         ids, params, limit = await asyncio.to_thread(m.serving.prepare, req, prompt, max_tokens, logprobs, plan)
@@ -50,7 +51,7 @@ class Routing:
         try:
             index = getattr(request.state, "api_key_index", None)
             client = (None if index is None else self.key_ids[index], req.user)
-            rid, stream = m.serving.submit(req, ids, params, kind, client)
+            rid, stream = m.serving.submit(req, ids, params, kind, client, images)
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="server_busy",
                            headers={"Retry-After": "1"}) from None
@@ -66,7 +67,8 @@ class Routing:
                                  background=BackgroundTask(stream.close))
 
     async def run(self, m: Served, kind: str, req, prompt, max_tokens, logprobs, request: Request, turn=None):
-        rid, ids, stream = await self.start(m, kind, req, prompt, max_tokens, logprobs, request, turn and turn.plan)
+        rid, ids, stream = await self.start(m, kind, req, prompt, max_tokens, logprobs, request, turn and turn.plan,
+                                            turn and turn.images)
         if req.stream:
             return self.sse(m.serving.stream(kind, req, rid, ids, stream, turn), stream)
         return await m.serving.complete(kind, req, rid, ids, stream, request, turn)
@@ -75,7 +77,8 @@ class Routing:
         """Start a chat translated from another API; (chat turn, stream, final output or None)."""
         turn = await asyncio.to_thread(m.serving.chat_prompt, chat)
         self.say_ignored(request, turn)
-        _, _, stream = await self.start(m, "chat", chat, turn.ids, chat.max_tokens, None, request, turn.plan)
+        _, _, stream = await self.start(m, "chat", chat, turn.ids, chat.max_tokens, None, request, turn.plan,
+                                        turn.images)
         if chat.stream:
             return turn, stream, None
         final = (await m.serving.wait_final(stream, request))[0]

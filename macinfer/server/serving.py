@@ -45,6 +45,7 @@ class ChatTurn:
     plan: ChatPlan
     prompt_tail: str = ""
     ignored: list[str] = field(default_factory=list)  # fields this model cannot act on (a response header)
+    images: Any = None  # `vision.inputs.ImageInputs` when the messages hold images
 
 
 # The output cap of a request that sets none (`serve --max-tokens-default`): without one a
@@ -174,7 +175,8 @@ class OpenAIServing:
         except chat_output.PlanError as e:
             raise APIError(400, str(e), param=e.param) from None
         messages = chat_output.template_messages(
-            [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages])
+            [m.model_dump(exclude_none=True) | {"content": m.template_content()} for m in req.messages])
+        messages, pictures = self._images(messages)
         if plan.forced == "generic":
             messages = chat_output.with_generic_tools(messages, plan.tool_specs)
         template, ignored = self.tokenizer.chat_template, []
@@ -193,7 +195,32 @@ class OpenAIServing:
         tail = self.tokenizer.decode(ids[-8:], skip_special_tokens=False) if plan.reasoning else ""
         if req.thinking_budget is not None:
             self._thinking_budget(req, plan, kwargs or {}, tail)
-        return ChatTurn(ids, plan, tail, ignored)
+        images = None
+        if pictures:
+            try:
+                ids, images = self.engine.engine.prepare_images(ids, pictures)
+            except ValueError as e:  # ImageError: the image's fault; else the model's: 400 either way
+                raise APIError(400, str(e), param="messages") from None
+        return ChatTurn(ids, plan, tail, ignored, images)
+
+    def _images(self, messages: list[dict]) -> tuple[list[dict], list]:
+        """The messages' images taken out and decoded (a 400 naming the part when one is
+        bad, or when this model takes none)."""
+        from macinfer.vision.images import ImageLimits
+        from macinfer.vision.messages import IMAGE_PARTS, split_images
+
+        has = any(isinstance(m.get("content"), list) and any(p.get("type") in IMAGE_PARTS for p in m["content"])
+                  for m in messages)
+        if not has:
+            return messages, []
+        engine = self.engine.engine
+        if engine.vision is None:
+            why = engine.vision_refusal or "it is a text model"
+            raise APIError(400, f"this model takes no images: {why}", param="messages")
+        try:
+            return split_images(messages, engine.vision.limits if engine.vision else ImageLimits())
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
 
     def _renders_tools(self) -> bool:
         """Whether the chat template puts `tools` in the prompt (rendered with and without one)."""
@@ -264,9 +291,10 @@ class OpenAIServing:
         return None
 
     def submit(self, req, ids: list[int], params: list[SamplingParams], kind: str,
-               client: tuple[int | None, str | None]) -> tuple[str, RequestStream]:
+               client: tuple[int | None, str | None], images: Any = None) -> tuple[str, RequestStream]:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        return rid, self.engine.submit(ids, params, rid, cache_salt=self.cache_salt(req.cache_salt, *client))
+        return rid, self.engine.submit(ids, params, rid, cache_salt=self.cache_salt(req.cache_salt, *client),
+                                       images=images)
 
     def cache_salt(self, salt: str | None, key_id: str | None, user: str | None) -> str | None:
         """Requests share prefix-cache entries only within the isolation scope: a

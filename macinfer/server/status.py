@@ -21,7 +21,7 @@ def add_routes(app: Any, routing: Routing) -> None:
     def model_card(entry) -> dict:
         card = pool.card(entry)
         return {"id": card.pop("id"), "object": "model", "created": created, "owned_by": "macinfer",
-                **({"max_model_len": card["max_model_len"]} if "max_model_len" in card else {}),
+                **{k: card[k] for k in ("max_model_len", "input_modalities", "images_refused") if k in card},
                 **({} if pool.single else card)}
 
     @app.get("/v1/models")

@@ -118,6 +118,8 @@ def build_inputs(
     sample_seqs: list[Sequence | DraftRow] = []
     tables = [GroupTables(g, cfg.block_size) for g in groups]
     chunks: list[SeqChunk] = []
+    image_rows: list[int] = []
+    image_parts: list[mx.array] = []
 
     for k, (seq, n) in enumerate(scheduled):
         start = seq.num_computed_tokens if ahead is None else ahead[1][k]
@@ -129,6 +131,8 @@ def build_inputs(
             ids.extend(drafts)
         pos = np.arange(start, start + n)
         positions.extend(pos.tolist())
+        if seq.images is not None and ahead is None:
+            _image_rows(seq, start, start + real, row, image_rows, image_parts)
         for g, t in enumerate(tables):
             t.add(seq.block_tables[g], pos, row, as_decodes=bool(drafts))
         if state is not None:
@@ -149,8 +153,25 @@ def build_inputs(
     meta.groups = metas
     if state is not None:
         meta.state = plan_state(chunks)
+    if image_rows:
+        meta.image_rows = mx.array(image_rows, dtype=mx.int32)
+        meta.image_features = image_parts[0] if len(image_parts) == 1 else mx.concatenate(image_parts)
     input_ids = ahead[0] if ahead is not None else mx.array(ids, dtype=mx.int32)
     return input_ids, meta, sample_rows, sample_seqs
+
+
+def _image_rows(seq: Sequence, start: int, end: int, row: int, rows: list[int], parts: list[mx.array]) -> None:
+    """The step's rows (from `row`, at positions [start, end)) that take `seq`'s image
+    features, and those features, in the same order."""
+    for span in seq.images.overlapping(start, end):
+        if span.features is None:
+            raise RuntimeError("an image in the step was not encoded before it")
+        picked = [i for i, r in enumerate(span.rows) if start <= span.offset + r < end]
+        if not picked:
+            continue
+        rows.extend(row + span.offset + span.rows[i] - start for i in picked)
+        whole = len(picked) == len(span.rows)
+        parts.append(span.features if whole else span.features[mx.array(picked, dtype=mx.int32)])
 
 
 def prompt_logprob_spans(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int, int]]:

@@ -1,0 +1,126 @@
+"""A vision checkpoint's image side, from mlx-vlm: its own model class, weights and
+sanitizing, with the language model taken out (the engine runs that one on the paged
+cache); only the vision tower, the projector and what merges them stay in memory. Each
+image is encoded on its own into the embedding rows of its placeholder tokens, and kept
+in an LRU cache by content (an agent resending a screenshot is not encoded again)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from macinfer.vision.inputs import ImageSpan
+
+log = logging.getLogger(__name__)
+
+# What mlx-vlm's merge may hand back besides the prompt's embeddings: each is a part of the
+# model's forward that splicing rows into the embeddings alone would leave out.
+_BEYOND_EMBEDDINGS = {
+    "deepstack_visual_embeds": "visual features added inside the decoder layers (DeepStack)",
+    "per_layer_inputs": "per-layer inputs computed from the image",
+    "cross_attention_states": "cross-attention to the image",
+    "position_ids": "multimodal RoPE positions",
+    "rope_deltas": "multimodal RoPE positions",
+    "decoder_inputs_embeds": "an encoder-decoder forward",
+}
+
+
+class _EmbedOnly(nn.Module):
+    """Stands in for mlx-vlm's language model inside its wrapper: the engine's own token
+    embedding, under the names mlx-vlm's merges call it by, and nothing else."""
+
+    def __init__(self, embed: nn.Module):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = embed
+        self.embed_tokens = embed
+
+    def get_input_embeddings(self, ids: mx.array | None = None) -> Any:
+        return self.embed_tokens if ids is None else self.embed_tokens(ids)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this model's image merge runs its language model; the engine cannot split it")
+
+
+class EncoderCache:
+    """Encoded images by content hash, least recently used first out past `max_bytes`."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self._items: OrderedDict[bytes, mx.array] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key: bytes) -> mx.array | None:
+        value = self._items.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return value
+
+    def put(self, key: bytes, value: mx.array) -> None:
+        if key in self._items or value.nbytes > self.max_bytes:
+            return
+        self._items[key] = value
+        self.nbytes += value.nbytes
+        while self.nbytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.nbytes = 0
+
+
+class VisionEncoder:
+    def __init__(self, vlm: nn.Module, image_token_id: int, dtype: mx.Dtype, cache_bytes: int):
+        self.vlm, self.image_token_id, self.dtype = vlm, image_token_id, dtype
+        self.cache = EncoderCache(cache_bytes)
+        self.images_encoded = 0
+
+    @classmethod
+    def load(cls, path: str, embed: nn.Module, image_token_id: int, dtype: mx.Dtype,
+             cache_bytes: int = 256 * 2**20) -> "VisionEncoder":
+        from mlx_vlm.utils import load_model
+
+        vlm = load_model(Path(path), lazy=True)  # lazy: the language model's weights are never read
+        vlm.language_model = _EmbedOnly(embed)
+        mx.eval(vlm.parameters())
+        vlm.eval()
+        return cls(vlm, image_token_id, dtype, cache_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        own = [v for k, v in tree_flatten(self.vlm.parameters()) if not k.startswith("language_model.")]
+        return sum(v.nbytes for v in own)
+
+    def encode(self, span: ImageSpan) -> mx.array:
+        """The embedding rows of `span`'s placeholders [len(rows), hidden], from the cache
+        or encoded now (evaluated: an image is its own computation, before the step's)."""
+        hit = self.cache.get(span.digest)
+        if hit is not None:
+            return hit
+        inputs = dict(span.pixels or {})
+        ids = np.asarray(inputs.pop("input_ids"), dtype=np.int32)[None]
+        kwargs = {k: (mx.array(v) if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+        pixel_values = kwargs.pop("pixel_values", None)
+        out = self.vlm.get_input_embeddings(mx.array(ids), pixel_values, mask=mx.ones(ids.shape, dtype=mx.int32),
+                                            **kwargs)
+        for name, why in _BEYOND_EMBEDDINGS.items():
+            if getattr(out, name, None) is not None:
+                raise RuntimeError(f"this model's image path needs {why} ({name}), which the engine does not run")
+        rows = mx.array(np.asarray(span.rows, dtype=np.int32))
+        features = out.inputs_embeds[0][rows].astype(self.dtype)
+        mx.eval(features)
+        self.images_encoded += 1
+        self.cache.put(span.digest, features)
+        return features

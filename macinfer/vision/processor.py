@@ -1,0 +1,103 @@
+"""A vision model's prompt side: where its chat template puts an image (found once, at
+load, by rendering a conversation with and without one) and how its own processor
+(transformers' or mlx-vlm's class for the checkpoint) expands that marker into
+placeholder tokens and pixel values, one image at a time, so that each image has its
+own content hash (prefix cache, encoder cache)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from macinfer.vision.images import ImageError
+from macinfer.vision.inputs import ImageInputs, ImageSpan
+
+_PROBE_TEXT = "x"
+
+
+def _find_marker(with_image: list[int], without: list[int]) -> list[int]:
+    """The ids the template adds for one image part (a render with it minus one without)."""
+    head = 0
+    while head < min(len(with_image), len(without)) and with_image[head] == without[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(with_image), len(without)) - head and with_image[-1 - tail] == without[-1 - tail]:
+        tail += 1
+    return with_image[head: len(with_image) - tail]
+
+
+class VisionProcessor:
+    """Turns (prompt ids with image markers, images) into the expanded prompt and an
+    `ImageInputs` for the engine."""
+
+    def __init__(self, processor: Any, tokenizer: Any, image_token_id: int, marker: list[int]):
+        self.processor, self.tokenizer = processor, tokenizer
+        self.image_token_id, self.marker = image_token_id, marker
+        self._marker_text = tokenizer.decode(marker, skip_special_tokens=False)
+
+    @classmethod
+    def load(cls, path: str, tokenizer: Any, image_token_id: int) -> "VisionProcessor":
+        """The checkpoint's processor; the template's image marker found by a probe render.
+        Raises ValueError with the reason when the template shows no image."""
+        from mlx_vlm.utils import load_processor
+
+        processor = load_processor(path, add_detokenizer=False)
+        text = [{"type": "text", "text": _PROBE_TEXT}]
+        with_image = tokenizer.encode_chat([{"role": "user", "content": [{"type": "image"}, *text]}])
+        without = tokenizer.encode_chat([{"role": "user", "content": text}])
+        marker = _find_marker(with_image, without)
+        if not marker:
+            raise ValueError("its chat template renders no marker for an image part")
+        return cls(processor, tokenizer, image_token_id, marker)
+
+    def _expand_one(self, image: Any) -> tuple[list[int], dict[str, Any]]:
+        """The marker expanded for `image` by the model's processor, and its encoder inputs."""
+        try:
+            out = self.processor(text=[self._marker_text], images=[image], return_tensors="np")
+        except (ValueError, TypeError, IndexError, KeyError) as e:  # sizes the processor refuses
+            raise ImageError(f"the model's image processor refused the image: {str(e)[:200]}") from None
+        ids = np.asarray(out["input_ids"]).reshape(-1).tolist()
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if ids and bos is not None and ids[0] == bos and self.marker[0] != bos:
+            ids = ids[1:]
+        pixels = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
+        return ids, pixels
+
+    def expand(self, prompt: list[int], images: list[Any]) -> tuple[list[int], ImageInputs]:
+        """Each of the prompt's image markers, in order, replaced by its image's expansion."""
+        m = self.marker
+        at = [i for i in range(len(prompt) - len(m) + 1) if prompt[i: i + len(m)] == m]
+        starts, last = [], -len(m)
+        for i in at:  # non-overlapping occurrences
+            if i >= last + len(m):
+                starts.append(i)
+                last = i
+        if len(starts) != len(images):
+            raise ImageError(f"the prompt has {len(starts)} image markers and the request {len(images)} images")
+        ids: list[int] = []
+        spans: list[ImageSpan] = []
+        prev = 0
+        for start, image in zip(starts, images):
+            ids.extend(prompt[prev:start])
+            expanded, pixels = self._expand_one(image)
+            rows = [j for j, t in enumerate(expanded) if t == self.image_token_id]
+            if not rows:
+                raise ImageError("the model's processor gave the image no placeholder tokens")
+            spans.append(ImageSpan(len(ids), len(expanded), rows, _digest(expanded, pixels),
+                                   {"input_ids": expanded, **pixels}))
+            ids.extend(expanded)
+            prev = start + len(m)
+        ids.extend(prompt[prev:])
+        return ids, ImageInputs(spans)
+
+
+def _digest(ids: list[int], pixels: dict[str, Any]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(ids, dtype=np.int64).tobytes())
+    for k in sorted(pixels):
+        v = np.asarray(pixels[k])
+        h.update(k.encode() + str(v.dtype).encode() + str(v.shape).encode())
+        h.update(np.ascontiguousarray(v).tobytes())
+    return h.digest()

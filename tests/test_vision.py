@@ -1,0 +1,97 @@
+"""Images on the engine: each vision family that runs gives mlx-vlm's own greedy tokens on
+the same tiny weights and picture (and other tokens for another picture); image and text
+requests batch together as they run alone; a block's hash holds its images' content; the
+same image in the next turn hits the prefix cache and is not encoded again."""
+
+from __future__ import annotations
+
+import pytest
+
+from macinfer import LLM
+from macinfer.engine.block_manager import BlockManager
+from macinfer.sampling_params import SamplingParams
+from macinfer.vision.support import FAMILIES
+from tests.vision_models import BUILDERS, mlx_vlm_greedy, picture, tiny_vlm_dir
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def vlm_dirs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("vlm")
+    return {family: tiny_vlm_dir(base, family) for family in BUILDERS}
+
+
+@pytest.fixture(scope="module")
+def llava(vlm_dirs):
+    llm = LLM(vlm_dirs["llava"], kv_cache_gb=0.01, max_model_len=512, num_kv_blocks=64)
+    yield llm
+    llm.close()
+
+
+def _ask(text: str, *images) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_family_gives_mlx_vlm_tokens_and_uses_the_image(vlm_dirs, family):
+    assert FAMILIES[family] is None  # listed as running
+    llm = LLM(vlm_dirs[family], kv_cache_gb=0.01, max_model_len=512)
+    try:
+        messages = _ask("what is it", picture(0))
+        rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                                   {"type": "text", "text": "what is it"}]}])
+        ours = llm.chat(messages, GREEDY).token_ids
+        assert ours == mlx_vlm_greedy(vlm_dirs[family], rendered, [picture(0)], 8)
+        assert llm.chat(_ask("what is it", picture(1)), GREEDY).token_ids != ours  # the image is used
+    finally:
+        llm.close()
+
+
+def test_image_and_text_requests_batch_as_they_run_alone(llava):
+    convs = [_ask(f"picture {i}", picture(i, (30 + 7 * i, 60 - 5 * i))) for i in range(4)]
+    convs += [[{"role": "user", "content": f"just text {i}"}] for i in range(4)]
+    convs.append(_ask("two pictures", picture(7), picture(8)))
+    alone = [llava.chat(c, GREEDY).token_ids for c in convs]
+    llava.engine.block_manager.drop_cache()
+    together = [o.token_ids for o in llava.chat(convs, GREEDY)]
+    assert together == alone
+
+
+def test_same_text_other_image_shares_no_block_past_it(llava):
+    eng = llava.engine
+    a = llava._chat_prompt(_ask("same words here", picture(3)))
+    b = llava._chat_prompt(_ask("same words here", picture(4)))
+    assert a[0] == b[0]  # the same token ids: only the image differs
+    bm: BlockManager = eng.block_manager
+    seqs = []
+    for ids, images in (a, b):
+        rid = eng.add_request(ids, GREEDY, images=images)
+        seqs.append(eng.requests[rid].seq)
+    n = len(a[0]) // bm.block_size
+    ha, hb = bm._hashes(seqs[0], n), bm._hashes(seqs[1], n)
+    first_image_block = seqs[0].images.spans[0].offset // bm.block_size
+    assert ha[:first_image_block] == hb[:first_image_block]
+    assert all(x != y for x, y in zip(ha[first_image_block:], hb[first_image_block:]))
+    for s in seqs:
+        eng.abort_request(s.request_id)
+
+
+def test_the_next_turn_hits_past_the_image_and_does_not_encode_it_again(llava):
+    eng = llava.engine
+    enc = eng.vision.encoder
+    turn1 = _ask("describe the picture please", picture(5))
+    first = llava.chat(turn1, GREEDY)
+    encoded, hits = enc.images_encoded, enc.cache.hits
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and more?"}]
+    ids, images = llava._chat_prompt(turn2)
+    rid = eng.add_request(ids, GREEDY, images=images)
+    seq = eng.requests[rid].seq
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert seq.num_cached_tokens > images.spans[0].end  # the prefix cache held the image's positions
+    assert enc.images_encoded == encoded and enc.cache.hits == hits  # neither encoded nor even looked up
+    # the same picture in a new conversation (no prefix hit past it): the encoder cache answers
+    llava.chat(_ask("a different question entirely", picture(5)), GREEDY)
+    assert enc.images_encoded == encoded and enc.cache.hits == hits + 1

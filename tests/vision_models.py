@@ -1,0 +1,101 @@
+"""Tiny random vision-language checkpoints built with mlx-vlm's own classes (a tiny vision
+tower, a tiny language model, an offline byte tokenizer and the family's processor), and
+mlx-vlm's own greedy generation on them: the reference for the engine's image path."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from tests.helpers import byte_tokenizer
+
+# A chat template that renders image parts as the family's marker (real checkpoints ship their own).
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}MARKER{% else %}"
+            "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}<assistant>")
+
+TEXT = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 300,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def _tokenizer(specials: list[str], marker: str):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = byte_tokenizer()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = TEMPLATE.replace("MARKER", marker)
+    return fast
+
+
+def _llava(path: str) -> tuple[dict, Any]:
+    from transformers import CLIPImageProcessor
+
+    from mlx_vlm.models.llava.processing_llava import LlavaProcessor
+
+    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32}
+    cfg = {"model_type": "llava", "text_config": TEXT, "vision_config": vision, "image_token_index": 259,
+           "vision_feature_select_strategy": "default", "vision_feature_layer": -2, "vocab_size": 300,
+           "eos_token_id": 2}
+    tok = _tokenizer(["<image>"], "<image>")
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=tok.chat_template)
+    return cfg, processor
+
+
+BUILDERS = {"llava": _llava}
+
+
+def tiny_vlm_dir(base: str, family: str, seed: int = 0) -> str:
+    """A checkpoint folder as mlx-community publishes one: config, weights, tokenizer, processor."""
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    path = os.path.join(str(base), f"{family}-{seed}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    cfg, processor = BUILDERS[family](path)
+    module, _ = get_model_and_args(cfg)
+    conf = update_module_configs(module.ModelConfig.from_dict(cfg), module, cfg, ["text", "vision"])
+    mx.random.seed(seed)
+    model = module.Model(conf)
+    # Norms jittered off 1 so a mix-up shows in the logits.
+    params = {k: (v + 0.1 * mx.random.normal(v.shape) if "norm" in k else v)
+              for k, v in tree_flatten(model.parameters())}
+    mx.eval(params)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    mx.save_safetensors(os.path.join(path, "model.safetensors"), params)
+    processor.save_pretrained(path)
+    return path
+
+
+def picture(seed: int, size: tuple[int, int] = (40, 50)):
+    """A random RGB picture (height, width)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
+
+
+def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> list[int]:
+    """mlx-vlm's own load, processor and generation loop, greedy: the reference tokens."""
+    from mlx_vlm import load
+    from mlx_vlm.generate.ar import generate_step
+
+    model, processor = load(path)
+    inputs = processor(text=[prompt], images=images, return_tensors="np")
+    extras = {k: mx.array(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
+    ids, mask = mx.array(inputs["input_ids"]), mx.array(inputs["attention_mask"])
+    steps = generate_step(ids, model, mx.array(inputs["pixel_values"]), mask, max_tokens=max_tokens,
+                          temperature=0.0, **extras)
+    return [int(t) for (t, _), _ in zip(steps, range(max_tokens))]
