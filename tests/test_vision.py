@@ -14,6 +14,7 @@ from macinfer.vision.support import FAMILIES
 from tests.vision_models import BUILDERS, mlx_vlm_greedy, picture, tiny_vlm_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +23,10 @@ def vlm_dirs(tmp_path_factory):
     return {family: tiny_vlm_dir(base, family) for family in BUILDERS}
 
 
-@pytest.fixture(scope="module")
-def llava(vlm_dirs):
-    llm = LLM(vlm_dirs["llava"], kv_cache_gb=0.01, max_model_len=512, num_kv_blocks=64)
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+def llava(vlm_dirs, request):
+    """A loaded vision model: LLaVA (images spliced only) and Qwen2-VL (multimodal RoPE too)."""
+    llm = LLM(vlm_dirs[request.param], kv_cache_gb=0.01, max_model_len=512, num_kv_blocks=64)
     yield llm
     llm.close()
 
@@ -43,8 +45,12 @@ def test_family_gives_mlx_vlm_tokens_and_uses_the_image(vlm_dirs, family):
         rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                                    {"type": "text", "text": "what is it"}]}])
         ours = llm.chat(messages, GREEDY).token_ids
-        assert ours == mlx_vlm_greedy(vlm_dirs[family], rendered, [picture(0)], 8)
-        assert llm.chat(_ask("what is it", picture(1)), GREEDY).token_ids != ours  # the image is used
+        tokens, logprobs = mlx_vlm_greedy(vlm_dirs[family], rendered, [picture(0)], 8)
+        assert ours == tokens
+        # the image is used: another picture moves the first token's distribution
+        first = [llm.chat(_ask("what is it", picture(i)), FIRST).logprobs[0].top for i in (0, 1)]
+        assert first[0] != first[1]
+        assert max(abs(lp - logprobs[t]) for t, lp in first[0]) < 1e-4  # and mlx-vlm's, to float32 rounding
     finally:
         llm.close()
 

@@ -52,7 +52,49 @@ def _llava(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
-BUILDERS = {"llava": _llava}
+def _mistral3(path: str) -> tuple[dict, Any]:
+    from mlx_vlm.models.mistral3.processing_mistral3 import Mistral3Processor
+    from mlx_vlm.models.pixtral.image_processing_pixtral import PixtralImageProcessor
+
+    vision = {"model_type": "pixtral", "hidden_size": 32, "head_dim": 16, "num_hidden_layers": 2,
+              "intermediate_size": 64, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}
+    text = {**TEXT, "model_type": "mistral", "head_dim": 16, "rope_theta": 1000000.0}
+    cfg = {"model_type": "mistral3", "text_config": text, "vision_config": vision, "image_token_index": 259,
+           "spatial_merge_size": 2, "vision_feature_layer": -1, "vocab_size": 300, "eos_token_id": 2}
+    tok = _tokenizer(["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]")
+    image_processor = PixtralImageProcessor(size={"longest_edge": 56}, patch_size={"height": 14, "width": 14})
+    processor = Mistral3Processor(image_processor=image_processor, tokenizer=tok, patch_size=14,
+                                  spatial_merge_size=2, chat_template=tok.chat_template)
+    return cfg, processor
+
+
+def _qwen2_vl(path: str, model_type: str = "qwen2_vl") -> tuple[dict, Any]:
+    from transformers import Qwen2VLImageProcessor
+
+    from mlx_vlm.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+
+    if model_type == "qwen2_vl":
+        vision = {"model_type": model_type, "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                  "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "mlp_ratio": 2}
+    else:  # Qwen2.5-VL: windowed attention in the tower but for the listed blocks
+        vision = {"model_type": model_type, "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                  "out_hidden_size": 64, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
+                  "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]}
+    text = {**TEXT, "model_type": model_type, "rope_theta": 1000000.0,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}  # head_dim 16: 8 frequencies
+    cfg = {**text, "vision_config": vision, "image_token_id": 260, "video_token_id": 262,
+           "vision_start_token_id": 259, "eos_token_id": 2}
+    tok = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+                     "<|vision_start|><|image_pad|><|vision_end|>")
+    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
+                                            temporal_patch_size=2, merge_size=2)
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+    processor.video_processor = image_processor  # (saved once; no video processor without torchvision)
+    return cfg, processor
+
+
+BUILDERS = {"llava": _llava, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
+            "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
 
 def tiny_vlm_dir(base: str, family: str, seed: int = 0) -> str:
@@ -65,7 +107,8 @@ def tiny_vlm_dir(base: str, family: str, seed: int = 0) -> str:
     os.makedirs(path, exist_ok=True)
     cfg, processor = BUILDERS[family](path)
     module, _ = get_model_and_args(cfg)
-    conf = update_module_configs(module.ModelConfig.from_dict(cfg), module, cfg, ["text", "vision"])
+    loaded = {**cfg, "text_config": cfg.get("text_config", {})}  # as mlx-vlm's load_model sees it
+    conf = update_module_configs(module.ModelConfig.from_dict(loaded), module, loaded, ["text", "vision"])
     mx.random.seed(seed)
     model = module.Model(conf)
     # Norms jittered off 1 so a mix-up shows in the logits.
@@ -87,8 +130,9 @@ def picture(seed: int, size: tuple[int, int] = (40, 50)):
     return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
 
 
-def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> list[int]:
-    """mlx-vlm's own load, processor and generation loop, greedy: the reference tokens."""
+def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tuple[list[int], np.ndarray]:
+    """mlx-vlm's own load, processor and generation loop, greedy: the reference tokens, and
+    the log-probabilities of the first."""
     from mlx_vlm import load
     from mlx_vlm.generate.ar import generate_step
 
@@ -98,4 +142,8 @@ def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> lis
     ids, mask = mx.array(inputs["input_ids"]), mx.array(inputs["attention_mask"])
     steps = generate_step(ids, model, mx.array(inputs["pixel_values"]), mask, max_tokens=max_tokens,
                           temperature=0.0, **extras)
-    return [int(t) for (t, _), _ in zip(steps, range(max_tokens))]
+    tokens, first = [], None
+    for (t, logprobs), _ in zip(steps, range(max_tokens)):
+        tokens.append(int(t))
+        first = np.array(logprobs.astype(mx.float32)).reshape(-1) if first is None else first
+    return tokens, first

@@ -216,6 +216,13 @@ class LLMEngine:
             return None, "its language model takes no embeddings in place of tokens"
         vision, why = load_vision(self.loaded.source, config, self.tokenizer, embed, self.model.kv_dtype(),
                                   cache_bytes=self.config.encoder_cache_mb * 2**20)
+        if vision is not None and vision.mrope is not None:
+            from macinfer.models import mrope
+
+            try:
+                mrope.install(self.model.decoder_layers, *vision.mrope)
+            except ValueError as e:
+                return None, str(e)
         if vision is not None:
             log.info("images: %s's vision tower and projector loaded (%.1f MiB)", config.get("model_type"),
                      vision.encoder.nbytes / 2**20)
@@ -233,7 +240,10 @@ class LLMEngine:
             from macinfer.vision.images import ImageError
 
             raise ImageError(f"{len(images)} images; at most {self.vision.limits.max_images} a request")
-        return self.vision.processor.expand(prompt, images)
+        ids, inputs = self.vision.processor.expand(prompt, images)
+        if self.vision.mrope is not None:
+            inputs.rope, inputs.rope_delta = self.vision.encoder.positions(ids, inputs.spans)
+        return ids, inputs
 
     def cache_groups(self) -> list[dict]:
         """Per cache group: its kind, the layers reading it and the caches keeping K/V in it,

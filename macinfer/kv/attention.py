@@ -69,6 +69,9 @@ class AttentionMetadata:
     # (`macinfer/vision/`), and those features [len(rows), hidden] (None: no image this step).
     image_rows: mx.array | None = None
     image_features: mx.array | None = None
+    # Multimodal RoPE (`models/mrope.py`): each row's three rotary positions [3, T], when a
+    # sequence in the step has image positions (None: every row turns by its position).
+    rope_positions: mx.array | None = None
     # Arrays every layer of a step shares (built by the first layer that needs them).
     _memo: dict[Any, mx.array] = field(default_factory=dict)
 

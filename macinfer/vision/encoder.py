@@ -6,6 +6,7 @@ in an LRU cache by content (an agent resending a screenshot is not encoded again
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from pathlib import Path
@@ -35,11 +36,17 @@ class _EmbedOnly(nn.Module):
     """Stands in for mlx-vlm's language model inside its wrapper: the engine's own token
     embedding, under the names mlx-vlm's merges call it by, and nothing else."""
 
-    def __init__(self, embed: nn.Module):
+    def __init__(self, embed: nn.Module, rope_index: Any = None):
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = embed
         self.embed_tokens = embed
+        object.__setattr__(self, "_rope_index", rope_index)  # a plain attribute: not a module child
+
+    def get_rope_index(self, *args: Any, **kwargs: Any) -> Any:
+        if self._rope_index is None:
+            raise RuntimeError("this model's language model has no multimodal RoPE index")
+        return self._rope_index(*args, **kwargs)
 
     def get_input_embeddings(self, ids: mx.array | None = None) -> Any:
         return self.embed_tokens if ids is None else self.embed_tokens(ids)
@@ -80,21 +87,37 @@ class EncoderCache:
 
 
 class VisionEncoder:
-    def __init__(self, vlm: nn.Module, image_token_id: int, dtype: mx.Dtype, cache_bytes: int):
+    def __init__(self, vlm: nn.Module, image_token_id: int, dtype: mx.Dtype, cache_bytes: int,
+                 rope_index: Any = None):
         self.vlm, self.image_token_id, self.dtype = vlm, image_token_id, dtype
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0
+        self.rope_index = rope_index  # multimodal RoPE families: mlx-vlm's position function
 
     @classmethod
     def load(cls, path: str, embed: nn.Module, image_token_id: int, dtype: mx.Dtype,
-             cache_bytes: int = 256 * 2**20) -> "VisionEncoder":
+             cache_bytes: int = 256 * 2**20, mrope: bool = False) -> "VisionEncoder":
+        from types import SimpleNamespace
+
         from mlx_vlm.utils import load_model
 
         vlm = load_model(Path(path), lazy=True)  # lazy: the language model's weights are never read
-        vlm.language_model = _EmbedOnly(embed)
+        rope_index = None
+        if mrope:  # mlx-vlm's own position rule, on its config alone (no weights)
+            lm = vlm.language_model
+            rope_index = functools.partial(type(lm).get_rope_index, SimpleNamespace(config=lm.config, args=lm.args))
+        vlm.language_model = _EmbedOnly(embed, rope_index)
         mx.eval(vlm.parameters())
         vlm.eval()
-        return cls(vlm, image_token_id, dtype, cache_bytes)
+        return cls(vlm, image_token_id, dtype, cache_bytes, rope_index)
+
+    def positions(self, ids: list[int], spans: list[ImageSpan]) -> tuple[np.ndarray, int]:
+        """A prompt's multimodal RoPE positions [3, len(ids)] and the shift after it."""
+        grids = [np.asarray(s.pixels["image_grid_thw"]).reshape(-1, 3) for s in spans]
+        grid = mx.array(np.concatenate(grids).astype(np.int32))
+        prompt = mx.array(np.asarray(ids, dtype=np.int32))[None]
+        pos, delta = self.rope_index(prompt, grid, None, mx.ones(prompt.shape, dtype=mx.int32))
+        return np.array(pos).reshape(3, -1).astype(np.int64), int(np.array(delta).reshape(-1)[0])
 
     @property
     def nbytes(self) -> int:
@@ -116,6 +139,8 @@ class VisionEncoder:
         out = self.vlm.get_input_embeddings(mx.array(ids), pixel_values, mask=mx.ones(ids.shape, dtype=mx.int32),
                                             **kwargs)
         for name, why in _BEYOND_EMBEDDINGS.items():
+            if self.rope_index is not None and name in ("position_ids", "rope_deltas"):
+                continue  # the engine carries these (`positions`, `models/mrope.py`)
             if getattr(out, name, None) is not None:
                 raise RuntimeError(f"this model's image path needs {why} ({name}), which the engine does not run")
         rows = mx.array(np.asarray(span.rows, dtype=np.int32))

@@ -28,6 +28,20 @@ class ImageSpan:
 @dataclass(eq=False)
 class ImageInputs:
     spans: list[ImageSpan] = field(default_factory=list)
+    # Multimodal RoPE: the prompt's three rotary positions per token [3, prompt length]
+    # and the shift of every later position (the images' rows take fewer positions than tokens).
+    rope: Any = None
+    rope_delta: int = 0
+
+    def rope_rows(self, positions: Any) -> Any:
+        """The three rotary positions [3, n] of prompt or output `positions` (numpy ints)."""
+        import numpy as np
+
+        n = self.rope.shape[1]
+        inside = positions < n
+        out = np.broadcast_to(positions + self.rope_delta, (3, len(positions))).copy()
+        out[:, inside] = self.rope[:, positions[inside]]
+        return out
 
     def overlapping(self, start: int, end: int) -> list[ImageSpan]:
         return [s for s in self.spans if s.offset < end and s.end > start]

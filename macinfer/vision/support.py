@@ -16,13 +16,15 @@ from macinfer.vision.processor import VisionProcessor
 
 log = logging.getLogger(__name__)
 
-MROPE = "its language model places image tokens with multimodal RoPE (per-axis positions), not carried yet"
+MROPE = "its language model places image tokens with interleaved multimodal RoPE, not run yet"
 # model_type -> None (runs: same greedy tokens as mlx-vlm, tests/test_vision.py) or why it is refused.
 FAMILIES: dict[str, str | None] = {
-    "llava": None,
-    "qwen2_vl": MROPE, "qwen2_5_vl": MROPE, "qwen3_vl": MROPE, "qwen3_vl_moe": MROPE,
-    "qwen3_5": MROPE, "qwen3_5_moe": MROPE, "glm4v": MROPE, "glm4v_moe": MROPE,
+    "llava": None, "mistral3": None, "qwen2_vl": None, "qwen2_5_vl": None,
+    "qwen3_vl": MROPE, "qwen3_vl_moe": MROPE, "qwen3_5": MROPE, "qwen3_5_moe": MROPE,
+    "glm4v": MROPE, "glm4v_moe": MROPE,
 }
+# Families whose language model turns image positions by multimodal RoPE: the style.
+MROPE_STYLE = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked"}
 UNVERIFIED = "its image path has not been verified on the engine yet (docs/vision.md lists the families that run)"
 
 
@@ -50,6 +52,7 @@ class Vision:
     processor: VisionProcessor
     encoder: VisionEncoder
     limits: ImageLimits
+    mrope: tuple[list[int], str] | None = None  # (mrope_section, style) of a multimodal RoPE family
 
 
 def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, dtype: mx.Dtype,
@@ -68,9 +71,16 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
     except ImportError:
         return None, "mlx-vlm is not installed (pip install 'macinfer[vision]'; `make setup` installs it)"
     try:
+        style = MROPE_STYLE.get(config.get("model_type"))
+        mrope = None
+        if style is not None:
+            scaling = (config.get("text_config") or config).get("rope_scaling") or config.get("rope_scaling") or {}
+            if not scaling.get("mrope_section"):
+                return None, "its config names no mrope_section for its multimodal RoPE"
+            mrope = (list(scaling["mrope_section"]), style)
         processor = VisionProcessor.load(path, tokenizer, token)
-        encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes)
+        encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None)
     except (ValueError, OSError, KeyError, ImportError) as e:
         log.warning("%s: images are off: %s", config.get("model_type"), e)
         return None, f"its processor or vision tower could not be loaded ({str(e).splitlines()[0][:200]})"
-    return Vision(processor, encoder, limits or ImageLimits()), None
+    return Vision(processor, encoder, limits or ImageLimits(), mrope), None

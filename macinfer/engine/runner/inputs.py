@@ -120,6 +120,7 @@ def build_inputs(
     chunks: list[SeqChunk] = []
     image_rows: list[int] = []
     image_parts: list[mx.array] = []
+    rope: list[tuple[int, np.ndarray]] = []  # (first row, [3, n]) of sequences with multimodal RoPE
 
     for k, (seq, n) in enumerate(scheduled):
         start = seq.num_computed_tokens if ahead is None else ahead[1][k]
@@ -131,8 +132,11 @@ def build_inputs(
             ids.extend(drafts)
         pos = np.arange(start, start + n)
         positions.extend(pos.tolist())
-        if seq.images is not None and ahead is None:
-            _image_rows(seq, start, start + real, row, image_rows, image_parts)
+        if seq.images is not None:
+            if ahead is None:
+                _image_rows(seq, start, start + real, row, image_rows, image_parts)
+            if seq.images.rope is not None:
+                rope.append((row, seq.images.rope_rows(pos)))
         for g, t in enumerate(tables):
             t.add(seq.block_tables[g], pos, row, as_decodes=bool(drafts))
         if state is not None:
@@ -153,6 +157,11 @@ def build_inputs(
     meta.groups = metas
     if state is not None:
         meta.state = plan_state(chunks)
+    if rope:
+        table = np.broadcast_to(np.asarray(positions, dtype=np.int64), (3, len(positions))).copy()
+        for first, rows in rope:
+            table[:, first: first + rows.shape[1]] = rows
+        meta.rope_positions = mx.array(table, dtype=mx.int32)
     if image_rows:
         meta.image_rows = mx.array(image_rows, dtype=mx.int32)
         meta.image_features = image_parts[0] if len(image_parts) == 1 else mx.concatenate(image_parts)

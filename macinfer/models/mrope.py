@@ -1,0 +1,66 @@
+"""Multimodal RoPE (Qwen2-VL's): each rotary frequency turns by one of three positions
+(time, height, width), chosen by the config's `mrope_section`. Text tokens have the same
+position on all three, so a text-only step is plain RoPE; a step with an image's rows, or
+with rows after one (whose positions are shifted by the image's `rope_delta`), carries its
+three position rows in `AttentionMetadata.rope_positions` and this stand-in rotates by them.
+It replaces each attention layer's `rope` module once, at load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from macinfer.models.paged_layers import _active
+
+
+def section_axes(section: list[int], half: int, style: str) -> mx.array:
+    """Which of the three positions each of the `half` frequencies turns by: "chunked"
+    (Qwen2/2.5-VL: the first section[0] from time, the next section[1] from height, the
+    rest from width)."""
+    if style != "chunked" or sum(section) != half:
+        raise ValueError(f"multimodal RoPE {style!r} with sections {section} over {half} frequencies is not supported")
+    axes = [axis for axis, n in enumerate(section) for _ in range(n)]
+    return mx.array(axes, dtype=mx.int32)
+
+
+class MRoPE(nn.Module):
+    """Stands in for an attention layer's `nn.RoPE` (non-traditional: pairs i, i + D/2)."""
+
+    def __init__(self, rope: nn.Module, section: list[int], style: str = "chunked"):
+        super().__init__()
+        if getattr(rope, "traditional", False) or not hasattr(rope, "dims"):
+            raise ValueError("multimodal RoPE over this model's rotary module is not supported")
+        self._rope = rope
+        dims, base = rope.dims, rope.base
+        self._half = dims // 2
+        self._axes = section_axes(section, self._half, style)
+        self._inv_freq = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        forward = _active()
+        meta = forward.meta if forward is not None else None
+        positions = getattr(meta, "rope_positions", None)
+        if positions is None:  # text only: plain RoPE at the rows' positions
+            return self._rope(x, offset=offset)
+        # x: [T, H, 1, D] (one row per token); positions [3, T]
+        angles = positions[self._axes].T.astype(mx.float32) * self._inv_freq  # [T, D/2]
+        cos, sin = mx.cos(angles)[:, None, None, :], mx.sin(angles)[:, None, None, :]
+        h = self._half
+        x1, x2 = x[..., :h].astype(mx.float32), x[..., h: 2 * h].astype(mx.float32)
+        rotated = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+        return rotated if x.shape[-1] == 2 * h else mx.concatenate([rotated, x[..., 2 * h:]], axis=-1)
+
+
+def install(layers: list[nn.Module], section: list[int], style: str = "chunked") -> int:
+    """Each decoder layer's attention `rope` replaced by an `MRoPE` over it; how many."""
+    n = 0
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        rope = getattr(attn, "rope", None)
+        if rope is None or isinstance(rope, MRoPE):
+            continue
+        attn.rope = MRoPE(rope, section, style)
+        n += 1
+    return n
