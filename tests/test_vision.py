@@ -23,9 +23,10 @@ def vlm_dirs(tmp_path_factory):
     return {family: tiny_vlm_dir(base, family) for family in BUILDERS}
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "qwen3_5"])
 def llava(vlm_dirs, request):
-    """A loaded vision model: LLaVA (images spliced only) and Qwen2-VL (multimodal RoPE too)."""
+    """A loaded vision model: LLaVA (images spliced only), Qwen2-VL (multimodal RoPE too), Qwen3.5
+    (and recurrent layers)."""
     llm = LLM(vlm_dirs[request.param], kv_cache_gb=0.01, max_model_len=512, num_kv_blocks=64)
     yield llm
     llm.close()

@@ -18,10 +18,14 @@ from macinfer.models.paged_layers import _active
 def section_axes(section: list[int], half: int, style: str) -> mx.array:
     """Which of the three positions each of the `half` frequencies turns by: "chunked"
     (Qwen2/2.5-VL: the first section[0] from time, the next section[1] from height, the
-    rest from width)."""
-    if style != "chunked" or sum(section) != half:
+    rest from width) or "interleaved" (Qwen3-VL, Qwen3.5: t, h, w, t, h, w, ... while each
+    axis has frequencies left in its section, then time)."""
+    if sum(section) != half or style not in ("chunked", "interleaved"):
         raise ValueError(f"multimodal RoPE {style!r} with sections {section} over {half} frequencies is not supported")
-    axes = [axis for axis, n in enumerate(section) for _ in range(n)]
+    if style == "chunked":
+        axes = [axis for axis, n in enumerate(section) for _ in range(n)]
+    else:
+        axes = [i % 3 if i % 3 and i < 3 * section[i % 3] else 0 for i in range(half)]
     return mx.array(axes, dtype=mx.int32)
 
 

@@ -16,15 +16,16 @@ from macinfer.vision.processor import VisionProcessor
 
 log = logging.getLogger(__name__)
 
-MROPE = "its language model places image tokens with interleaved multimodal RoPE, not run yet"
+MROPE = "its language model's multimodal RoPE (GLM-4V's sectioned form) is not run yet"
+DEEPSTACK = "its vision tower feeds features into the first decoder layers (DeepStack), not run yet"
 # model_type -> None (runs: same greedy tokens as mlx-vlm, tests/test_vision.py) or why it is refused.
 FAMILIES: dict[str, str | None] = {
     "llava": None, "mistral3": None, "qwen2_vl": None, "qwen2_5_vl": None,
-    "qwen3_vl": MROPE, "qwen3_vl_moe": MROPE, "qwen3_5": MROPE, "qwen3_5_moe": MROPE,
-    "glm4v": MROPE, "glm4v_moe": MROPE,
+    "qwen3_5": None, "qwen3_5_moe": None,
+    "qwen3_vl": DEEPSTACK, "qwen3_vl_moe": DEEPSTACK, "glm4v": MROPE, "glm4v_moe": MROPE,
 }
 # Families whose language model turns image positions by multimodal RoPE: the style.
-MROPE_STYLE = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked"}
+MROPE_STYLE = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved"}
 UNVERIFIED = "its image path has not been verified on the engine yet (docs/vision.md lists the families that run)"
 
 
@@ -74,7 +75,8 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         style = MROPE_STYLE.get(config.get("model_type"))
         mrope = None
         if style is not None:
-            scaling = (config.get("text_config") or config).get("rope_scaling") or config.get("rope_scaling") or {}
+            text = config.get("text_config") or config
+            scaling = text.get("rope_scaling") or text.get("rope_parameters") or config.get("rope_scaling") or {}
             if not scaling.get("mrope_section"):
                 return None, "its config names no mrope_section for its multimodal RoPE"
             mrope = (list(scaling["mrope_section"]), style)
