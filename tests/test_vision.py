@@ -102,3 +102,25 @@ def test_the_next_turn_hits_past_the_image_and_does_not_encode_it_again(llava):
     # the same picture in a new conversation (no prefix hit past it): the encoder cache answers
     llava.chat(_ask("a different question entirely", picture(5)), GREEDY)
     assert enc.images_encoded == encoded and enc.cache.hits == hits + 1
+
+
+def test_generate_command_takes_images(vlm_dirs, tmp_path):
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    png, junk = tmp_path / "p.png", tmp_path / "junk.png"
+    picture(0).save(png)
+    junk.write_bytes(b"not an image at all")
+    args = ["generate", vlm_dirs["qwen2_vl"], "-p", "what is it", "--temperature", "0", "-n", "8",
+            "--kv-cache-gb", "0.01", "--max-model-len", "256"]
+    r = CliRunner().invoke(main, [*args, "--image", str(png)])
+    assert r.exit_code == 0, r.output
+    llm = LLM(vlm_dirs["qwen2_vl"], kv_cache_gb=0.01, max_model_len=256)
+    try:
+        expected = llm.chat(_ask("what is it", picture(0)), SamplingParams(temperature=0, max_tokens=8)).text
+    finally:
+        llm.close()
+    assert r.stdout.startswith(expected)
+    bad = CliRunner().invoke(main, [*args, "--image", str(junk)])
+    assert bad.exit_code == 1 and "not an image" in bad.output and "Traceback" not in bad.output

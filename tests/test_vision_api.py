@@ -105,3 +105,31 @@ def test_a_decompression_bomb_and_a_truncated_file_are_refused(server):
                 "url": "data:image/png;base64," + base64.b64encode(data).decode()}}]}]})
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_metrics_count_images_and_the_encoder_cache(server):
+    def metrics():
+        return server.metrics()
+
+    def ask(text, seed, history=()):
+        return httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny-llava", "max_tokens": 3, "messages": [
+            *history, {"role": "user", "content": [{"type": "image_url", "image_url": {
+                "url": f"data:image/png;base64,{_b64(seed)}"}}, {"type": "text", "text": text}]}]}).json()
+
+    first = ask("a question about picture nine", 9)
+    m0 = metrics()
+    ask("another question about picture nine", 9)  # the same picture, no prefix hit past it: the encoder cache
+    m1 = metrics()
+    assert m1["macinfer_encoder_cache_hits_total"] == m0["macinfer_encoder_cache_hits_total"] + 1
+    assert m1["macinfer_images_encoded_total"] == m0["macinfer_images_encoded_total"]
+    turn = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64(9)}"}},
+                                         {"type": "text", "text": "a question about picture nine"}]},
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny-llava", "max_tokens": 3, "messages": [
+        *turn, {"role": "user", "content": "and then?"}]})
+    assert r.status_code == 200
+    m2 = metrics()  # the next turn: its prefix (the picture's positions) cached, nothing encoded or looked up
+    assert m2["macinfer_encoder_cache_hits_total"] == m1["macinfer_encoder_cache_hits_total"]
+    assert m2["macinfer_images_encoded_total"] == m1["macinfer_images_encoded_total"]
+    assert m2["macinfer_images_total"] == m1["macinfer_images_total"] + 1
+    assert m2["macinfer_image_tokens_total"] == m1["macinfer_image_tokens_total"] + 4  # 2x2 patches of 14 on 28

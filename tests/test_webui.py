@@ -205,3 +205,46 @@ def test_a_multi_model_server_gets_a_model_picker(browser, smollm2_gguf, tiny_ll
         assert not errors, errors
     finally:
         assert "Traceback" not in s.stop()
+
+
+def test_an_image_is_attached_previewed_sent_and_shown(browser, tmp_path):
+    """A vision model's page offers images: picked from a file, and dropped on the composer;
+    each is previewed, sent with the message (the server counts it) and shown in the thread."""
+    from tests.vision_models import picture, tiny_vlm_dir
+
+    path = tiny_vlm_dir(tmp_path, "llava")
+    png = tmp_path / "p.png"
+    picture(0).save(png)
+    s = ServerProcess(path, "--served-model-name", "tiny-llava", "--max-tokens-default", "8")
+    try:
+        page = browser.new_context(bypass_csp=True).new_page()  # (the drop below is a script)
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(s.url + "/")
+        expect(page.locator("#model-name")).to_contain_text("takes images")
+        _settings(page, "0", "6")
+        page.set_input_files("#image-input", str(png))
+        expect(page.locator("#attachments img")).to_have_count(1)
+        page.fill("#prompt", "what is in the picture?")
+        page.press("#prompt", "Enter")
+        reply = page.locator(".msg.assistant").last
+        expect(reply.locator(".meta")).to_contain_text("tok/s", timeout=60_000)
+        expect(page.locator(".msg.user img")).to_have_count(1)
+        assert page.locator("#attachments img").count() == 0  # sent: the tray is empty again
+        assert s.metrics()["macinfer_images_total"] == 1
+        page.screenshot(path=str(SHOTS / "chat-image.png"))
+
+        # dropped on the composer (a DataTransfer with the PNG's bytes), then sent alone
+        data = list(png.read_bytes())
+        page.evaluate("""(bytes) => {
+            const dt = new DataTransfer();
+            dt.items.add(new File([new Uint8Array(bytes)], "drop.png", { type: "image/png" }));
+            document.getElementById("composer").dispatchEvent(new DragEvent("drop", { dataTransfer: dt, bubbles: true }));
+        }""", data)
+        expect(page.locator("#attachments img")).to_have_count(1)
+        page.click("#send")
+        expect(page.locator(".msg.assistant .meta")).to_have_count(2, timeout=60_000)
+        assert s.metrics()["macinfer_images_total"] == 1 + 2  # the second turn resends the first image
+        assert not errors, errors
+    finally:
+        assert "Traceback" not in s.stop()

@@ -164,13 +164,13 @@ def _params(temperature, max_tokens, top_p, top_k, seed):
         raise click.BadParameter(str(e)) from None
 
 
-def _stream(engine, prompt, params) -> tuple[str, int, float, float]:
+def _stream(engine, prompt, params, images=None) -> tuple[str, int, float, float]:
     """Print tokens as they come; returns (text, tokens, ttft, total seconds)."""
     from macinfer.engine.llm_engine import PromptTooLongError
 
     start = time.perf_counter()
     try:
-        rid = engine.add_request(prompt, params)
+        rid = engine.add_request(prompt, params, images=images)
     except (PromptTooLongError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     ttft, text, ntok = 0.0, "", 0
@@ -202,22 +202,35 @@ def main(verbose: bool, log_level: str | None) -> None:
 @main.command(help="Generate a completion for one prompt, streamed to stdout.\n\nMODEL: " + MODEL_HELP)
 @_model_argument
 @click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads stdin).")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image file the prompt asks about, before the text (repeatable; vision models).")
 @click.option("--no-chat-template", "raw", is_flag=True, help="Send the prompt as it is, not as a user message "
               "in the chat template.")
 @_sampling_options
 @_engine_options
 @_log_options
-def generate(model, prompt, raw, temperature, max_tokens, top_p, top_k, seed, **engine_opts):
+def generate(model, prompt, images, raw, temperature, max_tokens, top_p, top_k, seed, **engine_opts):
     if prompt == "-":
         prompt = sys.stdin.read()
     params = _params(temperature, max_tokens, top_p, top_k, seed)
     engine = _load_engine(model, **engine_opts)
+    inputs = None
+    if images and (raw or not engine.tokenizer.chat_template):
+        raise click.ClickException("--image needs the chat template (it places the images in the prompt)")
+    if images and engine.vision is None:
+        raise click.ClickException(f"{model} takes no images: {engine.vision_refusal or 'it is a text model'}")
     if not raw and engine.tokenizer.chat_template:
+        from macinfer.vision.images import decode
+
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}] if images else prompt
         try:
-            prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        except ValueError as e:
+            prompt = engine.tokenizer.encode_chat([{"role": "user", "content": content}])
+            if images:
+                pictures = [decode(p, engine.vision.limits, p, allow_paths=True) for p in images]
+                prompt, inputs = engine.prepare_images(prompt, pictures)
+        except ValueError as e:  # a template that refuses the conversation; an image that is not one
             raise click.ClickException(str(e)) from None
-    _, ntok, ttft, total = _stream(engine, prompt, params)
+    _, ntok, ttft, total = _stream(engine, prompt, params, inputs)
     decode = (ntok - 1) / (total - ttft) if ntok > 1 and total > ttft else 0.0
     click.echo(f"[{ntok} tokens, TTFT {ttft:.2f}s, decode {decode:.1f} tok/s]", err=True)
 

@@ -163,7 +163,8 @@ class LLMEngine:
             log.info("recurrent state: %d caches, %.2f MiB a sequence; %d slots (%d running), a snapshot every "
                      "%d tokens", len(self.state_specs), states.bytes_per_slot / 2**20, states.num_slots,
                      cfg.max_num_seqs, plan.interval)
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+                      "images": 0, "image_tokens": 0}
         log.info(
             "KV cache: %.2f GiB, %s%s, blocks of %d tokens: %s; max_model_len %d; decode attention: %s",
             self.kv_cache.nbytes / 2**30, self.kv_cache.dtype, " as int8" if self.kv_cache.quantized else "", bs,
@@ -311,6 +312,8 @@ class LLMEngine:
         ids = self.validate_request(prompt, params)
         if images is not None and (self.vision is None or self.dist is not None):
             raise ValueError("this model takes no images")
+        if images is not None and any(s.end > len(ids) for s in images.spans):
+            raise ValueError("images: their positions lie past the prompt (use the ids prepare_images returned)")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
@@ -319,6 +322,9 @@ class LLMEngine:
                        images=images if images is not None and images.spans else None)
         if params.grammar is not None:
             seq.matcher = self.structured.matcher(params.grammar)  # GrammarError: the request's fault
+        if seq.images is not None:
+            self.stats["images"] += len(seq.images.spans)
+            self.stats["image_tokens"] += seq.images.num_tokens
         prompt_text = prompt if isinstance(prompt, str) else None
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, ids)
         self.requests[request_id] = _RequestState(seq, detok, prompt_text)

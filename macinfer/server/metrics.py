@@ -46,6 +46,15 @@ class _EngineCollector:
             add(c, "macinfer_spec_draft_tokens", "Speculative draft tokens checked", e.stats["spec_draft_tokens"], model)
             add(c, "macinfer_spec_accepted_tokens", "Speculative draft tokens accepted",
                 e.stats["spec_accepted_tokens"], model)
+            vision = getattr(e, "vision", None)
+            if vision is not None:
+                enc = vision.encoder
+                add(c, "macinfer_images", "Images in accepted requests", e.stats["images"], model)
+                add(c, "macinfer_image_tokens", "Prompt tokens that are image placeholders", e.stats["image_tokens"], model)
+                add(c, "macinfer_images_encoded", "Images run through the vision tower", enc.images_encoded, model)
+                add(c, "macinfer_encoder_cache_hits", "Images found encoded in the encoder cache", enc.cache.hits, model)
+                add(c, "macinfer_encoder_cache_misses", "Images not in the encoder cache", enc.cache.misses, model)
+                add(g, "macinfer_encoder_cache_bytes", "Bytes the encoder cache holds", enc.cache.nbytes, model)
             disk = bm.disk
             if disk is not None:
                 add(c, "macinfer_prefix_cache_disk_hits", "Prompt tokens whose K/V came back from the disk tier",

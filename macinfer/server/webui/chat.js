@@ -1,5 +1,6 @@
 // The chat page: conversations kept in this browser (localStorage), replies
-// streamed from /v1/chat/completions, the server's model and KV usage from /status.
+// streamed from /v1/chat/completions, the server's model and KV usage from /status;
+// images (file picker, paste, drag and drop) for models that take them.
 (function () {
   "use strict";
   const $ = (id) => document.getElementById(id);
@@ -12,6 +13,7 @@
   let current = store.get("current", null);
   let model = null;
   let controller = null; // the AbortController of the reply in flight
+  let attached = []; // data: URLs of the images the next message sends
 
   // -- the API -------------------------------------------------------------
   function headers() {
@@ -45,7 +47,44 @@
     const parts = models.length > 1 ? [] : [m.id];  // several: the picker names it
     if (m.max_model_len) parts.push("context " + m.max_model_len);
     if (m.state && m.state !== "loaded") parts.push(`${m.state} (loads on the first message)`);
+    if ((m.input_modalities || []).includes("image")) parts.push("takes images");
     $("model-name").textContent = parts.join(" · ");
+    $("attach").hidden = !(m.input_modalities || []).includes("image");
+  }
+
+  // -- images ----------------------------------------------------------------
+  function takesImages() { return !$("attach").hidden; }
+
+  function readImage(file) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    });
+  }
+
+  async function attach(files) {
+    const images = [...files].filter((f) => f.type.startsWith("image/"));
+    if (!images.length) return;
+    if (!takesImages()) { showError("this model takes no images"); return; }
+    for (const f of images) attached.push(await readImage(f));
+    renderAttachments();
+  }
+
+  function renderAttachments() {
+    const box = $("attachments");
+    box.replaceChildren(...attached.map((url, i) => {
+      const fig = document.createElement("figure");
+      const img = document.createElement("img");
+      img.src = url; img.alt = "image " + (i + 1);
+      const del = document.createElement("button");
+      del.type = "button"; del.textContent = "×"; del.title = "Remove";
+      del.onclick = () => { attached.splice(i, 1); renderAttachments(); };
+      fig.append(img, del);
+      return fig;
+    }));
+    box.hidden = attached.length === 0;
   }
 
   async function loadModel() {
@@ -84,7 +123,10 @@
   // -- conversations ---------------------------------------------------------
   const conversation = () => conversations.find((c) => c.id === current);
 
-  function save() { store.set("conversations", conversations); store.set("current", current); }
+  function save() {
+    try { store.set("conversations", conversations); store.set("current", current); }
+    catch { showError("this browser's storage is full: older conversations (or their images) will not be kept"); }
+  }
 
   function newConversation() {
     const c = { id: Date.now().toString(36) + Math.random().toString(36).slice(2, 6), title: "New chat", messages: [] };
@@ -124,7 +166,20 @@
   function messageNode(msg) {
     const div = document.createElement("div");
     div.className = "msg " + msg.role;
-    if (msg.role === "user") { div.textContent = msg.content; return div; }
+    if (msg.role === "user") {
+      if (msg.images?.length) {
+        const row = document.createElement("div");
+        row.className = "images";
+        for (const url of msg.images) {
+          const img = document.createElement("img");
+          img.src = url; img.alt = "attached image";
+          row.append(img);
+        }
+        div.append(row);
+      }
+      div.append(document.createTextNode(msg.content));
+      return div;
+    }
     const { reasoning, content } = splitThink(msg.content || "");
     const thoughts = (msg.reasoning || "") + reasoning;
     if (thoughts) {
@@ -163,7 +218,9 @@
   // -- sending -----------------------------------------------------------------
   function requestBody(c) {
     const system = $("system-prompt").value.trim();
-    const messages = c.messages.filter((m) => !m.error).map((m) => ({ role: m.role, content: splitThink(m.content).content }));
+    const messages = c.messages.filter((m) => !m.error).map((m) => ({ role: m.role, content: m.images?.length
+      ? [...m.images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text: m.content }]
+      : splitThink(m.content).content }));
     if (system) messages.unshift({ role: "system", content: system });
     return {
       model, messages, stream: true, stream_options: { include_usage: true },
@@ -172,10 +229,10 @@
     };
   }
 
-  async function send(text) {
+  async function send(text, images) {
     const c = conversation();
-    c.messages.push({ role: "user", content: text });
-    if (c.title === "New chat") c.title = text.slice(0, 40);
+    c.messages.push(images.length ? { role: "user", content: text, images } : { role: "user", content: text });
+    if (c.title === "New chat") c.title = text.slice(0, 40) || "Image";
     const reply = { role: "assistant", content: "", reasoning: "" };
     const body = requestBody(c);
     c.messages.push(reply);
@@ -262,10 +319,24 @@
     $("composer").addEventListener("submit", (e) => {
       e.preventDefault();
       const text = $("prompt").value.trim();
-      if (!text || controller) return;
+      if ((!text && !attached.length) || controller) return;
       if (!model) { init(); showError("not connected to the server yet"); return; }
       $("prompt").value = "";
-      send(text);
+      const images = attached;
+      attached = []; renderAttachments();
+      send(text, images);
+    });
+    $("image-input").addEventListener("change", (e) => { attach(e.target.files); e.target.value = ""; });
+    $("prompt").addEventListener("paste", (e) => {
+      const files = [...(e.clipboardData?.files || [])];
+      if (files.some((f) => f.type.startsWith("image/"))) { e.preventDefault(); attach(files); }
+    });
+    const composer = $("composer");
+    composer.addEventListener("dragover", (e) => { e.preventDefault(); composer.classList.add("dragging"); });
+    composer.addEventListener("dragleave", () => composer.classList.remove("dragging"));
+    composer.addEventListener("drop", (e) => {
+      e.preventDefault(); composer.classList.remove("dragging");
+      attach(e.dataTransfer?.files || []);
     });
     $("prompt").addEventListener("keydown", (e) => {
       if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
