@@ -124,3 +124,19 @@ def test_generate_command_takes_images(vlm_dirs, tmp_path):
     assert r.stdout.startswith(expected)
     bad = CliRunner().invoke(main, [*args, "--image", str(junk)])
     assert bad.exit_code == 1 and "not an image" in bad.output and "Traceback" not in bad.output
+
+
+def test_every_vision_family_runs_or_says_why():
+    """`macinfer models architectures --vision`: every mlx-vlm model type with a vision tower,
+    with a reason for each that does not run; each that runs is one this file builds and checks."""
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+    from macinfer.vision.support import vision_model_types, vision_table
+
+    table = vision_table()
+    assert set(table) == set(vision_model_types()) and len(table) > 50
+    assert {t for t, v in table.items() if v == "runs"} == set(BUILDERS)
+    assert all(v == "runs" or len(v) > 20 for v in table.values())
+    r = CliRunner().invoke(main, ["models", "architectures", "--vision"])
+    assert r.exit_code == 0 and f"{len(BUILDERS)} of {len(table)} model types run with images" in r.output

@@ -37,17 +37,27 @@ def models_list(as_json):
 
 @models.command("architectures")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def models_architectures(as_json):
+@click.option("--vision", is_flag=True, help="The vision families (mlx-vlm's model types with a vision tower): "
+                                              "whether images run, or why not.")
+def models_architectures(as_json, vision):
     """Every architecture (model_type) mlx-lm implements: runs, or why it is refused."""
     import json
 
     from macinfer.models import VERDICTS
 
+    if vision:
+        try:
+            from macinfer.vision.support import vision_table
+
+            VERDICTS = vision_table()  # noqa: N806 - the same report, over the vision families
+        except ImportError:
+            raise click.ClickException("mlx-vlm is not installed (pip install 'macinfer[vision]')") from None
+
     if as_json:
         click.echo(json.dumps(VERDICTS, indent=1, sort_keys=True))
         return
     runs = sorted(t for t, v in VERDICTS.items() if v == "runs")
-    click.echo(f"{len(runs)} of {len(VERDICTS)} model types run:")
+    click.echo(f"{len(runs)} of {len(VERDICTS)} model types run{' with images' if vision else ''}:")
     click.echo("  " + ", ".join(runs))
     click.echo("refused:")
     for t, why in sorted(VERDICTS.items()):

@@ -18,15 +18,63 @@ log = logging.getLogger(__name__)
 
 MROPE = "its language model's multimodal RoPE (GLM-4V's sectioned form) is not run yet"
 DEEPSTACK = "its vision tower feeds features into the first decoder layers (DeepStack), not run yet"
-# model_type -> None (runs: same greedy tokens as mlx-vlm, tests/test_vision.py) or why it is refused.
+BOTH_WAYS = ("its language model attends both ways among an image's tokens (transformers' semantics; "
+             "mlx-vlm runs it causally); the engine's prefill is causal only, yet")
+NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
+CROSS = "its language model cross-attends to the image (no image tokens in the prompt), not run yet"
+ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
+# model_type -> None (runs: same greedy tokens and first-token logprobs as mlx-vlm on tiny random
+# weights, tests/test_vision.py) or why images are refused (the text still runs where mlx-lm does).
 FAMILIES: dict[str, str | None] = {
-    "llava": None, "mistral3": None, "qwen2_vl": None, "qwen2_5_vl": None,
-    "qwen3_5": None, "qwen3_5_moe": None,
+    "llava": None, "mistral3": None, "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
     "qwen3_vl": DEEPSTACK, "qwen3_vl_moe": DEEPSTACK, "glm4v": MROPE, "glm4v_moe": MROPE,
+    "gemma3": BOTH_WAYS, "paligemma": BOTH_WAYS, "mllama": CROSS, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
+    **{t: NOT_CHAT for t in ("sam3", "sam3_1", "sam3d_body", "sam3d_objects", "rfdetr", "rt_detr_v2", "siglip",
+                             "pp_doclayout_v3", "video_depth_anything", "colidefics3", "colqwen2_5",
+                             "qwen3_vl_embedding", "llama_nemotron_vl_embedding", "embedding_gemma2",
+                             "cohere_compass", "falcon_perception", "locateanything")},
 }
+NO_TEXT_MODEL = "its language model is not a class mlx-lm implements (the engine runs mlx-lm's classes)"
 # Families whose language model turns image positions by multimodal RoPE: the style.
 MROPE_STYLE = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved"}
 UNVERIFIED = "its image path has not been verified on the engine yet (docs/vision.md lists the families that run)"
+
+
+def vision_model_types() -> list[str]:
+    """mlx-vlm's model types that have a vision tower (its packages with a vision config or model)."""
+    import os
+
+    import mlx_vlm.models as pkg
+
+    root, out = pkg.__path__[0], []
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if not os.path.isdir(folder) or name.startswith("_"):
+            continue
+        for f in os.listdir(folder):
+            if f.endswith(".py"):
+                with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                    text = fh.read()
+                if "VisionConfig" in text or "VisionModel" in text:  # defined or taken from another family
+                    out.append(name)
+                    break
+    return out
+
+
+def vision_table() -> dict[str, str]:
+    """Every vision model type mlx-vlm implements: "runs", or why images are refused."""
+    from mlx_lm.utils import _get_classes
+
+    table = {}
+    for t in vision_model_types():
+        why = FAMILIES.get(t, UNVERIFIED)
+        if why == UNVERIFIED:
+            try:
+                _get_classes({"model_type": t})
+            except Exception:  # noqa: BLE001 - mlx-lm has no class (ValueError), or its import fails
+                why = NO_TEXT_MODEL
+        table[t] = "runs" if why is None else why
+    return table
 
 
 def is_vision_config(config: dict[str, Any]) -> bool:
