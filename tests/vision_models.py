@@ -116,7 +116,29 @@ def _qwen3_5(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
-BUILDERS = {"llava": _llava, "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
+
+
+def _idefics3(path: str, model_type: str = "idefics3") -> tuple[dict, Any]:
+    from transformers import Idefics3ImageProcessor, SmolVLMImageProcessor
+
+    from mlx_vlm.models.idefics3.processing_idefics3 import Idefics3Processor
+    from mlx_vlm.models.smolvlm.processing_smolvlm import SmolVLMProcessor
+
+    vision = {"model_type": "idefics3_vision", "hidden_size": 32, "num_attention_heads": 2, "patch_size": 14,
+              "num_hidden_layers": 2, "intermediate_size": 64, "image_size": 56}
+    cfg = {"model_type": model_type, "text_config": TEXT, "vision_config": vision, "scale_factor": 2,
+           "image_token_id": 260, "vocab_size": 300, "eos_token_id": 2}
+    tok = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"], "<image>")
+    image_class, processor_class = ((Idefics3ImageProcessor, Idefics3Processor) if model_type == "idefics3"
+                                    else (SmolVLMImageProcessor, SmolVLMProcessor))
+    image_processor = image_class(do_image_splitting=False, size={"longest_edge": 56},
+                                  max_image_size={"longest_edge": 56})
+    processor = processor_class(image_processor=image_processor, tokenizer=tok, image_seq_len=4,
+                                chat_template=tok.chat_template)
+    return cfg, processor
+
+
+BUILDERS = {"llava": _llava, "idefics3": _idefics3, "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
 

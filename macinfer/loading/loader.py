@@ -302,8 +302,23 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
         pooling = pooling_mod.from_dir(path)
     extended = extend_context(config, *context) if context is not None else config
     # Over several ranks the model runs through mlx-lm's classes (their shard() and layers).
-    model = build_model(extended, "mlx-lm" if distributed is not None else impl)
-    if extended is not config and not uses_scaled_rope(model, context[1]):
+    try:
+        model = build_model(extended, "mlx-lm" if distributed is not None else impl)
+    except UnsupportedArchitectureError as e:
+        if not isinstance(config.get("vision_config"), dict) or os.path.isfile(path):
+            raise
+        # A vision checkpoint whose wrapper mlx-lm lacks: its language model alone, by mlx-lm's
+        # class for the text model type (`vision/text_model.py`); its config stays the checkpoint's.
+        from macinfer.vision.text_model import language_model
+
+        try:
+            text, weights = language_model(path)
+            text = extend_context(text, *context) if context is not None else text
+            model = build_model(text, "mlx-lm")  # mlx-lm's class: the one that takes image embeddings
+        except (ValueError, KeyError, TypeError, UnsupportedArchitectureError) as inner:
+            raise UnsupportedArchitectureError(f"{e}; its language model alone: {inner}") from None
+        extended = {**config, **{k: v for k, v in text.items() if k != "model_type"}}
+    if context is not None and extended is not config and not uses_scaled_rope(model, context[1]):
         raise UnsupportedArchitectureError(f"--rope-scaling {context[1]}: this architecture "
                                            f"({config.get('model_type')}) does not take RoPE scaling from its config")
     config = extended

@@ -1,0 +1,42 @@
+"""The language model of a vision checkpoint whose model type mlx-lm does not implement
+(LLaVA-NeXT, SmolVLM, InternVL...): mlx-vlm's own loading (its sanitizing, its resolved text
+config), the language model's weights taken from it under mlx-lm's names, and mlx-lm's class
+for the text model type run by the engine as any other. Whether the names and shapes fit is
+checked by mlx-lm's strict load; a family whose language module differs is refused with why."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+
+def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
+    """(text config for mlx-lm, the language model's weights) of the checkpoint at `path`,
+    the weights lazy (read when the engine evaluates them). Raises ValueError with the reason."""
+    try:
+        from mlx_vlm.utils import load_model
+    except ImportError:
+        raise ValueError("mlx-vlm is not installed (pip install 'macinfer[vision]')") from None
+    vlm = load_model(Path(path), lazy=True)
+    lm = getattr(vlm, "language_model", None)
+    args = getattr(lm, "args", None) or getattr(lm, "config", None) or getattr(vlm.config, "text_config", None)
+    if lm is None or args is None or not dataclasses.is_dataclass(args):
+        raise ValueError("mlx-vlm's model has no separate language model to run")
+    text = {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
+    top = vlm.config
+    for key in ("vocab_size", "tie_word_embeddings", "eos_token_id"):  # set on the wrapper in some configs
+        if key not in text and getattr(top, key, None) is not None:
+            text[key] = getattr(top, key)
+    weights = dict(tree_flatten(lm.parameters()))
+    if not any(k.startswith("model.") for k in weights):  # the decoder at the top (Idefics3's): mlx-lm's names
+        weights = {k if k.startswith("lm_head.") else f"model.{k}": v for k, v in weights.items()}
+    # Tied or not is what the module holds (mlx-vlm's config classes may not carry the flag,
+    # and mlx-lm's default, tied, is not transformers' for most families).
+    text["tie_word_embeddings"] = "lm_head.weight" not in weights
+    if "quantization" in getattr(top, "__dict__", {}) and getattr(top, "quantization", None):
+        text["quantization"] = top.quantization
+    return text, weights
