@@ -20,9 +20,10 @@ Message = dict[str, Any]
 
 class _Worker:
     """One daemon thread that runs every engine call. It ends when its LLM is
-    collected (`stop`), and is never joined at interpreter exit: an MLX thread that
-    exits while the interpreter tears down races MLX's static destructors (seen as
-    "terminate called without an active exception")."""
+    closed or collected (`stop`), and whoever stops it waits for it to end: an MLX
+    thread that exits while the interpreter tears down races MLX's static destructors
+    ("terminate called without an active exception", exit code 134: seen on every
+    `llm.close()` just before the script ended)."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -62,13 +63,38 @@ def _release(worker: _Worker, engine_box: list) -> None:
     from macinfer.loading.memory import release_freed
 
     def free() -> None:
+        import mlx.core as mx
+
         if engine_box and engine_box[0].disk is not None:
             engine_box[0].close()  # the prefix cache to its disk tier first
+        # Work still queued on this thread's stream (a decode step built ahead and never
+        # taken) must end before the process may: MLX aborts an exit with a stream busy.
+        mx.synchronize()
         engine_box.clear()
         release_freed()
 
     worker.submit(free)
     worker.stop()
+    if threading.current_thread() is not worker.thread:  # (collected on the worker itself: it ends next)
+        worker.thread.join(timeout=120)  # the prefix cache's write to disk may take a while
+        _until_gone(worker.thread.native_id)
+
+
+def _until_gone(tid: int | None, timeout: float = 5.0) -> None:
+    """Wait until the OS thread `tid` has exited: `join` returns before a thread's C++
+    thread-locals (MLX's per-thread stream) are destroyed, and a process that exits
+    meanwhile aborts. Linux shows live threads in /proc; elsewhere a short grace period."""
+    import os
+    import time
+
+    if tid is None:
+        return
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(0.2)
+        return
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 class LLM:

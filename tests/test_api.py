@@ -88,6 +88,19 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def test_a_script_that_closes_its_llm_exits_cleanly(smollm2_gguf, tmp_path):
+    """`llm.close()` (or a `with` block) as a script's last step, then exit: code 0. Before,
+    every such run aborted ("terminate called without an active exception", 134): `join`
+    returned before the engine thread's MLX thread-locals were gone, and the exit raced them."""
+    import subprocess
+
+    script = tmp_path / "s.py"
+    script.write_text(f"from macinfer import LLM\nwith LLM({smollm2_gguf!r}, kv_cache_gb=0.05, max_model_len=256) as llm:\n"
+                      "    llm.generate('hi')\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "terminate" not in r.stderr, (r.returncode, r.stderr[-500:])
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
 def test_dropped_llms_free_their_engines_and_threads(smollm2_gguf):
     """A notebook re-running `llm = LLM(...)`: each dropped LLM gives back its

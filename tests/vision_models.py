@@ -52,19 +52,22 @@ def _llava(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
-def _mistral3(path: str) -> tuple[dict, Any]:
+def _mistral3(path: str, model_type: str = "mistral3") -> tuple[dict, Any]:
     from mlx_vlm.models.mistral3.processing_mistral3 import Mistral3Processor
     from mlx_vlm.models.pixtral.image_processing_pixtral import PixtralImageProcessor
+    from mlx_vlm.models.pixtral.processing_pixtral import PixtralProcessor
 
     vision = {"model_type": "pixtral", "hidden_size": 32, "head_dim": 16, "num_hidden_layers": 2,
               "intermediate_size": 64, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}
     text = {**TEXT, "model_type": "mistral", "head_dim": 16, "rope_theta": 1000000.0}
-    cfg = {"model_type": "mistral3", "text_config": text, "vision_config": vision, "image_token_index": 259,
-           "spatial_merge_size": 2, "vision_feature_layer": -1, "vocab_size": 300, "eos_token_id": 2}
+    merge = 2 if model_type == "mistral3" else 1  # Pixtral 12B merges no patches
+    cfg = {"model_type": model_type, "text_config": text, "vision_config": vision, "image_token_index": 259,
+           "spatial_merge_size": merge, "vision_feature_layer": -1, "vocab_size": 300, "eos_token_id": 2}
     tok = _tokenizer(["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]")
     image_processor = PixtralImageProcessor(size={"longest_edge": 56}, patch_size={"height": 14, "width": 14})
-    processor = Mistral3Processor(image_processor=image_processor, tokenizer=tok, patch_size=14,
-                                  spatial_merge_size=2, chat_template=tok.chat_template)
+    processor_class = Mistral3Processor if model_type == "mistral3" else PixtralProcessor
+    processor = processor_class(image_processor=image_processor, tokenizer=tok, patch_size=14,
+                                spatial_merge_size=merge, chat_template=tok.chat_template)
     return cfg, processor
 
 
@@ -138,19 +141,25 @@ def _idefics3(path: str, model_type: str = "idefics3") -> tuple[dict, Any]:
     return cfg, processor
 
 
-BUILDERS = {"llava": _llava, "idefics3": _idefics3, "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
+BUILDERS = {"llava": _llava, "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
 
-def tiny_vlm_dir(base: str, family: str, seed: int = 0) -> str:
-    """A checkpoint folder as mlx-community publishes one: config, weights, tokenizer, processor."""
+def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None, vision: dict | None = None,
+                 max_pixels: int | None = None) -> str:
+    """A checkpoint folder as mlx-community publishes one: config, weights, tokenizer, processor.
+    `text`, `vision`: sizes over the tiny ones (benchmarks); `max_pixels`: the processor's cap."""
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
-    path = os.path.join(str(base), f"{family}-{seed}")
+    path = os.path.join(str(base), f"{family}-{seed}" + ("-sized" if text or vision or max_pixels else ""))
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     os.makedirs(path, exist_ok=True)
     cfg, processor = BUILDERS[family](path)
+    (cfg["text_config"] if "text_config" in cfg else cfg).update(text or {})
+    cfg["vision_config"].update(vision or {})
+    if max_pixels:
+        processor.image_processor.max_pixels = max_pixels
     module, _ = get_model_and_args(cfg)
     loaded = {**cfg, "text_config": cfg.get("text_config", {})}  # as mlx-vlm's load_model sees it
     conf = update_module_configs(module.ModelConfig.from_dict(loaded), module, loaded, ["text", "vision"])

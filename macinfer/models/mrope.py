@@ -41,6 +41,9 @@ class MRoPE(nn.Module):
         self._half = dims // 2
         self._axes = section_axes(section, self._half, style)
         self._inv_freq = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        # Now, in the loading thread: left lazy, they would be computed in the engine's
+        # thread against this thread's stream (MLX refuses that).
+        mx.eval(self._axes, self._inv_freq)
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         forward = _active()

@@ -26,7 +26,7 @@ ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
 # model_type -> None (runs: same greedy tokens and first-token logprobs as mlx-vlm on tiny random
 # weights, tests/test_vision.py) or why images are refused (the text still runs where mlx-lm does).
 FAMILIES: dict[str, str | None] = {
-    "llava": None, "mistral3": None, "idefics3": None, "smolvlm": None,
+    "llava": None, "mistral3": None, "pixtral": None, "idefics3": None, "smolvlm": None,
     "llava_next": ("mlx-vlm's LLaVA-NeXT merge departs from transformers' (each placeholder becomes a whole "
                    "tile's features, no anyres unpadding): no reference to check the engine against yet"), "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
     "qwen3_vl": DEEPSTACK, "qwen3_vl_moe": DEEPSTACK, "glm4v": MROPE, "glm4v_moe": MROPE,
@@ -108,9 +108,13 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
     if why is not None:
         return None, why
     try:
-        import mlx_vlm  # noqa: F401
+        from mlx_vlm.utils import get_model_and_args
     except ImportError:
         return None, "mlx-vlm is not installed (pip install 'macinfer[vision]'; `make setup` installs it)"
+    try:
+        get_model_and_args(config)  # imports the family's module: it registers its own processor classes
+    except (ImportError, KeyError, ValueError) as e:
+        return None, f"mlx-vlm has no model class for it ({e})"
     try:
         style = MROPE_STYLE.get(config.get("model_type"))
         mrope = None
