@@ -5,13 +5,15 @@ same image in the next turn hits the prefix cache and is not encoded again."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from macinfer import LLM
 from macinfer.engine.block_manager import BlockManager
 from macinfer.sampling_params import SamplingParams
 from macinfer.vision.support import FAMILIES
-from tests.vision_models import BUILDERS, mlx_vlm_greedy, picture, tiny_vlm_dir
+from tests.vision_models import (BOTH_WAYS, BUILDERS, both_ways_greedy, mlx_vlm_greedy, picture, prompt_logprobs,
+                                 tiny_vlm_dir)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
@@ -46,7 +48,8 @@ def test_family_gives_mlx_vlm_tokens_and_uses_the_image(vlm_dirs, family):
         rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                                    {"type": "text", "text": "what is it"}]}])
         ours = llm.chat(messages, GREEDY).token_ids
-        tokens, logprobs = mlx_vlm_greedy(vlm_dirs[family], rendered, [picture(0)], 8)
+        reference = both_ways_greedy if family in BOTH_WAYS else mlx_vlm_greedy
+        tokens, logprobs = reference(vlm_dirs[family], rendered, [picture(0)], 8)
         assert ours == tokens
         # the image is used: another picture moves the first token's distribution
         first = [llm.chat(_ask("what is it", picture(i)), FIRST).logprobs[0].top for i in (0, 1)]
@@ -54,6 +57,26 @@ def test_family_gives_mlx_vlm_tokens_and_uses_the_image(vlm_dirs, family):
         assert max(abs(lp - logprobs[t]) for t, lp in first[0]) < 1e-4  # and mlx-vlm's, to float32 rounding
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("budget", [512, 11])
+def test_gemma3_image_tokens_attend_each_other_both_ways(vlm_dirs, budget):
+    """transformers' Gemma 3 rule (mlx-vlm's classes with that mask as the reference): every
+    prompt token's logprob matches it, the image tokens' own included, and not the causal run's.
+    An 11-token budget would cut the prompt inside the image (its tokens are 9-12): the chunk
+    stops before it instead, and the next holds it whole."""
+    path = vlm_dirs["gemma3"]
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=512, max_num_batched_tokens=budget)
+    try:
+        ids, images = llm._chat_prompt(_ask("what is it", picture(0)))
+        out = llm.generate([(ids, images)], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    finally:
+        llm.close()
+    ours = np.array([p.logprob for p in out.prompt_logprobs[1:]])
+    rendered = "<user><start_of_image>what is it<assistant>"
+    both, causal = (prompt_logprobs(path, rendered, [picture(0)], b) for b in (True, False))
+    assert np.abs(ours - both).max() < 1e-4
+    assert np.abs(both - causal).max() > 1e-2  # the rule matters on this model
 
 
 def test_image_and_text_requests_batch_as_they_run_alone(llava):

@@ -24,12 +24,13 @@ TEXT = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "inter
         "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": False}
 
 
-def _tokenizer(specials: list[str], marker: str):
+def _tokenizer(specials: list[str], marker: str, named: dict | None = None):
     from transformers import PreTrainedTokenizerFast
 
     tok = byte_tokenizer()
     tok.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   **({"extra_special_tokens": named} if named else {}))
     fast.chat_template = TEMPLATE.replace("MARKER", marker)
     return fast
 
@@ -141,7 +142,33 @@ def _idefics3(path: str, model_type: str = "idefics3") -> tuple[dict, Any]:
     return cfg, processor
 
 
-BUILDERS = {"llava": _llava, "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
+def _gemma3(path: str) -> tuple[dict, Any]:
+    from transformers import Gemma3ImageProcessor
+
+    from mlx_vlm.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    text = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+            "sliding_window": 512, "sliding_window_pattern": 2, "vocab_size": 300, "mm_tokens_per_image": 4,
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-6}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+              "num_attention_heads": 2, "patch_size": 14, "image_size": 56}
+    cfg = {"model_type": "gemma3", "text_config": text, "vision_config": vision, "image_token_index": 260,
+           "hidden_size": 64, "vocab_size": 300, "pad_token_id": 0, "eos_token_id": 2}
+    named = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tok = _tokenizer(["<start_of_image>", "<image_soft_token>", "<end_of_image>"], "<start_of_image>", named)
+    image_processor = Gemma3ImageProcessor(size={"height": 56, "width": 56})
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=4,
+                                chat_template=tok.chat_template)
+    return cfg, processor
+
+
+# Families whose image tokens attend each other both ways (transformers' rule), which mlx-vlm's
+# generation runs causally: their reference is mlx-vlm's classes with that mask (`both_ways_greedy`).
+BOTH_WAYS = {"gemma3"}
+TIED = {"gemma3"}  # checkpoints with the embedding as the output head
+
+BUILDERS = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
 
@@ -168,6 +195,8 @@ def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None
     # Norms jittered off 1 so a mix-up shows in the logits.
     params = {k: (v + 0.1 * mx.random.normal(v.shape) if "norm" in k else v)
               for k, v in tree_flatten(model.parameters())}
+    if family in TIED:  # as published: no lm_head (mlx-vlm copies the embedding, mlx-lm ties it)
+        params.pop("language_model.lm_head.weight", None)
     mx.eval(params)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -200,4 +229,57 @@ def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tup
     for (t, logprobs), _ in zip(steps, range(max_tokens)):
         tokens.append(int(t))
         first = np.array(logprobs.astype(mx.float32)).reshape(-1) if first is None else first
+    return tokens, first
+
+
+def _allowed(ids: list[int], image_id: int, both_ways: bool) -> np.ndarray:
+    """Causal, and (`both_ways`) each image's run of placeholders attending to itself whole."""
+    n = len(ids)
+    allowed = np.tril(np.ones((n, n), dtype=bool))
+    image = np.flatnonzero(np.asarray(ids) == image_id)
+    if both_ways and len(image):
+        for block in np.split(image, np.flatnonzero(np.diff(image) > 1) + 1):
+            allowed[np.ix_(block, block)] = True
+    return allowed
+
+
+def prompt_logprobs(path: str, prompt: str, images: list, both_ways: bool) -> np.ndarray:
+    """mlx-vlm's classes (float32): each prompt token's logprob given the ones before it, under
+    the causal mask or transformers' Gemma 3 mask (`both_ways`)."""
+    from mlx_vlm import load
+
+    model, processor = load(path)
+    inputs = processor(text=[prompt], images=images, return_tensors="np")
+    ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
+    x = mx.array(ids)[None]
+    emb = model.get_input_embeddings(x, mx.array(inputs["pixel_values"]), mask=mx.ones(x.shape, dtype=mx.int32))
+    mask = mx.array(_allowed(ids, model.config.image_token_index, both_ways))[None, None]
+    out = model.language_model(x, inputs_embeds=emb.inputs_embeds, mask=mask)
+    logits = (out.logits if hasattr(out, "logits") else out)[0].astype(mx.float32)
+    logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    return logprobs[np.arange(len(ids) - 1), ids[1:]]
+
+
+def both_ways_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and first logprobs from mlx-vlm's own classes (its vision tower, merge and
+    language model, float32) with transformers' mask: causal, but an image's placeholder tokens
+    attend to each other both ways. The whole sequence is recomputed for each token (no cache)."""
+    from mlx_vlm import load
+
+    model, processor = load(path)
+    inputs = processor(text=[prompt], images=images, return_tensors="np")
+    ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
+    image_id = model.config.image_token_index
+    pixels = mx.array(inputs["pixel_values"])
+    tokens, first = [], None
+    for _ in range(max_tokens):
+        x = mx.array(ids)[None]
+        emb = model.get_input_embeddings(x, pixels, mask=mx.ones(x.shape, dtype=mx.int32)).inputs_embeds
+        allowed = _allowed(ids, image_id, True)
+        out = model.language_model(x, inputs_embeds=emb, mask=mx.array(allowed)[None, None])
+        logits = (out.logits if hasattr(out, "logits") else out)[0, -1].astype(mx.float32)
+        logprobs = np.array(logits - mx.logsumexp(logits))
+        first = logprobs if first is None else first
+        tokens.append(int(np.argmax(logprobs)))
+        ids.append(tokens[-1])
     return tokens, first

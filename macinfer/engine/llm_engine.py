@@ -242,6 +242,7 @@ class LLMEngine:
 
             raise ImageError(f"{len(images)} images; at most {self.vision.limits.max_images} a request")
         ids, inputs = self.vision.processor.expand(prompt, images)
+        inputs.both_ways = self.vision.both_ways
         if self.vision.mrope is not None:
             inputs.rope, inputs.rope_delta = self.vision.encoder.positions(ids, inputs.spans)
         return ids, inputs

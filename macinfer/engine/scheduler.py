@@ -143,6 +143,7 @@ class Scheduler:
         n = min(remaining, self._budget) if remaining == 1 else min(remaining, self._budget, self._prefill_left)
         if n == 0:  # a prefill with no prefill budget left this step
             return True
+        n = _image_cut(seq, n)
         seq.spec_token_ids = self._draft(seq) if remaining == 1 else []
         if seq.spec_token_ids:
             total = seq.num_computed_tokens + n + len(seq.spec_token_ids)
@@ -189,7 +190,7 @@ class Scheduler:
         bm = self.block_manager
         cached = bm.match_prefix(seq)
         seq.num_computed_tokens = cached
-        n = min(seq.num_tokens - seq.num_computed_tokens, self._budget, self._prefill_left)
+        n = _image_cut(seq, min(seq.num_tokens - seq.num_computed_tokens, self._budget, self._prefill_left))
         if not bm.can_allocate(seq, seq.num_computed_tokens + n):
             bm.free(seq)  # give the prefix hits back; they stay cached
             seq.num_computed_tokens = 0
@@ -215,3 +216,12 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def _image_cut(seq: Sequence, n: int) -> int:
+    """A prompt chunk of `n` tokens, cut so that it ends outside any image whose tokens
+    attend both ways (`vision/inputs.py`): it may then exceed the step's budget by the rest
+    of an image it starts inside."""
+    if seq.images is None or n <= 0 or seq.num_computed_tokens + n >= seq.num_prompt_tokens:
+        return n
+    return seq.images.chunk_end(seq.num_computed_tokens, seq.num_computed_tokens + n) - seq.num_computed_tokens

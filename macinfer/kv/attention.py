@@ -274,13 +274,18 @@ def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: m
 
 
 def span_mask(span: PrefillSpan, kind) -> mx.array | str:
-    """"causal", or [Lq, Lk] where the group's kind puts a floor above the table's first key."""
+    """"causal", or [Lq, Lk] where the group's kind puts a floor above the table's first key,
+    or where queries read past themselves (`PrefillSpan.key_ceilings`)."""
     qpos = np.arange(span.context_len - span.length, span.context_len) + span.key_offset  # absolute
     floors = kind.key_floor(qpos) - span.key_offset if kind is not None and kind.bounded else None
-    if floors is None or floors.max() <= 0:
+    if (floors is None or floors.max() <= 0) and span.key_ceilings is None:
         return "causal"
     kpos = np.arange(span.context_len)[None, :]
-    return mx.array((kpos <= (qpos - span.key_offset)[:, None]) & (kpos >= floors[:, None]))
+    top = (qpos if span.key_ceilings is None else span.key_ceilings) - span.key_offset
+    mask = kpos <= top[:, None]
+    if floors is not None:
+        mask &= kpos >= floors[:, None]
+    return mx.array(mask)
 
 
 def _causal_tiles(q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx.array | None,

@@ -20,6 +20,9 @@ class PrefillSpan:
     context_len: int  # tokens in cache after this chunk (prefix + chunk)
     block_table: mx.array  # [num_blocks_for_context] int32
     key_offset: int = 0  # position of the table's first key (a bounded group's tables start late)
+    # The last key position each query may read when some read past themselves (an image's
+    # tokens attending both ways, `vision/inputs.py`); None: causal.
+    key_ceilings: np.ndarray | None = None
 
 
 # Prompt chunks this short, with this little context, are attended together in one
@@ -49,8 +52,9 @@ class SpanBatch:
 def group_spans(spans: list[PrefillSpan]) -> list[list[int]]:
     """Groups (>= 2 spans each) of short spans whose padded attention costs at most
     BATCH_PADDING times their own plus BATCH_SLACK a span; other spans are attended alone."""
-    short = sorted((i for i, s in enumerate(spans)
-                    if s.length <= BATCH_SPAN_TOKENS and s.context_len <= BATCH_SPAN_CONTEXT),
+    short = sorted((i for i, s in enumerate(spans)  # (a span with its own key ceilings is attended alone)
+                    if s.length <= BATCH_SPAN_TOKENS and s.context_len <= BATCH_SPAN_CONTEXT
+                    and s.key_ceilings is None),
                    key=lambda i: (spans[i].context_len, spans[i].length), reverse=True)
     groups: list[list[int]] = [[]]
     for i in short:

@@ -32,6 +32,37 @@ class ImageInputs:
     # and the shift of every later position (the images' rows take fewer positions than tokens).
     rope: Any = None
     rope_delta: int = 0
+    # Gemma 3's rule (transformers'): an image's placeholder tokens attend to each other both
+    # ways; the rest is causal. A prompt chunk then holds an image's placeholders whole.
+    both_ways: bool = False
+
+    def _blocks(self) -> list[tuple[int, int]]:
+        """Each image's placeholder block [first, last] (positions)."""
+        return [(s.offset + s.rows[0], s.offset + s.rows[-1]) for s in self.spans]
+
+    def key_ceilings(self, positions: Any) -> Any:
+        """The last key each of `positions` (numpy ints) may read: itself, or for a placeholder
+        of a both-ways image, the image's last placeholder. None when no position is one."""
+        import numpy as np
+
+        if not self.both_ways:
+            return None
+        out, hit = np.asarray(positions).copy(), False
+        for first, last in self._blocks():
+            inside = (positions >= first) & (positions <= last)
+            if inside.any():
+                out[inside], hit = last, True
+        return out if hit else None
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prompt chunk [start, end) may end: never inside a both-ways image block
+        (before the image when the chunk starts before it, else after the whole image)."""
+        if not self.both_ways:
+            return end
+        for first, last in self._blocks():
+            if first < end <= last:
+                return first if first > start else last + 1
+        return end
 
     def rope_rows(self, positions: Any) -> Any:
         """The three rotary positions [3, n] of prompt or output `positions` (numpy ints)."""

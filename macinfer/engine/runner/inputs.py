@@ -33,7 +33,8 @@ class GroupTables:
         self.decode_groups: list[tuple[int, int]] = []
         self.prefills: list[PrefillSpan] = []
 
-    def add(self, table: list[int], pos: np.ndarray, row: int, as_decodes: bool = False) -> None:
+    def add(self, table: list[int], pos: np.ndarray, row: int, as_decodes: bool = False,
+            ceilings: np.ndarray | None = None) -> None:
         """One scheduled sequence: new tokens at `pos`, rows from `row`. A bounded group's
         tables start at the first block the step's first query reads. A single token, or
         a speculating sequence (`as_decodes`: its real token and drafts), is attended as
@@ -56,7 +57,8 @@ class GroupTables:
             return
         context = int(pos[-1]) + 1
         blocks = table[first_block : cdiv(context, bs)]
-        self.prefills.append(PrefillSpan(row, len(pos), context - origin, mx.array(blocks, dtype=mx.int32), origin))
+        self.prefills.append(PrefillSpan(row, len(pos), context - origin, mx.array(blocks, dtype=mx.int32), origin,
+                                         ceilings))
 
     def metadata(self, kv_cache: KVCache, positions: mx.array, cfg: "InputConfig") -> AttentionMetadata:
         meta = AttentionMetadata(
@@ -137,8 +139,9 @@ def build_inputs(
                 _image_rows(seq, start, start + real, row, image_rows, image_parts)
             if seq.images.rope is not None:
                 rope.append((row, seq.images.rope_rows(pos)))
+        ceilings = seq.images.key_ceilings(pos) if seq.images is not None and ahead is None and n > 1 else None
         for g, t in enumerate(tables):
-            t.add(seq.block_tables[g], pos, row, as_decodes=bool(drafts))
+            t.add(seq.block_tables[g], pos, row, as_decodes=bool(drafts), ceilings=ceilings)
         if state is not None:
             if drafts:  # its state before the drafts, restored if one is rejected
                 if step is None:
