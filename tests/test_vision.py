@@ -25,10 +25,10 @@ def vlm_dirs(tmp_path_factory):
     return {family: tiny_vlm_dir(base, family) for family in BUILDERS}
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "qwen3_5"])
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "qwen3_5", "qwen3_vl"])
 def llava(vlm_dirs, request):
     """A loaded vision model: LLaVA (images spliced only), Qwen2-VL (multimodal RoPE too), Qwen3.5
-    (and recurrent layers)."""
+    (and recurrent layers), Qwen3-VL (and DeepStack)."""
     llm = LLM(vlm_dirs[request.param], kv_cache_gb=0.01, max_model_len=512, num_kv_blocks=64)
     yield llm
     llm.close()
@@ -77,6 +77,22 @@ def test_gemma3_image_tokens_attend_each_other_both_ways(vlm_dirs, budget):
     both, causal = (prompt_logprobs(path, rendered, [picture(0)], b) for b in (True, False))
     assert np.abs(ours - both).max() < 1e-4
     assert np.abs(both - causal).max() > 1e-2  # the rule matters on this model
+
+
+@pytest.mark.parametrize("family", ["mistral3", "qwen3_vl"])
+def test_an_image_cut_across_prompt_chunks_gives_the_same_tokens(vlm_dirs, family):
+    """A 5-token budget cuts the prompt (and each image's placeholders) into many chunks: the
+    rows of a partial image, its positions and its DeepStack features follow."""
+    conv = _ask("what is it", picture(2), picture(3))
+    out = {}
+    for budget in (512, 5):
+        llm = LLM(vlm_dirs[family], kv_cache_gb=0.01, max_model_len=512, max_num_batched_tokens=budget)
+        try:
+            out[budget] = llm.chat(conv, FIRST).logprobs[0].top
+        finally:
+            llm.close()
+    assert [t for t, _ in out[512]] == [t for t, _ in out[5]]
+    assert max(abs(a[1] - b[1]) for a, b in zip(out[512], out[5])) < 1e-4
 
 
 def test_image_and_text_requests_batch_as_they_run_alone(llava):

@@ -97,6 +97,24 @@ def _qwen2_vl(path: str, model_type: str = "qwen2_vl") -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _qwen3_vl(path: str) -> tuple[dict, Any]:
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor, Qwen3VLProcessor
+
+    vision = {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+              "out_hidden_size": 64, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1]}
+    text = {**TEXT, "model_type": "qwen3", "head_dim": 16, "rope_theta": 1000000.0,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
+    cfg = {"model_type": "qwen3_vl", "text_config": text, "vision_config": vision, "image_token_id": 260,
+           "video_token_id": 262, "vision_start_token_id": 259, "vision_end_token_id": 261, "eos_token_id": 2}
+    tok = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+                     "<|vision_start|><|image_pad|><|vision_end|>")
+    image_processor = Qwen3VLImageProcessor(patch_size=14, min_pixels=56 * 56, max_pixels=112 * 112)
+    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=image_processor,
+                                 chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _qwen3_5(path: str) -> tuple[dict, Any]:
     from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor, Qwen3VLProcessor
 
@@ -168,7 +186,7 @@ def _gemma3(path: str) -> tuple[dict, Any]:
 BOTH_WAYS = {"gemma3"}
 TIED = {"gemma3"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
+BUILDERS = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl, "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
 

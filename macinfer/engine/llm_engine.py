@@ -224,6 +224,10 @@ class LLMEngine:
                 mrope.install(self.model.decoder_layers, *vision.mrope)
             except ValueError as e:
                 return None, str(e)
+        if vision is not None and vision.deepstack:
+            from macinfer.models import deepstack
+
+            deepstack.install(self.model.decoder_layers, vision.deepstack)
         if vision is not None:
             log.info("images: %s's vision tower and projector loaded (%.1f MiB)", config.get("model_type"),
                      vision.encoder.nbytes / 2**20)

@@ -69,6 +69,7 @@ class AttentionMetadata:
     # (`macinfer/vision/`), and those features [len(rows), hidden] (None: no image this step).
     image_rows: mx.array | None = None
     image_features: mx.array | None = None
+    image_deepstack: mx.array | None = None  # [early layers, len(image_rows), hidden] (Qwen3-VL's DeepStack)
     # Multimodal RoPE (`models/mrope.py`): each row's three rotary positions [3, T], when a
     # sequence in the step has image positions (None: every row turns by its position).
     rope_positions: mx.array | None = None

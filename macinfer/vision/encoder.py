@@ -88,15 +88,16 @@ class EncoderCache:
 
 class VisionEncoder:
     def __init__(self, vlm: nn.Module, image_token_id: int, dtype: mx.Dtype, cache_bytes: int,
-                 rope_index: Any = None):
+                 rope_index: Any = None, deepstack: bool = False):
         self.vlm, self.image_token_id, self.dtype = vlm, image_token_id, dtype
+        self.deepstack = deepstack  # Qwen3-VL: features added after the first decoder layers too
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0
         self.rope_index = rope_index  # multimodal RoPE families: mlx-vlm's position function
 
     @classmethod
     def load(cls, path: str, embed: nn.Module, image_token_id: int, dtype: mx.Dtype,
-             cache_bytes: int = 256 * 2**20, mrope: bool = False) -> "VisionEncoder":
+             cache_bytes: int = 256 * 2**20, mrope: bool = False, deepstack: bool = False) -> "VisionEncoder":
         from types import SimpleNamespace
 
         from mlx_vlm.utils import load_model
@@ -109,7 +110,7 @@ class VisionEncoder:
         vlm.language_model = _EmbedOnly(embed, rope_index)
         mx.eval(vlm.parameters())
         vlm.eval()
-        return cls(vlm, image_token_id, dtype, cache_bytes, rope_index)
+        return cls(vlm, image_token_id, dtype, cache_bytes, rope_index, deepstack)
 
     def positions(self, ids: list[int], spans: list[ImageSpan]) -> tuple[np.ndarray, int]:
         """A prompt's multimodal RoPE positions [3, len(ids)] and the shift after it."""
@@ -141,10 +142,17 @@ class VisionEncoder:
         for name, why in _BEYOND_EMBEDDINGS.items():
             if self.rope_index is not None and name in ("position_ids", "rope_deltas"):
                 continue  # the engine carries these (`positions`, `models/mrope.py`)
+            if self.deepstack and name == "deepstack_visual_embeds":
+                continue  # added after the first decoder layers (`models/deepstack.py`)
             if getattr(out, name, None) is not None:
                 raise RuntimeError(f"this model's image path needs {why} ({name}), which the engine does not run")
         rows = mx.array(np.asarray(span.rows, dtype=np.int32))
         features = out.inputs_embeds[0][rows].astype(self.dtype)
+        stack = getattr(out, "deepstack_visual_embeds", None) if self.deepstack else None
+        if stack is not None:  # [1 + layers, rows, hidden]: the input rows, then one per early layer
+            if any(e.shape[0] != len(span.rows) for e in stack):
+                raise RuntimeError("DeepStack features do not match the image's placeholders")
+            features = mx.concatenate([features[None], mx.stack(list(stack)).astype(self.dtype)])
         mx.eval(features)
         self.images_encoded += 1
         self.cache.put(span.digest, features)

@@ -17,7 +17,6 @@ from macinfer.vision.processor import VisionProcessor
 log = logging.getLogger(__name__)
 
 MROPE = "its language model's multimodal RoPE (GLM-4V's sectioned form) is not run yet"
-DEEPSTACK = "its vision tower feeds features into the first decoder layers (DeepStack), not run yet"
 BOTH_WAYS = ("its language model attends both ways over the whole prompt prefix (a prefix LM), which the "
              "engine's prefill does not run yet")
 # Families whose image tokens attend to each other both ways (transformers' Gemma 3; mlx-vlm
@@ -32,7 +31,7 @@ FAMILIES: dict[str, str | None] = {
     "llava": None, "mistral3": None, "pixtral": None, "idefics3": None, "smolvlm": None,
     "llava_next": ("mlx-vlm's LLaVA-NeXT merge departs from transformers' (each placeholder becomes a whole "
                    "tile's features, no anyres unpadding): no reference to check the engine against yet"), "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
-    "qwen3_vl": DEEPSTACK, "qwen3_vl_moe": DEEPSTACK, "glm4v": MROPE, "glm4v_moe": MROPE,
+    "qwen3_vl": None, "glm4v": MROPE, "glm4v_moe": MROPE,
     "gemma3": None, "paligemma": BOTH_WAYS, "mllama": CROSS, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
     **{t: NOT_CHAT for t in ("sam3", "sam3_1", "sam3d_body", "sam3d_objects", "rfdetr", "rt_detr_v2", "siglip",
                              "pp_doclayout_v3", "video_depth_anything", "colidefics3", "colqwen2_5",
@@ -40,7 +39,10 @@ FAMILIES: dict[str, str | None] = {
                              "cohere_compass", "falcon_perception", "locateanything")},
 }
 # Families whose language model turns image positions by multimodal RoPE: the style.
-MROPE_STYLE = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved"}
+MROPE_STYLE = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
+               "qwen3_vl": "interleaved", "qwen3_vl_moe": "interleaved"}
+# Families whose vision tower also feeds the first decoder layers (Qwen3-VL's DeepStack).
+DEEPSTACK_FAMILIES = {"qwen3_vl", "qwen3_vl_moe"}
 UNVERIFIED = ("its image path is not verified on the engine yet (no tiny model of it is built and checked "
               "against mlx-vlm; docs/vision.md)")
 
@@ -98,6 +100,7 @@ class Vision:
     limits: ImageLimits
     mrope: tuple[list[int], str] | None = None  # (mrope_section, style) of a multimodal RoPE family
     both_ways: bool = False  # an image's tokens attend to each other both ways
+    deepstack: int = 0  # decoder layers that add DeepStack features (Qwen3-VL)
 
 
 def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, dtype: mx.Dtype,
@@ -129,9 +132,12 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
                 return None, "its config names no mrope_section for its multimodal RoPE"
             mrope = (list(scaling["mrope_section"]), style)
         processor = VisionProcessor.load(path, tokenizer, token)
-        encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None)
+        deepstack = len(config["vision_config"].get("deepstack_visual_indexes") or []) \
+            if config.get("model_type") in DEEPSTACK_FAMILIES else 0
+        encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None,
+                                     deepstack=deepstack > 0)
     except (ValueError, OSError, KeyError, ImportError) as e:
         log.warning("%s: images are off: %s", config.get("model_type"), e)
         return None, f"its processor or vision tower could not be loaded ({str(e).splitlines()[0][:200]})"
     return Vision(processor, encoder, limits or ImageLimits(), mrope,
-                  config.get("model_type") in BOTH_WAYS_IMAGES), None
+                  config.get("model_type") in BOTH_WAYS_IMAGES, deepstack), None

@@ -167,7 +167,11 @@ def build_inputs(
         meta.rope_positions = mx.array(table, dtype=mx.int32)
     if image_rows:
         meta.image_rows = mx.array(image_rows, dtype=mx.int32)
-        meta.image_features = image_parts[0] if len(image_parts) == 1 else mx.concatenate(image_parts)
+        feats = image_parts[0] if len(image_parts) == 1 else mx.concatenate(image_parts, axis=-2)
+        if feats.ndim == 3:  # DeepStack: the input rows, then what each early layer adds
+            meta.image_features, meta.image_deepstack = feats[0], feats[1:]
+        else:
+            meta.image_features = feats
     input_ids = ahead[0] if ahead is not None else mx.array(ids, dtype=mx.int32)
     return input_ids, meta, sample_rows, sample_seqs
 
@@ -183,7 +187,10 @@ def _image_rows(seq: Sequence, start: int, end: int, row: int, rows: list[int], 
             continue
         rows.extend(row + span.offset + span.rows[i] - start for i in picked)
         whole = len(picked) == len(span.rows)
-        parts.append(span.features if whole else span.features[mx.array(picked, dtype=mx.int32)])
+        feats = span.features  # [rows, hidden], or [1 + early layers, rows, hidden] (DeepStack)
+        if not whole:
+            feats = feats[..., mx.array(picked, dtype=mx.int32), :]
+        parts.append(feats)
 
 
 def prompt_logprob_spans(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int, int]]:
