@@ -97,15 +97,14 @@ def _qwen2_vl(path: str, model_type: str = "qwen2_vl") -> tuple[dict, Any]:
     return cfg, processor
 
 
-def _qwen3_vl(path: str) -> tuple[dict, Any]:
+def _qwen3_family(model_type: str, text: dict, deepstack: list[int]) -> tuple[dict, Any]:
+    """Qwen3-VL and Qwen3.5: the same tower (DeepStack layers or none), tokens and processor."""
     from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor, Qwen3VLProcessor
 
-    vision = {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+    vision = {"model_type": model_type, "depth": 2, "hidden_size": 32, "intermediate_size": 64,
               "out_hidden_size": 64, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
-              "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1]}
-    text = {**TEXT, "model_type": "qwen3", "head_dim": 16, "rope_theta": 1000000.0,
-            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
-    cfg = {"model_type": "qwen3_vl", "text_config": text, "vision_config": vision, "image_token_id": 260,
+              "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": deepstack}
+    cfg = {"model_type": model_type, "text_config": text, "vision_config": vision, "image_token_id": 260,
            "video_token_id": 262, "vision_start_token_id": 259, "vision_end_token_id": 261, "eos_token_id": 2}
     tok = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
                      "<|vision_start|><|image_pad|><|vision_end|>")
@@ -115,12 +114,13 @@ def _qwen3_vl(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
-def _qwen3_5(path: str) -> tuple[dict, Any]:
-    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor, Qwen3VLProcessor
+def _qwen3_vl(path: str) -> tuple[dict, Any]:
+    text = {**TEXT, "model_type": "qwen3", "head_dim": 16, "rope_theta": 1000000.0,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
+    return _qwen3_family("qwen3_vl", text, [0, 1])
 
-    vision = {"model_type": "qwen3_5", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
-              "out_hidden_size": 64, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
-              "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": []}
+
+def _qwen3_5(path: str) -> tuple[dict, Any]:
     text = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
             "vocab_size": 300, "max_position_embeddings": 2048, "full_attention_interval": 2,
@@ -128,16 +128,7 @@ def _qwen3_5(path: str) -> tuple[dict, Any]:
             "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
             "rope_parameters": {"type": "default", "mrope_section": [3, 3, 2], "rope_theta": 100000,
                                 "partial_rotary_factor": 0.5, "mrope_interleaved": True}}
-    cfg = {"model_type": "qwen3_5", "text_config": text, "vision_config": vision, "image_token_id": 260,
-           "video_token_id": 262, "vision_start_token_id": 259, "vision_end_token_id": 261, "eos_token_id": 2}
-    tok = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
-                     "<|vision_start|><|image_pad|><|vision_end|>")
-    image_processor = Qwen3VLImageProcessor(patch_size=14, min_pixels=56 * 56, max_pixels=112 * 112)
-    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=image_processor,
-                                 chat_template=tok.chat_template)
-    return cfg, processor
-
-
+    return _qwen3_family("qwen3_5", text, [])
 
 
 def _idefics3(path: str, model_type: str = "idefics3") -> tuple[dict, Any]:
