@@ -120,7 +120,15 @@ def _qwen3_vl(path: str) -> tuple[dict, Any]:
     return _qwen3_family("qwen3_vl", text, [0, 1])
 
 
-def _qwen3_5(path: str) -> tuple[dict, Any]:
+def _qwen3_vl_moe(path: str) -> tuple[dict, Any]:
+    text = {**TEXT, "model_type": "qwen3_vl_moe_text", "head_dim": 16, "rope_theta": 1000000.0,
+            "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "moe_intermediate_size": 32, "norm_topk_prob": True,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
+    return _qwen3_family("qwen3_vl_moe", text, [0, 1])
+
+
+def _qwen3_5(path: str, moe: bool = False) -> tuple[dict, Any]:
     text = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
             "vocab_size": 300, "max_position_embeddings": 2048, "full_attention_interval": 2,
@@ -128,7 +136,10 @@ def _qwen3_5(path: str) -> tuple[dict, Any]:
             "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
             "rope_parameters": {"type": "default", "mrope_section": [3, 3, 2], "rope_theta": 100000,
                                 "partial_rotary_factor": 0.5, "mrope_interleaved": True}}
-    return _qwen3_family("qwen3_5", text, [])
+    if moe:
+        text.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=32)
+    return _qwen3_family("qwen3_5_moe" if moe else "qwen3_5", text, [])
 
 
 def _idefics3(path: str, model_type: str = "idefics3") -> tuple[dict, Any]:
@@ -177,7 +188,8 @@ def _gemma3(path: str) -> tuple[dict, Any]:
 BOTH_WAYS = {"gemma3"}
 TIED = {"gemma3"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl, "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
+BUILDERS = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+            "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
 
