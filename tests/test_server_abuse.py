@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     s = ServerProcess(tiny_llama, "--served-model-name", "tiny", "--kv-cache-gb", "0.05", "--max-connections", "64",
-                      "--header-timeout", "1", "--body-timeout", "3", "-v")
+                      "--header-timeout", "1", "--body-timeout", "3", "--max-body-mb", "4", "-v")
     httpx.get(f"{s.url}/v1/models")  # one request the access log must show
     yield s
     out = s.stop()

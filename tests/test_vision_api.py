@@ -81,7 +81,9 @@ def test_responses_anthropic_and_ollama_send_the_same_image(server, reference):
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "not an image"),
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "does not decode"),
     ({"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}, "not an image"),
-    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "remote image URLs"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "--allow-image-urls"),
+    ({"type": "image_url", "image_url": {"url": "data:image/tiff;base64," + base64.b64encode(
+        (lambda b: (picture(0).save(b, format="TIFF"), b.getvalue())[1])(io.BytesIO())).decode()}}, "format"),
     ({"type": "image_url", "image_url": {"url": "/etc/passwd"}}, "only data: URLs"),
     ({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64(0)}", "detail": "low"}}, "detail"),
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "audio input is not supported"),

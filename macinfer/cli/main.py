@@ -302,7 +302,9 @@ def convert(gguf, out_dir):
               help="Tool-call format for tool_choice 'auto' (default: the one the chat template teaches).")
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow browser requests from this origin (repeatable). No CORS unless given.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, help="Requests waiting beyond --max-num-seqs before answering 429.")
-@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="Largest request body accepted (413 beyond).")
+@click.option("--allow-image-urls", is_flag=True, help="Fetch http(s) image URLs in requests (public addresses "
+              "only, no redirects, 20 MB and 10 s at most); without it they are refused and images come as data URLs.")
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=32.0, show_default=True, help="Largest request body accepted (413 beyond): room for a few base64 photos.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=None, help="Open connections held at once (503 beyond; default: from the open-file limit, at most 1024).")
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds a connection may take to send a request head.")
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True, help="Seconds a request may take to send its body (408 beyond).")
@@ -316,7 +318,7 @@ def convert(gguf, out_dir):
               help="Seed of requests that set none (default: unseeded).")
 @_engine_options
 @_log_options
-def serve(models, model_flags, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, host, port, served_model_names, max_tokens_default, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, max_body_mb,
+def serve(models, model_flags, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, host, port, served_model_names, max_tokens_default, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, allow_image_urls, max_body_mb,
           max_connections, header_timeout, body_timeout, default_temperature, default_top_p, default_top_k,
           default_seed, **engine_opts):
     import os
@@ -359,7 +361,7 @@ def serve(models, model_flags, models_dir, hf_cache, idle_ttl, pins, max_memory_
                       cors_origins=list(cors_origins), max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20),
                       allowed_hosts=hosts, cache_isolation=cache_isolation, model_aliases=(model, *names[1:]),
                       webui=not no_webui, tool_parser=tool_call_parser, body_timeout=body_timeout,
-                      default_max_tokens=max_tokens_default,
+                      default_max_tokens=max_tokens_default, allow_image_urls=allow_image_urls,
                       sampling_defaults={k: v for k, v in (("temperature", default_temperature), ("top_p", default_top_p),
                                                            ("top_k", default_top_k), ("seed", default_seed))
                                          if v is not None})

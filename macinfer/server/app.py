@@ -43,11 +43,11 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 def create_app(engine: LLMEngine | ModelPool, model_name: str | None = None, api_key: str | None = None,
                cors_origins: list[str] | None = None, max_queue: int = 64,
-               max_body_bytes: int = 4 * 2**20, allowed_hosts: set[str] | None = None,
+               max_body_bytes: int = 32 * 2**20, allowed_hosts: set[str] | None = None,
                on_dead=None, model_aliases: tuple[str, ...] = (), api_keys: list[str] | None = None,
                cache_isolation: str = "key-and-user", webui: bool = True, tool_parser: str | None = None,
                body_timeout: float = 30.0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-               sampling_defaults: dict | None = None) -> FastAPI:
+               sampling_defaults: dict | None = None, allow_image_urls: bool = False) -> FastAPI:
     """The ASGI app. `allowed_hosts`: Host header names accepted (None: any);
     `on_dead`: called from the engine thread if the engine cannot recover;
     `cache_isolation`: which requests may share prefix-cache entries;
@@ -64,7 +64,8 @@ def create_app(engine: LLMEngine | ModelPool, model_name: str | None = None, api
         async_engine = AsyncEngine(engine, max_pending=engine.config.max_num_seqs + max_queue, on_dead=on_dead)
         serving = OpenAIServing(async_engine, source.name, metrics, aliases=source.aliases,
                                 cache_isolation=cache_isolation, tool_parser=tool_parser,
-                                default_max_tokens=default_max_tokens, sampling_defaults=sampling_defaults)
+                                default_max_tokens=default_max_tokens, sampling_defaults=sampling_defaults,
+                                allow_image_urls=allow_image_urls)
         return Served(source.name, engine, async_engine, serving)
 
     pool.attach(wrap)

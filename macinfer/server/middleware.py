@@ -250,5 +250,6 @@ class Guard:
             size += len(message.get("body", b""))
 
     async def _too_large(self, send: Send, path: str) -> None:
-        await send_error(send, 413, f"request body is larger than {self.max_body} bytes", "invalid_request_error",
+        await send_error(send, 413, f"request body is larger than {self.max_body} bytes (serve --max-body-mb)",
+                         "invalid_request_error",
                          headers=[(b"connection", b"close")], path=path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
@@ -125,8 +126,10 @@ def _generation_error(out: RequestOutput) -> APIError:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
                  aliases: tuple[str, ...] = (), cache_isolation: str = "key-and-user", tool_parser: str | None = None,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS, sampling_defaults: dict[str, Any] | None = None):
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, sampling_defaults: dict[str, Any] | None = None,
+                 allow_image_urls: bool = False):
         self.engine = engine
+        self.allow_image_urls = allow_image_urls
         self.default_max_tokens = default_max_tokens
         self.sampling_defaults = {**SAMPLING_DEFAULTS, **(sampling_defaults or {})}
         self.tool_parser = tool_parser
@@ -217,8 +220,10 @@ class OpenAIServing:
         if engine.vision is None:
             why = engine.vision_refusal or "it is a text model"
             raise APIError(400, f"this model takes no images: {why}", param="messages")
+        limits = dataclasses.replace(engine.vision.limits if engine.vision else ImageLimits(),
+                                     allow_urls=self.allow_image_urls)
         try:
-            return split_images(messages, engine.vision.limits if engine.vision else ImageLimits())
+            return split_images(messages, limits)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
 

@@ -24,6 +24,7 @@ class ImageLimits:
     max_bytes: int = 20 * 2**20
     max_pixels: int = 40_000_000  # a decompression bomb stops here, before its pixels are decoded
     max_images: int = 16  # per request
+    allow_urls: bool = False  # fetch http(s) image URLs (`serve --allow-image-urls`, `vision/fetch.py`)
 
 
 def from_data_url(url: str, where: str = "image") -> bytes:

@@ -11,7 +11,7 @@ from macinfer.vision.images import ImageError, ImageLimits, decode, from_base64,
 IMAGE_PARTS = ("image", "image_url", "input_image")
 
 
-def image_source(part: dict[str, Any], where: str, allow_paths: bool) -> Any:
+def image_source(part: dict[str, Any], where: str, allow_paths: bool, limits: ImageLimits = ImageLimits()) -> Any:
     """The bytes, PIL image or (Python API only) path an image part holds."""
     kind = part.get("type")
     if kind == "image_url" or kind == "input_image":
@@ -25,8 +25,12 @@ def image_source(part: dict[str, Any], where: str, allow_paths: bool) -> Any:
         if not isinstance(url, str):
             raise ImageError(f"{where}: needs an image URL")
         if url.startswith(("http://", "https://")):
-            raise ImageError(f"{where}: remote image URLs are not fetched; send the image as a "
-                             "data:image/...;base64 URL")
+            if not limits.allow_urls:
+                raise ImageError(f"{where}: remote image URLs are not fetched unless the server runs with "
+                                 "--allow-image-urls; send the image as a data:image/...;base64 URL")
+            from macinfer.vision.fetch import fetch
+
+            return fetch(url, limits, where)
         if url.startswith("data:"):
             return from_data_url(url, where)
         if allow_paths:
@@ -61,7 +65,7 @@ def split_images(messages: list[dict[str, Any]], limits: ImageLimits = ImageLimi
         for j, p in enumerate(content):
             if isinstance(p, dict) and p.get("type") in IMAGE_PARTS:
                 where = f"messages[{i}].content[{j}]"
-                images.append(decode(image_source(p, where, allow_paths), limits, where, allow_paths))
+                images.append(decode(image_source(p, where, allow_paths, limits), limits, where, allow_paths))
                 if len(images) > limits.max_images:
                     raise ImageError(f"more than {limits.max_images} images in one request")
                 parts.append({"type": "image"})
