@@ -96,8 +96,8 @@ def test_an_image_cut_across_prompt_chunks_gives_the_same_tokens(vlm_dirs, famil
 
 
 def test_image_and_text_requests_batch_as_they_run_alone(llava):
-    convs = [_ask(f"picture {i}", picture(i, (30 + 7 * i, 60 - 5 * i))) for i in range(4)]
-    convs += [[{"role": "user", "content": f"just text {i}"}] for i in range(4)]
+    convs = [_ask(f"picture {i}", picture(i, (30 + 7 * i, 60 - 5 * i))) for i in range(8)]
+    convs += [[{"role": "user", "content": f"just text {i}"}] for i in range(8)]
     convs.append(_ask("two pictures", picture(7), picture(8)))
     alone = [llava.chat(c, GREEDY).token_ids for c in convs]
     llava.engine.block_manager.drop_cache()
