@@ -30,6 +30,7 @@ def _tokenizer(specials: list[str], marker: str, named: dict | None = None):
     tok = byte_tokenizer()
     tok.add_special_tokens(specials)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<unk>",
                                    **({"extra_special_tokens": named} if named else {}))
     fast.chat_template = TEMPLATE.replace("MARKER", marker)
     return fast
@@ -183,12 +184,31 @@ def _gemma3(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _internvl(path: str) -> tuple[dict, Any]:
+    from mlx_vlm.models.internvl_chat.processor import InternVLChatProcessor, InternVLImageProcessor
+
+    vision = {"model_type": "intern_vit_6b", "hidden_size": 32, "num_attention_heads": 2, "patch_size": 14,
+              "num_hidden_layers": 2, "intermediate_size": 64, "image_size": 56}
+    text = {**TEXT, "model_type": "qwen2", "rope_theta": 1000000.0, "attention_bias": True}
+    cfg = {"model_type": "internvl_chat", "text_config": text, "vision_config": vision, "image_token_index": 261,
+           "downsample_ratio": 0.5, "force_image_size": 56, "max_dynamic_patch": 2, "use_thumbnail": True,
+           "vocab_size": 300, "eos_token_id": 2}
+    tok = _tokenizer(["<img>", "</img>", "<IMG_CONTEXT>"], "<image>\n")
+    processor = InternVLChatProcessor(image_processor=InternVLImageProcessor(size=56, dynamic_max_num=2),
+                                      tokenizer=tok, chat_template=tok.chat_template, image_size=56, patch_size=14)
+    tok.save_pretrained(path)  # (its processor saves nothing itself)
+    with open(os.path.join(path, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "InternVLChatProcessor", "image_size": 56, "patch_size": 14,
+                   "downsample_ratio": 0.5}, f)
+    return cfg, processor
+
+
 # Families whose image tokens attend each other both ways (transformers' rule), which mlx-vlm's
 # generation runs causally: their reference is mlx-vlm's classes with that mask (`both_ways_greedy`).
 BOTH_WAYS = {"gemma3"}
 TIED = {"gemma3"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "gemma3": _gemma3, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 

@@ -44,6 +44,10 @@ class VisionProcessor:
         from mlx_vlm.utils import load_processor
 
         processor = load_processor(path, add_detokenizer=False)
+        hf = getattr(processor, "tokenizer", None)
+        if hf is not None and getattr(hf, "pad_token", None) is None and getattr(hf, "eos_token", None):
+            hf.pad_token = hf.eos_token  # one prompt a call, never padded; some processors ask for padding
+
         text = [{"type": "text", "text": _PROBE_TEXT}]
         with_image = tokenizer.encode_chat([{"role": "user", "content": [{"type": "image"}, *text]}])
         without = tokenizer.encode_chat([{"role": "user", "content": text}])
