@@ -75,6 +75,9 @@ def test_responses_anthropic_and_ollama_send_the_same_image(server, reference):
     o = ollama.Client(host=server.url).chat(model="tiny-llava", options={"num_predict": 6, "temperature": 0},
                                             messages=[{"role": "user", "content": "what is it", "images": [_png(0)]}])
     assert o.message.content == reference[0]
+    g = ollama.Client(host=server.url).generate(model="tiny-llava", prompt="what is it", images=[_png(0)],
+                                                options={"num_predict": 6, "temperature": 0})
+    assert g.response == reference[0]
 
 
 @pytest.mark.parametrize("part, why", [
