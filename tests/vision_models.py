@@ -29,6 +29,8 @@ def _tokenizer(specials: list[str], marker: str, named: dict | None = None):
 
     tok = byte_tokenizer()
     tok.add_special_tokens(specials)
+    # Every id the 300-row model can emit is a token (mlx-vlm's detokenizer fails on others).
+    tok.add_tokens([f"<unused_{i}>" for i in range(300 - tok.get_vocab_size())])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<unk>",
                                    **({"extra_special_tokens": named} if named else {}))
