@@ -179,3 +179,38 @@ def test_every_vision_family_runs_or_says_why():
     assert all(v == "runs" or len(v) > 20 for v in table.values())
     r = CliRunner().invoke(main, ["models", "architectures", "--vision"])
     assert r.exit_code == 0 and f"{len(BUILDERS)} of {len(table)} model types run with images" in r.output
+
+
+def test_images_are_encoded_a_steps_worth_at_a_time_while_text_decodes(vlm_dirs):
+    """With a 12-token step, images of 6 placeholders are encoded two a step at most (an image
+    is encoded when a scheduled prompt chunk first reaches it, before that step's forward: a
+    step encodes at most its token budget's worth), and a text request already decoding gets a
+    token in every step meanwhile. The answers are the ones of one big step."""
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+
+    def run(budget):
+        eng = LLMEngine(vlm_dirs["qwen2_vl"], EngineConfig(kv_cache_gb=0.01, max_model_len=512,
+                                                           max_num_batched_tokens=budget))
+        text = eng.add_request(eng.tokenizer.encode("<user>hi<assistant>"), SamplingParams(temperature=0, max_tokens=40,
+                                                                                          ignore_eos=True))
+        eng.step()  # its prompt; it decodes from here on
+        rids, per_step, text_tokens, done = [], [], [], {}
+        for i in range(6):
+            ids = eng.tokenizer.encode_chat([{"role": "user", "content": [{"type": "image"},
+                                                                          {"type": "text", "text": f"picture {i}"}]}])
+            ids, images = eng.prepare_images(ids, [picture(20 + i)])
+            assert [len(s.rows) for s in images.spans] == [6]
+            rids.append(eng.add_request(ids, GREEDY, images=images))
+        while eng.has_unfinished_requests():
+            before = eng.vision.encoder.images_encoded
+            outs = eng.step()
+            per_step.append(eng.vision.encoder.images_encoded - before)
+            text_tokens.append(sum(len(o.token_ids) for o in outs if o.request_id == text))
+            done.update({o.request_id: o.token_ids for o in outs if o.finished})
+        return per_step, text_tokens, [done[r] for r in rids]
+
+    per_step, text_tokens, small = run(12)
+    assert max(per_step) <= 2 and sum(per_step) == 6
+    first_images = next(i for i, n in enumerate(per_step) if n)
+    assert all(n > 0 for n in text_tokens[: first_images + 3])  # the text request never waited a step
+    assert small == run(512)[2]
