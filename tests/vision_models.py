@@ -205,12 +205,39 @@ def _internvl(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _llava_onevision(path: str) -> tuple[dict, Any]:
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    from mlx_vlm.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+
+    pinpoints = [[28, 28], [28, 56], [56, 28], [56, 56]]
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    cfg = {"model_type": "llava_onevision", "text_config": {**TEXT, "model_type": "qwen2", "rope_theta": 1000000.0},
+           "vision_config": vision, "image_token_index": 259, "video_token_index": 260,
+           "image_grid_pinpoints": pinpoints, "vision_aspect_ratio": "anyres_max_9",
+           "vision_feature_select_strategy": "full", "vision_feature_layer": -1, "vocab_size": 300, "eos_token_id": 2}
+    tok = _tokenizer(["<image>", "<video>"], "<image>")
+    image_processor = LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints)
+    processor = LlavaOnevisionProcessor(image_processor=image_processor, tokenizer=tok, num_image_tokens=4,
+                                        vision_feature_select_strategy="full")
+    tok.save_pretrained(path)
+    image_processor.save_pretrained(path)
+    with open(os.path.join(path, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 4,
+                   "vision_feature_select_strategy": "full"}, f)
+    processor.save_pretrained = lambda _path: None  # (written above)
+    return cfg, processor
+
+
 # Families whose image tokens attend each other both ways (transformers' rule), which mlx-vlm's
 # generation runs causally: their reference is mlx-vlm's classes with that mask (`both_ways_greedy`).
 BOTH_WAYS = {"gemma3"}
 TIED = {"gemma3"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "gemma3": _gemma3, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "gemma3": _gemma3, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
