@@ -33,6 +33,8 @@ FAMILIES: dict[str, str | None] = {
                    "tile's features, no anyres unpadding): no reference to check the engine against yet"), "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
     "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": MROPE, "glm4v_moe": MROPE,
     "gemma3": None, "paligemma": BOTH_WAYS,
+    "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
+               "run yet (issue #44)"),
     "kimi_vl": ("mlx-lm's Kimi-VL wrapper does not split DeepSeek-V3's kv_b_proj as mlx-vlm's checkpoints hold "
                 "it (a tiny one fails to load: 'parameters not in model'); not run yet"), "mllama": CROSS, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
     **{t: NOT_CHAT for t in ("sam3", "sam3_1", "sam3d_body", "sam3d_objects", "rfdetr", "rt_detr_v2", "siglip",
