@@ -214,3 +214,20 @@ def test_images_are_encoded_a_steps_worth_at_a_time_while_text_decodes(vlm_dirs)
     first_images = next(i for i, n in enumerate(per_step) if n)
     assert all(n > 0 for n in text_tokens[: first_images + 3])  # the text request never waited a step
     assert small == run(512)[2]
+
+
+def test_requests_with_images_preempted_and_recomputed_give_the_same_tokens(vlm_dirs):
+    """A KV pool too small for all at once: requests are preempted and recomputed from their
+    tokens, their images' rows and multimodal positions with them (Qwen2-VL)."""
+    convs = [_ask(f"picture number {i}", picture(40 + i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    out = {}
+    for blocks in (256, 12):
+        llm = LLM(vlm_dirs["qwen2_vl"], kv_cache_gb=0.01, max_model_len=256, num_kv_blocks=blocks)
+        try:
+            out[blocks] = [o.token_ids for o in llm.chat(convs, params)]
+            preemptions = llm.engine.scheduler.num_preemptions
+        finally:
+            llm.close()
+        assert (preemptions > 0) == (blocks == 12)
+    assert out[12] == out[256]

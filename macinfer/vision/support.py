@@ -17,8 +17,8 @@ from macinfer.vision.processor import VisionProcessor
 log = logging.getLogger(__name__)
 
 MROPE = "its language model's multimodal RoPE (GLM-4V's sectioned form) is not run yet"
-BOTH_WAYS = ("its language model attends both ways over the whole prompt prefix (a prefix LM), which the "
-             "engine's prefill does not run yet")
+BOTH_WAYS = ("a prefix LM with no chat template (the processor builds its prompt: image tokens, BOS, the "
+             "prefix, a newline) whose whole prefix attends both ways; not run yet")
 # Families whose image tokens attend to each other both ways (transformers' Gemma 3; mlx-vlm
 # runs them causally: the tests check against mlx-vlm's own classes with that mask).
 BOTH_WAYS_IMAGES = {"gemma3"}
