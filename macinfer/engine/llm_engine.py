@@ -29,6 +29,7 @@ from macinfer.engine.speculative import SpeculativeConfig, record_verdict
 from macinfer.engine.state_group import StateGroup
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.engine.cache_plan import plan_caches
+from macinfer.engine import images as engine_images
 from macinfer.engine import multi_rank as dist_engine
 from macinfer.distributed import group as dist_group
 from macinfer.loading.loader import LoadedModel, load
@@ -98,7 +99,7 @@ class LLMEngine:
                              f"{model_len} tokens; use at most {model_len}, or add --rope-scaling yarn to "
                              "stretch RoPE to it (YaRN)")
         self.max_model_len = cfg.max_model_len or model_len
-        self.vision, self.vision_refusal = self._load_vision()
+        self.vision, self.vision_refusal = engine_images.load(self)
 
         from macinfer.engine.selfcheck import self_check
 
@@ -198,58 +199,12 @@ class LLMEngine:
                 "so it would run wrong")
         self.block_manager.drop_cache()
 
-    def _load_vision(self):
-        """(the image path, None), or (None, why images are refused) for a vision checkpoint;
-        (None, None) for a text model (`vision/support.py`)."""
-        from macinfer.vision.support import is_vision_config, load_vision
-
-        config = self.loaded.config
-        if not is_vision_config(config):
-            return None, None
-        if not self.config.images:
-            return None, "it is served text-only (images off)"
-        if self.dist is not None:
-            return None, "images are not served over --distributed ranks"
-        if self.loaded.source.endswith(".gguf"):
-            return None, "a GGUF's vision projector (mmproj) is not loaded"
-        embed = getattr(self.model, "embed_module", lambda: None)()
-        if embed is None:
-            return None, "its language model takes no embeddings in place of tokens"
-        vision, why = load_vision(self.loaded.source, config, self.tokenizer, embed, self.model.kv_dtype(),
-                                  cache_bytes=self.config.encoder_cache_mb * 2**20)
-        if vision is not None and vision.mrope is not None:
-            from macinfer.models import mrope
-
-            try:
-                mrope.install(self.model.decoder_layers, *vision.mrope)
-            except ValueError as e:
-                return None, str(e)
-        if vision is not None and vision.deepstack:
-            from macinfer.models import deepstack
-
-            deepstack.install(self.model.decoder_layers, vision.deepstack)
-        if vision is not None:
-            log.info("images: %s's vision tower and projector loaded (%.1f MiB)", config.get("model_type"),
-                     vision.encoder.nbytes / 2**20)
-        return vision, why
-
     def prepare_images(self, prompt: list[int], images: list) -> tuple[list[int], "ImageInputs"]:
         """The prompt's image markers expanded for `images` (decoded PIL images) by the
         model's processor: the ids to queue and the `images` argument of `add_request`.
         CPU work on the host (resizing): callers on an event loop run it in a worker.
         Raises ImageError (the request's fault) or ValueError (this model takes no images)."""
-        if self.vision is None:
-            raise ValueError("this model takes no images" + (f": {self.vision_refusal}" if self.vision_refusal
-                                                              else " (a text model)"))
-        if len(images) > self.vision.limits.max_images:
-            from macinfer.vision.images import ImageError
-
-            raise ImageError(f"{len(images)} images; at most {self.vision.limits.max_images} a request")
-        ids, inputs = self.vision.processor.expand(prompt, images)
-        inputs.both_ways = self.vision.both_ways
-        if self.vision.mrope is not None:
-            inputs.rope, inputs.rope_delta = self.vision.encoder.positions(ids, inputs.spans)
-        return ids, inputs
+        return engine_images.prepare(self.vision, self.vision_refusal, prompt, images)
 
     def cache_groups(self) -> list[dict]:
         """Per cache group: its kind, the layers reading it and the caches keeping K/V in it,
@@ -438,7 +393,8 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         if not sched:
             return []
-        failed = self._encode_images(sched.scheduled) if self.vision is not None else []
+        failed = engine_images.encode_step(self.vision.encoder, sched.scheduled, self._fail) \
+            if self.vision is not None else []
         if not sched.scheduled:
             return failed
         self._count(sched)
@@ -456,26 +412,6 @@ class LLMEngine:
         if not self.scheduler.running:  # the sequences a lookahead was for have all ended
             self.runner.ahead = None
         return outputs
-
-    def _encode_images(self, scheduled: list) -> list[RequestOutput]:
-        """Encode the images the step's prompt chunks reach (each once: the encoder caches
-        by content, and a sequence keeps its features for a recompute). A request whose
-        image fails ends alone, with the reason; it leaves the step."""
-        failed = []
-        for item in list(scheduled):
-            seq, n = item
-            if seq.images is None:
-                continue
-            try:
-                for span in seq.images.overlapping(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                    if span.features is None:
-                        span.features = self.vision.encoder.encode(span)
-                        span.pixels = None
-            except Exception as e:  # noqa: BLE001 - the image's fault or the family's: this request only
-                log.warning("request %s: encoding an image failed: %s", seq.request_id, e)
-                scheduled.remove(item)
-                failed.append(self._fail(seq, e))
-        return failed
 
     def _count(self, sched) -> None:
         if self.runner.profile is not None:

@@ -1,0 +1,85 @@
+"""The engine's image side (`macinfer/vision/`): the vision path loaded beside the language
+model, or why images are refused; a prompt's images expanded by the model's processor; and
+the images a step's prompt chunks reach, encoded before its forward."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+log = logging.getLogger("macinfer")
+
+
+def load(engine: Any) -> tuple[Any, str | None]:
+    """(the image path, None), or (None, why images are refused) for a vision checkpoint;
+    (None, None) for a text model (`vision/support.py`). Multimodal RoPE and DeepStack are
+    installed in the language model's layers here, once."""
+    from macinfer.vision.support import is_vision_config, load_vision
+
+    config = engine.loaded.config
+    if not is_vision_config(config):
+        return None, None
+    if not engine.config.images:
+        return None, "it is served text-only (images off)"
+    if engine.dist is not None:
+        return None, "images are not served over --distributed ranks"
+    if engine.loaded.source.endswith(".gguf"):
+        return None, "a GGUF's vision projector (mmproj) is not loaded"
+    model = engine.model
+    embed = getattr(model, "embed_module", lambda: None)()
+    if embed is None:
+        return None, "its language model takes no embeddings in place of tokens"
+    vision, why = load_vision(engine.loaded.source, config, engine.tokenizer, embed, model.kv_dtype(),
+                              cache_bytes=engine.config.encoder_cache_mb * 2**20)
+    if vision is None:
+        return None, why
+    if vision.mrope is not None:
+        from macinfer.models import mrope
+
+        try:
+            mrope.install(model.decoder_layers, *vision.mrope)
+        except ValueError as e:
+            return None, str(e)
+    if vision.deepstack:
+        from macinfer.models import deepstack
+
+        deepstack.install(model.decoder_layers, vision.deepstack)
+    log.info("images: %s's vision tower and projector loaded (%.1f MiB)", config.get("model_type"),
+             vision.encoder.nbytes / 2**20)
+    return vision, None
+
+
+def prepare(vision: Any, refusal: str | None, prompt: list[int], images: list) -> tuple[list[int], Any]:
+    """`LLMEngine.prepare_images`: the ids to queue and the `ImageInputs` to add with them."""
+    from macinfer.vision.images import ImageError
+
+    if vision is None:
+        raise ValueError("this model takes no images" + (f": {refusal}" if refusal else " (a text model)"))
+    if len(images) > vision.limits.max_images:
+        raise ImageError(f"{len(images)} images; at most {vision.limits.max_images} a request")
+    ids, inputs = vision.processor.expand(prompt, images)
+    inputs.both_ways = vision.both_ways
+    if vision.mrope is not None:
+        inputs.rope, inputs.rope_delta = vision.encoder.positions(ids, inputs.spans)
+    return ids, inputs
+
+
+def encode_step(encoder: Any, scheduled: list, fail: Callable[[Any, Exception], Any]) -> list:
+    """Encode the images the step's prompt chunks reach (each once: the encoder caches by
+    content, and a sequence keeps its features for a recompute). A request whose image fails
+    ends alone (`fail`), with the reason, and leaves the step."""
+    failed = []
+    for item in list(scheduled):
+        seq, n = item
+        if seq.images is None:
+            continue
+        try:
+            for span in seq.images.overlapping(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                if span.features is None:
+                    span.features = encoder.encode(span)
+                    span.pixels = None
+        except Exception as e:  # noqa: BLE001 - the image's fault or the family's: this request only
+            log.warning("request %s: encoding an image failed: %s", seq.request_id, e)
+            scheduled.remove(item)
+            failed.append(fail(seq, e))
+    return failed
