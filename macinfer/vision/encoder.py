@@ -106,7 +106,8 @@ class VisionEncoder:
         rope_index = None
         if mrope:  # mlx-vlm's own position rule, on its config alone (no weights)
             lm = vlm.language_model
-            rope_index = functools.partial(type(lm).get_rope_index, SimpleNamespace(config=lm.config, args=lm.args))
+            rope_index = functools.partial(type(lm).get_rope_index,
+                                           SimpleNamespace(config=lm.config, args=getattr(lm, "args", None)))
         vlm.language_model = _EmbedOnly(embed, rope_index)
         mx.eval(vlm.parameters())
         vlm.eval()

@@ -140,7 +140,7 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
             if config.get("model_type") in DEEPSTACK_FAMILIES else 0
         encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None,
                                      deepstack=deepstack > 0)
-    except (ValueError, OSError, KeyError, ImportError) as e:
+    except (ValueError, OSError, KeyError, ImportError, AttributeError, TypeError) as e:  # the checkpoint's fault
         log.warning("%s: images are off: %s", config.get("model_type"), e)
         return None, f"its processor or vision tower could not be loaded ({str(e).splitlines()[0][:200]})"
     return Vision(processor, encoder, limits or ImageLimits(), mrope,
