@@ -231,3 +231,23 @@ def test_requests_with_images_preempted_and_recomputed_give_the_same_tokens(vlm_
             llm.close()
         assert (preemptions > 0) == (blocks == 12)
     assert out[12] == out[256]
+
+
+def test_a_vision_checkpoint_whose_processor_is_broken_serves_text_and_says_why(tmp_path):
+    import os
+    import shutil
+
+    path = tiny_vlm_dir(tmp_path, "llava")
+    broken = str(tmp_path / "broken")
+    shutil.copytree(path, broken)
+    os.remove(os.path.join(broken, "processor_config.json"))
+    with open(os.path.join(broken, "preprocessor_config.json"), "w") as f:
+        f.write("{not json")
+    llm = LLM(broken, kv_cache_gb=0.01, max_model_len=256)
+    try:
+        assert llm.engine.vision is None and "could not be loaded" in llm.engine.vision_refusal
+        assert llm.chat([{"role": "user", "content": "hi"}], GREEDY).token_ids  # the text runs
+        with pytest.raises(ValueError, match="takes no images: its processor or vision tower"):
+            llm.chat(_ask("what is it", picture(0)), GREEDY)
+    finally:
+        llm.close()
