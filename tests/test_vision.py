@@ -251,3 +251,19 @@ def test_a_vision_checkpoint_whose_processor_is_broken_serves_text_and_says_why(
             llm.chat(_ask("what is it", picture(0)), GREEDY)
     finally:
         llm.close()
+
+
+def test_llm_chat_takes_a_pil_image_a_path_bytes_and_a_data_url(llava, tmp_path):
+    import base64
+    import io
+
+    png = tmp_path / "p.png"
+    picture(6).save(png)
+    data = png.read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    forms = [picture(6), str(png), data, io.BytesIO(data).getvalue()]
+    answers = {tuple(llava.chat(_ask("same question", f), GREEDY).token_ids) for f in forms}
+    answers.add(tuple(llava.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                                {"type": "text", "text": "same question"}]}],
+                                 GREEDY).token_ids))
+    assert len(answers) == 1
