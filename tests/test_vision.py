@@ -267,3 +267,58 @@ def test_llm_chat_takes_a_pil_image_a_path_bytes_and_a_data_url(llava, tmp_path)
                                                                 {"type": "text", "text": "same question"}]}],
                                  GREEDY).token_ids))
     assert len(answers) == 1
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_same_size_images_encoded_in_one_call_equal_one_by_one(vlm_dirs, family):
+    """`encode_many` (one call for images whose inputs stack) gives each image the rows it
+    gets alone, in every family that runs (a family where it did not would encode one by one)."""
+    import mlx.core as mx
+
+    llm = LLM(vlm_dirs[family], kv_cache_gb=0.01, max_model_len=512)
+    try:
+        eng = llm.engine
+        ids = eng.tokenizer.encode_chat([{"role": "user", "content": [
+            {"type": "image"}, {"type": "image"}, {"type": "image"}, {"type": "text", "text": "x"}]}])
+        spans = eng.prepare_images(ids, [picture(60 + i) for i in range(3)])[1].spans
+        enc = eng.vision.encoder
+
+        def both():  # on the engine's thread (MLX streams are per thread)
+            alone = []
+            for s in spans:
+                enc.cache.clear()
+                alone.append(enc.encode(s))
+            enc.cache.clear()
+            return alone, enc.encode_many(spans)
+
+        alone, together = llm._call(both)
+    finally:
+        llm.close()
+    for a, b in zip(alone, together):
+        assert a.shape == b.shape and float(mx.abs(a - b).max()) < 1e-4
+
+
+def test_an_image_that_fails_to_encode_ends_its_request_alone(vlm_dirs, monkeypatch):
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.vision import encoder as encoder_mod
+
+    eng = LLMEngine(vlm_dirs["llava"], EngineConfig(kv_cache_gb=0.01, max_model_len=256))
+    prompts = []
+    for i in range(3):
+        ids = eng.tokenizer.encode_chat([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}])
+        prompts.append(eng.prepare_images(ids, [picture(80 + i)]))
+    bad = prompts[1][1].spans[0].digest
+    real = encoder_mod.VisionEncoder._encode_group
+
+    def flaky(self, spans):
+        if any(s.digest == bad for s in spans):
+            raise ValueError("a broken image")
+        return real(self, spans)
+
+    monkeypatch.setattr(encoder_mod.VisionEncoder, "_encode_group", flaky)
+    rids = [eng.add_request(ids, GREEDY, images=images) for ids, images in prompts]
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [done[r].finish_reason for r in rids] == ["length", "error", "length"]
+    assert "a broken image" in done[rids[1]].error

@@ -66,8 +66,22 @@ def prepare(vision: Any, refusal: str | None, prompt: list[int], images: list) -
 
 def encode_step(encoder: Any, scheduled: list, fail: Callable[[Any, Exception], Any]) -> list:
     """Encode the images the step's prompt chunks reach (each once: the encoder caches by
-    content, and a sequence keeps its features for a recompute). A request whose image fails
-    ends alone (`fail`), with the reason, and leaves the step."""
+    content, and a sequence keeps its features for a recompute), same-shape ones in one call.
+    A request whose image fails ends alone (`fail`), with the reason, and leaves the step."""
+    need: dict[int, Any] = {}
+    for seq, n in scheduled:
+        if seq.images is not None:
+            for span in seq.images.overlapping(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                if span.features is None:
+                    need[id(span)] = span
+    if not need:
+        return []
+    try:
+        for span, features in zip(need.values(), encoder.encode_many(list(need.values()))):
+            span.features, span.pixels = features, None
+        return []
+    except Exception:  # noqa: BLE001 - found below, one request at a time
+        pass
     failed = []
     for item in list(scheduled):
         seq, n = item

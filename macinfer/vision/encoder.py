@@ -91,6 +91,7 @@ class VisionEncoder:
                  rope_index: Any = None, deepstack: bool = False):
         self.vlm, self.image_token_id, self.dtype = vlm, image_token_id, dtype
         self.deepstack = deepstack  # Qwen3-VL: features added after the first decoder layers too
+        self.batch = True  # several same-shape images in one call (`encode_many`); off per family
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0
         self.rope_index = rope_index  # multimodal RoPE families: mlx-vlm's position function
@@ -129,32 +130,69 @@ class VisionEncoder:
         return sum(v.nbytes for v in own)
 
     def encode(self, span: ImageSpan) -> mx.array:
-        """The embedding rows of `span`'s placeholders [len(rows), hidden], from the cache
-        or encoded now (evaluated: an image is its own computation, before the step's)."""
-        hit = self.cache.get(span.digest)
-        if hit is not None:
-            return hit
-        inputs = dict(span.pixels or {})
-        ids = np.asarray(inputs.pop("input_ids"), dtype=np.int32)[None]
-        kwargs = {k: (mx.array(v) if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+        """The embedding rows of `span`'s placeholders [len(rows), hidden] (DeepStack:
+        [1 + early layers, rows, hidden]), from the cache or encoded now."""
+        return self.encode_many([span])[0]
+
+    def encode_many(self, spans: list[ImageSpan]) -> list[mx.array]:
+        """Each span's rows, as `encode`; images not in the cache whose inputs stack (the same
+        arrays, shapes equal but the first axis) are encoded in one call, as one prompt with
+        several images (evaluated: an image is its own computation, before the step's)."""
+        out: list[mx.array | None] = [self.cache.get(s.digest) for s in spans]
+        groups: dict[Any, list[int]] = {}
+        for i, s in enumerate(spans):
+            if out[i] is None:
+                groups.setdefault(_stack_key(s.pixels or {}) if self.batch else i, []).append(i)
+        for members in groups.values():
+            for i, features in zip(members, self._encode_group([spans[i] for i in members])):
+                out[i] = features
+        return out  # type: ignore[return-value]
+
+    def _encode_group(self, spans: list[ImageSpan]) -> list[mx.array]:
+        inputs = [dict(s.pixels or {}) for s in spans]
+        ids = [np.asarray(x.pop("input_ids"), dtype=np.int32) for x in inputs]
+        prompt = np.concatenate(ids)[None]
+        kwargs = {k: (mx.array(np.concatenate([np.asarray(x[k]) for x in inputs]))
+                      if isinstance(v, np.ndarray) else v) for k, v in inputs[0].items()}
         pixel_values = kwargs.pop("pixel_values", None)
-        out = self.vlm.get_input_embeddings(mx.array(ids), pixel_values, mask=mx.ones(ids.shape, dtype=mx.int32),
-                                            **kwargs)
+        result = self.vlm.get_input_embeddings(mx.array(prompt), pixel_values,
+                                               mask=mx.ones(prompt.shape, dtype=mx.int32), **kwargs)
         for name, why in _BEYOND_EMBEDDINGS.items():
             if self.rope_index is not None and name in ("position_ids", "rope_deltas"):
                 continue  # the engine carries these (`positions`, `models/mrope.py`)
             if self.deepstack and name == "deepstack_visual_embeds":
                 continue  # added after the first decoder layers (`models/deepstack.py`)
-            if getattr(out, name, None) is not None:
+            if getattr(result, name, None) is not None:
                 raise RuntimeError(f"this model's image path needs {why} ({name}), which the engine does not run")
-        rows = mx.array(np.asarray(span.rows, dtype=np.int32))
-        features = out.inputs_embeds[0][rows].astype(self.dtype)
-        stack = getattr(out, "deepstack_visual_embeds", None) if self.deepstack else None
-        if stack is not None:  # [1 + layers, rows, hidden]: the input rows, then one per early layer
-            if any(e.shape[0] != len(span.rows) for e in stack):
-                raise RuntimeError("DeepStack features do not match the image's placeholders")
-            features = mx.concatenate([features[None], mx.stack(list(stack)).astype(self.dtype)])
+        stack = getattr(result, "deepstack_visual_embeds", None) if self.deepstack else None
+        if stack is not None and any(e.shape[0] != sum(len(s.rows) for s in spans) for e in stack):
+            raise RuntimeError("DeepStack features do not match the images' placeholders")
+        features, base, first = [], 0, 0
+        for s, x in zip(spans, ids):
+            rows = mx.array(np.asarray(s.rows, dtype=np.int32) + base)
+            f = result.inputs_embeds[0][rows].astype(self.dtype)
+            if stack is not None:  # [1 + layers, rows, hidden]: the input rows, then one per early layer
+                part = mx.stack([e[first: first + len(s.rows)] for e in stack]).astype(self.dtype)
+                f = mx.concatenate([f[None], part])
+            features.append(f)
+            base, first = base + len(x), first + len(s.rows)
         mx.eval(features)
-        self.images_encoded += 1
-        self.cache.put(span.digest, features)
+        for s, f in zip(spans, features):
+            self.images_encoded += 1
+            self.cache.put(s.digest, f)
         return features
+
+
+def _stack_key(pixels: dict[str, Any]) -> Any:
+    """Images whose encoder inputs have this key can go in one call: the same arrays with the
+    same shapes past the first axis and dtypes, the same other values."""
+    key = []
+    for k in sorted(pixels):
+        if k == "input_ids":
+            continue
+        v = pixels[k]
+        if isinstance(v, np.ndarray):
+            key.append((k, v.shape[1:], str(v.dtype)))
+        else:
+            key.append((k, repr(v)))
+    return tuple(key)
