@@ -91,7 +91,6 @@ class VisionEncoder:
                  rope_index: Any = None, deepstack: bool = False):
         self.vlm, self.image_token_id, self.dtype = vlm, image_token_id, dtype
         self.deepstack = deepstack  # Qwen3-VL: features added after the first decoder layers too
-        self.batch = True  # several same-shape images in one call (`encode_many`); off per family
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0
         self.rope_index = rope_index  # multimodal RoPE families: mlx-vlm's position function
@@ -142,7 +141,7 @@ class VisionEncoder:
         groups: dict[Any, list[int]] = {}
         for i, s in enumerate(spans):
             if out[i] is None:
-                groups.setdefault(_stack_key(s.pixels or {}) if self.batch else i, []).append(i)
+                groups.setdefault(_stack_key(s.pixels or {}), []).append(i)
         for members in groups.values():
             for i, features in zip(members, self._encode_group([spans[i] for i in members])):
                 out[i] = features
