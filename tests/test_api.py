@@ -95,8 +95,9 @@ def test_a_script_that_closes_its_llm_exits_cleanly(smollm2_gguf, tmp_path):
     import subprocess
 
     script = tmp_path / "s.py"
-    script.write_text(f"from macinfer import LLM\nwith LLM({smollm2_gguf!r}, kv_cache_gb=0.05, max_model_len=256) as llm:\n"
-                      "    llm.generate('hi')\n")
+    script.write_text("from macinfer import LLM, SamplingParams\n"
+                      f"with LLM({smollm2_gguf!r}, kv_cache_gb=0.05, max_model_len=256) as llm:\n"
+                      "    llm.generate('hi', SamplingParams(max_tokens=2))\n")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "terminate" not in r.stderr, (r.returncode, r.stderr[-500:])
 
