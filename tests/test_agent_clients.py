@@ -141,7 +141,10 @@ def test_codex_exec_with_its_defaults(tmp_path):
         work.mkdir()
         (home / ".codex" / "config.toml").write_text(
             'model = "smollm2"\nmodel_provider = "macinfer"\n\n[model_providers.macinfer]\nname = "macinfer"\n'
-            f'base_url = "http://127.0.0.1:{proxy.port}/v1"\nwire_api = "responses"\n')
+            f'base_url = "http://127.0.0.1:{proxy.port}/v1"\nwire_api = "responses"\n'
+            # A CPU-served model may stream nothing for minutes (its 9k-token prompt, an answer held
+            # back while it may be a tool call): Codex's 5-minute idle timeout then retries (seen in CI).
+            'stream_idle_timeout_ms = 1800000\n')
         if shutil.which("git"):  # codex exec runs in a git repository unless told otherwise
             subprocess.run(["git", "init", "-q"], cwd=work, check=True)
         result = _run_client([codex, "exec", "Say hello in one word."], _env(str(home)), str(work), 900, proxy, server)
