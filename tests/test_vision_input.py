@@ -92,6 +92,8 @@ def test_remote_urls_only_to_public_addresses_no_redirects_and_capped(local_http
         split_images(part(local_http + "/moved"), allowed)
     with pytest.raises(ImageError, match="byte limit"):
         split_images(part(local_http + "/big"), allowed)
+    with pytest.raises(ImageError, match="credentials"):
+        split_images(part(local_http.replace("http://", "http://user:pw@") + "/ok.png"), allowed)
 
 
 def test_every_resolved_address_must_be_public():

@@ -41,6 +41,8 @@ def fetch(url: str, limits: ImageLimits, where: str, timeout: float = 10.0, reso
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ImageError(f"{where}: not an http(s) URL")
+    if parts.username is not None or parts.password is not None:
+        raise ImageError(f"{where}: image URLs with credentials are not fetched")
     port = parts.port or (443 if parts.scheme == "https" else 80)
     address = public_address(parts.hostname, port, where, resolve)
     # The connection goes to the address checked (a second lookup could answer otherwise);
