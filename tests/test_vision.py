@@ -79,6 +79,29 @@ def test_gemma3_image_tokens_attend_each_other_both_ways(vlm_dirs, budget):
     assert np.abs(both - causal).max() > 1e-2  # the rule matters on this model
 
 
+def test_gemma4_both_ways_images_and_per_layer_ids_each_matter(vlm_dirs):
+    """Gemma 4 matches mlx-vlm (the family test) only with both its rules: an image's tokens
+    attend each other both ways, and its per-layer inputs read a placeholder's id as 0. Without
+    either, the first token's logprobs move off mlx-vlm's."""
+    path = vlm_dirs["gemma4"]
+    rendered = "<user><|image|>what is it<assistant>"
+    _, reference = mlx_vlm_greedy(path, rendered, [picture(1)], 1)
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=512, enable_prefix_caching=False)  # each run computed
+    try:
+        assert llm.engine.vision.both_ways and llm.engine.model.image_pad_id == 0
+        gaps = []
+        for off in (None, "both_ways", "pad"):
+            if off == "both_ways":
+                llm.engine.vision.both_ways = False
+            if off == "pad":
+                llm.engine.vision.both_ways, llm.engine.model.image_pad_id = True, None
+            top = llm.chat(_ask("what is it", picture(1)), FIRST).logprobs[0].top
+            gaps.append(max(abs(lp - reference[t]) for t, lp in top))
+    finally:
+        llm.close()
+    assert gaps[0] < 1e-4 and min(gaps[1:]) > 1e-3, gaps
+
+
 @pytest.mark.parametrize("family", ["mistral3", "qwen3_vl"])
 def test_an_image_cut_across_prompt_chunks_gives_the_same_tokens(vlm_dirs, family):
     """A 5-token budget cuts the prompt (and each image's placeholders) into many chunks: the

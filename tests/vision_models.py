@@ -186,6 +186,37 @@ def _gemma3(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _gemma4(path: str) -> tuple[dict, Any]:
+    """Gemma 4 (E-sized: per-layer inputs; its image tokens attend each other both ways)."""
+    from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor, Gemma4Processor
+
+    text = {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16,
+            "sliding_window": 512, "sliding_window_pattern": 2, "vocab_size": 300, "vocab_size_per_layer_input": 300,
+            "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0, "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-6, "use_bidirectional_attention": "vision", "use_double_wide_mlp": False,
+            # as published (mlx-lm's and mlx-vlm's defaults differ on the global layers' rotary share)
+            "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                                   "rope_type": "proportional"},
+                                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
+                                                      "rope_type": "default"}}}
+    vision = {"model_type": "gemma4_vision", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16,
+              "patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 64, "default_output_length": 9}
+    cfg = {"model_type": "gemma4", "text_config": text, "vision_config": vision, "image_token_id": 260,
+           "boi_token_id": 259, "eoi_token_id": 261, "audio_token_id": 262, "boa_token_id": 263, "eoa_token_id": 264,
+           "hidden_size": 64, "vocab_size": 300, "pad_token_id": 0, "eos_token_id": 2,
+           "vision_soft_tokens_per_image": 9}
+    named = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
+             "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+    tok = _tokenizer(["<|image>", "<|image|>", "<image|>", "<|audio|>", "<|audio>", "<audio|>", "<|video|>"],
+                     "<|image|>", named)
+    image_processor = Gemma4ImageProcessor(patch_size=4, max_soft_tokens=9, pooling_kernel_size=2)
+    processor = Gemma4Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=9,
+                                chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _internvl(path: str) -> tuple[dict, Any]:
     from mlx_vlm.models.internvl_chat.processor import InternVLChatProcessor, InternVLImageProcessor
 
@@ -235,9 +266,9 @@ def _llava_onevision(path: str) -> tuple[dict, Any]:
 # Families whose image tokens attend each other both ways (transformers' rule), which mlx-vlm's
 # generation runs causally: their reference is mlx-vlm's classes with that mask (`both_ways_greedy`).
 BOTH_WAYS = {"gemma3"}
-TIED = {"gemma3"}  # checkpoints with the embedding as the output head
+TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "gemma3": _gemma3, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 

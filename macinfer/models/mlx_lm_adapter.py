@@ -173,6 +173,7 @@ class MlxLmModel(nn.Module):
         params = inspect.signature(_resolve(text, inner).__call__).parameters
         self._inner_takes_mask = "mask" in params and params["mask"].default is inspect.Parameter.empty
         self._inner_takes_embeddings = "input_embeddings" in params  # what images are spliced into
+        self.image_pad_id: int | None = None  # set with the image path (`engine/images.py`)
         from mlx_lm.models.cache import make_prompt_cache
 
         # The innermost make_cache (a wrapper may not pass its text model's on).
@@ -266,6 +267,9 @@ class MlxLmModel(nn.Module):
             if meta is not None and meta.image_rows is not None:  # image features in place of their tokens
                 h = inner.embed_tokens(input_ids)
                 h[meta.image_rows] = meta.image_features.astype(h.dtype)
+                if self.image_pad_id is not None:  # ids read beside the embeddings (per-layer inputs)
+                    input_ids = mx.array(input_ids)
+                    input_ids[meta.image_rows] = self.image_pad_id
                 return inner(input_ids[:, None], cache=caches, input_embeddings=h[:, None, :])
             return inner(input_ids[:, None], cache=caches)
         finally:

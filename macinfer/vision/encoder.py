@@ -36,9 +36,13 @@ class _EmbedOnly(nn.Module):
     """Stands in for mlx-vlm's language model inside its wrapper: the engine's own token
     embedding, under the names mlx-vlm's merges call it by, and nothing else."""
 
-    def __init__(self, embed: nn.Module, rope_index: Any = None):
+    def __init__(self, embed: nn.Module, rope_index: Any = None, numbers: dict[str, float] | None = None):
         super().__init__()
         self.model = nn.Module()
+        # The language model's plain numbers a merge reads (Gemma 4's `embed_scale`); no
+        # per-layer inputs: the engine's model computes those from the prompt's ids.
+        for k, v in (numbers or {}).items():
+            setattr(self.model, k, 0 if k == "hidden_size_per_layer_input" else v)
         self.model.embed_tokens = embed
         self.embed_tokens = embed
         object.__setattr__(self, "_rope_index", rope_index)  # a plain attribute: not a module child
@@ -88,8 +92,11 @@ class EncoderCache:
 
 class VisionEncoder:
     def __init__(self, vlm: nn.Module, image_token_id: int, dtype: mx.Dtype, cache_bytes: int,
-                 rope_index: Any = None, deepstack: bool = False):
+                 rope_index: Any = None, deepstack: bool = False, text_scale: float = 1.0):
         self.vlm, self.image_token_id, self.dtype = vlm, image_token_id, dtype
+        # What the merge multiplies a text row's embedding by (Gemma 4: sqrt(hidden)); the
+        # engine's model applies it to every spliced row, so an image's rows are divided by it.
+        self.text_scale = text_scale
         self.deepstack = deepstack  # Qwen3-VL: features added after the first decoder layers too
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0
@@ -108,10 +115,13 @@ class VisionEncoder:
             lm = vlm.language_model
             rope_index = functools.partial(type(lm).get_rope_index,
                                            SimpleNamespace(config=lm.config, args=getattr(lm, "args", None)))
-        vlm.language_model = _EmbedOnly(embed, rope_index)
+        inner = getattr(vlm.language_model, "model", None)
+        numbers = {k: v for k, v in vars(inner).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and not k.startswith("_")} if isinstance(inner, nn.Module) else {}
+        vlm.language_model = _EmbedOnly(embed, rope_index, numbers)
         mx.eval(vlm.parameters())
         vlm.eval()
-        return cls(vlm, image_token_id, dtype, cache_bytes, rope_index, deepstack)
+        return cls(vlm, image_token_id, dtype, cache_bytes, rope_index, deepstack, _text_scale(vlm, embed))
 
     def positions(self, ids: list[int], spans: list[ImageSpan]) -> tuple[np.ndarray, int]:
         """A prompt's multimodal RoPE positions [3, len(ids)] and the shift after it."""
@@ -169,7 +179,8 @@ class VisionEncoder:
         features, base, first = [], 0, 0
         for s, x in zip(spans, ids):
             rows = mx.array(np.asarray(s.rows, dtype=np.int32) + base)
-            f = result.inputs_embeds[0][rows].astype(self.dtype)
+            f = result.inputs_embeds[0][rows]
+            f = (f / self.text_scale if self.text_scale != 1.0 else f).astype(self.dtype)
             if stack is not None:  # [1 + layers, rows, hidden]: the input rows, then one per early layer
                 part = mx.stack([e[first: first + len(s.rows)] for e in stack]).astype(self.dtype)
                 f = mx.concatenate([f[None], part])
@@ -180,6 +191,18 @@ class VisionEncoder:
             self.images_encoded += 1
             self.cache.put(s.digest, f)
         return features
+
+
+def _text_scale(vlm: nn.Module, embed: nn.Module) -> float:
+    """The factor the family's merge puts on a text token's embedding (a prompt with no image);
+    refused when the merge does more to it than a scale."""
+    ids = mx.array([[1, 2, 3]], dtype=mx.int32)
+    merged = vlm.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, dtype=mx.int32)).inputs_embeds
+    merged, plain = np.array(merged.astype(mx.float32)).reshape(-1), np.array(embed(ids).astype(mx.float32)).reshape(-1)
+    scale = float(merged @ plain / max(float(plain @ plain), 1e-30))
+    if not np.allclose(merged, scale * plain, rtol=1e-2, atol=1e-3 * float(np.abs(merged).max() + 1e-30)):
+        raise ValueError("its image merge transforms the text embeddings beyond a scale")
+    return scale if abs(scale - 1.0) > 1e-6 else 1.0
 
 
 def _stack_key(pixels: dict[str, Any]) -> Any:

@@ -66,7 +66,8 @@ class VisionProcessor:
         bos = getattr(self.tokenizer, "bos_token_id", None)
         if ids and bos is not None and ids[0] == bos and self.marker[0] != bos:
             ids = ids[1:]
-        pixels = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
+        pixels = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids",
+                                                                 "mm_token_type_ids")}
         return ids, pixels
 
     def expand(self, prompt: list[int], images: list[Any]) -> tuple[list[int], ImageInputs]:

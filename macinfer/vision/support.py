@@ -20,7 +20,8 @@ MROPE = "its language model's multimodal RoPE (GLM-4V's sectioned form) is not r
 BOTH_WAYS = ("a prefix LM with no chat template (the processor builds its prompt: image tokens, BOS, the "
              "prefix, a newline) whose whole prefix attends both ways; not run yet")
 # Families whose image tokens attend to each other both ways (transformers' Gemma 3; mlx-vlm
-# runs them causally: the tests check against mlx-vlm's own classes with that mask).
+# runs them causally: the tests check against mlx-vlm's own classes with that mask). Gemma 4
+# says so in its config (`use_bidirectional_attention: "vision"`), and mlx-vlm follows it.
 BOTH_WAYS_IMAGES = {"gemma3"}
 NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
 CROSS = "its language model cross-attends to the image (no image tokens in the prompt), not run yet"
@@ -32,7 +33,11 @@ FAMILIES: dict[str, str | None] = {
     "llava_next": ("mlx-vlm's LLaVA-NeXT merge departs from transformers' (each placeholder becomes a whole "
                    "tile's features, no anyres unpadding): no reference to check the engine against yet"), "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
     "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": MROPE, "glm4v_moe": MROPE,
-    "gemma3": None, "paligemma": BOTH_WAYS,
+    "gemma3": None, "gemma4": None, "paligemma": BOTH_WAYS,
+    "gemma3n": ("its image's begin and end tokens are embedded by a vision embedding of their own "
+                "(embed_vision), rows beyond the image placeholders the engine splices; not run yet"),
+    "llama4": ("mlx-vlm's Llama 4 processor counts a global tile in a tiled image's prompt that its image "
+               "processor never makes (features and placeholders disagree): no reference to check against"),
     "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
                "run yet (issue #44)"),
     "kimi_vl": ("mlx-lm's Kimi-VL wrapper does not split DeepSeek-V3's kv_b_proj as mlx-vlm's checkpoints hold "
@@ -105,6 +110,14 @@ class Vision:
     mrope: tuple[list[int], str] | None = None  # (mrope_section, style) of a multimodal RoPE family
     both_ways: bool = False  # an image's tokens attend to each other both ways
     deepstack: int = 0  # decoder layers that add DeepStack features (Qwen3-VL)
+    # The language model also reads the prompt's ids (Gemma 3n/4's per-layer inputs): an image
+    # placeholder's id is read as the pad id there, as the family's own merge does.
+    pad_image_ids: bool = False
+
+
+def both_ways_images(config: dict[str, Any]) -> bool:
+    text = config.get("text_config") or config
+    return config.get("model_type") in BOTH_WAYS_IMAGES or text.get("use_bidirectional_attention") == "vision"
 
 
 def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, dtype: mx.Dtype,
@@ -143,5 +156,6 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
     except (ValueError, OSError, KeyError, ImportError, AttributeError, TypeError) as e:  # the checkpoint's fault
         log.warning("%s: images are off: %s", config.get("model_type"), e)
         return None, f"its processor or vision tower could not be loaded ({str(e).splitlines()[0][:200]})"
-    return Vision(processor, encoder, limits or ImageLimits(), mrope,
-                  config.get("model_type") in BOTH_WAYS_IMAGES, deepstack), None
+    text = config.get("text_config") or config
+    return Vision(processor, encoder, limits or ImageLimits(), mrope, both_ways_images(config), deepstack,
+                  bool(text.get("hidden_size_per_layer_input"))), None
