@@ -217,6 +217,30 @@ def _gemma4(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _aya_vision(path: str) -> tuple[dict, Any]:
+    """Aya Vision: SigLIP tiles (a global one after the crops), pixel shuffle, Cohere2 language model."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from mlx_vlm.models.aya_vision.processing_aya_vision import AyaVisionProcessor
+
+    text = {"model_type": "cohere2", "hidden_size": 64, "head_dim": 16, "num_hidden_layers": 2,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+            "sliding_window": 512, "sliding_window_pattern": 2, "max_position_embeddings": 2048,
+            "layer_norm_eps": 1e-5, "logit_scale": 0.0625, "rope_theta": 50000.0}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+              "num_attention_heads": 2, "patch_size": 14, "image_size": 56}
+    cfg = {"model_type": "aya_vision", "text_config": text, "vision_config": vision, "image_token_index": 262,
+           "downsample_factor": 2, "alignment_intermediate_size": 64, "vision_feature_layer": -1,
+           "vision_feature_select_strategy": "full", "vocab_size": 300, "eos_token_id": 2}
+    tok = _tokenizer(["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>",
+                      "TILE", "TILE_GLOBAL"], "<image>")
+    image_processor = GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True,
+                                               min_patches=1, max_patches=2)
+    processor = AyaVisionProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14, img_size=56,
+                                   downsample_factor=2, chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _internvl(path: str) -> tuple[dict, Any]:
     from mlx_vlm.models.internvl_chat.processor import InternVLChatProcessor, InternVLImageProcessor
 
@@ -268,7 +292,7 @@ def _llava_onevision(path: str) -> tuple[dict, Any]:
 BOTH_WAYS = {"gemma3"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 

@@ -102,7 +102,8 @@ def _resolve(node: Any, path: str) -> Any:
 
 
 class _GivenHidden:
-    """The inner model's stand-in while the outer model's head runs on given states."""
+    """A module's stand-in for one call that hands back given arrays: the inner model while the
+    outer model's head runs on given states, or the token embedding while images are spliced."""
 
     def __init__(self, inner: nn.Module, hidden: mx.array):
         self._inner, self._hidden = inner, hidden
@@ -265,12 +266,21 @@ class MlxLmModel(nn.Module):
                 return inner(input_ids[:, None], mask=None, cache=caches)
             meta = forward.meta
             if meta is not None and meta.image_rows is not None:  # image features in place of their tokens
-                h = inner.embed_tokens(input_ids)
+                embed = inner.embed_tokens
+                h = embed(input_ids)
                 h[meta.image_rows] = meta.image_features.astype(h.dtype)
                 if self.image_pad_id is not None:  # ids read beside the embeddings (per-layer inputs)
                     input_ids = mx.array(input_ids)
                     input_ids[meta.image_rows] = self.image_pad_id
-                return inner(input_ids[:, None], cache=caches, input_embeddings=h[:, None, :])
+                if self._inner_takes_embeddings:
+                    return inner(input_ids[:, None], cache=caches, input_embeddings=h[:, None, :])
+                # A model that takes no embeddings (mlx-lm's Cohere2): its embedding hands back
+                # these rows for this call (an instance attribute shadows the child).
+                object.__setattr__(inner, "embed_tokens", _GivenHidden(embed, h[:, None, :]))
+                try:
+                    return inner(input_ids[:, None], cache=caches)
+                finally:
+                    object.__delattr__(inner, "embed_tokens")
             return inner(input_ids[:, None], cache=caches)
         finally:
             set_active(None)
@@ -376,8 +386,8 @@ class MlxLmModel(nn.Module):
         """The token embedding images are spliced beside (None: this model cannot take
         embeddings in place of tokens)."""
         inner = _resolve(self._text, ".".join(self._inner_path))
-        ok = self._inner_takes_embeddings and not self._inner_takes_mask
-        return getattr(inner, "embed_tokens", None) if ok else None
+        embed = getattr(inner, "embed_tokens", None)
+        return embed if isinstance(embed, nn.Module) and not self._inner_takes_mask else None
 
     def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:
         return self._run(input_ids, Forward(meta=meta, state_plan=meta.state))[:, 0, :]
