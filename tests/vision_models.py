@@ -314,7 +314,8 @@ def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None
         processor.image_processor.max_pixels = max_pixels
     module, _ = get_model_and_args(cfg)
     loaded = {**cfg, "text_config": cfg.get("text_config", {})}  # as mlx-vlm's load_model sees it
-    conf = update_module_configs(module.ModelConfig.from_dict(loaded), module, loaded, ["text", "vision"])
+    conf = update_module_configs(module.ModelConfig.from_dict(loaded), module, loaded,
+                                 ["text", "vision", "perceiver", "projector", "audio"])  # as its load_model
     mx.random.seed(seed)
     model = module.Model(conf)
     # Norms jittered off 1 so a mix-up shows in the logits.
