@@ -73,6 +73,7 @@ class AttentionMetadata:
     # Multimodal RoPE (`models/mrope.py`): each row's three rotary positions [3, T], when a
     # sequence in the step has image positions (None: every row turns by its position).
     rope_positions: mx.array | None = None
+    rope_offsets: mx.array | None = None  # [T]: multimodal RoPE rows whose three positions agree
     # Arrays every layer of a step shares (built by the first layer that needs them).
     _memo: dict[Any, mx.array] = field(default_factory=dict)
 

@@ -1,8 +1,9 @@
 """Multimodal RoPE (Qwen2-VL's): each rotary frequency turns by one of three positions
 (time, height, width), chosen by the config's `mrope_section`. Text tokens have the same
-position on all three, so a text-only step is plain RoPE; a step with an image's rows, or
-with rows after one (whose positions are shifted by the image's `rope_delta`), carries its
-three position rows in `AttentionMetadata.rope_positions` and this stand-in rotates by them.
+position on all three, so a text-only step is plain RoPE: at the rows' own positions, or at
+`AttentionMetadata.rope_offsets` for rows after an image (shifted by its `rope_delta`: a
+decode). A step with an image's rows carries the three position rows in
+`AttentionMetadata.rope_positions` and this stand-in rotates by them.
 It replaces each attention layer's `rope` module once, at load."""
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ class MRoPE(nn.Module):
         forward = _active()
         meta = forward.meta if forward is not None else None
         positions = getattr(meta, "rope_positions", None)
-        if positions is None:  # text only: plain RoPE at the rows' positions
-            return self._rope(x, offset=offset)
+        if positions is None:  # text only: plain RoPE at the rows' positions (shifted past images)
+            shifted = getattr(meta, "rope_offsets", None)
+            return self._rope(x, offset=offset if shifted is None else shifted)
         # x: [T, H, 1, D] (one row per token); positions [3, T]
         angles = positions[self._axes].T.astype(mx.float32) * self._inv_freq  # [T, D/2]
         cos, sin = mx.cos(angles)[:, None, None, :], mx.sin(angles)[:, None, None, :]

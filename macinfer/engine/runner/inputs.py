@@ -164,7 +164,10 @@ def build_inputs(
         table = np.broadcast_to(np.asarray(positions, dtype=np.int64), (3, len(positions))).copy()
         for first, rows in rope:
             table[:, first: first + rows.shape[1]] = rows
-        meta.rope_positions = mx.array(table, dtype=mx.int32)
+        if (table == table[0]).all():  # text rows only (a decode after an image): plain RoPE, shifted
+            meta.rope_offsets = mx.array(table[0], dtype=mx.int32)
+        else:
+            meta.rope_positions = mx.array(table, dtype=mx.int32)
     if image_rows:
         meta.image_rows = mx.array(image_rows, dtype=mx.int32)
         feats = image_parts[0] if len(image_parts) == 1 else mx.concatenate(image_parts, axis=-2)
