@@ -165,6 +165,26 @@ def _idefics3(path: str, model_type: str = "idefics3") -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _idefics2(path: str) -> tuple[dict, Any]:
+    """Idefics2: SigLIP-like tower, a perceiver resampler (a fixed number of latents per image)."""
+    from transformers.models.idefics2.image_processing_pil_idefics2 import Idefics2ImageProcessorPil
+
+    from mlx_vlm.models.idefics2.processing_idefics2 import Idefics2Processor
+
+    vision = {"model_type": "idefics2_vision", "hidden_size": 32, "num_attention_heads": 2, "patch_size": 14,
+              "num_hidden_layers": 2, "intermediate_size": 64, "image_size": 56}
+    perceiver = {"model_type": "idefics2_perceiver", "num_key_value_heads": 2, "resampler_depth": 1,
+                 "resampler_head_dim": 16, "resampler_n_heads": 2, "resampler_n_latents": 4}
+    cfg = {"model_type": "idefics2", "text_config": {**TEXT, "model_type": "mistral"}, "vision_config": vision,
+           "perceiver_config": perceiver, "image_token_id": 260, "vocab_size": 300, "eos_token_id": 2}
+    tok = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>"], "<image>")
+    image_processor = Idefics2ImageProcessorPil(do_image_splitting=False, size={"shortest_edge": 56,
+                                                                               "longest_edge": 56})
+    processor = Idefics2Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4,
+                                  chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _gemma3(path: str) -> tuple[dict, Any]:
     from transformers import Gemma3ImageProcessor
 
@@ -292,7 +312,7 @@ def _llava_onevision(path: str) -> tuple[dict, Any]:
 BOTH_WAYS = {"gemma3"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 

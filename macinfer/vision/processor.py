@@ -15,6 +15,7 @@ from macinfer.vision.images import ImageError
 from macinfer.vision.inputs import ImageInputs, ImageSpan
 
 _PROBE_TEXT = "x"
+_FOLLOW = 8  # prompt tokens after an image marker that its expansion is made with
 
 
 def _find_marker(with_image: list[int], without: list[int]) -> list[int]:
@@ -56,10 +57,23 @@ class VisionProcessor:
             raise ValueError("its chat template renders no marker for an image part")
         return cls(processor, tokenizer, image_token_id, marker)
 
-    def _expand_one(self, image: Any) -> tuple[list[int], dict[str, Any]]:
-        """The marker expanded for `image` by the model's processor, and its encoder inputs."""
+    def _expand_one(self, image: Any, after: list[int]) -> tuple[list[int], dict[str, Any]]:
+        """The marker expanded for `image` by the model's processor, and its encoder inputs.
+        The marker goes in with the prompt's next few tokens (`after`): a processor may write
+        something that depends on them (Idefics2: a space before text that follows an image
+        directly); when they come back unchanged, what stands before them is the expansion."""
+        follow = after[:_FOLLOW]
+        ids, pixels = self._run(self._marker_text + self.tokenizer.decode(follow, skip_special_tokens=False)
+                                if follow else self._marker_text, image)
+        if follow:
+            if ids[-len(follow):] == follow:
+                return ids[: -len(follow)], pixels
+            ids, pixels = self._run(self._marker_text, image)  # tokenized otherwise in context: alone
+        return ids, pixels
+
+    def _run(self, text: str, image: Any) -> tuple[list[int], dict[str, Any]]:
         try:
-            out = self.processor(text=[self._marker_text], images=[image], return_tensors="np")
+            out = self.processor(text=[text], images=[image], return_tensors="np")
         except (ValueError, TypeError, IndexError, KeyError) as e:  # sizes the processor refuses
             raise ImageError(f"the model's image processor refused the image: {str(e)[:200]}") from None
         ids = np.asarray(out["input_ids"]).reshape(-1).tolist()
@@ -84,9 +98,10 @@ class VisionProcessor:
         ids: list[int] = []
         spans: list[ImageSpan] = []
         prev = 0
-        for start, image in zip(starts, images):
+        for k, (start, image) in enumerate(zip(starts, images)):
             ids.extend(prompt[prev:start])
-            expanded, pixels = self._expand_one(image)
+            end = starts[k + 1] if k + 1 < len(starts) else len(prompt)
+            expanded, pixels = self._expand_one(image, prompt[start + len(m): end])
             rows = [j for j, t in enumerate(expanded) if t == self.image_token_id]
             if not rows:
                 raise ImageError("the model's processor gave the image no placeholder tokens")

@@ -34,8 +34,7 @@ FAMILIES: dict[str, str | None] = {
                    "tile's features, no anyres unpadding): no reference to check the engine against yet"), "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
     "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": MROPE, "glm4v_moe": MROPE,
     "gemma3": None, "gemma4": None, "aya_vision": None, "paligemma": BOTH_WAYS,
-    "idefics2": ("its processor writes a space after an image that text follows directly: the expansion "
-                 "depends on the text after the image, which the engine's per-image expansion does not see yet"),
+    "idefics2": None,
     "gemma3n": ("its image's begin and end tokens are embedded by a vision embedding of their own "
                 "(embed_vision), rows beyond the image placeholders the engine splices; not run yet"),
     "llama4": ("mlx-vlm's Llama 4 processor counts a global tile in a tiled image's prompt that its image "
