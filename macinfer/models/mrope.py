@@ -31,13 +31,15 @@ def section_axes(section: list[int], half: int, style: str) -> mx.array:
 
 
 class MRoPE(nn.Module):
-    """Stands in for an attention layer's `nn.RoPE` (non-traditional: pairs i, i + D/2)."""
+    """Stands in for an attention layer's `nn.RoPE`, rotating the pairs that module does:
+    (i, i + D/2), or (2i, 2i + 1) where it is traditional (GLM-4V's even/odd sections)."""
 
     def __init__(self, rope: nn.Module, section: list[int], style: str = "chunked"):
         super().__init__()
-        if getattr(rope, "traditional", False) or not hasattr(rope, "dims"):
+        if not all(hasattr(rope, a) for a in ("dims", "base")) or getattr(rope, "scale", 1.0) != 1.0:
             raise ValueError("multimodal RoPE over this model's rotary module is not supported")
         self._rope = rope
+        self._traditional = bool(getattr(rope, "traditional", False))
         dims, base = rope.dims, rope.base
         self._half = dims // 2
         self._axes = section_axes(section, self._half, style)
@@ -57,8 +59,13 @@ class MRoPE(nn.Module):
         angles = positions[self._axes].T.astype(mx.float32) * self._inv_freq  # [T, D/2]
         cos, sin = mx.cos(angles)[:, None, None, :], mx.sin(angles)[:, None, None, :]
         h = self._half
-        x1, x2 = x[..., :h].astype(mx.float32), x[..., h: 2 * h].astype(mx.float32)
-        rotated = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+        if self._traditional:
+            x1, x2 = x[..., 0: 2 * h: 2].astype(mx.float32), x[..., 1: 2 * h: 2].astype(mx.float32)
+            pairs = mx.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+            rotated = pairs.reshape(*x.shape[:-1], 2 * h).astype(x.dtype)
+        else:
+            x1, x2 = x[..., :h].astype(mx.float32), x[..., h: 2 * h].astype(mx.float32)
+            rotated = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
         return rotated if x.shape[-1] == 2 * h else mx.concatenate([rotated, x[..., 2 * h:]], axis=-1)
 
 

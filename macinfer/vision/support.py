@@ -16,7 +16,8 @@ from macinfer.vision.processor import VisionProcessor
 
 log = logging.getLogger(__name__)
 
-MROPE = "its language model's multimodal RoPE (GLM-4V's sectioned form) is not run yet"
+MROPE = ("its MoE language model (GLM-4.5V's) is not matched to mlx-lm's glm4_moe names and checked on a "
+         "tiny model yet")
 BOTH_WAYS = ("a prefix LM with no chat template (the processor builds its prompt: image tokens, BOS, the "
              "prefix, a newline) whose whole prefix attends both ways; not run yet")
 # Families whose image tokens attend to each other both ways (transformers' Gemma 3; mlx-vlm
@@ -32,7 +33,7 @@ FAMILIES: dict[str, str | None] = {
     "llava": None, "mistral3": None, "pixtral": None, "internvl_chat": None, "llava_onevision": None, "idefics3": None, "smolvlm": None,
     "llava_next": ("mlx-vlm's LLaVA-NeXT merge departs from transformers' (each placeholder becomes a whole "
                    "tile's features, no anyres unpadding): no reference to check the engine against yet"), "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
-    "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": MROPE, "glm4v_moe": MROPE,
+    "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": None, "glm4v_moe": MROPE,
     "gemma3": None, "gemma4": None, "aya_vision": None, "paligemma": BOTH_WAYS,
     "idefics2": None,
     "gemma3n": ("its image's begin and end tokens are embedded by a vision embedding of their own "
@@ -49,7 +50,7 @@ FAMILIES: dict[str, str | None] = {
                              "cohere_compass", "falcon_perception", "locateanything")},
 }
 # Families whose language model turns image positions by multimodal RoPE: the style.
-MROPE_STYLE = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
+MROPE_STYLE = {"glm4v": "chunked", "qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
                "qwen3_vl": "interleaved", "qwen3_vl_moe": "interleaved"}
 # Families whose vision tower also feeds the first decoder layers (Qwen3-VL's DeepStack).
 DEEPSTACK_FAMILIES = {"qwen3_vl", "qwen3_vl_moe"}

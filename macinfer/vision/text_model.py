@@ -14,6 +14,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 
+# Language models mlx-vlm names its own that are mlx-lm's classes under another name (the
+# same modules and weight names; the image side, multimodal RoPE included, is the engine's).
+TEXT_ALIASES = {"glm4v_text": "glm4"}
+
+
 def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     """(text config for mlx-lm, the language model's weights) of the checkpoint at `path`,
     the weights lazy (read when the engine evaluates them). Raises ValueError with the reason."""
@@ -27,6 +32,9 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     if lm is None or args is None or not dataclasses.is_dataclass(args):
         raise ValueError("mlx-vlm's model has no separate language model to run")
     text = {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
+    text["model_type"] = TEXT_ALIASES.get(text.get("model_type"), text.get("model_type"))
+    if "head_dim" not in text and text.get("hidden_size") and text.get("num_attention_heads"):
+        text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]  # transformers' default
     top = vlm.config
     for key in ("vocab_size", "tie_word_embeddings", "eos_token_id"):  # set on the wrapper in some configs
         if key not in text and getattr(top, key, None) is not None:
