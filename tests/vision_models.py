@@ -212,6 +212,28 @@ def _glm4v(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _kimi_vl(path: str) -> tuple[dict, Any]:
+    """Kimi-VL: MoonViT (native resolution, patches merged 2x2), a DeepSeek-V3 language model
+    (multi-head latent attention, MoE)."""
+    from mlx_vlm.models.kimi_vl.processing_kimi_vl import KimiVLImageProcessor, KimiVLProcessor
+
+    text = {"model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+            "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+            "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16,
+            "first_k_dense_replace": 1, "moe_layer_freq": 1, "max_position_embeddings": 2048, "rope_theta": 10000.0}
+    vision = {"model_type": "moonvit", "depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 2,
+              "intermediate_size": 64, "patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8,
+              "merge_kernel_size": [2, 2]}
+    cfg = {"model_type": "kimi_vl", "text_config": text, "vision_config": vision, "media_placeholder_token_id": 261,
+           "vocab_size": 300, "eos_token_id": 2}
+    tok = _tokenizer(["<|media_start|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"],
+                     "<|media_start|>image<|media_content|><|media_pad|><|media_end|>")
+    image_processor = KimiVLImageProcessor(patch_size=14, in_token_limit=64, merge_kernel_size=[2, 2])
+    processor = KimiVLProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _gemma3(path: str) -> tuple[dict, Any]:
     from transformers import Gemma3ImageProcessor
 
@@ -339,7 +361,7 @@ def _llava_onevision(path: str) -> tuple[dict, Any]:
 BOTH_WAYS = {"gemma3"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
@@ -368,6 +390,10 @@ def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None
     # Norms jittered off 1 so a mix-up shows in the logits.
     params = {k: (v + 0.1 * mx.random.normal(v.shape) if "norm" in k else v)
               for k, v in tree_flatten(model.parameters())}
+    # A router initialised to zeros (mlx-vlm's DeepSeek gate) ties every expert, and libraries
+    # break ties differently: random rows instead.
+    params = {k: (0.5 * mx.random.normal(v.shape) if k.endswith("gate.weight") and not mx.any(v).item() else v)
+              for k, v in params.items()}
     if family in TIED:  # as published: no lm_head (mlx-vlm copies the embedding, mlx-lm ties it)
         params.pop("language_model.lm_head.weight", None)
     mx.eval(params)

@@ -36,14 +36,14 @@ FAMILIES: dict[str, str | None] = {
     "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": None, "glm4v_moe": MROPE,
     "gemma3": None, "gemma4": None, "aya_vision": None, "paligemma": BOTH_WAYS,
     "idefics2": None,
-    "gemma3n": ("its image's begin and end tokens are embedded by a vision embedding of their own "
-                "(embed_vision), rows beyond the image placeholders the engine splices; not run yet"),
+    "gemma3n": ("mlx-vlm's MobileNetV5 tower is built at full size whatever the config says (no tiny model to "
+                "check against), and its image's begin and end tokens are embedded by a vision embedding of "
+                "their own (embed_vision), rows beyond the image placeholders the engine splices; not run yet"),
     "llama4": ("mlx-vlm's Llama 4 processor counts a global tile in a tiled image's prompt that its image "
                "processor never makes (features and placeholders disagree): no reference to check against"),
     "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
                "run yet (issue #44)"),
-    "kimi_vl": ("mlx-lm's Kimi-VL wrapper does not split DeepSeek-V3's kv_b_proj as mlx-vlm's checkpoints hold "
-                "it (a tiny one fails to load: 'parameters not in model'); not run yet"), "mllama": CROSS, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
+    "kimi_vl": None, "mllama": CROSS, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
     **{t: NOT_CHAT for t in ("sam3", "sam3_1", "sam3d_body", "sam3d_objects", "rfdetr", "rt_detr_v2", "siglip",
                              "pp_doclayout_v3", "video_depth_anything", "colidefics3", "colqwen2_5",
                              "qwen3_vl_embedding", "llama_nemotron_vl_embedding", "embedding_gemma2",
@@ -96,7 +96,7 @@ def verdict(config: dict[str, Any]) -> str | None:
 
 
 def image_token_id(config: dict[str, Any]) -> int | None:
-    for key in ("image_token_index", "image_token_id", "image_token"):
+    for key in ("image_token_index", "image_token_id", "image_token", "media_placeholder_token_id"):
         v = config.get(key)
         if isinstance(v, int):
             return v

@@ -17,6 +17,9 @@ from mlx.utils import tree_flatten
 # Language models mlx-vlm names its own that are mlx-lm's classes under another name (the
 # same modules and weight names; the image side, multimodal RoPE included, is the engine's).
 TEXT_ALIASES = {"glm4v_text": "glm4"}
+# Vision families whose mlx-lm wrapper cannot load their checkpoints, and why: their language
+# model alone, by mlx-lm's class for it (whose sanitize does what the wrapper's leaves out).
+LANGUAGE_MODEL_ALONE = {"kimi_vl": "mlx-lm's wrapper leaves DeepSeek-V3's kv_b_proj unsplit"}
 
 
 def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
@@ -31,7 +34,10 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     args = getattr(lm, "args", None) or getattr(lm, "config", None) or getattr(vlm.config, "text_config", None)
     if lm is None or args is None or not dataclasses.is_dataclass(args):
         raise ValueError("mlx-vlm's model has no separate language model to run")
-    text = {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
+    # None is mlx-vlm's "unset" (mlx-lm's default then applies), unless the checkpoint's own
+    # config says null (DeepSeek-V3's `q_lora_rank: null`: no query compression).
+    nulls = {k for k, v in _raw_text_config(path).items() if v is None}
+    text = {k: v for k, v in dataclasses.asdict(args).items() if v is not None or k in nulls}
     text["model_type"] = TEXT_ALIASES.get(text.get("model_type"), text.get("model_type"))
     if "head_dim" not in text and text.get("hidden_size") and text.get("num_attention_heads"):
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]  # transformers' default
@@ -48,3 +54,12 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     if "quantization" in getattr(top, "__dict__", {}) and getattr(top, "quantization", None):
         text["quantization"] = top.quantization
     return text, weights
+
+
+def _raw_text_config(path: str) -> dict[str, Any]:
+    import json
+
+    with open(Path(path) / "config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else {}
