@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from macinfer.server import chat_output, context_editing
+from macinfer.server.heartbeat import BEAT, with_heartbeat
 from macinfer.server.context_editing import ContextManagement
 from macinfer.server.routing import Routing
 from macinfer.server.protocol import _NO_INPUT, ChatCompletionRequest
@@ -367,7 +368,11 @@ async def events(model_name: str, turn, gen, applied: list[dict] | None = None,
     proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
     blocks = _Blocks(omit_thinking)
     try:
-        async for out, parts in chat_output.parts_stream(proc, gen):
+        async for item in with_heartbeat(chat_output.parts_stream(proc, gen)):
+            if item is BEAT:  # Anthropic's own keep-alive
+                yield _event("ping", {})
+                continue
+            out, parts = item
             if parts is None:
                 from macinfer.server.serving import _generation_error
 

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from macinfer.server import chat_output
+from macinfer.server.heartbeat import BEAT, with_heartbeat
 from macinfer.server.protocol import ChatCompletionRequest
 from macinfer.server.routing import Routing
 
@@ -366,7 +367,11 @@ async def events(req: ResponsesRequest, model_name: str, turn, gen) -> AsyncIter
     proc = chat_output.ChatOutput(turn.plan, turn.prompt_tail)
     items = _Items(rid, event, _encrypted(req), req.namespaces())
     try:
-        async for out, parts in chat_output.parts_stream(proc, gen):
+        async for item in with_heartbeat(chat_output.parts_stream(proc, gen)):
+            if item is BEAT:  # still working (the prompt, or an answer held back while it may be a call)
+                yield event("response.in_progress", {"response": _response(req, model_name, rid, "in_progress", [], None)})
+                continue
+            out, parts = item
             if parts is None:
                 from macinfer.server.serving import _generation_error
 

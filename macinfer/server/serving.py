@@ -20,6 +20,7 @@ from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.server.async_engine import AsyncEngine, RequestStream
 from macinfer.server.metrics import ServerMetrics
 from macinfer.server import chat_output
+from macinfer.server.heartbeat import BEAT, with_heartbeat
 from macinfer.server.chat_output import ChatPlan
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, now, usage
 from macinfer.text.tokenizer import IncrementalDetokenizer, TokenizerWrapper, token_text
@@ -406,7 +407,11 @@ class OpenAIServing:
         echoed = self._echo(req, ids) if kind == "completion" else ""
         offsets: dict[int, TextOffsets] = {}
         try:
-            async for i, out in gen:
+            async for item in with_heartbeat(gen):
+                if item is BEAT:  # a comment: SSE readers skip it, proxies and sockets see bytes
+                    yield ": keep-alive\n\n"
+                    continue
+                i, out = item
                 if kind == "completion" and i not in offsets:
                     offsets[i] = TextOffsets(self.tokenizer, ids, len(echoed))
                     if echoed:  # each choice starts with the prompt (and its logprobs, once computed)
