@@ -197,7 +197,10 @@ def _text_scale(vlm: nn.Module, embed: nn.Module) -> float:
     """The factor the family's merge puts on a text token's embedding (a prompt with no image);
     refused when the merge does more to it than a scale."""
     ids = mx.array([[1, 2, 3]], dtype=mx.int32)
-    merged = vlm.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, dtype=mx.int32)).inputs_embeds
+    try:
+        merged = vlm.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, dtype=mx.int32)).inputs_embeds
+    except Exception as e:  # noqa: BLE001 - whatever the family's merge raises is why images are off
+        raise ValueError(f"its image merge does not run on a text-only prompt ({type(e).__name__}: {e})") from None
     merged, plain = np.array(merged.astype(mx.float32)).reshape(-1), np.array(embed(ids).astype(mx.float32)).reshape(-1)
     scale = float(merged @ plain / max(float(plain @ plain), 1e-30))
     if not np.allclose(merged, scale * plain, rtol=1e-2, atol=1e-3 * float(np.abs(merged).max() + 1e-30)):
