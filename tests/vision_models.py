@@ -234,6 +234,29 @@ def _kimi_vl(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _paddleocr_vl(path: str) -> tuple[dict, Any]:
+    """PaddleOCR-VL: a NaViT-style SigLIP tower (native resolution, 2x2 merge), multimodal RoPE in
+    chunked sections, an ERNIE-4.5 decoder; its text parameters at the config's root."""
+    from mlx_vlm.models.paddleocr_vl.processing_paddleocr_vl import ImageProcessor, PaddleOCRVLProcessor
+
+    # hidden 1024: mlx-vlm's projector is built to 1024 outputs whatever the config says
+    text = {"model_type": "paddleocr_vl", "hidden_size": 1024, "num_hidden_layers": 2, "intermediate_size": 256,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "use_bias": False,
+            "rms_norm_eps": 1e-5, "vocab_size": 300, "max_position_embeddings": 2048, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "default", "type": "default", "mrope_section": [16, 24, 24]},
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}
+    vision = {"model_type": "paddleocr_vl", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "patch_size": 14, "image_size": 56, "spatial_merge_size": 2}
+    cfg = {**text, "vision_config": vision, "image_token_id": 260, "video_token_id": 262,
+           "vision_start_token_id": 259, "vision_end_token_id": 261}
+    tok = _tokenizer(["<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>", "<|video_pad|>"],
+                     "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>")
+    image_processor = ImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, temporal_patch_size=1,
+                                     merge_size=2)
+    processor = PaddleOCRVLProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _gemma3(path: str) -> tuple[dict, Any]:
     from transformers import Gemma3ImageProcessor
 
@@ -361,7 +384,7 @@ def _llava_onevision(path: str) -> tuple[dict, Any]:
 BOTH_WAYS = {"gemma3"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -16,7 +16,13 @@ from mlx.utils import tree_flatten
 
 # Language models mlx-vlm names its own that are mlx-lm's classes under another name (the
 # same modules and weight names; the image side, multimodal RoPE included, is the engine's).
-TEXT_ALIASES = {"glm4v_text": "glm4"}
+TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "glm4v_text": lambda t: {**t, "model_type": "glm4"},
+    # PaddleOCR-VL's ERNIE-4.5 decoder rotates half-split pairs (mlx-lm's ernie4_5 rotates
+    # even/odd ones): Llama's modules and names, every projection biased as `use_bias` says.
+    "paddleocr_vl": lambda t: {**t, "model_type": "llama", "attention_bias": bool(t.get("use_bias")),
+                               "mlp_bias": bool(t.get("use_bias"))},
+}
 # Vision families whose mlx-lm wrapper cannot load their checkpoints, and why: their language
 # model alone, by mlx-lm's class for it (whose sanitize does what the wrapper's leaves out).
 LANGUAGE_MODEL_ALONE = {"kimi_vl": "mlx-lm's wrapper leaves DeepSeek-V3's kv_b_proj unsplit"}
@@ -38,7 +44,8 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     # config says null (DeepSeek-V3's `q_lora_rank: null`: no query compression).
     nulls = {k for k, v in _raw_text_config(path).items() if v is None}
     text = {k: v for k, v in dataclasses.asdict(args).items() if v is not None or k in nulls}
-    text["model_type"] = TEXT_ALIASES.get(text.get("model_type"), text.get("model_type"))
+    alias = TEXT_ALIASES.get(text.get("model_type"))
+    text = alias(text) if alias is not None else text
     if "head_dim" not in text and text.get("hidden_size") and text.get("num_attention_heads"):
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]  # transformers' default
     top = vlm.config
