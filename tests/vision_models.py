@@ -257,6 +257,30 @@ def _paddleocr_vl(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _glm_ocr(path: str) -> tuple[dict, Any]:
+    """GLM-OCR: GLM-4V's tower and even/odd sectioned multimodal RoPE, all of each head rotated."""
+    from mlx_vlm.models.glm_ocr.processing import Glm46VImageProcessor, GlmOcrProcessor
+
+    text = {"model_type": "glm_ocr_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300,
+            "max_position_embeddings": 2048, "eos_token_id": [2], "pad_token_id": 0,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "partial_rotary_factor": 1.0,
+                                "rope_theta": 10000}}
+    vision = {"model_type": "glm_ocr_vision", "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "patch_size": 14, "image_size": 56, "out_hidden_size": 64, "spatial_merge_size": 2,
+              "temporal_patch_size": 2}
+    cfg = {"model_type": "glm_ocr", "text_config": text, "vision_config": vision, "image_token_id": 260,
+           "video_token_id": 262, "image_start_token_id": 259, "image_end_token_id": 261,
+           "video_start_token_id": 263, "video_end_token_id": 264, "vocab_size": 300, "eos_token_id": [2]}
+    named = {"image_token": "<|image|>", "video_token": "<|video|>"}
+    tok = _tokenizer(["<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>",
+                      "<|end_of_video|>"], "<|begin_of_image|><|image|><|end_of_image|>", named)
+    image_processor = Glm46VImageProcessor(patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=56 * 56,
+                                           max_pixels=112 * 112)
+    processor = GlmOcrProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _gemma3(path: str) -> tuple[dict, Any]:
     from transformers import Gemma3ImageProcessor
 
@@ -384,7 +408,7 @@ def _llava_onevision(path: str) -> tuple[dict, Any]:
 BOTH_WAYS = {"gemma3"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 

@@ -6,7 +6,6 @@ in an LRU cache by content (an agent resending a screenshot is not encoded again
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import OrderedDict
 from pathlib import Path
@@ -59,6 +58,18 @@ class _EmbedOnly(nn.Module):
         raise RuntimeError("this model's image merge runs its language model; the engine cannot split it")
 
 
+class _ConfigOnly:
+    """A class's methods (and properties) run on plain attributes instead of an instance: mlx-vlm's
+    multimodal RoPE rule, and the helpers it calls, on the language model's config, no weights."""
+
+    def __init__(self, cls: type, **attrs: Any):
+        self.__dict__.update(attrs, _cls=cls)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._cls, name)
+        return attr.__get__(self, self._cls) if hasattr(attr, "__get__") else attr
+
+
 class EncoderCache:
     """Encoded images by content hash, least recently used first out past `max_bytes`."""
 
@@ -105,16 +116,13 @@ class VisionEncoder:
     @classmethod
     def load(cls, path: str, embed: nn.Module, image_token_id: int, dtype: mx.Dtype,
              cache_bytes: int = 256 * 2**20, mrope: bool = False, deepstack: bool = False) -> "VisionEncoder":
-        from types import SimpleNamespace
-
         from mlx_vlm.utils import load_model
 
         vlm = load_model(Path(path), lazy=True)  # lazy: the language model's weights are never read
         rope_index = None
         if mrope:  # mlx-vlm's own position rule, on its config alone (no weights)
             lm = vlm.language_model
-            rope_index = functools.partial(type(lm).get_rope_index,
-                                           SimpleNamespace(config=lm.config, args=getattr(lm, "args", None)))
+            rope_index = _ConfigOnly(type(lm), config=lm.config, args=getattr(lm, "args", None)).get_rope_index
         inner = getattr(vlm.language_model, "model", None)
         numbers = {k: v for k, v in vars(inner).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                    and not k.startswith("_")} if isinstance(inner, nn.Module) else {}

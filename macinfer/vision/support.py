@@ -34,7 +34,7 @@ FAMILIES: dict[str, str | None] = {
     "llava_next": ("mlx-vlm's LLaVA-NeXT merge departs from transformers' (each placeholder becomes a whole "
                    "tile's features, no anyres unpadding): no reference to check the engine against yet"), "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
     "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": None, "glm4v_moe": MROPE,
-    "gemma3": None, "gemma4": None, "aya_vision": None, "paddleocr_vl": None, "paligemma": BOTH_WAYS,
+    "gemma3": None, "gemma4": None, "aya_vision": None, "paddleocr_vl": None, "glm_ocr": None, "paligemma": BOTH_WAYS,
     "idefics2": None,
     "gemma3n": ("mlx-vlm's MobileNetV5 tower is built at full size whatever the config says (no tiny model to "
                 "check against), and its image's begin and end tokens are embedded by a vision embedding of "
@@ -50,7 +50,7 @@ FAMILIES: dict[str, str | None] = {
                              "cohere_compass", "falcon_perception", "locateanything")},
 }
 # Families whose language model turns image positions by multimodal RoPE: the style.
-MROPE_STYLE = {"glm4v": "chunked", "paddleocr_vl": "chunked", "qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
+MROPE_STYLE = {"glm4v": "chunked", "glm_ocr": "chunked", "paddleocr_vl": "chunked", "qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
                "qwen3_vl": "interleaved", "qwen3_vl_moe": "interleaved"}
 # Families whose vision tower also feeds the first decoder layers (Qwen3-VL's DeepStack).
 DEEPSTACK_FAMILIES = {"qwen3_vl", "qwen3_vl_moe"}

@@ -18,6 +18,11 @@ from mlx.utils import tree_flatten
 # same modules and weight names; the image side, multimodal RoPE included, is the engine's).
 TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "glm4v_text": lambda t: {**t, "model_type": "glm4"},
+    # GLM-OCR's decoder is GLM-4's; its RoPE settings live in `rope_parameters` only.
+    "glm_ocr_text": lambda t: {**t, "model_type": "glm4",
+                               "rope_theta": (t.get("rope_parameters") or {}).get("rope_theta", 10000),
+                               "partial_rotary_factor": (t.get("rope_parameters") or {}).get(
+                                   "partial_rotary_factor", 1.0)},
     # PaddleOCR-VL's ERNIE-4.5 decoder rotates half-split pairs (mlx-lm's ernie4_5 rotates
     # even/odd ones): Llama's modules and names, every projection biased as `use_bias` says.
     "paddleocr_vl": lambda t: {**t, "model_type": "llama", "attention_bias": bool(t.get("use_bias")),
