@@ -12,8 +12,8 @@ from macinfer import LLM
 from macinfer.engine.block_manager import BlockManager
 from macinfer.sampling_params import SamplingParams
 from macinfer.vision.support import FAMILIES
-from tests.vision_models import (BOTH_WAYS, BUILDERS, both_ways_greedy, mlx_vlm_greedy, picture, prompt_logprobs,
-                                 tiny_vlm_dir)
+from tests.vision_models import (ANYRES, BOTH_WAYS, BUILDERS, anyres_greedy, both_ways_greedy, mlx_vlm_greedy, picture,
+                                 prompt_logprobs, tiny_vlm_dir)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
@@ -48,7 +48,7 @@ def test_family_gives_mlx_vlm_tokens_and_uses_the_image(vlm_dirs, family):
         rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                                    {"type": "text", "text": "what is it"}]}])
         ours = llm.chat(messages, GREEDY).token_ids
-        reference = both_ways_greedy if family in BOTH_WAYS else mlx_vlm_greedy
+        reference = both_ways_greedy if family in BOTH_WAYS else anyres_greedy if family in ANYRES else mlx_vlm_greedy
         tokens, logprobs = reference(vlm_dirs[family], rendered, [picture(0)], 8)
         assert ours == tokens
         # the image is used: another picture moves the first token's distribution
@@ -77,6 +77,16 @@ def test_gemma3_image_tokens_attend_each_other_both_ways(vlm_dirs, budget):
     both, causal = (prompt_logprobs(path, rendered, [picture(0)], b) for b in (True, False))
     assert np.abs(ours - both).max() < 1e-4
     assert np.abs(both - causal).max() > 1e-2  # the rule matters on this model
+
+
+def test_llava_next_packs_an_image_as_transformers_does_not_as_mlx_vlm(vlm_dirs):
+    """LLaVA-NeXT's tiles packed as transformers' `pack_image_features` (the family test checks
+    the tokens against that reference): mlx-vlm's own merge, which departs from it, gives others."""
+    path = vlm_dirs["llava_next"]
+    rendered = "<user><image>what is it<assistant>"
+    ours, _ = anyres_greedy(path, rendered, [picture(0)], 8)
+    theirs, _ = mlx_vlm_greedy(path, rendered, [picture(0)], 8)
+    assert ours != theirs
 
 
 def test_gemma4_both_ways_images_and_per_layer_ids_each_matter(vlm_dirs):

@@ -281,6 +281,27 @@ def _glm_ocr(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _llava_next(path: str) -> tuple[dict, Any]:
+    """LLaVA-NeXT: a whole-image tile and high-resolution tiles ("anyres"), packed as transformers
+    does (unpadded, a newline embedding after each row): the engine's own merge."""
+    from transformers import LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    pinpoints = [[28, 28], [28, 56], [56, 28], [56, 56]]
+    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32}
+    cfg = {"model_type": "llava_next", "text_config": TEXT, "vision_config": vision, "image_token_index": 259,
+           "image_grid_pinpoints": pinpoints, "vision_feature_select_strategy": "default", "vision_feature_layer": -2,
+           "vocab_size": 300, "eos_token_id": 2}
+    tok = _tokenizer(["<image>"], "<image>")
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                                 image_grid_pinpoints=pinpoints)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                   chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _gemma3(path: str) -> tuple[dict, Any]:
     from transformers import Gemma3ImageProcessor
 
@@ -406,9 +427,12 @@ def _llava_onevision(path: str) -> tuple[dict, Any]:
 # Families whose image tokens attend each other both ways (transformers' rule), which mlx-vlm's
 # generation runs causally: their reference is mlx-vlm's classes with that mask (`both_ways_greedy`).
 BOTH_WAYS = {"gemma3"}
+# Families whose published merge mlx-vlm's departs from: their reference packs the image as
+# transformers does (`anyres_greedy`).
+ANYRES = {"llava_next"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "llava_next": _llava_next, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
@@ -523,6 +547,63 @@ def both_ways_greedy(path: str, prompt: str, images: list, max_tokens: int) -> t
         emb = model.get_input_embeddings(x, pixels, mask=mx.ones(x.shape, dtype=mx.int32)).inputs_embeds
         allowed = _allowed(ids, image_id, True)
         out = model.language_model(x, inputs_embeds=emb, mask=mx.array(allowed)[None, None])
+        logits = (out.logits if hasattr(out, "logits") else out)[0, -1].astype(mx.float32)
+        logprobs = np.array(logits - mx.logsumexp(logits))
+        first = logprobs if first is None else first
+        tokens.append(int(np.argmax(logprobs)))
+        ids.append(tokens[-1])
+    return tokens, first
+
+
+
+def _pack_anyres(feats: np.ndarray, newline: np.ndarray, size: tuple[int, int], pinpoints: list,
+                 tile: int, side: int) -> np.ndarray:
+    """transformers' LLaVA-NeXT `pack_image_features` for one image, in NumPy: feats [tiles, side*side, D]."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    base, rest = feats[0], feats[1:]
+    best_h, best_w = select_best_resolution(list(size), pinpoints)
+    gh, gw = best_h // tile, best_w // tile
+    x = rest[: gh * gw].reshape(gh, gw, side, side, -1)
+    x = np.transpose(x, (4, 0, 2, 1, 3)).reshape(x.shape[-1], gh * side, gw * side)  # permute(4,0,2,1,3), flatten
+    (oh, ow), (ch, cw) = size, x.shape[1:]
+    if ow / oh > cw / ch:
+        pad = (ch - int(round(oh * (cw / ow), 7))) // 2
+        x = x[:, pad: ch - pad, :]
+    else:
+        pad = (cw - int(round(ow * (ch / oh), 7))) // 2
+        x = x[:, :, pad: cw - pad]
+    x = np.concatenate([x, np.broadcast_to(newline[:, None, None], (x.shape[0], x.shape[1], 1))], axis=-1)
+    return np.concatenate([base, x.reshape(x.shape[0], -1).T], axis=0)
+
+
+def anyres_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and first logprobs from mlx-vlm's own LLaVA-NeXT classes (tower, projector,
+    newline, language model; float32) with the image packed as transformers packs it. The whole
+    sequence is recomputed for each token (no cache)."""
+    from mlx_vlm import load
+
+    model, processor = load(path)
+    cfg = model.config
+    inputs = processor(text=[prompt], images=images, return_tensors="np")
+    ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
+    pixel_values = mx.array(np.asarray(inputs["pixel_values"]))[0]
+    size = tuple(int(v) for v in np.asarray(inputs["image_sizes"]).reshape(-1)[:2])
+    *_, hidden = model.vision_tower(pixel_values.transpose(0, 2, 3, 1), output_hidden_states=True)
+    feats = model.multi_modal_projector(hidden[cfg.vision_feature_layer][:, 1:])
+    with open(os.path.join(path, "config.json")) as f:
+        pinpoints = json.load(f)["image_grid_pinpoints"]
+    rows = _pack_anyres(np.array(feats, dtype=np.float64), np.array(model.image_newline, dtype=np.float64), size,
+                        pinpoints, cfg.vision_config.image_size,
+                        cfg.vision_config.image_size // cfg.vision_config.patch_size)
+    at = np.flatnonzero(np.asarray(ids) == cfg.image_token_index)
+    assert len(at) == len(rows), (len(at), len(rows))  # transformers' processor counted the same rows
+    tokens, first = [], None
+    for _ in range(max_tokens):
+        x = mx.array(ids)[None]
+        emb = np.array(model.language_model.model.embed_tokens(x)[0], dtype=np.float32)
+        emb[at] = rows
+        out = model.language_model(x, inputs_embeds=mx.array(emb)[None])
         logits = (out.logits if hasattr(out, "logits") else out)[0, -1].astype(mx.float32)
         logprobs = np.array(logits - mx.logsumexp(logits))
         first = logprobs if first is None else first

@@ -6,6 +6,7 @@ in an LRU cache by content (an agent resending a screenshot is not encoded again
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 from pathlib import Path
@@ -16,6 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from macinfer.vision.inputs import ImageSpan
+from macinfer.vision.merges import Merge, merge_for
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,8 @@ class VisionEncoder:
     def __init__(self, vlm: nn.Module, image_token_id: int, dtype: mx.Dtype, cache_bytes: int,
                  rope_index: Any = None, deepstack: bool = False, text_scale: float = 1.0):
         self.vlm, self.image_token_id, self.dtype = vlm, image_token_id, dtype
+        # The family's merge where the engine runs its own (mlx-vlm's departs from the model's)
+        self.merge: Merge | None = None
         # What the merge multiplies a text row's embedding by (Gemma 4: sqrt(hidden)); the
         # engine's model applies it to every spliced row, so an image's rows are divided by it.
         self.text_scale = text_scale
@@ -129,7 +133,10 @@ class VisionEncoder:
         vlm.language_model = _EmbedOnly(embed, rope_index, numbers)
         mx.eval(vlm.parameters())
         vlm.eval()
-        return cls(vlm, image_token_id, dtype, cache_bytes, rope_index, deepstack, _text_scale(vlm, embed))
+        encoder = cls(vlm, image_token_id, dtype, cache_bytes, rope_index, deepstack, _text_scale(vlm, embed))
+        with open(Path(path) / "config.json", encoding="utf-8") as f:
+            encoder.merge = merge_for(json.load(f))
+        return encoder
 
     def positions(self, ids: list[int], spans: list[ImageSpan]) -> tuple[np.ndarray, int]:
         """A prompt's multimodal RoPE positions [3, len(ids)] and the shift after it."""
@@ -166,6 +173,14 @@ class VisionEncoder:
         return out  # type: ignore[return-value]
 
     def _encode_group(self, spans: list[ImageSpan]) -> list[mx.array]:
+        if self.merge is not None:  # the engine's own merge (`vision/merges.py`), an image at a time
+            features = []
+            for s in spans:
+                f = self.merge(self.vlm, s.pixels or {})
+                if f.shape[0] != len(s.rows):
+                    raise RuntimeError(f"the image's merge gave {f.shape[0]} rows for {len(s.rows)} placeholders")
+                features.append(f.astype(self.dtype))
+            return self._keep(spans, features)
         inputs = [dict(s.pixels or {}) for s in spans]
         ids = [np.asarray(x.pop("input_ids"), dtype=np.int32) for x in inputs]
         prompt = np.concatenate(ids)[None]
@@ -194,6 +209,9 @@ class VisionEncoder:
                 f = mx.concatenate([f[None], part])
             features.append(f)
             base, first = base + len(x), first + len(s.rows)
+        return self._keep(spans, features)
+
+    def _keep(self, spans: list[ImageSpan], features: list[mx.array]) -> list[mx.array]:
         mx.eval(features)
         for s, f in zip(spans, features):
             self.images_encoded += 1
