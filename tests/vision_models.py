@@ -541,12 +541,20 @@ def both_ways_greedy(path: str, prompt: str, images: list, max_tokens: int) -> t
     ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
     image_id = model.config.image_token_index
     pixels = mx.array(inputs["pixel_values"])
+
+    def forward(x: mx.array, ids: list[int]):
+        emb = model.get_input_embeddings(x, pixels, mask=mx.ones(x.shape, dtype=mx.int32)).inputs_embeds
+        return model.language_model(x, inputs_embeds=emb, mask=mx.array(_allowed(ids, image_id, True))[None, None])
+
+    return _greedy_whole(forward, ids, max_tokens)
+
+
+def _greedy_whole(forward, ids: list[int], max_tokens: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens, recomputing the whole sequence each time (`forward(x, ids)` -> logits),
+    and the first token's logprobs."""
     tokens, first = [], None
     for _ in range(max_tokens):
-        x = mx.array(ids)[None]
-        emb = model.get_input_embeddings(x, pixels, mask=mx.ones(x.shape, dtype=mx.int32)).inputs_embeds
-        allowed = _allowed(ids, image_id, True)
-        out = model.language_model(x, inputs_embeds=emb, mask=mx.array(allowed)[None, None])
+        out = forward(mx.array(ids)[None], ids)
         logits = (out.logits if hasattr(out, "logits") else out)[0, -1].astype(mx.float32)
         logprobs = np.array(logits - mx.logsumexp(logits))
         first = logprobs if first is None else first
@@ -598,15 +606,10 @@ def anyres_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tupl
                         cfg.vision_config.image_size // cfg.vision_config.patch_size)
     at = np.flatnonzero(np.asarray(ids) == cfg.image_token_index)
     assert len(at) == len(rows), (len(at), len(rows))  # transformers' processor counted the same rows
-    tokens, first = [], None
-    for _ in range(max_tokens):
-        x = mx.array(ids)[None]
+
+    def forward(x: mx.array, ids: list[int]):
         emb = np.array(model.language_model.model.embed_tokens(x)[0], dtype=np.float32)
         emb[at] = rows
-        out = model.language_model(x, inputs_embeds=mx.array(emb)[None])
-        logits = (out.logits if hasattr(out, "logits") else out)[0, -1].astype(mx.float32)
-        logprobs = np.array(logits - mx.logsumexp(logits))
-        first = logprobs if first is None else first
-        tokens.append(int(np.argmax(logprobs)))
-        ids.append(tokens[-1])
-    return tokens, first
+        return model.language_model(x, inputs_embeds=mx.array(emb)[None])
+
+    return _greedy_whole(forward, ids, max_tokens)
