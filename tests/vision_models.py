@@ -281,6 +281,19 @@ def _glm_ocr(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _granite_vision(path: str) -> tuple[dict, Any]:
+    """Granite Vision: LLaVA-NeXT's anyres packing over a SigLIP tower's features from several
+    layers side by side, a Granite language model (its muP multipliers)."""
+    cfg, processor = _llava_next(path)
+    cfg.update(model_type="granite_vision", vision_feature_layer=[-2, -1], vision_feature_select_strategy="full")
+    cfg["text_config"] = {**TEXT, "model_type": "granite", "embedding_multiplier": 4.0, "attention_multiplier": 0.25,
+                          "residual_multiplier": 0.5, "logits_scaling": 2.0, "attention_bias": False, "mlp_bias": False}
+    cfg["vision_config"] = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2,
+                            "intermediate_size": 64, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    processor.vision_feature_select_strategy, processor.num_additional_image_tokens = "full", 0
+    return cfg, processor
+
+
 def _llava_next(path: str) -> tuple[dict, Any]:
     """LLaVA-NeXT: a whole-image tile and high-resolution tiles ("anyres"), packed as transformers
     does (unpadded, a newline embedding after each row): the engine's own merge."""
@@ -429,10 +442,10 @@ def _llava_onevision(path: str) -> tuple[dict, Any]:
 BOTH_WAYS = {"gemma3"}
 # Families whose published merge mlx-vlm's departs from: their reference packs the image as
 # transformers does (`anyres_greedy`).
-ANYRES = {"llava_next"}
+ANYRES = {"llava_next", "granite_vision"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "llava_next": _llava_next, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
@@ -598,9 +611,12 @@ def anyres_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tupl
     pixel_values = mx.array(np.asarray(inputs["pixel_values"]))[0]
     size = tuple(int(v) for v in np.asarray(inputs["image_sizes"]).reshape(-1)[:2])
     *_, hidden = model.vision_tower(pixel_values.transpose(0, 2, 3, 1), output_hidden_states=True)
-    feats = model.multi_modal_projector(hidden[cfg.vision_feature_layer][:, 1:])
     with open(os.path.join(path, "config.json")) as f:
-        pinpoints = json.load(f)["image_grid_pinpoints"]
+        raw = json.load(f)
+    layers = raw["vision_feature_layer"] if isinstance(raw["vision_feature_layer"], list) else [raw["vision_feature_layer"]]
+    skip = 1 if raw["vision_feature_select_strategy"] == "default" else 0
+    feats = model.multi_modal_projector(mx.concatenate([hidden[i][:, skip:] for i in layers], axis=-1))
+    pinpoints = raw["image_grid_pinpoints"]
     rows = _pack_anyres(np.array(feats, dtype=np.float64), np.array(model.image_newline, dtype=np.float64), size,
                         pinpoints, cfg.vision_config.image_size,
                         cfg.vision_config.image_size // cfg.vision_config.patch_size)

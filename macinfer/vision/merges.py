@@ -1,5 +1,6 @@
 """Image merges the engine runs itself, for families whose mlx-vlm merge departs from the
-published model: LLaVA-NeXT's "anyres" packing (transformers' `pack_image_features`). The
+published model: LLaVA-NeXT's "anyres" packing (transformers' `pack_image_features`), which
+Granite Vision shares (features of several tower layers side by side). The
 vision tower and projector stay mlx-vlm's classes; only how their outputs become the
 rows of an image's placeholders is written here."""
 
@@ -44,10 +45,11 @@ def llava_next(vlm: Any, pixels: dict[str, Any], pinpoints: list) -> mx.array:
     values = mx.array(np.asarray(pixels["pixel_values"]))
     values = values.reshape(-1, *values.shape[-3:])[: 1 + grid_h * grid_w]  # the image's tiles, not the padding
     *_, hidden = vlm.vision_tower(values.transpose(0, 2, 3, 1), output_hidden_states=True)
-    feats = hidden[cfg.vision_feature_layer]
+    layers = cfg.vision_feature_layer
+    feats = [hidden[i] for i in (layers if isinstance(layers, (list, tuple)) else [layers])]
     if cfg.vision_feature_select_strategy == "default":
-        feats = feats[:, 1:]  # without the class token
-    feats = vlm.multi_modal_projector(feats)  # [tiles, side * side, D]
+        feats = [f[:, 1:] for f in feats]  # without the class token
+    feats = vlm.multi_modal_projector(mx.concatenate(feats, axis=-1))  # [tiles, side * side, D]
     base, rest = feats[0], feats[1:]
     if rest.shape[0] == 0:
         return base
@@ -65,7 +67,7 @@ Merge = Callable[[Any, dict[str, Any]], mx.array]  # (mlx-vlm's model, one image
 
 def merge_for(config: dict[str, Any]) -> Merge | None:
     """The engine's own merge for this checkpoint's family, or None (mlx-vlm's is used)."""
-    if config.get("model_type") == "llava_next":
+    if config.get("model_type") in ("llava_next", "granite_vision"):
         pinpoints = config.get("image_grid_pinpoints")
         if not pinpoints:
             raise ValueError("its config names no image_grid_pinpoints")
