@@ -410,6 +410,26 @@ def _internvl(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _internvl_hf(path: str) -> tuple[dict, Any]:
+    """InternVL 3.5 in transformers' layout (`internvl`): InternViT, pixel shuffle, a Qwen3 decoder."""
+    from mlx_vlm.models.internvl.processing_internvl import InternVLImageProcessor, InternVLProcessor
+
+    vision = {"model_type": "internvl_vision", "hidden_size": 32, "num_attention_heads": 2, "patch_size": 14,
+              "num_hidden_layers": 2, "intermediate_size": 64, "image_size": 56}
+    text = {**TEXT, "model_type": "qwen3", "head_dim": 16, "rope_theta": 1000000.0}
+    cfg = {"model_type": "internvl", "text_config": text, "vision_config": vision, "image_token_id": 261,
+           "downsample_ratio": 0.5, "max_dynamic_patch": 2, "use_thumbnail": True, "vocab_size": 300,
+           "eos_token_id": 2}
+    tok = _tokenizer(["<img>", "</img>", "<IMG_CONTEXT>"], "<IMG_CONTEXT>\n")
+    processor = InternVLProcessor(image_processor=InternVLImageProcessor(size=56, dynamic_max_num=2),
+                                  tokenizer=tok, num_image_token=4, chat_template=tok.chat_template)
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "InternVLProcessor", "image_seq_length": 4}, f)
+    processor.save_pretrained = lambda _path: None  # (written above)
+    return cfg, processor
+
+
 def _llava_onevision(path: str) -> tuple[dict, Any]:
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
@@ -445,7 +465,7 @@ BOTH_WAYS = {"gemma3"}
 ANYRES = {"llava_next", "granite_vision"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
