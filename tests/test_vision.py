@@ -80,13 +80,25 @@ def test_gemma3_image_tokens_attend_each_other_both_ways(vlm_dirs, budget):
 
 
 def test_llava_next_packs_an_image_as_transformers_does_not_as_mlx_vlm(vlm_dirs):
-    """LLaVA-NeXT's tiles packed as transformers' `pack_image_features` (the family test checks
-    the tokens against that reference): mlx-vlm's own merge, which departs from it, gives others."""
+    """LLaVA-NeXT's tiles packed as transformers' `pack_image_features`: a wide picture whose
+    padding rows are cut away (2 of 4 grid rows kept) gives the reference's tokens on the engine,
+    and mlx-vlm's own merge, which departs from it, gives others."""
     path = vlm_dirs["llava_next"]
     rendered = "<user><image>what is it<assistant>"
-    ours, _ = anyres_greedy(path, rendered, [picture(0)], 8)
-    theirs, _ = mlx_vlm_greedy(path, rendered, [picture(0)], 8)
-    assert ours != theirs
+    wide = picture(4, (30, 100))
+    reference, logprobs = anyres_greedy(path, rendered, [wide], 8)
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=512)
+    try:
+        ids, images = llm._chat_prompt(_ask("what is it", wide))
+        out = llm.generate([(ids, images)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                           logprobs=5))[0]
+    finally:
+        llm.close()
+    assert len(images.spans[0].rows) == 16 + 2 * (8 + 1)  # the whole-image tile, then 2 kept rows of 8 and newlines
+    assert out.token_ids == reference
+    assert max(abs(lp - logprobs[t]) for t, lp in out.logprobs[0].top) < 1e-4
+    theirs, _ = mlx_vlm_greedy(path, rendered, [wide], 8)
+    assert theirs != reference
 
 
 def test_gemma4_both_ways_images_and_per_layer_ids_each_matter(vlm_dirs):

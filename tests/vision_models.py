@@ -289,7 +289,7 @@ def _granite_vision(path: str) -> tuple[dict, Any]:
     cfg["text_config"] = {**TEXT, "model_type": "granite", "embedding_multiplier": 4.0, "attention_multiplier": 0.25,
                           "residual_multiplier": 0.5, "logits_scaling": 2.0, "attention_bias": False, "mlp_bias": False}
     cfg["vision_config"] = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2,
-                            "intermediate_size": 64, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+                            "intermediate_size": 64, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}
     processor.vision_feature_select_strategy, processor.num_additional_image_tokens = "full", 0
     return cfg, processor
 
@@ -300,14 +300,14 @@ def _llava_next(path: str) -> tuple[dict, Any]:
     from transformers import LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    pinpoints = [[28, 28], [28, 56], [56, 28], [56, 56]]
+    pinpoints = [[56, 56], [56, 112], [112, 56], [112, 112]]  # tiles of 4 x 4 patches: enough to cut padding away
     vision = {"model_type": "clip_vision_model", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
-              "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32}
+              "num_attention_heads": 2, "image_size": 56, "patch_size": 14, "projection_dim": 32}
     cfg = {"model_type": "llava_next", "text_config": TEXT, "vision_config": vision, "image_token_index": 259,
            "image_grid_pinpoints": pinpoints, "vision_feature_select_strategy": "default", "vision_feature_layer": -2,
            "vocab_size": 300, "eos_token_id": 2}
     tok = _tokenizer(["<image>"], "<image>")
-    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
                                                  image_grid_pinpoints=pinpoints)
     processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14,
                                    vision_feature_select_strategy="default", num_additional_image_tokens=1,
