@@ -14,6 +14,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 
+def _flag(v: Any) -> bool:
+    """A config flag as mlx-vlm's config classes may hold it: PaddleOCR-VL's `use_bias`
+    defaults to the tuple `(False,)` there, which is truthy."""
+    if isinstance(v, (list, tuple)):
+        v = v[0] if v else False
+    return bool(v)
+
+
 # Language models mlx-vlm names its own that are mlx-lm's classes under another name (the
 # same modules and weight names; the image side, multimodal RoPE included, is the engine's).
 TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -25,8 +33,8 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                                    "partial_rotary_factor", 1.0)},
     # PaddleOCR-VL's ERNIE-4.5 decoder rotates half-split pairs (mlx-lm's ernie4_5 rotates
     # even/odd ones): Llama's modules and names, every projection biased as `use_bias` says.
-    "paddleocr_vl": lambda t: {**t, "model_type": "llama", "attention_bias": bool(t.get("use_bias")),
-                               "mlp_bias": bool(t.get("use_bias"))},
+    "paddleocr_vl": lambda t: {**t, "model_type": "llama", "attention_bias": _flag(t.get("use_bias")),
+                               "mlp_bias": _flag(t.get("use_bias"))},
 }
 # Vision families whose mlx-lm wrapper cannot load their checkpoints, and why: their language
 # model alone, by mlx-lm's class for it (whose sanitize does what the wrapper's leaves out).
