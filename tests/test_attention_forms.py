@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from macinfer.kv import attention, prefill_plan
-from macinfer.kv.attention import _sdpa, block_heads, decode_mask, reference_decode_attention
+from macinfer.kv.dense import dense_attention, sdpa
+from macinfer.kv.attention import block_heads, decode_mask, reference_decode_attention
 from macinfer.models.llama import swiglu
 from macinfer.models.rope import FreqFactorRoPE, apply_rope_tables, make_rope, rope_tables
 from tests.helpers import PAGED_BS, float64_decode_attention, paged_case
@@ -55,9 +56,10 @@ def test_exp2_decode_with_several_queries_per_row(monkeypatch):
 
 @pytest.mark.parametrize("mask", ["causal", "window", None])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_explicit_sdpa_matches_the_fused_form(mask, sinks):
+@pytest.mark.parametrize("lk", [19, 7])  # a chunk after a cached prefix; a chunk alone
+def test_explicit_sdpa_matches_the_fused_form(mask, sinks, lk):
     rng = np.random.default_rng(1)
-    lq, lk, kvh, g, d = 7, 19, 2, 3, 32
+    lq, kvh, g, d = 7, 2, 3, 32
     q = mx.array(rng.normal(size=(1, kvh * g, lq, d)).astype(np.float32))
     k, v = (mx.array(rng.normal(size=(1, kvh, lk, d)).astype(np.float32)) for _ in range(2))
     if mask == "window":
@@ -65,9 +67,23 @@ def test_explicit_sdpa_matches_the_fused_form(mask, sinks):
         kpos = mx.arange(lk)[None, :]
         mask = (kpos <= qpos) & (kpos > qpos - 5)
     s = mx.array(np.linspace(-1, 1, kvh * g).astype(np.float32)) if sinks else None
-    fused = _sdpa(q, k, v, 0.2, mask, s, None)
-    explicit = _sdpa(q, k, v, 0.2, mask, s, None, explicit=True)
+    fused = sdpa(q, k, v, 0.2, mask, s, None)
+    explicit = sdpa(q, k, v, 0.2, mask, s, None, explicit=True)
     np.testing.assert_allclose(np.array(explicit), np.array(fused), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_causal_tiles_on_two_streams_match_the_fused_form(sinks):
+    """A 45-token chunk after 60 cached keys in 16-query tiles (the last one short), the tiles
+    alternating between the two CPU streams."""
+    rng = np.random.default_rng(2)
+    lq, lk, kvh, g, d = 45, 105, 3, 3, 64
+    q = mx.array(rng.normal(size=(1, kvh * g, lq, d)).astype(np.float32))
+    k, v = (mx.array(rng.normal(size=(1, kvh, lk, d)).astype(np.float32) * 2) for _ in range(2))
+    s = mx.array(np.linspace(-1, 3, kvh * g).astype(np.float32)) if sinks else None
+    fused = sdpa(q, k, v, 0.125, "causal", s, None)
+    tiled = dense_attention(q, k, v, 0.125, "causal", True, 16, s)
+    np.testing.assert_allclose(np.array(tiled), np.array(fused), atol=1e-5, rtol=1e-5)  # both ~5e-6 off float64
 
 
 ROPES = {

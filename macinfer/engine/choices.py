@@ -131,7 +131,7 @@ def choose_qmv(model: Any, mode: str, tuning: autotune.Tuning = autotune.Tuning(
 
 def choose_attention_ops(model: Any, layer_specs: list, tuning: autotune.Tuning = autotune.Tuning()) -> bool:
     """Whether prompt attention is written out in explicit ops (True) or MLX's fused SDPA."""
-    from macinfer.kv.attention import dense_attention
+    from macinfer.kv.dense import dense_attention
 
     cpu = mx.default_device() == mx.cpu
     shape = attention_shape(model, layer_specs)

@@ -21,7 +21,6 @@ short chunks of similar sizes together in one padded call (`prefill_plan`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,6 +30,7 @@ import numpy as np
 from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kernels.call import launch
 from macinfer.kv.cache import KVCache, kv_rows
+from macinfer.kv.dense import EXP2_MIN_SCORES, LOG2E, dense_attention, exp2_weights, sdpa
 from macinfer.kv.prefill_plan import PrefillSpan, SpanBatch, batch_mask, plan_prefills
 
 
@@ -96,31 +96,6 @@ class AttentionMetadata:
         return getattr(self.kind, "window", None)
 
 
-LOG2E = math.log2(math.e)
-# Below this many scores a softmax's exponentials cost less than the ops `exp2_weights` adds.
-EXP2_MIN_SCORES = 16384
-
-
-def exp2_weights(scores: mx.array, sinks: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """Unnormalised softmax weights and their sum over the last axis, for scores in
-    log2 units (logits * log2 e, folded into the query scale): 2^(s - max).
-
-    The same softmax as `mx.softmax` (to ~1e-6) with the division moved after the
-    PV matmul, onto [.., d] rows instead of [.., keys]. Written with `mx.power(2, .)`
-    because MLX's CPU `exp` costs ~15 ns an element against ~5 for `power` (measured
-    on this project's machines; numpy's exp: 0.6): exponentials are most of the
-    attention time on the CPU. `sinks` ([.., 1], log2 units): a logit per row that
-    only joins the denominator."""
-    top = scores.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        top = mx.maximum(top, sinks)
-    weights = mx.power(2.0, scores - top)
-    total = weights.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        total = total + mx.power(2.0, sinks - top)
-    return weights, total
-
-
 def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
                       sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
     pool = meta.kv_cache.pool(layer)
@@ -173,34 +148,6 @@ def decode_mask(context_lens: mx.array, length: int, floors: mx.array | None = N
     if floors is not None:
         mask = mask & (pos >= floors[:, None])
     return mask
-
-
-def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, sinks: mx.array | None,
-          softcap: float | None, explicit: bool = False) -> mx.array:
-    """q [B, H, Lq, d], k/v [B, kvh, Lk, d]; `mask` None, "causal" (aligned to the end),
-    a boolean [Lq, Lk] or [B, 1, Lq, Lk]. MLX's fused SDPA, or written out (`explicit`, for a backend
-    where MLX's SDPA is not a fused kernel, so each op's cost is what it is; and for
-    logit soft-capping, which the fused SDPA lacks): GQA by folding each KV head's
-    query heads into the rows of one matmul, softmax by `exp2_weights`."""
-    if softcap is None and not explicit and v.shape[-1] == q.shape[-1]:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
-    B, H, Lq, d = q.shape
-    kvh, Lk = k.shape[1], k.shape[2]
-    g = H // kvh
-    qscale = scale if softcap is not None else scale * LOG2E
-    scores = (q * qscale).reshape(B, kvh, g * Lq, d) @ k.swapaxes(-1, -2)  # [B, kvh, g * Lq, Lk]
-    scores = scores.reshape(B, kvh, g, Lq, Lk)
-    if softcap is not None:
-        scores = mx.tanh(scores / softcap) * (softcap * LOG2E)
-    if isinstance(mask, str):
-        mask = mx.arange(Lk)[None, :] <= mx.arange(Lk - Lq, Lk)[:, None]
-    if mask is not None:
-        mask = mask[:, :, None] if mask.ndim == 4 else mask  # [B, 1, Lq, Lk] -> over the group axis too
-        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-    sink = None if sinks is None else (sinks.astype(scores.dtype) * LOG2E).reshape(1, kvh, g, 1, 1)
-    weights, total = exp2_weights(scores, sink)
-    out = (weights.reshape(B, kvh, g * Lq, Lk) @ v) / total.reshape(B, kvh, g * Lq, 1)
-    return out.reshape(B, H, Lq, v.shape[-1])  # V may be narrower than K (MLA)
 
 
 def reference_decode_attention(
@@ -265,16 +212,6 @@ def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: P
     return mx.swapaxes(out[0], 0, 1)  # [n, H, d]
 
 
-def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str,
-                    explicit_ops: bool, tile: int | None, sinks: mx.array | None = None,
-                    softcap: float | None = None) -> mx.array:
-    """One chunk's queries [1, H, n, d] over its gathered context [1, kvh, c, d]: causal
-    chunks in query tiles where SDPA is not a fused kernel (`explicit_ops`)."""
-    if isinstance(mask, str) and explicit_ops and tile and q.shape[2] > tile:
-        return _causal_tiles(q, k, v, scale, sinks, softcap, tile)
-    return _sdpa(q, k, v, scale, mask, sinks, softcap, explicit=explicit_ops)
-
-
 def span_mask(span: PrefillSpan, kind) -> mx.array | str:
     """"causal", or [Lq, Lk] where the group's kind puts a floor above the table's first key,
     or where queries read past themselves (`PrefillSpan.key_ceilings`)."""
@@ -290,23 +227,6 @@ def span_mask(span: PrefillSpan, kind) -> mx.array | str:
     return mx.array(mask)
 
 
-def _causal_tiles(q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx.array | None,
-                  softcap: float | None, tile: int) -> mx.array:
-    """Causal attention in query tiles, each against the keys up to its last query:
-    what a fused kernel does by skipping fully masked tiles, for SDPA that computes
-    every score and masks afterwards (MLX's fallback). A 1,024-token prompt does ~56%
-    of the score and softmax work (128-token tiles); exact, since query rows are
-    independent. q [1, H, Lq, d], k/v [1, kvh, Lk, d], the chunk at the end of k."""
-    lq, lk = q.shape[2], k.shape[2]
-    outs = []
-    for start in range(0, lq, tile):
-        end = min(start + tile, lq)
-        keys = lk - lq + end  # "causal" aligns this tile's last query with the last key kept
-        outs.append(_sdpa(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], scale, "causal", sinks, softcap,
-                          explicit=True))
-    return mx.concatenate(outs, axis=2)
-
-
 def _batched_prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, b: SpanBatch, scale: float,
                                sinks: mx.array | None, softcap: float | None) -> mx.array:
     """A group of spans in one padded call: [n * length, H, d] (padding rows included)."""
@@ -314,7 +234,7 @@ def _batched_prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int,
     qb = q[b.q_rows].reshape(n, b.length, H, d).transpose(0, 2, 1, 3)
     k, v = (x[:, :, : b.context] for x in meta.kv_cache.pool(layer).gather(b.tables))  # [n, kvh, context, d]
     mask = meta.memo(("batch_mask", id(b)), lambda: batch_mask(b, meta.kind))
-    out = _sdpa(qb, k, v, scale, mask, sinks, softcap, explicit=meta.explicit_ops)
+    out = sdpa(qb, k, v, scale, mask, sinks, softcap, explicit=meta.explicit_ops)
     return out.transpose(0, 2, 1, 3).reshape(n * b.length, H, v.shape[-1])
 
 

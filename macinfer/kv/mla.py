@@ -25,7 +25,8 @@ from typing import Any
 import mlx.core as mx
 
 from macinfer.kernels import autotune
-from macinfer.kv.attention import AttentionMetadata, attend, dense_attention, span_mask
+from macinfer.kv.attention import AttentionMetadata, attend, span_mask
+from macinfer.kv.dense import dense_attention
 from macinfer.kv.prefill_plan import PrefillSpan
 
 log = logging.getLogger("macinfer")

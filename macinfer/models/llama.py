@@ -14,7 +14,8 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from macinfer.kv.attention import LOG2E, AttentionMetadata, paged_attention
+from macinfer.kv.attention import AttentionMetadata, paged_attention
+from macinfer.kv.dense import LOG2E
 from macinfer.kernels import quantized as quantized_kernels
 from macinfer.kernels.call import launch
 from macinfer.kv.spec import FullAttention, LayerKV
