@@ -15,6 +15,7 @@ import mlx.nn as nn
 
 from macinfer.loading import pooling as pooling_mod
 from macinfer.gguf.file import ModelLoadError
+from macinfer.kernels.streams import cpu_streams
 from macinfer.models import UnsupportedArchitectureError, build_model
 from macinfer.models.rope import extend_context, uses_scaled_rope
 from macinfer.text.tokenizer import TokenizerWrapper
@@ -213,8 +214,11 @@ def _load_mlx_dir(path: str, progress=None) -> tuple[dict[str, Any], dict[str, m
     return config, weights, TokenizerWrapper.from_dir(path, config)
 
 
-def _dequantize_modules(module: nn.Module) -> int:
-    """Swap quantized layers for float32 ones in place; returns how many were swapped."""
+def _dequantize_modules(module: nn.Module, turn: list[int] | None = None) -> int:
+    """Swap quantized layers for float32 ones in place; returns how many were swapped. The
+    layers alternate between two CPU streams (each dequantizes on its own core when the
+    parameters are evaluated)."""
+    streams, turn = cpu_streams(), turn if turn is not None else [0]
     count = 0
     for name, child in module.children().items():
         children = child if isinstance(child, list) else [child]
@@ -223,8 +227,10 @@ def _dequantize_modules(module: nn.Module) -> int:
                 continue
             new = None
             if isinstance(c, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                w = mx.dequantize(c.weight, c.scales, c.get("biases"), c.group_size, c.bits, mode=c.mode)
-                w = w.astype(mx.float32)  # exact: the values are the scales' dtype
+                turn[0] += 1
+                with mx.stream(streams[turn[0] % len(streams)]):
+                    w = mx.dequantize(c.weight, c.scales, c.get("biases"), c.group_size, c.bits, mode=c.mode)
+                    w = w.astype(mx.float32)  # exact: the values are the scales' dtype
                 if isinstance(c, nn.QuantizedLinear):
                     new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in c)
                     new.weight = w
@@ -240,7 +246,7 @@ def _dequantize_modules(module: nn.Module) -> int:
                 else:
                     setattr(module, name, new)
             else:
-                count += _dequantize_modules(c)
+                count += _dequantize_modules(c, turn)
     return count
 
 
