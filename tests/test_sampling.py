@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from macinfer.engine import sampler
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.engine.sampler import sample, uniform_noise
 from macinfer.engine.sequence import Sequence
@@ -122,7 +123,7 @@ def test_seeded_request_is_reproducible_alone_and_in_a_batch(tiny_llama):
 def test_logit_bias_moves_one_row_only():
     import mlx.core as mx
 
-    from macinfer.engine.sampler import sample, uniform_noise
+    from macinfer.engine.sampler import sample
     from macinfer.engine.sequence import Sequence
     from macinfer.sampling_params import SamplingParams
 
@@ -153,9 +154,11 @@ def test_noise_is_strictly_inside_the_unit_interval():
         assert mx.min(noise).item() > 0.0 and mx.max(noise).item() < 1.0
 
 
-def test_top_k_one_at_temperature_one_is_greedy_for_every_seed():
+def test_top_k_one_at_temperature_one_is_greedy_for_every_seed(monkeypatch):
     """On a SmolLM2-sized vocabulary: 2,000 (seed, position) pairs x 49k tokens, where
-    the old noise forced a random token ~6 times."""
+    the old noise forced a random token ~6 times. The whole vocabulary sorted (with at
+    most `MAX_CANDIDATES` only the best token would be a candidate: no mask to beat)."""
+    monkeypatch.setattr(sampler, "MAX_CANDIDATES", 0)
     logits = mx.array(np.random.default_rng(11).normal(size=(8, 49152)).astype(np.float32) * 3)
     greedy = np.array(sample(logits, _seqs(SamplingParams(temperature=0), 8)).token_ids)
     for seed0 in range(0, 2000, 8):
@@ -163,6 +166,30 @@ def test_top_k_one_at_temperature_one_is_greedy_for_every_seed():
         for s in seqs:
             s.output_token_ids = list(range(seed0 % 97))  # other output positions too
         assert np.array_equal(np.array(sample(logits, seqs).token_ids), greedy)
+
+
+def test_top_k_candidates_draw_what_the_whole_sorted_vocabulary_draws(monkeypatch):
+    """With every row's top-k at most `MAX_CANDIDATES` only that many tokens are sorted: the
+    same draws as the whole vocabulary sorted, with top-p and min-p beside top-k (their
+    probabilities over the whole vocabulary), a greedy row among them, over 100 seeds."""
+    rng = np.random.default_rng(5)
+    logits = mx.array(rng.normal(size=(6, 3000)).astype(np.float32) * 2)
+    params = [SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=0.7, top_k=5, top_p=0.6),
+              SamplingParams(temperature=1.3, top_k=300, min_p=0.05), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=2.0, top_k=300, top_p=0.3)]
+
+    def draws():
+        out = []
+        for seed0 in range(0, 600, 6):
+            seqs = [Sequence(f"r{i}", [1], p, seed0 + i) for i, p in enumerate(params)]
+            out.append(sample(logits, seqs).token_ids)
+        return np.array(out)
+
+    few = draws()
+    monkeypatch.setattr(sampler, "MAX_CANDIDATES", 0)
+    whole = draws()
+    assert np.array_equal(few, whole)
+    assert len(np.unique(few[:, 0])) > 10 and len(np.unique(few[:, 4])) == 1  # top-k 50 varies; top-k 1 does not
 
 
 def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(tiny_llama):
