@@ -14,6 +14,7 @@ docs/benchmarks.md."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import mlx.core as mx
 
@@ -44,9 +45,10 @@ def exp2_weights(scores: mx.array, sinks: mx.array | None = None) -> tuple[mx.ar
     return weights, total
 
 
-@mx.compile
+@partial(mx.compile, shapeless=True)
 def _pow2_from(scores: mx.array, top: mx.array) -> mx.array:
-    """2^(scores - top) as one fused op (one pass over the scores instead of two)."""
+    """2^(scores - top) as one fused op (one pass over the scores instead of two); shapeless,
+    so a new context length is not a new compilation."""
     return mx.power(2.0, scores - top)
 
 
