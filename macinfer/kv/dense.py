@@ -8,8 +8,8 @@ causal form: splits each chunk into query tiles against only the keys they see, 
 on two CPU streams (MLX runs each stream on its own thread: two cores instead of one), masks only
 the keys the chunk itself adds (the cached prefix before it is visible to every query), and
 takes the softmax denominator from the PV matmul (a column of ones beside V) instead of a
-separate reduction. Measured on SmolLM2-135M, an 8,000-token prompt on 2 cores: 118 s -> see
-docs/benchmarks.md."""
+separate reduction. SmolLM2-135M on 2 cores: an 8,000-token prompt 118 -> 83 s, 4,096 tokens
+130 -> 175 tok/s (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
