@@ -177,9 +177,10 @@ def test_codex_exec_with_its_defaults(tmp_path):
                 if not capped:
                     break
                 why = f"an answer ran to the {CODEX_MAX_TOKENS}-token cap"
-            # The model's doing, not the server's: every request so far was answered in full.
-            failed = [s for s in _summary(proxy) if not (s[2] and 200 <= s[2] < 300)]
-            assert not failed, failed
+            # The model's doing, not the server's: every finished request was answered in full (a
+            # stopped run may leave one in flight, which its disconnect aborts).
+            failed = [(r["path"], r["status"]) for r in list(proxy.records) if not 200 <= r["status"] < 300]
+            assert not failed, (failed, _summary(proxy))
             tried.append((prompt, why))
         assert result is not None and len(tried) < len(CODEX_PROMPTS), tried
         _check(proxy, result, "/v1/responses")
