@@ -15,6 +15,9 @@ import mlx.core as mx
 _STREAMS = [mx.new_thread_local_stream(mx.cpu) for _ in range(2)]
 
 
-def cpu_streams() -> list:
-    """This thread's two CPU streams."""
-    return _STREAMS
+def work_streams() -> list:
+    """Where independent pieces of work go: the two CPU streams when the default device is the
+    CPU, else the default device's own stream alone (a GPU's work stays on the GPU)."""
+    if mx.default_device() == mx.cpu:
+        return _STREAMS
+    return [mx.default_stream(mx.default_device())]

@@ -18,7 +18,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from macinfer.kernels.streams import cpu_streams
+from macinfer.kernels.streams import work_streams
 
 LOG2E = math.log2(math.e)
 # Below this many scores a softmax's exponentials cost less than the ops `exp2_weights` adds.
@@ -62,7 +62,7 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, sinks: mx.ar
     if softcap is None and not explicit and v.shape[-1] == q.shape[-1]:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
     if isinstance(mask, str) and softcap is None and k.shape[2] >= q.shape[2]:
-        return _causal(q, k, v, scale, sinks)
+        return _causal(q, k, _with_ones(v), scale, sinks)
     B, H, Lq, d = q.shape
     kvh, Lk = k.shape[1], k.shape[2]
     g = H // kvh
@@ -82,15 +82,19 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, sinks: mx.ar
     return out.reshape(B, H, Lq, v.shape[-1])  # V may be narrower than K (MLA)
 
 
-def _causal(q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
+def _with_ones(v: mx.array) -> mx.array:
+    """V with a column of ones after its last: the PV matmul then also sums the weights."""
+    return mx.concatenate([v, mx.ones((*v.shape[:3], 1), v.dtype)], axis=-1)
+
+
+def _causal(q: mx.array, k: mx.array, vx: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
     """Causal attention of a chunk at the end of its context, written out: the keys before the
     chunk need no mask, so only the chunk's own [Lq, Lq] scores are masked; the softmax
-    denominator comes out of the PV matmul as its last column (V with a column of ones)."""
+    denominator comes out of the PV matmul as its last column (`vx`: V `_with_ones`)."""
     B, H, Lq, d = q.shape
     kvh, Lk = k.shape[1], k.shape[2]
     g, prefix = H // kvh, Lk - Lq
     qs = (q * (scale * LOG2E)).reshape(B, kvh, g * Lq, d)
-    vx = mx.concatenate([v, mx.ones((*v.shape[:3], 1), v.dtype)], axis=-1)
     own = (qs @ k[:, :, prefix:].swapaxes(-1, -2)).reshape(B, kvh, g, Lq, Lq)
     seen = mx.arange(Lq)[None, :] <= mx.arange(Lq)[:, None]
     own = mx.where(seen, own, mx.array(-mx.inf, own.dtype)).reshape(B, kvh, g * Lq, Lq)
@@ -108,7 +112,7 @@ def _causal(q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx.array
     total = acc[..., -1:]
     if sink is not None:
         total = total + _pow2_from(sink.reshape(1, kvh, g * Lq, 1), top)
-    return (acc[..., :-1] / total).reshape(B, H, Lq, v.shape[-1])
+    return (acc[..., :-1] / total).reshape(B, H, Lq, vx.shape[-1] - 1)
 
 
 def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str,
@@ -127,15 +131,19 @@ def _causal_tiles(q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx
     what a fused kernel does by skipping fully masked tiles, for SDPA that computes
     every score and masks afterwards (MLX's fallback). A 1,024-token prompt does ~56%
     of the score and softmax work (128-token tiles); exact, since query rows are
-    independent. Tiles alternate between two CPU streams, so two run at once.
+    independent. On the CPU tiles alternate between two streams, so two run at once.
     q [1, H, Lq, d], k/v [1, kvh, Lk, d], the chunk at the end of k."""
     lq, lk = q.shape[2], k.shape[2]
     outs = []
-    streams = cpu_streams()
+    streams = work_streams()
+    vx = _with_ones(v) if softcap is None else None  # once for every tile
     for i, start in enumerate(range(0, lq, tile)):
         end = min(start + tile, lq)
         keys = lk - lq + end  # "causal" aligns this tile's last query with the last key kept
         with mx.stream(streams[i % len(streams)]):
-            outs.append(sdpa(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], scale, "causal", sinks, softcap,
-                             explicit=True))
+            if vx is not None:
+                outs.append(_causal(q[:, :, start:end], k[:, :, :keys], vx[:, :, :keys], scale, sinks))
+            else:
+                outs.append(sdpa(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], scale, "causal", sinks,
+                                 softcap, explicit=True))
     return mx.concatenate(outs, axis=2)

@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from macinfer.loading import pooling as pooling_mod
 from macinfer.gguf.file import ModelLoadError
-from macinfer.kernels.streams import cpu_streams
+from macinfer.kernels.streams import work_streams
 from macinfer.models import UnsupportedArchitectureError, build_model
 from macinfer.models.rope import extend_context, uses_scaled_rope
 from macinfer.text.tokenizer import TokenizerWrapper
@@ -217,8 +217,8 @@ def _load_mlx_dir(path: str, progress=None) -> tuple[dict[str, Any], dict[str, m
 def _dequantize_modules(module: nn.Module, turn: list[int] | None = None) -> int:
     """Swap quantized layers for float32 ones in place; returns how many were swapped. The
     layers alternate between two CPU streams (each dequantizes on its own core when the
-    parameters are evaluated)."""
-    streams, turn = cpu_streams(), turn if turn is not None else [0]
+    parameters are evaluated; this runs on the CPU device only)."""
+    streams, turn = work_streams(), turn if turn is not None else [0]
     count = 0
     for name, child in module.children().items():
         children = child if isinstance(child, list) else [child]
