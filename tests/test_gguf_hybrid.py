@@ -54,8 +54,9 @@ def test_hybrid_gguf_runs_like_mlx_lm(tmp_path, arch, model_type, extra):
 def _check_quantized_file(tmp_path, arch: str, config: dict, model, tensors: dict, quant: dict,
                           atol: float) -> None:
     """Write `tensors` with `quant` as Q8_0; the loader must read llama.cpp's own dequantized
-    values (to float16 rounding: MLX's affine form keeps scale and offset in float16), and
-    the engine must give mlx-lm's log-probs on those values within `atol`."""
+    values (MLX's affine form keeps scale and offset in float16, as Q8_0 does, and the CPU
+    expands them in float32, as llama.cpp does: the same numbers), and the engine must give
+    mlx-lm's log-probs on those values within `atol`."""
     path = str(tmp_path / "q.gguf")
     write_hybrid_gguf(path, arch, config, tensors, quant)
     stored = {n: dequantize(gguf.quants.quantize(tensors[n], Q.Q8_0), Q.Q8_0) for n in quant}
@@ -63,9 +64,10 @@ def _check_quantized_file(tmp_path, arch: str, config: dict, model, tensors: dic
                               config.get("text_config", config))
     _, loaded, _ = load_gguf(path)
     for name in [n[: -len(".scales")] for n in loaded if n.endswith(".scales")]:
-        values = mx.dequantize(loaded[f"{name}.weight"], loaded[f"{name}.scales"], loaded[f"{name}.biases"], 32, 8)
-        np.testing.assert_allclose(np.array(values), np.array(expected[f"{name}.weight"]), atol=1.3e-4)
-        expected[f"{name}.weight"] = values.astype(mx.float32)
+        values = mx.dequantize(loaded[f"{name}.weight"], loaded[f"{name}.scales"].astype(mx.float32),
+                               loaded[f"{name}.biases"].astype(mx.float32), 32, 8)
+        np.testing.assert_allclose(np.array(values), np.array(expected[f"{name}.weight"]), rtol=1e-6, atol=1e-7)
+        expected[f"{name}.weight"] = values
     model.load_weights(list(expected.items()))
     engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
     prompt = [int(x) for x in mx.random.randint(3, 300, (30,), key=mx.random.key(3)).tolist()]

@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from macinfer.gguf.arch import unpermute_rows
 from macinfer.gguf.file import ModelLoadError
+from macinfer.kernels.dequantize import dequantize_f32
 
 # GGUF architecture -> mlx-lm model_type
 ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
@@ -236,7 +237,7 @@ def _float(out: dict[str, mx.array], prefix: str, width: int) -> mx.array:
     w = out.pop(f"{prefix}.weight")
     if f"{prefix}.scales" not in out:
         return w
-    return mx.dequantize(w, out.pop(f"{prefix}.scales"), out.pop(f"{prefix}.biases"), 32, w.shape[-1] * 32 // width)
+    return dequantize_f32(w, out.pop(f"{prefix}.scales"), out.pop(f"{prefix}.biases"), 32, w.shape[-1] * 32 // width)
 
 
 def _kv_b_as_the_model_takes_it(config: dict[str, Any], out: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -325,5 +326,5 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
             else:  # a module MLX cannot quantize (a router held as a bare weight): float values
                 w, scales = tensors[key], tensors[f"{gname}.scales"]
                 bits = w.shape[-1] // scales.shape[-1]  # a group of 32 values packs into `bits` uint32s
-                out[param] = mx.dequantize(w, scales, tensors[f"{gname}.biases"], 32, bits).astype(mx.float32)
+                out[param] = dequantize_f32(w, scales, tensors[f"{gname}.biases"], 32, bits)
     return out

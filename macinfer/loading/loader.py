@@ -16,6 +16,7 @@ import mlx.nn as nn
 from macinfer.loading import pooling as pooling_mod
 from macinfer.gguf.file import ModelLoadError
 from macinfer.kernels.streams import work_streams
+from macinfer.kernels.dequantize import dequantize_f32
 from macinfer.models import UnsupportedArchitectureError, build_model
 from macinfer.models.rope import extend_context, uses_scaled_rope
 from macinfer.text.tokenizer import TokenizerWrapper
@@ -229,8 +230,7 @@ def _dequantize_modules(module: nn.Module, turn: list[int] | None = None) -> int
             if isinstance(c, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
                 turn[0] += 1
                 with mx.stream(streams[turn[0] % len(streams)]):
-                    w = mx.dequantize(c.weight, c.scales, c.get("biases"), c.group_size, c.bits, mode=c.mode)
-                    w = w.astype(mx.float32)  # exact: the values are the scales' dtype
+                    w = dequantize_f32(c.weight, c.scales, c.get("biases"), c.group_size, c.bits, c.mode)
                 if isinstance(c, nn.QuantizedLinear):
                     new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in c)
                     new.weight = w
