@@ -164,7 +164,9 @@ def _header(flags: list[str]) -> Path:
     folder = CACHE / ("h-" + hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:20])
     if not (folder / (HEADER + ".gch")).exists():
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / HEADER).write_text(text)
+        tmp = folder / f"{HEADER}.{os.getpid()}"  # whole or absent for another process (pytest's workers)
+        tmp.write_text(text)
+        os.replace(tmp, folder / HEADER)
         tmp = folder / f"{HEADER}.gch.{os.getpid()}"
         r = subprocess.run(["g++", *flags, "-x", "c++-header",
                             str(folder / HEADER), "-o", str(tmp)], capture_output=True, text=True)
@@ -184,7 +186,7 @@ def compile_source(src: str, sanitize: str | None = None) -> tuple[Path, list[Pa
     exe = CACHE / f"k-{key}"
     if not exe.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
-        cpp = CACHE / f"k-{key}.cpp"
+        cpp = CACHE / f"k-{key}.{os.getpid()}.cpp"
         cpp.write_text(code)
         r = subprocess.run(["g++", *flags, "-I", str(include), str(cpp), "-o", f"{exe}.{os.getpid()}"],
                            capture_output=True, text=True)
