@@ -234,6 +234,23 @@ def _kimi_vl(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _kimi_k25(path: str) -> tuple[dict, Any]:
+    """Kimi K2.5: MoonViT3d's patches merged 2x2, each merged patch layer-normed and
+    projected by an MLP; a DeepSeek-V3 language model."""
+    from mlx_vlm.models.kimi_k25.processing_kimi_k25 import KimiK25ImageProcessor, KimiK25Processor
+
+    cfg, _ = _kimi_vl(path)
+    cfg["model_type"] = "kimi_k25"
+    cfg["vision_config"] = {"model_type": "moonvit", "depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 2,
+                            "intermediate_size": 64, "patch_size": 14, "init_pos_emb_height": 8,
+                            "init_pos_emb_width": 8, "merge_kernel_size": [2, 2]}
+    tok = _tokenizer(["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"],
+                     "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>")
+    image_processor = KimiK25ImageProcessor(patch_size=14, in_token_limit=64, merge_kernel_size=[2, 2])
+    processor = KimiK25Processor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _paddleocr_vl(path: str) -> tuple[dict, Any]:
     """PaddleOCR-VL: a NaViT-style SigLIP tower (native resolution, 2x2 merge), multimodal RoPE in
     chunked sections, an ERNIE-4.5 decoder; its text parameters at the config's root."""
@@ -465,7 +482,7 @@ BOTH_WAYS = {"gemma3"}
 ANYRES = {"llava_next", "granite_vision"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 

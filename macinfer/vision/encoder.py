@@ -236,14 +236,18 @@ def _text_scale(vlm: nn.Module, embed: nn.Module) -> float:
 
 def _stack_key(pixels: dict[str, Any]) -> Any:
     """Images whose encoder inputs have this key can go in one call: the same arrays with the
-    same shapes past the first axis and dtypes, the same other values."""
-    key = []
+    same shapes past the first axis and dtypes (NumPy's: transformers' processors), the same
+    plain values. An input of another kind (MLX arrays from mlx-vlm's own processors, Kimi-VL's
+    list of grid shapes: how those join is the family's) makes the image a call of its own."""
+    key: list[Any] = []
     for k in sorted(pixels):
         if k == "input_ids":
             continue
         v = pixels[k]
         if isinstance(v, np.ndarray):
             key.append((k, v.shape[1:], str(v.dtype)))
-        else:
+        elif v is None or isinstance(v, (bool, int, float, str)):
             key.append((k, repr(v)))
+        else:
+            return object()  # equal to no other key
     return tuple(key)

@@ -42,7 +42,7 @@ FAMILIES: dict[str, str | None] = {
                "processor never makes (features and placeholders disagree): no reference to check against"),
     "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
                "run yet (issue #44)"),
-    "kimi_vl": None, "mllama": CROSS, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
+    "kimi_vl": None, "kimi_k25": None, "mllama": CROSS, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
     **{t: NOT_CHAT for t in ("sam3", "sam3_1", "sam3d_body", "sam3d_objects", "rfdetr", "rt_detr_v2", "siglip",
                              "pp_doclayout_v3", "video_depth_anything", "colidefics3", "colqwen2_5",
                              "qwen3_vl_embedding", "llama_nemotron_vl_embedding", "embedding_gemma2",
