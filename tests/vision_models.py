@@ -145,6 +145,12 @@ def _qwen3_5(path: str, moe: bool = False) -> tuple[dict, Any]:
     return _qwen3_family("qwen3_5_moe" if moe else "qwen3_5", text, [])
 
 
+def _indic_ocr(path: str) -> tuple[dict, Any]:
+    """IndicOCR's OCR stage: Qwen3.5 under its own model type (mlx-vlm's class is Qwen3.5's)."""
+    cfg, processor = _qwen3_5(path)
+    return {**cfg, "model_type": "indic_ocr"}, processor
+
+
 def _idefics3(path: str, model_type: str = "idefics3") -> tuple[dict, Any]:
     from transformers import Idefics3ImageProcessor, SmolVLMImageProcessor
 
@@ -483,7 +489,7 @@ ANYRES = {"llava_next", "granite_vision"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
 BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
-            "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
+            "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
 

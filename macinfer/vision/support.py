@@ -42,7 +42,11 @@ FAMILIES: dict[str, str | None] = {
                "processor never makes (features and placeholders disagree): no reference to check against"),
     "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
                "run yet (issue #44)"),
-    "kimi_vl": None, "kimi_k25": None, "mllama": CROSS, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
+    "kimi_vl": None, "kimi_k25": None, "indic_ocr": None, "mllama": CROSS,
+    "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
+             "not a generative chat model"),
+    "prism_hadamard_qwen35": ("its language model's layers take Hadamard-rotated activations (a quantization "
+                              "pack whose layers mlx-lm's Qwen3.5 class does not have); not run yet"), "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
     **{t: NOT_CHAT for t in ("sam3", "sam3_1", "sam3d_body", "sam3d_objects", "rfdetr", "rt_detr_v2", "siglip",
                              "pp_doclayout_v3", "video_depth_anything", "colidefics3", "colqwen2_5",
                              "qwen3_vl_embedding", "llama_nemotron_vl_embedding", "embedding_gemma2",
@@ -50,6 +54,7 @@ FAMILIES: dict[str, str | None] = {
 }
 # Families whose language model turns image positions by multimodal RoPE: the style.
 MROPE_STYLE = {"glm4v": "chunked", "glm_ocr": "chunked", "paddleocr_vl": "chunked", "qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
+               "indic_ocr": "interleaved",
                "qwen3_vl": "interleaved", "qwen3_vl_moe": "interleaved"}
 # Families whose vision tower also feeds the first decoder layers (Qwen3-VL's DeepStack).
 DEEPSTACK_FAMILIES = {"qwen3_vl", "qwen3_vl_moe"}

@@ -36,6 +36,9 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "paddleocr_vl": lambda t: {**t, "model_type": "llama", "attention_bias": _flag(t.get("use_bias")),
                                "mlp_bias": _flag(t.get("use_bias"))},
 }
+# Vision model types that are another family's checkpoint under a name of their own (mlx-vlm's
+# class is that family's, its weights named alike): the language model is built as that family's.
+SAME_AS = {"indic_ocr": "qwen3_5"}
 # Vision families whose mlx-lm wrapper cannot load their checkpoints, and why: their language
 # model alone, by mlx-lm's class for it (whose sanitize does what the wrapper's leaves out).
 LANGUAGE_MODEL_ALONE = {"kimi_vl": "mlx-lm's wrapper leaves DeepSeek-V3's kv_b_proj unsplit"}
