@@ -367,3 +367,32 @@ def test_an_image_that_fails_to_encode_ends_its_request_alone(vlm_dirs, monkeypa
         done.update({o.request_id: o for o in eng.step() if o.finished})
     assert [done[r].finish_reason for r in rids] == ["length", "error", "length"]
     assert "a broken image" in done[rids[1]].error
+
+
+def test_lfm2_vl_tiles_a_large_picture_as_mlx_vlm_does(vlm_dirs, tmp_path):
+    """LFM2-VL's processor cuts a picture past its token budget into tiles and a thumbnail,
+    with row/column markers between them: the engine's tokens and first-token logprobs are
+    mlx-vlm's on a 300 x 400 picture (the family test's picture goes whole)."""
+    import json
+    import shutil
+
+    path = str(tmp_path / "lfm2_vl-tiles")
+    shutil.copytree(vlm_dirs["lfm2_vl"], path)
+    with open(f"{path}/processor_config.json") as f:
+        config = json.load(f)
+    config["image_processor"].update(do_image_splitting=True, tile_size=64, min_tiles=2, max_tiles=4,
+                                     use_thumbnail=True)
+    with open(f"{path}/processor_config.json", "w") as f:
+        json.dump(config, f)
+    big = picture(3, (300, 400))
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=1024)
+    try:
+        ids, images = llm._chat_prompt(_ask("what is it", big))
+        assert len(images.spans) == 1 and len(images.spans[0].rows) > 16  # more than one view's rows
+        ours = llm.chat(_ask("what is it", big), GREEDY).token_ids
+        first = llm.chat(_ask("what is it", big), FIRST).logprobs[0].top
+    finally:
+        llm.close()
+    tokens, logprobs = mlx_vlm_greedy(path, "<user><image>what is it<assistant>", [big], 8)
+    assert ours == tokens
+    assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4

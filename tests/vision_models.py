@@ -257,6 +257,30 @@ def _kimi_k25(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _lfm2_vl(path: str) -> tuple[dict, Any]:
+    """LFM2-VL: a SigLIP2 NaFlex tower (patches packed to a budget, spatial shapes), 2x2 pixel
+    unshuffle, a layer-normed MLP projector; LFM2 language model (short convolutions and
+    attention layers). Small pictures go whole, without tiles."""
+    from transformers import Lfm2VlProcessor
+
+    from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import Lfm2VlNumpyImageProcessor
+    from tests.zoo import tiny_config
+
+    text = {**tiny_config("lfm2"), "vocab_size": 300, "max_position_embeddings": 2048}
+    vision = {"model_type": "lfm2_vl", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "patch_size": 16, "num_patches": 64, "image_size": 128}
+    cfg = {"model_type": "lfm2_vl", "text_config": text, "vision_config": vision, "image_token_id": 259,
+           "downsample_factor": 2, "encoder_patch_size": 16, "max_image_tokens": 16, "min_image_tokens": 4,
+           "max_num_patches": 64, "projector_hidden_size": 64, "do_image_splitting": False, "vocab_size": 300,
+           "eos_token_id": 2}
+    tok = _tokenizer(["<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"], "<image>")
+    image_processor = Lfm2VlNumpyImageProcessor(downsample_factor=2, encoder_patch_size=16, min_image_tokens=4,
+                                                max_image_tokens=16, tile_size=128, do_image_splitting=False)
+    processor = Lfm2VlProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+    processor.image_processor.do_image_splitting = False  # (its init puts the official tiling defaults back)
+    return cfg, processor
+
+
 def _paddleocr_vl(path: str) -> tuple[dict, Any]:
     """PaddleOCR-VL: a NaViT-style SigLIP tower (native resolution, 2x2 merge), multimodal RoPE in
     chunked sections, an ERNIE-4.5 decoder; its text parameters at the config's root."""
@@ -488,7 +512,7 @@ BOTH_WAYS = {"gemma3"}
 ANYRES = {"llava_next", "granite_vision"}
 TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 

@@ -42,7 +42,7 @@ FAMILIES: dict[str, str | None] = {
                "processor never makes (features and placeholders disagree): no reference to check against"),
     "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
                "run yet (issue #44)"),
-    "kimi_vl": None, "kimi_k25": None, "indic_ocr": None, "mllama": CROSS,
+    "kimi_vl": None, "kimi_k25": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
              "not a generative chat model"),
     "prism_hadamard_qwen35": ("its language model's layers take Hadamard-rotated activations (a quantization "
