@@ -27,6 +27,8 @@ BOTH_WAYS_IMAGES = {"gemma3"}
 NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
 CROSS = "its language model cross-attends to the image (no image tokens in the prompt), not run yet"
 ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
+SENTINEL = ("its prompt holds one sentinel id (-200) an image, which the merge replaces by all of the image's "
+            "feature rows (the prompt grows at the merge; the engine splices a row per placeholder); not run yet")
 # model_type -> None (runs: same greedy tokens and first-token logprobs as mlx-vlm on tiny random
 # weights, tests/test_vision.py) or why images are refused (the text still runs where mlx-lm does).
 FAMILIES: dict[str, str | None] = {
@@ -43,6 +45,7 @@ FAMILIES: dict[str, str | None] = {
     "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
                "run yet (issue #44)"),
     "kimi_vl": None, "kimi_k25": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
+    "fastvlm": SENTINEL, "llava_bunny": SENTINEL, "phi4_siglip": SENTINEL,
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
              "not a generative chat model"),
     "prism_hadamard_qwen35": ("its language model's layers take Hadamard-rotated activations (a quantization "
