@@ -51,12 +51,14 @@ system-packages:
 test: setup
 	$(MAKE) --no-print-directory _pytest
 
-# Two pytest workers, a test file each at a time (its module fixtures stay in one process),
-# files in collection order (the agent clients' long run first, not last): much of the suite
-# waits on servers, subprocesses, clients and sleeps, and the other worker fills it (2 cores:
-# ~13 -> ~11 minutes). TEST_WORKERS=0 runs it in one process.
+# Two pytest workers, a test file each at a time (its module fixtures stay in one process):
+# much of the suite waits on servers, subprocesses, clients and sleeps, and the other worker
+# fills it (2 cores: ~14.5 -> ~11 minutes). xdist's default order (files with the most tests
+# first) leaves the two-test agent-clients file last, so Codex's CPU-heavy prompt mostly runs
+# alone: in collection order it ran beside the heaviest files and the suite took ~25 s longer.
+# TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-PYTEST = $(RUN)python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST = $(RUN)python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 _pytest:
 	$(PYTEST) --durations=10 $(PYTEST_ARGS)
