@@ -245,11 +245,8 @@ def _kimi_k25(path: str) -> tuple[dict, Any]:
     projected by an MLP; a DeepSeek-V3 language model."""
     from mlx_vlm.models.kimi_k25.processing_kimi_k25 import KimiK25ImageProcessor, KimiK25Processor
 
-    cfg, _ = _kimi_vl(path)
+    cfg, _ = _kimi_vl(path)  # the same tiny tower and language model
     cfg["model_type"] = "kimi_k25"
-    cfg["vision_config"] = {"model_type": "moonvit", "depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 2,
-                            "intermediate_size": 64, "patch_size": 14, "init_pos_emb_height": 8,
-                            "init_pos_emb_width": 8, "merge_kernel_size": [2, 2]}
     tok = _tokenizer(["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"],
                      "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>")
     image_processor = KimiK25ImageProcessor(patch_size=14, in_token_limit=64, merge_kernel_size=[2, 2])
