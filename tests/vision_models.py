@@ -218,11 +218,9 @@ def _glm4v(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
-def _kimi_vl(path: str) -> tuple[dict, Any]:
-    """Kimi-VL: MoonViT (native resolution, patches merged 2x2), a DeepSeek-V3 language model
-    (multi-head latent attention, MoE)."""
-    from mlx_vlm.models.kimi_vl.processing_kimi_vl import KimiVLImageProcessor, KimiVLProcessor
-
+def _kimi(model_type: str, begin: str, image_processor_cls: type, processor_cls: type) -> tuple[dict, Any]:
+    """A MoonViT tower (native resolution, patches merged 2x2) and a DeepSeek-V3 language model
+    (multi-head latent attention, MoE), with the family's image marker and processor."""
     text = {"model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
             "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
             "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
@@ -231,27 +229,27 @@ def _kimi_vl(path: str) -> tuple[dict, Any]:
     vision = {"model_type": "moonvit", "depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 2,
               "intermediate_size": 64, "patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8,
               "merge_kernel_size": [2, 2]}
-    cfg = {"model_type": "kimi_vl", "text_config": text, "vision_config": vision, "media_placeholder_token_id": 261,
+    cfg = {"model_type": model_type, "text_config": text, "vision_config": vision, "media_placeholder_token_id": 261,
            "vocab_size": 300, "eos_token_id": 2}
-    tok = _tokenizer(["<|media_start|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"],
-                     "<|media_start|>image<|media_content|><|media_pad|><|media_end|>")
-    image_processor = KimiVLImageProcessor(patch_size=14, in_token_limit=64, merge_kernel_size=[2, 2])
-    processor = KimiVLProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+    tok = _tokenizer([begin, "<|media_content|>", "<|media_pad|>", "<|media_end|>"],
+                     f"{begin}image<|media_content|><|media_pad|><|media_end|>")
+    image_processor = image_processor_cls(patch_size=14, in_token_limit=64, merge_kernel_size=[2, 2])
+    processor = processor_cls(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
     return cfg, processor
+
+
+def _kimi_vl(path: str) -> tuple[dict, Any]:
+    from mlx_vlm.models.kimi_vl.processing_kimi_vl import KimiVLImageProcessor, KimiVLProcessor
+
+    return _kimi("kimi_vl", "<|media_start|>", KimiVLImageProcessor, KimiVLProcessor)
 
 
 def _kimi_k25(path: str) -> tuple[dict, Any]:
-    """Kimi K2.5: MoonViT3d's patches merged 2x2, each merged patch layer-normed and
-    projected by an MLP; a DeepSeek-V3 language model."""
+    """Kimi K2.5: each 2x2-merged patch layer-normed and projected by an MLP (mlx-vlm's own
+    processor, which hands back MLX arrays)."""
     from mlx_vlm.models.kimi_k25.processing_kimi_k25 import KimiK25ImageProcessor, KimiK25Processor
 
-    cfg, _ = _kimi_vl(path)  # the same tiny tower and language model
-    cfg["model_type"] = "kimi_k25"
-    tok = _tokenizer(["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"],
-                     "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>")
-    image_processor = KimiK25ImageProcessor(patch_size=14, in_token_limit=64, merge_kernel_size=[2, 2])
-    processor = KimiK25Processor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
-    return cfg, processor
+    return _kimi("kimi_k25", "<|media_begin|>", KimiK25ImageProcessor, KimiK25Processor)
 
 
 def _lfm2_vl(path: str) -> tuple[dict, Any]:
