@@ -12,8 +12,8 @@ from macinfer import LLM
 from macinfer.engine.block_manager import BlockManager
 from macinfer.sampling_params import SamplingParams
 from macinfer.vision.support import FAMILIES
-from tests.vision_models import (ANYRES, BOTH_WAYS, BUILDERS, anyres_greedy, both_ways_greedy, mlx_vlm_greedy, picture,
-                                 prompt_logprobs, tiny_vlm_dir)
+from tests.vision_models import (ANYRES, BOTH_WAYS, BUILDERS, PALIGEMMA_2, PROMPT_ONLY, anyres_greedy, both_ways_greedy,
+                                 mlx_vlm_greedy, mlx_vlm_prompt, picture, prompt_logprobs, tiny_vlm_dir)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
@@ -45,8 +45,9 @@ def test_family_gives_mlx_vlm_tokens_and_uses_the_image(vlm_dirs, family):
     llm = LLM(vlm_dirs[family], kv_cache_gb=0.01, max_model_len=512)
     try:
         messages = _ask("what is it", picture(0))
-        rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
-                                                                                   {"type": "text", "text": "what is it"}]}])
+        rendered = mlx_vlm_prompt(vlm_dirs[family], "what is it", 1) if family in PROMPT_ONLY else \
+            llm.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                            {"type": "text", "text": "what is it"}]}])
         ours = llm.chat(messages, GREEDY).token_ids
         reference = both_ways_greedy if family in BOTH_WAYS else anyres_greedy if family in ANYRES else mlx_vlm_greedy
         tokens, logprobs = reference(vlm_dirs[family], rendered, [picture(0)], 8)
@@ -77,6 +78,56 @@ def test_gemma3_image_tokens_attend_each_other_both_ways(vlm_dirs, budget):
     both, causal = (prompt_logprobs(path, rendered, [picture(0)], b) for b in (True, False))
     assert np.abs(ours - both).max() < 1e-4
     assert np.abs(both - causal).max() > 1e-2  # the rule matters on this model
+
+
+@pytest.mark.parametrize("budget", [512, 5])
+def test_paligemma_prompt_attends_both_ways_whole(vlm_dirs, budget):
+    """PaliGemma is a prefix LM (transformers' token types, mlx-vlm's prefill mask): every
+    prompt position reads the whole prompt. A 5-token budget would cut its 35-token prompt: it
+    is prefilled whole in one step instead. Each of its blocks depends on the whole prompt, so
+    the same picture with other words shares no block, and the same prompt again hits."""
+    path = vlm_dirs["paligemma"]
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=512, max_num_batched_tokens=budget)
+    try:
+        ids, images = llm._chat_prompt(_ask("what is in the picture, please?", picture(0)))
+        params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, ignore_eos=True)
+        out = llm.generate([(ids, images)], params)[0]
+        # (prompt logprobs read every position: the repeat asks for none, so the cache may answer)
+        plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        once, again = (llm.generate([llm._chat_prompt(_ask("what is in the picture, please?", picture(0)))], plain)[0]
+                       for _ in range(2))
+        eng, bm = llm.engine, llm.engine.block_manager
+        seqs = []
+        for words in ("same words here", "same words there"):
+            ids, images = llm._chat_prompt(_ask(words, picture(3)))
+            rid = eng.add_request(ids, GREEDY, images=images)
+            seqs.append(eng.requests[rid].seq)
+        ha, hb = (bm._hashes(s, 1) for s in seqs)
+        assert seqs[0].token_ids[:bm.block_size] == seqs[1].token_ids[:bm.block_size] and ha != hb
+        for s in seqs:
+            eng.abort_request(s.request_id)
+    finally:
+        llm.close()
+    assert once.token_ids == again.token_ids == out.token_ids and again.num_cached_tokens > 0
+    ours = np.array([p.logprob for p in out.prompt_logprobs[1:]])
+    rendered = mlx_vlm_prompt(path, "what is in the picture, please?", 1)
+    both, causal = (prompt_logprobs(path, rendered, [picture(0)], False, prefix=b) for b in (True, False))
+    assert np.abs(ours - both).max() < 1e-4
+    assert np.abs(both - causal).max() > 1e-2  # the rule matters on this model
+    assert out.token_ids == mlx_vlm_greedy(path, rendered, [picture(0)], 4)[0]
+
+
+def test_paligemma_2_gives_mlx_vlm_tokens(tmp_path):
+    path = tiny_vlm_dir(tmp_path, "paligemma", text=PALIGEMMA_2)
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=512)
+    try:
+        first = llm.chat(_ask("what is it", picture(0)), FIRST).logprobs[0].top
+        ours = llm.chat(_ask("what is it", picture(0)), GREEDY).token_ids
+    finally:
+        llm.close()
+    tokens, logprobs = mlx_vlm_greedy(path, mlx_vlm_prompt(path, "what is it", 1), [picture(0)], 8)
+    assert ours == tokens
+    assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4
 
 
 def test_llava_next_packs_an_image_as_transformers_does_not_as_mlx_vlm(vlm_dirs):

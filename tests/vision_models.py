@@ -409,6 +409,35 @@ def _gemma4(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _paligemma(path: str) -> tuple[dict, Any]:
+    """PaliGemma: SigLIP, one linear projection, a Gemma prefix LM (the whole prompt attends both
+    ways). No chat template, as published: the processor writes the prompt around the text."""
+    from transformers import SiglipImageProcessor
+
+    from mlx_vlm.models.paligemma.processing_paligemma import PaliGemmaProcessor
+
+    tok = _tokenizer(["<image>"], "<image>", {"image_token": "<image>"})
+    tok.chat_template = None
+    image_processor = SiglipImageProcessor(size={"height": 28, "width": 28})
+    image_processor.image_seq_length = 4  # (28 / 14)^2 patches, as published checkpoints set it
+    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok)  # adds <loc>/<seg> tokens
+    vocab = len(processor.tokenizer)
+    text = {"model_type": "gemma", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": vocab,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+              "num_attention_heads": 2, "patch_size": 14, "image_size": 28, "projection_dim": 64}
+    cfg = {"model_type": "paligemma", "text_config": text, "vision_config": vision,
+           "image_token_index": tok.convert_tokens_to_ids("<image>"), "hidden_size": 64, "projection_dim": 64,
+           "vocab_size": vocab, "pad_token_id": 0, "eos_token_id": 2}
+    return cfg, processor
+
+
+# PaliGemma 2: the same wrapper over a Gemma 2 decoder (soft-capped logits, sandwich norms).
+PALIGEMMA_2 = {"model_type": "gemma2", "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "query_pre_attn_scalar": 16, "sliding_window": 512}
+
+
 def _aya_vision(path: str) -> tuple[dict, Any]:
     """Aya Vision: SigLIP tiles (a global one after the crops), pixel shuffle, Cohere2 language model."""
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -505,9 +534,11 @@ BOTH_WAYS = {"gemma3"}
 # Families whose published merge mlx-vlm's departs from: their reference packs the image as
 # transformers does (`anyres_greedy`).
 ANYRES = {"llava_next", "granite_vision"}
-TIED = {"gemma3", "gemma4"}  # checkpoints with the embedding as the output head
+# Families with no chat template (prefix LMs): the reference prompt is mlx-vlm's own format.
+PROMPT_ONLY = {"paligemma"}
+TIED = {"gemma3", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
@@ -577,6 +608,16 @@ def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tup
     return tokens, first
 
 
+def mlx_vlm_prompt(path: str, text: str, num_images: int) -> str:
+    """The prompt mlx-vlm's own `apply_chat_template` writes for one user message."""
+    from mlx_vlm import load
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import load_config
+
+    _, processor = load(path)
+    return apply_chat_template(processor, load_config(path), text, num_images=num_images)
+
+
 def _allowed(ids: list[int], image_id: int, both_ways: bool) -> np.ndarray:
     """Causal, and (`both_ways`) each image's run of placeholders attending to itself whole."""
     n = len(ids)
@@ -588,9 +629,10 @@ def _allowed(ids: list[int], image_id: int, both_ways: bool) -> np.ndarray:
     return allowed
 
 
-def prompt_logprobs(path: str, prompt: str, images: list, both_ways: bool) -> np.ndarray:
+def prompt_logprobs(path: str, prompt: str, images: list, both_ways: bool, prefix: bool = False) -> np.ndarray:
     """mlx-vlm's classes (float32): each prompt token's logprob given the ones before it, under
-    the causal mask or transformers' Gemma 3 mask (`both_ways`)."""
+    the causal mask, transformers' Gemma 3 mask (`both_ways`) or a prefix LM's (`prefix`: the
+    whole prompt both ways)."""
     from mlx_vlm import load
 
     model, processor = load(path)
@@ -598,7 +640,9 @@ def prompt_logprobs(path: str, prompt: str, images: list, both_ways: bool) -> np
     ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
     x = mx.array(ids)[None]
     emb = model.get_input_embeddings(x, mx.array(inputs["pixel_values"]), mask=mx.ones(x.shape, dtype=mx.int32))
-    mask = mx.array(_allowed(ids, model.config.image_token_index, both_ways))[None, None]
+    allowed = np.ones((len(ids), len(ids)), dtype=bool) if prefix else _allowed(ids, model.config.image_token_index,
+                                                                                  both_ways)
+    mask = mx.array(allowed)[None, None]
     out = model.language_model(x, inputs_embeds=emb.inputs_embeds, mask=mask)
     logits = (out.logits if hasattr(out, "logits") else out)[0].astype(mx.float32)
     logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))

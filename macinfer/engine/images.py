@@ -61,6 +61,8 @@ def prepare(vision: Any, refusal: str | None, prompt: list[int], images: list) -
         raise ImageError(f"{len(images)} images; at most {vision.limits.max_images} a request")
     ids, inputs = vision.processor.expand(prompt, images)
     inputs.both_ways = vision.both_ways
+    if vision.prefix_lm:
+        inputs.set_prefix(ids)
     if vision.mrope is not None:
         inputs.rope, inputs.rope_delta = vision.encoder.positions(ids, inputs.spans)
     return ids, inputs

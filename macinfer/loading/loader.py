@@ -322,12 +322,13 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
             raise
         # A vision checkpoint whose wrapper mlx-lm lacks: its language model alone, by mlx-lm's
         # class for the text model type (`vision/text_model.py`); its config stays the checkpoint's.
-        from macinfer.vision.text_model import language_model
+        from macinfer.vision.text_model import follow_published, language_model
 
         try:
             text, weights = language_model(path)
             text = extend_context(text, *context) if context is not None else text
             model = build_model(text, "mlx-lm")  # mlx-lm's class: the one that takes image embeddings
+            follow_published(model, text)
         except (ValueError, KeyError, TypeError, UnsupportedArchitectureError) as inner:
             raise UnsupportedArchitectureError(f"{e}; its language model alone: {inner}") from None
         extended = {**config, **{k: v for k, v in text.items() if k != "model_type"}}

@@ -35,17 +35,34 @@ class ImageInputs:
     # Gemma 3's rule (transformers'): an image's placeholder tokens attend to each other both
     # ways; the rest is causal. A prompt chunk then holds an image's placeholders whole.
     both_ways: bool = False
+    # A prefix LM (PaliGemma): the prompt's first `prefix` tokens (all of it) attend to each
+    # other both ways, so every block of it depends on the whole prompt (`prefix_digest`).
+    prefix: int = 0
+    prefix_digest: bytes = b""
 
-    def _blocks(self) -> list[tuple[int, int]]:
-        """Each image's placeholder block [first, last] (positions)."""
-        return [(s.offset + s.rows[0], s.offset + s.rows[-1]) for s in self.spans]
+    def set_prefix(self, ids: list[int]) -> None:
+        import hashlib
 
-    def key_ceilings(self, positions: Any) -> Any:
-        """The last key each of `positions` (numpy ints) may read: itself, or for a placeholder
-        of a both-ways image, the image's last placeholder. None when no position is one."""
         import numpy as np
 
-        if not self.both_ways:
+        h = hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=16)
+        for s in self.spans:
+            h.update(s.digest)
+        self.prefix, self.prefix_digest = len(ids), h.digest()
+
+    def _blocks(self) -> list[tuple[int, int]]:
+        """The blocks [first, last] (positions) whose tokens attend to each other both ways:
+        the prefix, or each both-ways image's placeholders."""
+        if self.prefix:
+            return [(0, self.prefix - 1)]
+        return [(s.offset + s.rows[0], s.offset + s.rows[-1]) for s in self.spans] if self.both_ways else []
+
+    def key_ceilings(self, positions: Any) -> Any:
+        """The last key each of `positions` (numpy ints) may read: itself, or inside a both-ways
+        block (`_blocks`), the block's last token. None when no position is in one."""
+        import numpy as np
+
+        if not self.both_ways and not self.prefix:
             return None
         out, hit = np.asarray(positions).copy(), False
         for first, last in self._blocks():
@@ -55,10 +72,8 @@ class ImageInputs:
         return out if hit else None
 
     def chunk_end(self, start: int, end: int) -> int:
-        """Where a prompt chunk [start, end) may end: never inside a both-ways image block
-        (before the image when the chunk starts before it, else after the whole image)."""
-        if not self.both_ways:
-            return end
+        """Where a prompt chunk [start, end) may end: never inside a both-ways block (before
+        it when the chunk starts before it, else after the whole block)."""
         for first, last in self._blocks():
             if first < end <= last:
                 return first if first > start else last + 1
@@ -79,7 +94,10 @@ class ImageInputs:
 
     def block_key(self, start: int, end: int) -> bytes:
         """What a prefix-cache block over positions [start, end) adds to its hash: each
-        image whose placeholders it covers, by content and by where the block cuts it."""
+        image whose placeholders it covers, by content and by where the block cuts it (in a
+        prefix LM's prompt: the whole prompt, which each of its blocks depends on)."""
+        if start < self.prefix:
+            return self.prefix_digest + start.to_bytes(8, "little", signed=True)
         return b"".join(s.digest + (start - s.offset).to_bytes(8, "little", signed=True)
                         for s in self.overlapping(start, end))
 

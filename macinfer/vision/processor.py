@@ -33,13 +33,17 @@ class VisionProcessor:
     """Turns (prompt ids with image markers, images) into the expanded prompt and an
     `ImageInputs` for the engine."""
 
-    def __init__(self, processor: Any, tokenizer: Any, image_token_id: int, marker: list[int]):
+    def __init__(self, processor: Any, tokenizer: Any, image_token_id: int, marker: list[int],
+                 placeholders_only: bool = False):
         self.processor, self.tokenizer = processor, tokenizer
         self.image_token_id, self.marker = image_token_id, marker
+        # The processor writes the whole prompt around any text (PaliGemma: BOS and a newline),
+        # which the template writes too: an image's expansion is its run of placeholders alone.
+        self.placeholders_only = placeholders_only
         self._marker_text = tokenizer.decode(marker, skip_special_tokens=False)
 
     @classmethod
-    def load(cls, path: str, tokenizer: Any, image_token_id: int) -> "VisionProcessor":
+    def load(cls, path: str, tokenizer: Any, image_token_id: int, placeholders_only: bool = False) -> "VisionProcessor":
         """The checkpoint's processor; the template's image marker found by a probe render.
         Raises ValueError with the reason when the template shows no image."""
         from mlx_vlm.utils import load_processor
@@ -55,13 +59,17 @@ class VisionProcessor:
         marker = _find_marker(with_image, without)
         if not marker:
             raise ValueError("its chat template renders no marker for an image part")
-        return cls(processor, tokenizer, image_token_id, marker)
+        return cls(processor, tokenizer, image_token_id, marker, placeholders_only)
 
     def _expand_one(self, image: Any, after: list[int]) -> tuple[list[int], dict[str, Any]]:
         """The marker expanded for `image` by the model's processor, and its encoder inputs.
         The marker goes in with the prompt's next few tokens (`after`): a processor may write
         something that depends on them (Idefics2: a space before text that follows an image
         directly); when they come back unchanged, what stands before them is the expansion."""
+        if self.placeholders_only:
+            ids, pixels = self._run(self._marker_text, image)
+            run = next((i for i, t in enumerate(ids) if t != self.image_token_id), len(ids))
+            return ids[:run], pixels
         follow = after[:_FOLLOW]
         ids, pixels = self._run(self._marker_text + self.tokenizer.decode(follow, skip_special_tokens=False)
                                 if follow else self._marker_text, image)
@@ -81,7 +89,7 @@ class VisionProcessor:
         if ids and bos is not None and ids[0] == bos and self.marker[0] != bos:
             ids = ids[1:]
         pixels = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids",
-                                                                 "mm_token_type_ids")}
+                                                                 "mm_token_type_ids", "labels")}
         return ids, pixels
 
     def expand(self, prompt: list[int], images: list[Any]) -> tuple[list[int], ImageInputs]:

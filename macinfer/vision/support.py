@@ -18,12 +18,22 @@ log = logging.getLogger(__name__)
 
 MROPE = ("its MoE language model (GLM-4.5V's) is not matched to mlx-lm's glm4_moe names and checked on a "
          "tiny model yet")
-BOTH_WAYS = ("a prefix LM with no chat template (the processor builds its prompt: image tokens, BOS, the "
-             "prefix, a newline) whose whole prefix attends both ways; not run yet")
 # Families whose image tokens attend to each other both ways (transformers' Gemma 3; mlx-vlm
 # runs them causally: the tests check against mlx-vlm's own classes with that mask). Gemma 4
 # says so in its config (`use_bidirectional_attention: "vision"`), and mlx-vlm follows it.
 BOTH_WAYS_IMAGES = {"gemma3"}
+# Prefix LMs (PaliGemma): the whole prompt attends both ways (transformers' token types: the
+# prompt is all prefix), the output causally. They ship no chat template: their processor
+# writes the prompt (the images' placeholders, BOS, the text, a newline), and so does this
+# one, from a single user message (mlx-vlm's prompt format for them takes the last message).
+PREFIX_LM = {"paligemma"}
+PREFIX_LM_TEMPLATE = (
+    "{% if messages | length != 1 or messages[0]['role'] != 'user' %}{{ raise_exception('this model is a "
+    "prefix LM with no chat format: it takes one user message (an instruction such as \\'caption en\\' "
+    "and its images)') }}{% endif %}{% set m = messages[0] %}{% if m['content'] is string %}"
+    "{{ bos_token }}{{ m['content'] }}{% else %}{% for p in m['content'] if p['type'] == 'image' %}<image>"
+    "{% endfor %}{{ bos_token }}{% for p in m['content'] if p['type'] == 'text' %}{{ p['text'] }}{% endfor %}"
+    "{% endif %}{{ '\\n' }}")  # (Jinja drops a template's last newline)
 NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
 CROSS = "its language model cross-attends to the image (no image tokens in the prompt), not run yet"
 ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
@@ -35,7 +45,7 @@ FAMILIES: dict[str, str | None] = {
     "llava": None, "mistral3": None, "pixtral": None, "internvl_chat": None, "internvl": None, "llava_onevision": None, "idefics3": None, "smolvlm": None,
     "llava_next": None, "granite_vision": None, "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
     "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": None, "glm4v_moe": MROPE,
-    "gemma3": None, "gemma4": None, "aya_vision": None, "paddleocr_vl": None, "glm_ocr": None, "paligemma": BOTH_WAYS,
+    "gemma3": None, "gemma4": None, "aya_vision": None, "paddleocr_vl": None, "glm_ocr": None, "paligemma": None,
     "idefics2": None,
     "gemma3n": ("mlx-vlm's MobileNetV5 tower is built at full size whatever the config says (no tiny model to "
                 "check against), and its image's begin and end tokens are embedded by a vision embedding of "
@@ -122,6 +132,7 @@ class Vision:
     # The language model also reads the prompt's ids (Gemma 3n/4's per-layer inputs): an image
     # placeholder's id is read as the pad id there, as the family's own merge does.
     pad_image_ids: bool = False
+    prefix_lm: bool = False  # the whole prompt attends both ways (PaliGemma)
 
 
 def both_ways_images(config: dict[str, Any]) -> bool:
@@ -157,7 +168,10 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
             if not scaling.get("mrope_section"):
                 return None, "its config names no mrope_section for its multimodal RoPE"
             mrope = (list(scaling["mrope_section"]), style)
-        processor = VisionProcessor.load(path, tokenizer, token)
+        prefix_lm = config.get("model_type") in PREFIX_LM
+        if prefix_lm and not tokenizer.chat_template:
+            tokenizer.set_chat_template(PREFIX_LM_TEMPLATE)
+        processor = VisionProcessor.load(path, tokenizer, token, placeholders_only=prefix_lm)
         deepstack = len(config["vision_config"].get("deepstack_visual_indexes") or []) \
             if config.get("model_type") in DEEPSTACK_FAMILIES else 0
         encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None,
@@ -167,4 +181,4 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         return None, f"its processor or vision tower could not be loaded ({str(e).splitlines()[0][:200]})"
     text = config.get("text_config") or config
     return Vision(processor, encoder, limits or ImageLimits(), mrope, both_ways_images(config), deepstack,
-                  bool(text.get("hidden_size_per_layer_input"))), None
+                  bool(text.get("hidden_size_per_layer_input")), prefix_lm), None

@@ -44,6 +44,25 @@ SAME_AS = {"indic_ocr": "qwen3_5"}
 LANGUAGE_MODEL_ALONE = {"kimi_vl": "mlx-lm's wrapper leaves DeepSeek-V3's kv_b_proj unsplit"}
 
 
+def follow_published(model: Any, text: dict[str, Any]) -> None:
+    """Where mlx-lm's class departs from the checkpoint's published semantics, the layers are
+    made to follow them (swapped once, at load, parameters untouched): mlx-lm's Gemma (1) MLP
+    runs the exact GELU; transformers' Gemma always runs the tanh approximation (its config's
+    legacy "gelu" included), which PaliGemma's config names and mlx-vlm follows."""
+    if text.get("model_type") != "gemma":
+        return
+    import mlx.nn as nn
+    from mlx_lm.models import gemma
+
+    class TanhGeluMLP(gemma.MLP):
+        def __call__(self, x: mx.array) -> mx.array:
+            return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+    for _, module in model.named_modules():
+        if type(module) is gemma.MLP:
+            module.__class__ = TanhGeluMLP
+
+
 def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     """(text config for mlx-lm, the language model's weights) of the checkpoint at `path`,
     the weights lazy (read when the engine evaluates them). Raises ValueError with the reason."""
