@@ -447,3 +447,29 @@ def test_lfm2_vl_tiles_a_large_picture_as_mlx_vlm_does(vlm_dirs, tmp_path):
     tokens, logprobs = mlx_vlm_greedy(path, "<user><image>what is it<assistant>", [big], 8)
     assert ours == tokens
     assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4
+
+
+def test_minicpmv_slices_a_large_picture_and_numbers_each_image_as_mlx_vlm_does(vlm_dirs):
+    """MiniCPM-V cuts a large picture into slices after its whole view, and writes each image's
+    number before it (counted over the prompt; the engine expands an image alone, so its
+    processor's rule renumbers it): the prompt is the processor's own and the tokens and
+    first-token logprobs mlx-vlm's, for a 300 x 400 picture and for two pictures."""
+    from mlx_vlm import load
+
+    path = vlm_dirs["minicpmv4_6"]
+    _, processor = load(path)
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=1024)
+    try:
+        for pictures in ([picture(3, (300, 400))], [picture(0), picture(1)]):
+            rendered = "<user>" + "<image>./</image>" * len(pictures) + "what is it<assistant>"
+            ids, images = llm._chat_prompt(_ask("what is it", *pictures))
+            assert len(pictures) > 1 or len(images.spans[0].rows) > 4  # the whole view's 4 rows and slices
+            assert ids == np.asarray(processor(text=[rendered], images=pictures)["input_ids"]).reshape(-1).tolist()
+            ours = llm.chat(_ask("what is it", *pictures), GREEDY).token_ids
+            first = llm.chat(_ask("what is it", *pictures), FIRST).logprobs[0].top
+            tokens, logprobs = mlx_vlm_greedy(path, rendered, pictures, 8)
+            assert ours == tokens
+            assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4
+        assert len(images.spans) == 2
+    finally:
+        llm.close()

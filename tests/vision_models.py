@@ -438,6 +438,33 @@ PALIGEMMA_2 = {"model_type": "gemma2", "attn_logit_softcapping": 50.0, "final_lo
                "query_pre_attn_scalar": 16, "sliding_window": 512}
 
 
+def _minicpmv(path: str) -> tuple[dict, Any]:
+    """MiniCPM-V 4.6: a SigLIP tower merged 2x2 inside (after `insert_layer_id`) and 2x2 after,
+    an image as a whole view and slices, each `<image>`/`<slice>` around its placeholders, the
+    image's number before it; a Qwen3.5 language model with plain positions."""
+    from mlx_vlm.models.minicpmv4_6.processing_minicpmv4_6 import (MiniCPMVImageProcessor, MiniCPMVProcessor,
+                                                                  MiniCPMVVideoProcessor)
+
+    cfg, _ = _qwen3_5(path)
+    text = {**cfg["text_config"], "vocab_size": 300}
+    vision = {"model_type": "minicpmv4_6_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": 112, "patch_size": 14}
+    cfg = {"model_type": "minicpmv4_6", "text_config": text, "vision_config": vision, "insert_layer_id": 0,
+           "image_size": 112, "patch_size": 14, "query_num": 4, "eos_token_id": 2,
+           "slice_config": {"model_type": "minicpmv4_6", "patch_size": 14, "max_slice_nums": 4, "scale_resolution": 112}}
+    specials = ["<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>", "<|image_pad|>",
+                "<|video_pad|>"]
+    tok = _tokenizer(specials, "<image>./</image>")
+    kw = dict(max_slice_nums=4, patch_size=14, scale_resolution=112, image_feature_size=4)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:  # where its processor reads them
+        json.dump(kw, f)
+    processor = MiniCPMVProcessor(image_processor=MiniCPMVImageProcessor(**kw),
+                                  video_processor=MiniCPMVVideoProcessor(**kw), tokenizer=tok,
+                                  chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _aya_vision(path: str) -> tuple[dict, Any]:
     """Aya Vision: SigLIP tiles (a global one after the crops), pixel shuffle, Cohere2 language model."""
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -538,7 +565,7 @@ ANYRES = {"llava_next", "granite_vision"}
 PROMPT_ONLY = {"paligemma"}
 TIED = {"gemma3", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "minicpmv4_6": _minicpmv, "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
@@ -589,6 +616,10 @@ def picture(seed: int, size: tuple[int, int] = (40, 50)):
     return Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8"))
 
 
+def _mx(v: Any) -> Any:
+    return v if isinstance(v, (list, tuple, dict)) else mx.array(v)
+
+
 def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tuple[list[int], np.ndarray]:
     """mlx-vlm's own load, processor and generation loop, greedy: the reference tokens, and
     the log-probabilities of the first."""
@@ -597,9 +628,10 @@ def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tup
 
     model, processor = load(path)
     inputs = processor(text=[prompt], images=images, return_tensors="np")
-    extras = {k: mx.array(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
+    # (arrays as MLX arrays; lists, MiniCPM-V's per-image pixels and bounds, as they are)
+    extras = {k: _mx(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
     ids, mask = mx.array(inputs["input_ids"]), mx.array(inputs["attention_mask"])
-    steps = generate_step(ids, model, mx.array(inputs["pixel_values"]), mask, max_tokens=max_tokens,
+    steps = generate_step(ids, model, _mx(inputs["pixel_values"]), mask, max_tokens=max_tokens,
                           temperature=0.0, **extras)
     tokens, first = [], None
     for (t, logprobs), _ in zip(steps, range(max_tokens)):

@@ -43,12 +43,18 @@ class VisionProcessor:
         self._marker_text = tokenizer.decode(marker, skip_special_tokens=False)
 
     @classmethod
-    def load(cls, path: str, tokenizer: Any, image_token_id: int, placeholders_only: bool = False) -> "VisionProcessor":
-        """The checkpoint's processor; the template's image marker found by a probe render.
-        Raises ValueError with the reason when the template shows no image."""
+    def load(cls, path: str, tokenizer: Any, image_token_id: int | None,
+             placeholders_only: bool = False) -> "VisionProcessor":
+        """The checkpoint's processor; the template's image marker found by a probe render; the
+        placeholder id the config names, else the processor's (MiniCPM-V's config names none).
+        Raises ValueError with the reason when the template shows no image or no id is named."""
         from mlx_vlm.utils import load_processor
 
         processor = load_processor(path, add_detokenizer=False)
+        if image_token_id is None:
+            image_token_id = getattr(processor, "image_token_id", None)
+            if not isinstance(image_token_id, int):
+                raise ValueError("neither its config nor its processor names an image token id")
         hf = getattr(processor, "tokenizer", None)
         if hf is not None and getattr(hf, "pad_token", None) is None and getattr(hf, "eos_token", None):
             hf.pad_token = hf.eos_token  # one prompt a call, never padded; some processors ask for padding
@@ -92,6 +98,16 @@ class VisionProcessor:
                                                                  "mm_token_type_ids", "labels")}
         return ids, pixels
 
+    def _numbered(self, ids: list[int], k: int) -> list[int]:
+        """MiniCPM-V writes each image's number before it (`<image_id>k</image_id>`, counted
+        over the prompt's images); expanded alone, an image is number 0: its processor's own
+        rule for that number renumbers it."""
+        number = getattr(self.processor, "_build_image_id_ids", None)
+        if k == 0 or number is None:
+            return ids
+        zero = number(0)
+        return number(k) + ids[len(zero):] if zero and ids[:len(zero)] == zero else ids
+
     def expand(self, prompt: list[int], images: list[Any]) -> tuple[list[int], ImageInputs]:
         """Each of the prompt's image markers, in order, replaced by its image's expansion."""
         m = self.marker
@@ -110,12 +126,14 @@ class VisionProcessor:
             ids.extend(prompt[prev:start])
             end = starts[k + 1] if k + 1 < len(starts) else len(prompt)
             expanded, pixels = self._expand_one(image, prompt[start + len(m): end])
-            rows = [j for j, t in enumerate(expanded) if t == self.image_token_id]
+            shown = self._numbered(expanded, k)
+            rows = [j for j, t in enumerate(shown) if t == self.image_token_id]
             if not rows:
                 raise ImageError("the model's processor gave the image no placeholder tokens")
-            spans.append(ImageSpan(len(ids), len(expanded), rows, _digest(expanded, pixels),
+            # (the encoder takes the image as expanded alone: its inputs' bounds count those ids)
+            spans.append(ImageSpan(len(ids), len(shown), rows, _digest(expanded, pixels),
                                    {"input_ids": expanded, **pixels}))
-            ids.extend(expanded)
+            ids.extend(shown)
             prev = start + len(m)
         ids.extend(prompt[prev:])
         return ids, ImageInputs(spans)

@@ -54,7 +54,7 @@ FAMILIES: dict[str, str | None] = {
                "processor never makes (features and placeholders disagree): no reference to check against"),
     "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
                "run yet (issue #44)"),
-    "kimi_vl": None, "kimi_k25": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
+    "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
     "fastvlm": SENTINEL, "llava_bunny": SENTINEL, "phi4_siglip": SENTINEL,
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
              "not a generative chat model"),
@@ -146,9 +146,6 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
     if not is_vision_config(config):
         return None, None
     why = verdict(config)
-    token = image_token_id(config)
-    if why is None and token is None:
-        why = "its config names no image token id"
     if why is not None:
         return None, why
     try:
@@ -171,7 +168,8 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         prefix_lm = config.get("model_type") in PREFIX_LM
         if prefix_lm and not tokenizer.chat_template:
             tokenizer.set_chat_template(PREFIX_LM_TEMPLATE)
-        processor = VisionProcessor.load(path, tokenizer, token, placeholders_only=prefix_lm)
+        processor = VisionProcessor.load(path, tokenizer, image_token_id(config), placeholders_only=prefix_lm)
+        token = processor.image_token_id
         deepstack = len(config["vision_config"].get("deepstack_visual_indexes") or []) \
             if config.get("model_type") in DEEPSTACK_FAMILIES else 0
         encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None,

@@ -36,6 +36,9 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "paddleocr_vl": lambda t: {**t, "model_type": "llama", "attention_bias": _flag(t.get("use_bias")),
                                "mlp_bias": _flag(t.get("use_bias"))},
 }
+# Text model types mlx-lm runs only inside its wrapper (which takes the text config nested and
+# the weights under `language_model.`): MiniCPM-V 4.6/4.7's Qwen3.5 decoders.
+WRAPPED = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 # Vision model types that are another family's checkpoint under a name of their own (mlx-vlm's
 # class is that family's, its weights named alike): the language model is built as that family's.
 SAME_AS = {"indic_ocr": "qwen3_5"}
@@ -95,6 +98,9 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     text["tie_word_embeddings"] = "lm_head.weight" not in weights
     if "quantization" in getattr(top, "__dict__", {}) and getattr(top, "quantization", None):
         text["quantization"] = top.quantization
+    if text.get("model_type") in WRAPPED:
+        text = {"model_type": WRAPPED[text["model_type"]], "text_config": text,
+                **{k: text[k] for k in ("quantization", "tie_word_embeddings", "vocab_size", "eos_token_id") if k in text}}
     return text, weights
 
 
