@@ -12,7 +12,7 @@ from macinfer import LLM
 from macinfer.engine.block_manager import BlockManager
 from macinfer.sampling_params import SamplingParams
 from macinfer.vision.support import FAMILIES
-from tests.vision_models import (ANYRES, BOTH_WAYS, BUILDERS, PALIGEMMA_2, PROMPT_ONLY, anyres_greedy, both_ways_greedy,
+from tests.vision_models import (ANYRES, BOTH_WAYS, BUILDERS, MINICPMV_MOE, PALIGEMMA_2, PROMPT_ONLY, anyres_greedy, both_ways_greedy,
                                  mlx_vlm_greedy, mlx_vlm_prompt, picture, prompt_logprobs, tiny_vlm_dir)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -175,7 +175,7 @@ def test_gemma4_both_ways_images_and_per_layer_ids_each_matter(vlm_dirs):
     assert gaps[0] < 1e-4 and min(gaps[1:]) > 1e-3, gaps
 
 
-@pytest.mark.parametrize("family", ["mistral3", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["mistral3", "qwen3_vl", "minicpmv4_7"])
 def test_an_image_cut_across_prompt_chunks_gives_the_same_tokens(vlm_dirs, family):
     """A 5-token budget cuts the prompt (and each image's placeholders) into many chunks: the
     rows of a partial image, its positions and its DeepStack features follow."""
@@ -449,14 +449,16 @@ def test_lfm2_vl_tiles_a_large_picture_as_mlx_vlm_does(vlm_dirs, tmp_path):
     assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4
 
 
-def test_minicpmv_slices_a_large_picture_and_numbers_each_image_as_mlx_vlm_does(vlm_dirs):
+@pytest.mark.parametrize("family", ["minicpmv4_6", "minicpmv4_7", "minicpmv4_7-moe"])
+def test_minicpmv_slices_a_large_picture_and_numbers_each_image_as_mlx_vlm_does(vlm_dirs, tmp_path, family):
     """MiniCPM-V cuts a large picture into slices after its whole view, and writes each image's
     number before it (counted over the prompt; the engine expands an image alone, so its
-    processor's rule renumbers it): the prompt is the processor's own and the tokens and
-    first-token logprobs mlx-vlm's, for a 300 x 400 picture and for two pictures."""
+    processor's rule renumbers it); 4.7 lays the views on a canvas of multimodal RoPE positions
+    (and has an MoE form): the prompt is the processor's own and the tokens and first-token
+    logprobs mlx-vlm's, for a 300 x 400 picture and for two pictures."""
     from mlx_vlm import load
 
-    path = vlm_dirs["minicpmv4_6"]
+    path = tiny_vlm_dir(tmp_path, "minicpmv4_7", text=MINICPMV_MOE) if family.endswith("-moe") else vlm_dirs[family]
     _, processor = load(path)
     llm = LLM(path, kv_cache_gb=0.01, max_model_len=1024)
     try:

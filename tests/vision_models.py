@@ -433,29 +433,43 @@ def _paligemma(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+# MiniCPM-V 4.7's MoE form: a Qwen3.5-MoE decoder.
+MINICPMV_MOE = {"model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
 # PaliGemma 2: the same wrapper over a Gemma 2 decoder (soft-capped logits, sandwich norms).
 PALIGEMMA_2 = {"model_type": "gemma2", "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                "query_pre_attn_scalar": 16, "sliding_window": 512}
 
 
-def _minicpmv(path: str) -> tuple[dict, Any]:
+def _minicpmv(path: str, model_type: str = "minicpmv4_6", moe: bool = False) -> tuple[dict, Any]:
     """MiniCPM-V 4.6: a SigLIP tower merged 2x2 inside (after `insert_layer_id`) and 2x2 after,
     an image as a whole view and slices, each `<image>`/`<slice>` around its placeholders, the
-    image's number before it; a Qwen3.5 language model with plain positions."""
+    image's number before it; a Qwen3.5 language model with plain positions. 4.7 (`moe`: its
+    Qwen3.5-MoE form) lays the views on a canvas of multimodal RoPE positions."""
     from mlx_vlm.models.minicpmv4_6.processing_minicpmv4_6 import (MiniCPMVImageProcessor, MiniCPMVProcessor,
                                                                   MiniCPMVVideoProcessor)
+    from mlx_vlm.models.minicpmv4_7.processing_minicpmv4_7 import MiniCPMV4_7Processor
 
-    cfg, _ = _qwen3_5(path)
+    cfg, _ = _qwen3_5(path, moe=moe)
     text = {**cfg["text_config"], "vocab_size": 300}
     vision = {"model_type": "minicpmv4_6_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "image_size": 112, "patch_size": 14}
-    cfg = {"model_type": "minicpmv4_6", "text_config": text, "vision_config": vision, "insert_layer_id": 0,
+    cfg = {"model_type": model_type, "text_config": text, "vision_config": vision, "insert_layer_id": 0,
            "image_size": 112, "patch_size": 14, "query_num": 4, "eos_token_id": 2,
-           "slice_config": {"model_type": "minicpmv4_6", "patch_size": 14, "max_slice_nums": 4, "scale_resolution": 112}}
+           "slice_config": {"model_type": model_type, "patch_size": 14, "max_slice_nums": 4, "scale_resolution": 112}}
     specials = ["<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>", "<|image_pad|>",
                 "<|video_pad|>"]
     tok = _tokenizer(specials, "<image>./</image>")
     kw = dict(max_slice_nums=4, patch_size=14, scale_resolution=112, image_feature_size=4)
+    if model_type == "minicpmv4_7":
+        ids = {f"{k}_id": tok.convert_tokens_to_ids(t) for k, t in (
+            ("image_token", "<|image_pad|>"), ("video_token", "<|video_pad|>"), ("image_start", "<image>"),
+            ("image_end", "</image>"), ("slice_start", "<slice>"), ("slice_end", "</slice>"))}
+        cfg.update(ids, newline_id=tok.encode("\n", add_special_tokens=False)[0], mrope_mode="canvas",
+                   downsample_mode="16x")
+        return cfg, MiniCPMV4_7Processor(image_processor=MiniCPMVImageProcessor(**kw),
+                                         video_processor=MiniCPMVVideoProcessor(**kw), tokenizer=tok,
+                                         chat_template=tok.chat_template)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:  # where its processor reads them
         json.dump(kw, f)
@@ -565,7 +579,8 @@ ANYRES = {"llava_next", "granite_vision"}
 PROMPT_ONLY = {"paligemma"}
 TIED = {"gemma3", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "minicpmv4_6": _minicpmv, "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
+BUILDERS = {"llava": _llava, "minicpmv4_6": _minicpmv,
+            "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
@@ -617,7 +632,7 @@ def picture(seed: int, size: tuple[int, int] = (40, 50)):
 
 
 def _mx(v: Any) -> Any:
-    return v if isinstance(v, (list, tuple, dict)) else mx.array(v)
+    return v if isinstance(v, (list, tuple, dict, str)) else mx.array(v)
 
 
 def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tuple[list[int], np.ndarray]:

@@ -115,7 +115,7 @@ class VisionEncoder:
         self.deepstack = deepstack  # Qwen3-VL: features added after the first decoder layers too
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0
-        self.rope_index = rope_index  # multimodal RoPE families: mlx-vlm's position function
+        self.rope_index = rope_index  # multimodal RoPE families: (ids, spans) -> (positions, shift), mlx-vlm's rule
 
     @classmethod
     def load(cls, path: str, embed: nn.Module, image_token_id: int, dtype: mx.Dtype,
@@ -123,14 +123,19 @@ class VisionEncoder:
         from mlx_vlm.utils import load_model
 
         vlm = load_model(Path(path), lazy=True)  # lazy: the language model's weights are never read
-        rope_index = None
-        if mrope:  # mlx-vlm's own position rule, on its config alone (no weights)
+        raw = rope_index = None
+        if mrope and getattr(vlm.config, "mrope_mode", None) == "canvas":  # MiniCPM-V 4.7's rule
+            from mlx_vlm.models.minicpmv4_7.rope import CanvasRoPE
+
+            rope_index = _canvas(CanvasRoPE(vlm.config), image_token_id)
+        elif mrope:  # mlx-vlm's own position rule, on its config alone (no weights)
             lm = vlm.language_model
-            rope_index = _ConfigOnly(type(lm), config=lm.config, args=getattr(lm, "args", None)).get_rope_index
+            raw = _ConfigOnly(type(lm), config=lm.config, args=getattr(lm, "args", None)).get_rope_index
+            rope_index = _qwen(raw)
         inner = getattr(vlm.language_model, "model", None)
         numbers = {k: v for k, v in vars(inner).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                    and not k.startswith("_")} if isinstance(inner, nn.Module) else {}
-        vlm.language_model = _EmbedOnly(embed, rope_index, numbers)
+        vlm.language_model = _EmbedOnly(embed, raw, numbers)  # (the merges call the rule as mlx-vlm has it)
         mx.eval(vlm.parameters())
         vlm.eval()
         encoder = cls(vlm, image_token_id, dtype, cache_bytes, rope_index, deepstack, _text_scale(vlm, embed))
@@ -140,10 +145,7 @@ class VisionEncoder:
 
     def positions(self, ids: list[int], spans: list[ImageSpan]) -> tuple[np.ndarray, int]:
         """A prompt's multimodal RoPE positions [3, len(ids)] and the shift after it."""
-        grids = [np.asarray(s.pixels["image_grid_thw"]).reshape(-1, 3) for s in spans]
-        grid = mx.array(np.concatenate(grids).astype(np.int32))
-        prompt = mx.array(np.asarray(ids, dtype=np.int32))[None]
-        pos, delta = self.rope_index(prompt, grid, None, mx.ones(prompt.shape, dtype=mx.int32))
+        pos, delta = self.rope_index(ids, spans)
         return np.array(pos).reshape(3, -1).astype(np.int64), int(np.array(delta).reshape(-1)[0])
 
     @property
@@ -217,6 +219,27 @@ class VisionEncoder:
             self.images_encoded += 1
             self.cache.put(s.digest, f)
         return features
+
+
+def _qwen(rope_index: Any) -> Any:
+    """The Qwen-VL families' rule: the prompt and its images' (t, h, w) patch grids."""
+    def positions(ids: list[int], spans: list[ImageSpan]) -> tuple[Any, Any]:
+        grids = [np.asarray(s.pixels["image_grid_thw"]).reshape(-1, 3) for s in spans]
+        prompt = mx.array(np.asarray(ids, dtype=np.int32))[None]
+        return rope_index(prompt, mx.array(np.concatenate(grids).astype(np.int32)), None,
+                          mx.ones(prompt.shape, dtype=mx.int32))
+    return positions
+
+
+def _canvas(rule: Any, image_token_id: int) -> Any:
+    """MiniCPM-V 4.7's rule: each image's whole view and slices laid on a canvas, from the
+    prompt, its placeholders and each view's patch grid (as its merge computes them)."""
+    def positions(ids: list[int], spans: list[ImageSpan]) -> tuple[Any, Any]:
+        prompt = np.asarray(ids, dtype=np.int64)[None]
+        sizes = np.concatenate([np.asarray(s.pixels["tgt_sizes"][0]).reshape(-1, 2) for s in spans])
+        return rule.get_rope_index(prompt, mm_token_type_ids=(prompt == image_token_id).astype(np.int32),
+                                   target_sizes=sizes, downsample_mode=spans[0].pixels.get("downsample_mode"))
+    return positions
 
 
 def _text_scale(vlm: nn.Module, embed: nn.Module) -> float:

@@ -54,7 +54,7 @@ FAMILIES: dict[str, str | None] = {
                "processor never makes (features and placeholders disagree): no reference to check against"),
     "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
                "run yet (issue #44)"),
-    "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
+    "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
     "fastvlm": SENTINEL, "llava_bunny": SENTINEL, "phi4_siglip": SENTINEL,
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
              "not a generative chat model"),
@@ -67,7 +67,7 @@ FAMILIES: dict[str, str | None] = {
 }
 # Families whose language model turns image positions by multimodal RoPE: the style.
 MROPE_STYLE = {"glm4v": "chunked", "glm_ocr": "chunked", "paddleocr_vl": "chunked", "qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
-               "indic_ocr": "interleaved",
+               "indic_ocr": "interleaved", "minicpmv4_7": "interleaved",
                "qwen3_vl": "interleaved", "qwen3_vl_moe": "interleaved"}
 # Families whose vision tower also feeds the first decoder layers (Qwen3-VL's DeepStack).
 DEEPSTACK_FAMILIES = {"qwen3_vl", "qwen3_vl_moe"}
