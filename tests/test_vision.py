@@ -475,3 +475,24 @@ def test_minicpmv_slices_a_large_picture_and_numbers_each_image_as_mlx_vlm_does(
         assert len(images.spans) == 2
     finally:
         llm.close()
+
+
+def test_llama4_tiles_a_wide_picture_with_its_global_tile(vlm_dirs):
+    """Llama 4's prompt gives a picture cut into tiles one more tile's placeholders (the global
+    tile, as transformers' processor makes it); mlx-vlm's image processor left that tile out,
+    so a tiled picture's features fell short of its placeholders. Mended, a 60 x 130 picture
+    goes as 2 tiles and the global one, and the tokens are mlx-vlm's classes' on those inputs."""
+    path = vlm_dirs["llama4"]
+    wide = picture(0, (60, 130))
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=1024)
+    try:
+        ids, images = llm._chat_prompt(_ask("what is it", wide))
+        span = images.spans[0]
+        assert len(span.rows) == 12 and np.asarray(span.pixels["pixel_values"]).shape[0] == 3  # 4 rows a tile
+        ours = llm.chat(_ask("what is it", wide), GREEDY).token_ids
+        first = llm.chat(_ask("what is it", wide), FIRST).logprobs[0].top
+    finally:
+        llm.close()
+    tokens, logprobs = mlx_vlm_greedy(path, "<user><|image|>what is it<assistant>", [wide], 8)
+    assert ours == tokens
+    assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from macinfer.vision.processor_fixes import mend
 from tests.helpers import byte_tokenizer
 
 # A chat template that renders image parts as the family's marker (real checkpoints ship their own).
@@ -479,6 +480,35 @@ def _minicpmv(path: str, model_type: str = "minicpmv4_6", moe: bool = False) -> 
     return cfg, processor
 
 
+def _llama4(path: str) -> tuple[dict, Any]:
+    """Llama 4: a ViT over 56 px tiles, pixel shuffle, an MLP adapter; an MoE language model
+    with chunked attention and NoPE layers. Each tile's placeholders are `<|patch|>` tokens."""
+    from mlx_vlm.models.llama4.processing_llama4 import Llama4ImageProcessor, Llama4Processor
+
+    text = {"model_type": "llama4_text", "hidden_size": 64, "intermediate_size": 64, "intermediate_size_mlp": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "rms_norm_eps": 1e-5, "vocab_size": 300, "num_local_experts": 4, "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 2, "attention_chunk_size": 8192, "no_rope_layers": [1, 1, 1, 0],
+            "use_qk_norm": True, "rope_theta": 500000.0, "max_position_embeddings": 4096,
+            "bos_token_id": 1, "pad_token_id": 0, "eos_token_id": 2, "attention_bias": False, "rope_scaling": None}
+    vision = {"model_type": "llama4_vision_model", "hidden_size": 32, "image_size": 56, "initializer_range": 0.02,
+              "intermediate_size": 128, "norm_eps": 1e-5, "num_attention_heads": 2, "num_channels": 3,
+              "num_hidden_layers": 2, "patch_size": 14, "pixel_shuffle_ratio": 0.5, "projector_dropout": 0.0,
+              "projector_input_dim": 64, "projector_output_dim": 64, "rope_theta": 10000,
+              "vision_feature_layer": -1, "vision_feature_select_strategy": "default", "vision_output_dim": 64}
+    specials = ["<|image_start|>", "<|image|>", "<|patch|>", "<|image_end|>", "<|tile_x_separator|>",
+                "<|tile_y_separator|>"]
+    tok = _tokenizer(specials, "<|image|>")
+    cfg = {"model_type": "llama4", "text_config": text, "vision_config": vision,
+           "image_token_index": tok.convert_tokens_to_ids("<|patch|>"), "eos_token_id": 2}
+    processor = Llama4Processor(image_processor=Llama4ImageProcessor(size=56, max_patches=4), tokenizer=tok,
+                                patch_size=14, pixel_shuffle_ratio=0.5, chat_template=tok.chat_template)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:  # where its processor reads them
+        json.dump({"size": {"height": 56, "width": 56}, "max_patches": 4}, f)
+    return cfg, processor
+
+
 def _aya_vision(path: str) -> tuple[dict, Any]:
     """Aya Vision: SigLIP tiles (a global one after the crops), pixel shuffle, Cohere2 language model."""
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -579,7 +609,7 @@ ANYRES = {"llava_next", "granite_vision"}
 PROMPT_ONLY = {"paligemma"}
 TIED = {"gemma3", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "minicpmv4_6": _minicpmv,
+BUILDERS = {"llava": _llava, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
@@ -642,6 +672,8 @@ def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tup
     from mlx_vlm.generate.ar import generate_step
 
     model, processor = load(path)
+    # (mlx-vlm's Llama 4 image processor leaves out the global tile its prompt counts: mended as the engine does)
+    mend(processor, model.config.model_type)
     inputs = processor(text=[prompt], images=images, return_tensors="np")
     # (arrays as MLX arrays; lists, MiniCPM-V's per-image pixels and bounds, as they are)
     extras = {k: _mx(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}

@@ -13,6 +13,7 @@ import numpy as np
 
 from macinfer.vision.images import ImageError
 from macinfer.vision.inputs import ImageInputs, ImageSpan
+from macinfer.vision.processor_fixes import mend
 
 _PROBE_TEXT = "x"
 _FOLLOW = 8  # prompt tokens after an image marker that its expansion is made with
@@ -43,14 +44,15 @@ class VisionProcessor:
         self._marker_text = tokenizer.decode(marker, skip_special_tokens=False)
 
     @classmethod
-    def load(cls, path: str, tokenizer: Any, image_token_id: int | None,
-             placeholders_only: bool = False) -> "VisionProcessor":
+    def load(cls, path: str, tokenizer: Any, image_token_id: int | None, placeholders_only: bool = False,
+             model_type: str | None = None) -> "VisionProcessor":
         """The checkpoint's processor; the template's image marker found by a probe render; the
         placeholder id the config names, else the processor's (MiniCPM-V's config names none).
         Raises ValueError with the reason when the template shows no image or no id is named."""
         from mlx_vlm.utils import load_processor
 
         processor = load_processor(path, add_detokenizer=False)
+        mend(processor, model_type)
         if image_token_id is None:
             image_token_id = getattr(processor, "image_token_id", None)
             if not isinstance(image_token_id, int):

@@ -50,8 +50,7 @@ FAMILIES: dict[str, str | None] = {
     "gemma3n": ("mlx-vlm's MobileNetV5 tower is built at full size whatever the config says (no tiny model to "
                 "check against), and its image's begin and end tokens are embedded by a vision embedding of "
                 "their own (embed_vision), rows beyond the image placeholders the engine splices; not run yet"),
-    "llama4": ("mlx-vlm's Llama 4 processor counts a global tile in a tiled image's prompt that its image "
-               "processor never makes (features and placeholders disagree): no reference to check against"),
+    "llama4": None,
     "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
                "run yet (issue #44)"),
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
@@ -168,7 +167,8 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         prefix_lm = config.get("model_type") in PREFIX_LM
         if prefix_lm and not tokenizer.chat_template:
             tokenizer.set_chat_template(PREFIX_LM_TEMPLATE)
-        processor = VisionProcessor.load(path, tokenizer, image_token_id(config), placeholders_only=prefix_lm)
+        processor = VisionProcessor.load(path, tokenizer, image_token_id(config), placeholders_only=prefix_lm,
+                                         model_type=config.get("model_type"))
         token = processor.image_token_id
         deepstack = len(config["vision_config"].get("deepstack_visual_indexes") or []) \
             if config.get("model_type") in DEEPSTACK_FAMILIES else 0
