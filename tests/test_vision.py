@@ -60,6 +60,17 @@ def test_family_gives_mlx_vlm_tokens_and_uses_the_image(vlm_dirs, family):
         llm.close()
 
 
+def _as_mlx_vlm(llm: LLM, path: str, rendered: str, pictures: list) -> None:
+    """The engine's greedy tokens are mlx-vlm's for `pictures` (the prompt as `rendered` for
+    mlx-vlm's processor), and its first-token logprobs to float32 rounding."""
+    conv = _ask("what is it", *pictures)
+    ours = llm.chat(conv, GREEDY).token_ids
+    first = llm.chat(conv, FIRST).logprobs[0].top
+    tokens, logprobs = mlx_vlm_greedy(path, rendered, pictures, 8)
+    assert ours == tokens
+    assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4
+
+
 @pytest.mark.parametrize("budget", [512, 11])
 def test_gemma3_image_tokens_attend_each_other_both_ways(vlm_dirs, budget):
     """transformers' Gemma 3 rule (mlx-vlm's classes with that mask as the reference): every
@@ -121,13 +132,9 @@ def test_paligemma_2_gives_mlx_vlm_tokens(tmp_path):
     path = tiny_vlm_dir(tmp_path, "paligemma", text=PALIGEMMA_2)
     llm = LLM(path, kv_cache_gb=0.01, max_model_len=512)
     try:
-        first = llm.chat(_ask("what is it", picture(0)), FIRST).logprobs[0].top
-        ours = llm.chat(_ask("what is it", picture(0)), GREEDY).token_ids
+        _as_mlx_vlm(llm, path, mlx_vlm_prompt(path, "what is it", 1), [picture(0)])
     finally:
         llm.close()
-    tokens, logprobs = mlx_vlm_greedy(path, mlx_vlm_prompt(path, "what is it", 1), [picture(0)], 8)
-    assert ours == tokens
-    assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4
 
 
 def test_llava_next_packs_an_image_as_transformers_does_not_as_mlx_vlm(vlm_dirs):
@@ -440,13 +447,9 @@ def test_lfm2_vl_tiles_a_large_picture_as_mlx_vlm_does(vlm_dirs, tmp_path):
     try:
         ids, images = llm._chat_prompt(_ask("what is it", big))
         assert len(images.spans) == 1 and len(images.spans[0].rows) > 16  # more than one view's rows
-        ours = llm.chat(_ask("what is it", big), GREEDY).token_ids
-        first = llm.chat(_ask("what is it", big), FIRST).logprobs[0].top
+        _as_mlx_vlm(llm, path, "<user><image>what is it<assistant>", [big])
     finally:
         llm.close()
-    tokens, logprobs = mlx_vlm_greedy(path, "<user><image>what is it<assistant>", [big], 8)
-    assert ours == tokens
-    assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4
 
 
 @pytest.mark.parametrize("family", ["minicpmv4_6", "minicpmv4_7", "minicpmv4_7-moe"])
@@ -467,11 +470,7 @@ def test_minicpmv_slices_a_large_picture_and_numbers_each_image_as_mlx_vlm_does(
             ids, images = llm._chat_prompt(_ask("what is it", *pictures))
             assert len(pictures) > 1 or len(images.spans[0].rows) > 4  # the whole view's 4 rows and slices
             assert ids == np.asarray(processor(text=[rendered], images=pictures)["input_ids"]).reshape(-1).tolist()
-            ours = llm.chat(_ask("what is it", *pictures), GREEDY).token_ids
-            first = llm.chat(_ask("what is it", *pictures), FIRST).logprobs[0].top
-            tokens, logprobs = mlx_vlm_greedy(path, rendered, pictures, 8)
-            assert ours == tokens
-            assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4
+            _as_mlx_vlm(llm, path, rendered, pictures)
         assert len(images.spans) == 2
     finally:
         llm.close()
@@ -489,10 +488,6 @@ def test_llama4_tiles_a_wide_picture_with_its_global_tile(vlm_dirs):
         ids, images = llm._chat_prompt(_ask("what is it", wide))
         span = images.spans[0]
         assert len(span.rows) == 12 and np.asarray(span.pixels["pixel_values"]).shape[0] == 3  # 4 rows a tile
-        ours = llm.chat(_ask("what is it", wide), GREEDY).token_ids
-        first = llm.chat(_ask("what is it", wide), FIRST).logprobs[0].top
+        _as_mlx_vlm(llm, path, "<user><|image|>what is it<assistant>", [wide])
     finally:
         llm.close()
-    tokens, logprobs = mlx_vlm_greedy(path, "<user><|image|>what is it<assistant>", [wide], 8)
-    assert ours == tokens
-    assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4
