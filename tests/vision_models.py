@@ -509,6 +509,70 @@ def _llama4(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _tiny_mobilenet() -> None:
+    """mlx-vlm builds Gemma 3n's MobileNetV5 tower from a fixed block list whatever the config
+    says (300M parameters): the tiny model keeps the last two stages' widths (the fusion adapter
+    takes 640 + 1280 channels) with one block of each kind, unexpanded, on 256 px pictures. Set for the test process (mlx-vlm's
+    classes read it when the engine loads a checkpoint as when the reference does)."""
+    import mlx_vlm.models.gemma3n.vision as v
+
+    v.gemma3n_mobilenet_def = lambda: [
+        [v._er(3, 16, 2, 1.0)], [v._uir(3, 5, 32, 2, 1.0)],
+        [v._uir(5, 5, 640, 2, 1.0), v._mmqa(2, 16, 2), v._uir(0, 0, 640, 1, 1.0, is_multiscale=True)],
+        [v._uir(5, 5, 1280, 2, 1.0), v._mmqa(2, 16, 1), v._uir(0, 0, 1280, 1, 1.0, is_multiscale=True)]]
+
+
+_tiny_mobilenet()
+
+
+def _gemma3n(path: str) -> tuple[dict, Any]:
+    """Gemma 3n: a MobileNetV5 tower and its fusion adapter (256 rows an image), a vision
+    embedding of its own for the vision vocabulary (the image's end token and placeholders),
+    AltUp/LAuReL layers with per-layer inputs; an audio tower (audio is refused)."""
+    from transformers import PreTrainedTokenizerFast, SiglipImageProcessor
+    from transformers.models.gemma3n.feature_extraction_gemma3n import Gemma3nAudioFeatureExtractor
+
+    from mlx_vlm.models.gemma3n.processing_gemma3n import Gemma3nProcessor
+
+    tok = byte_tokenizer()
+    def pad(n: int) -> None:
+        tok.add_tokens([f"<unused_{i}>" for i in range(tok.get_vocab_size(), n)])
+    # Text ids below 300 (the per-layer inputs' vocabulary), the vision vocabulary at 300-307
+    # (the image's end token, its placeholders), the audio one at 308-315, as published in kind.
+    pad(297)
+    tok.add_special_tokens(["<start_of_audio>", "<start_of_image>"])
+    pad(300)
+    tok.add_special_tokens(["<end_of_image>", "<image_soft_token>"])
+    pad(308)
+    tok.add_special_tokens(["<end_of_audio>", "<audio_soft_token>"])
+    pad(316)
+    named = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>",
+             "boa_token": "<start_of_audio>", "audio_token": "<audio_soft_token>", "eoa_token": "<end_of_audio>"}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<unk>", extra_special_tokens=named)
+    fast.chat_template = TEMPLATE.replace("MARKER", "<image_soft_token>")  # (its template writes the placeholder)
+    text = {"model_type": "gemma3n_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": [128] * 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 316,
+            "vocab_size_per_layer_input": 300, "num_kv_shared_layers": 2, "rope_local_base_freq": 10000.0,
+            "final_logit_softcapping": 30.0, "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "activation_sparsity_pattern": [0.0] * 4, "hidden_size_per_layer_input": 8, "altup_num_inputs": 2,
+            "altup_coef_clip": 120.0, "altup_correct_scale": True, "altup_active_idx": 0, "laurel_rank": 8,
+            "sliding_window": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "query_pre_attn_scalar": 16, "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False}
+    vision = {"model_type": "gemma3n_vision", "hidden_size": 2048, "vocab_size": 8, "vocab_offset": 300,
+              "image_size": 256, "rms_norm_eps": 1e-6}
+    audio = {"hidden_size": 32, "conf_num_attention_heads": 2, "conf_num_hidden_layers": 1,
+             "sscp_conv_channel_size": [8, 4], "vocab_size": 8, "vocab_offset": 308, "input_feat_size": 128}
+    cfg = {"model_type": "gemma3n", "text_config": text, "vision_config": vision, "audio_config": audio,
+           "image_token_id": 301, "boi_token_id": 298, "eoi_token_id": 300, "audio_token_id": 309,
+           "boa_token_id": 297, "eoa_token_id": 308, "hidden_size": 64, "vocab_size": 316,
+           "vision_soft_tokens_per_image": 256, "eos_token_id": 2, "pad_token_id": 0}
+    image_processor = SiglipImageProcessor(size={"height": 256, "width": 256})
+    processor = Gemma3nProcessor(feature_extractor=Gemma3nAudioFeatureExtractor(), image_processor=image_processor,
+                                 tokenizer=fast, chat_template=fast.chat_template, image_seq_length=256)
+    return cfg, processor
+
+
 def _aya_vision(path: str) -> tuple[dict, Any]:
     """Aya Vision: SigLIP tiles (a global one after the crops), pixel shuffle, Cohere2 language model."""
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -605,11 +669,14 @@ BOTH_WAYS = {"gemma3"}
 # Families whose published merge mlx-vlm's departs from: their reference packs the image as
 # transformers does (`anyres_greedy`).
 ANYRES = {"llava_next", "granite_vision"}
+# Families whose mlx-vlm forward departs from transformers' beyond the image (Gemma 3n's text
+# rows and KV-sharing layers): their reference is `gemma3n_greedy`.
+TEXT_FIXED = {"gemma3n"}
 # Families with no chat template (prefix LMs): the reference prompt is mlx-vlm's own format.
 PROMPT_ONLY = {"paligemma"}
-TIED = {"gemma3", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
+TIED = {"gemma3", "gemma3n", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "llama4": _llama4, "minicpmv4_6": _minicpmv,
+BUILDERS = {"llava": _llava, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
@@ -743,6 +810,35 @@ def both_ways_greedy(path: str, prompt: str, images: list, max_tokens: int) -> t
     def forward(x: mx.array, ids: list[int]):
         emb = model.get_input_embeddings(x, pixels, mask=mx.ones(x.shape, dtype=mx.int32)).inputs_embeds
         return model.language_model(x, inputs_embeds=emb, mask=mx.array(_allowed(ids, image_id, True))[None, None])
+
+    return _greedy_whole(forward, ids, max_tokens)
+
+
+def gemma3n_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tuple[list[int], np.ndarray]:
+    """Gemma 3n as transformers runs it: mlx-vlm's tower, vision embedding and merge (float32),
+    each text row scaled by sqrt(hidden) as transformers' scaled word embedding does (mlx-vlm's
+    merge leaves text rows unscaled), into mlx-lm's Gemma 3n language model on the same weights
+    (mlx-vlm's turns the queries of its KV-sharing layers by a position read from a cache their
+    source layer has already advanced: shifted by the prompt's length). Recomputed whole for
+    each token, with a fresh cache (the KV-sharing layers read their source's keys from it)."""
+    from mlx_lm.models import gemma3n as lm_gemma3n
+    from mlx_vlm import load
+
+    model, processor = load(path)
+    with open(os.path.join(path, "config.json")) as f:
+        text = json.load(f)["text_config"]
+    lm = lm_gemma3n.Model(lm_gemma3n.ModelArgs.from_dict({"model_type": "gemma3n", "text_config": text}))
+    lm.load_weights([(f"model.language_model.{k[len('model.'):]}", v)
+                     for k, v in tree_flatten(model.language_model.parameters())])
+    inputs = processor(text=[prompt], images=images, return_tensors="np")
+    ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
+    pixels = mx.array(inputs["pixel_values"])
+    first_own_id, scale = model.config.vision_config.vocab_offset, text["hidden_size"] ** 0.5
+
+    def forward(x: mx.array, ids: list[int]):
+        emb = model.get_input_embeddings(x, pixels).inputs_embeds
+        emb = mx.where((x < first_own_id)[..., None], emb * scale, emb)
+        return lm(x, cache=lm.make_cache(), input_embeddings=emb)
 
     return _greedy_whole(forward, ids, max_tokens)
 

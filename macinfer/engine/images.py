@@ -46,6 +46,7 @@ def load(engine: Any) -> tuple[Any, str | None]:
         deepstack.install(model.decoder_layers, vision.deepstack)
     if vision.pad_image_ids:  # (the merges of these families read placeholders as id 0)
         model.image_pad_id = 0
+    model.token_embed_scale = vision.token_embed_scale
     log.info("images: %s's vision tower and projector loaded (%.1f MiB)", config.get("model_type"),
              vision.encoder.nbytes / 2**20)
     return vision, None

@@ -175,6 +175,7 @@ class MlxLmModel(nn.Module):
         self._inner_takes_mask = "mask" in params and params["mask"].default is inspect.Parameter.empty
         self._inner_takes_embeddings = "input_embeddings" in params  # what images are spliced into
         self.image_pad_id: int | None = None  # set with the image path (`engine/images.py`)
+        self.token_embed_scale = 1.0  # likewise
         from mlx_lm.models.cache import make_prompt_cache
 
         # The innermost make_cache (a wrapper may not pass its text model's on).
@@ -266,8 +267,10 @@ class MlxLmModel(nn.Module):
                 return inner(input_ids[:, None], mask=None, cache=caches)
             meta = forward.meta
             if meta is not None and meta.image_rows is not None:  # image features in place of their tokens
-                embed = inner.embed_tokens
+                embed = self.embed_module()
                 h = embed(input_ids)
+                if self.token_embed_scale != 1.0:  # what the decoder does to token rows, not to given ones
+                    h = h * self.token_embed_scale
                 h[meta.image_rows] = meta.image_features.astype(h.dtype)
                 if self.image_pad_id is not None:  # ids read beside the embeddings (per-layer inputs)
                     input_ids = mx.array(input_ids)
@@ -386,7 +389,9 @@ class MlxLmModel(nn.Module):
         """The token embedding images are spliced beside (None: this model cannot take
         embeddings in place of tokens)."""
         inner = _resolve(self._text, ".".join(self._inner_path))
-        embed = getattr(inner, "embed_tokens", None)
+        # (its own, or its decoder's under a wrapper that passes embeddings on: Gemma 3n's)
+        embed = getattr(inner, "embed_tokens", None) or getattr(getattr(inner, "language_model", None),
+                                                                 "embed_tokens", None)
         return embed if isinstance(embed, nn.Module) and not self._inner_takes_mask else None
 
     def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:

@@ -35,17 +35,19 @@ class VisionProcessor:
     `ImageInputs` for the engine."""
 
     def __init__(self, processor: Any, tokenizer: Any, image_token_id: int, marker: list[int],
-                 placeholders_only: bool = False):
+                 placeholders_only: bool = False, own_vocab: tuple[int, int] | None = None):
         self.processor, self.tokenizer = processor, tokenizer
         self.image_token_id, self.marker = image_token_id, marker
         # The processor writes the whole prompt around any text (PaliGemma: BOS and a newline),
         # which the template writes too: an image's expansion is its run of placeholders alone.
         self.placeholders_only = placeholders_only
+        # Ids [lo, hi) the family's merge embeds itself (Gemma 3n's vision vocabulary): rows too.
+        self.own_vocab = own_vocab
         self._marker_text = tokenizer.decode(marker, skip_special_tokens=False)
 
     @classmethod
     def load(cls, path: str, tokenizer: Any, image_token_id: int | None, placeholders_only: bool = False,
-             model_type: str | None = None) -> "VisionProcessor":
+             model_type: str | None = None, own_vocab: tuple[int, int] | None = None) -> "VisionProcessor":
         """The checkpoint's processor; the template's image marker found by a probe render; the
         placeholder id the config names, else the processor's (MiniCPM-V's config names none).
         Raises ValueError with the reason when the template shows no image or no id is named."""
@@ -67,7 +69,7 @@ class VisionProcessor:
         marker = _find_marker(with_image, without)
         if not marker:
             raise ValueError("its chat template renders no marker for an image part")
-        return cls(processor, tokenizer, image_token_id, marker, placeholders_only)
+        return cls(processor, tokenizer, image_token_id, marker, placeholders_only, own_vocab)
 
     def _expand_one(self, image: Any, after: list[int]) -> tuple[list[int], dict[str, Any]]:
         """The marker expanded for `image` by the model's processor, and its encoder inputs.
@@ -129,7 +131,8 @@ class VisionProcessor:
             end = starts[k + 1] if k + 1 < len(starts) else len(prompt)
             expanded, pixels = self._expand_one(image, prompt[start + len(m): end])
             shown = self._numbered(expanded, k)
-            rows = [j for j, t in enumerate(shown) if t == self.image_token_id]
+            lo, hi = self.own_vocab or (0, 0)
+            rows = [j for j, t in enumerate(shown) if t == self.image_token_id or lo <= t < hi]
             if not rows:
                 raise ImageError("the model's processor gave the image no placeholder tokens")
             # (the encoder takes the image as expanded alone: its inputs' bounds count those ids)

@@ -47,9 +47,7 @@ FAMILIES: dict[str, str | None] = {
     "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": None, "glm4v_moe": MROPE,
     "gemma3": None, "gemma4": None, "aya_vision": None, "paddleocr_vl": None, "glm_ocr": None, "paligemma": None,
     "idefics2": None,
-    "gemma3n": ("mlx-vlm's MobileNetV5 tower is built at full size whatever the config says (no tiny model to "
-                "check against), and its image's begin and end tokens are embedded by a vision embedding of "
-                "their own (embed_vision), rows beyond the image placeholders the engine splices; not run yet"),
+    "gemma3n": None,
     "llama4": None,
     "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
                "run yet (issue #44)"),
@@ -64,6 +62,13 @@ FAMILIES: dict[str, str | None] = {
                              "qwen3_vl_embedding", "llama_nemotron_vl_embedding", "embedding_gemma2",
                              "cohere_compass", "falcon_perception", "locateanything")},
 }
+# Families whose merge embeds a vocabulary of its own (Gemma 3n's vision vocabulary: the
+# image's end token besides its placeholders, by `embed_vision`): those rows are the image's too.
+OWN_VOCAB = {"gemma3n"}
+# Families whose decoder (mlx-lm's) scales token embeddings but takes given ones as they are,
+# where the published merge gives text rows scaled (transformers' Gemma 3n; mlx-vlm's merge
+# leaves them unscaled): the engine's given text rows are scaled so.
+SCALED_TEXT_ROWS = {"gemma3n"}
 # Families whose language model turns image positions by multimodal RoPE: the style.
 MROPE_STYLE = {"glm4v": "chunked", "glm_ocr": "chunked", "paddleocr_vl": "chunked", "qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
                "indic_ocr": "interleaved", "minicpmv4_7": "interleaved",
@@ -132,6 +137,7 @@ class Vision:
     # placeholder's id is read as the pad id there, as the family's own merge does.
     pad_image_ids: bool = False
     prefix_lm: bool = False  # the whole prompt attends both ways (PaliGemma)
+    token_embed_scale: float = 1.0  # what given text rows are multiplied by (`SCALED_TEXT_ROWS`)
 
 
 def both_ways_images(config: dict[str, Any]) -> bool:
@@ -167,8 +173,11 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         prefix_lm = config.get("model_type") in PREFIX_LM
         if prefix_lm and not tokenizer.chat_template:
             tokenizer.set_chat_template(PREFIX_LM_TEMPLATE)
+        own = config["vision_config"] if config.get("model_type") in OWN_VOCAB else None
         processor = VisionProcessor.load(path, tokenizer, image_token_id(config), placeholders_only=prefix_lm,
-                                         model_type=config.get("model_type"))
+                                         model_type=config.get("model_type"),
+                                         own_vocab=(own["vocab_offset"], own["vocab_offset"] + own["vocab_size"])
+                                         if own else None)
         token = processor.image_token_id
         deepstack = len(config["vision_config"].get("deepstack_visual_indexes") or []) \
             if config.get("model_type") in DEEPSTACK_FAMILIES else 0
@@ -178,5 +187,6 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         log.warning("%s: images are off: %s", config.get("model_type"), e)
         return None, f"its processor or vision tower could not be loaded ({str(e).splitlines()[0][:200]})"
     text = config.get("text_config") or config
+    scale = text["hidden_size"] ** 0.5 if config.get("model_type") in SCALED_TEXT_ROWS else 1.0
     return Vision(processor, encoder, limits or ImageLimits(), mrope, both_ways_images(config), deepstack,
-                  bool(text.get("hidden_size_per_layer_input")), prefix_lm), None
+                  bool(text.get("hidden_size_per_layer_input")), prefix_lm, scale), None

@@ -36,15 +36,19 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "paddleocr_vl": lambda t: {**t, "model_type": "llama", "attention_bias": _flag(t.get("use_bias")),
                                "mlp_bias": _flag(t.get("use_bias"))},
 }
-# Text model types mlx-lm runs only inside its wrapper (which takes the text config nested and
-# the weights under `language_model.`): MiniCPM-V 4.6/4.7's Qwen3.5 decoders.
-WRAPPED = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+# Text model types mlx-lm runs only inside its wrapper, which takes the text config nested:
+# (the wrapper's type, where it wants the decoder's `model.*` weights, or None where its
+# sanitize moves them itself). MiniCPM-V 4.6/4.7's Qwen3.5 decoders, Gemma 3n's.
+WRAPPED = {"qwen3_5_text": ("qwen3_5", None), "qwen3_5_moe_text": ("qwen3_5_moe", None),
+           "gemma3n_text": ("gemma3n", "model.language_model.")}
 # Vision model types that are another family's checkpoint under a name of their own (mlx-vlm's
 # class is that family's, its weights named alike): the language model is built as that family's.
 SAME_AS = {"indic_ocr": "qwen3_5"}
 # Vision families whose mlx-lm wrapper cannot load their checkpoints, and why: their language
 # model alone, by mlx-lm's class for it (whose sanitize does what the wrapper's leaves out).
-LANGUAGE_MODEL_ALONE = {"kimi_vl": "mlx-lm's wrapper leaves DeepSeek-V3's kv_b_proj unsplit"}
+LANGUAGE_MODEL_ALONE = {"kimi_vl": "mlx-lm's wrapper leaves DeepSeek-V3's kv_b_proj unsplit",
+                        "gemma3n": "mlx-lm's wrapper reads transformers' weight names only (mlx-vlm's conversions "
+                                   "hold their own)"}
 
 
 def follow_published(model: Any, text: dict[str, Any]) -> None:
@@ -99,8 +103,11 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     if "quantization" in getattr(top, "__dict__", {}) and getattr(top, "quantization", None):
         text["quantization"] = top.quantization
     if text.get("model_type") in WRAPPED:
-        text = {"model_type": WRAPPED[text["model_type"]], "text_config": text,
+        wrapper, prefix = WRAPPED[text["model_type"]]
+        text = {"model_type": wrapper, "text_config": text,
                 **{k: text[k] for k in ("quantization", "tie_word_embeddings", "vocab_size", "eos_token_id") if k in text}}
+        if prefix is not None:
+            weights = {prefix + k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
     return text, weights
 
 
