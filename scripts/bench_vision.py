@@ -1,6 +1,6 @@
 """Image requests: macinfer vs mlx-vlm on the same weights, each engine in its own process.
 
-    python scripts/bench_vision.py [--family qwen2_vl] [--requests 8] [--max-tokens 64] [--repeats 3]
+    python scripts/bench_vision.py [--family qwen2_vl] [--requests 8] [--max-tokens 64] [--repeats 3] [--sizes mixed]
 
 The weights are random (no checkpoint is downloaded here): a Qwen2-VL-shaped model built with
 mlx-vlm's own classes (`tests/vision_models.py`) at --hidden/--layers, its vision tower at
@@ -28,10 +28,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _pictures(n: int, size: int, first_seed: int = 100):
+def _pictures(n: int, size: int, first_seed: int = 100, mixed: bool = False):
+    """n pictures of size x size pixels, or (`mixed`) of sizes spread around it, each its own
+    (mlx-vlm 0.7.10's batch_generate batches the pictures of one size together, a size at a time)."""
     from tests.vision_models import picture
 
-    return [picture(first_seed + i, (size, size)) for i in range(n)]  # (mlx-vlm 0.7.10 batches one size)
+    sizes = [size + 28 * (i - n // 2) if mixed else size for i in range(n)]
+    return [picture(first_seed + i, (s, s + (28 * (i % 3) if mixed else 0))) for i, s in enumerate(sizes)]
 
 
 def _worker_macinfer(a) -> dict:
@@ -43,7 +46,8 @@ def _worker_macinfer(a) -> dict:
     ask = lambda img, text: [{"role": "user", "content": [{"type": "image", "image": img},  # noqa: E731
                                                           {"type": "text", "text": text}]}]
     llm.chat(ask(_pictures(1, a.image_size, 7)[0], "warm up"), params)
-    convs = [ask(img, f"describe picture {i}") for i, img in enumerate(_pictures(a.requests, a.image_size))]
+    convs = [ask(img, f"describe picture {i}") for i, img in enumerate(_pictures(a.requests, a.image_size,
+                                                                                 mixed=a.sizes == "mixed"))]
     start = time.perf_counter()
     outs = llm.chat(convs, params)
     wall = time.perf_counter() - start
@@ -67,7 +71,7 @@ def _worker_mlx_vlm(a) -> dict:
     tok = processor.tokenizer
     # batch_generate renders each prompt through the chat template with the image itself
     batch_generate(model, processor, images=_pictures(1, a.image_size, 7), prompts=["warm up"], max_tokens=a.max_tokens)
-    pics = _pictures(a.requests, a.image_size)
+    pics = _pictures(a.requests, a.image_size, mixed=a.sizes == "mixed")
     start = time.perf_counter()
     res = batch_generate(model, processor, images=pics, prompts=[f"describe picture {i}" for i in range(len(pics))],
                          max_tokens=a.max_tokens)
@@ -88,6 +92,8 @@ def main() -> None:
     p.add_argument("--vision-dim", type=int, default=256)
     p.add_argument("--vision-depth", type=int, default=4)
     p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--sizes", choices=["same", "mixed"], default="same",
+                   help="every picture --image-size square, or sizes spread around it (28 px steps)")
     p.add_argument("--worker", choices=["macinfer", "mlx-vlm"], default=None)
     a = p.parse_args()
     if a.worker:
@@ -109,7 +115,8 @@ def main() -> None:
     for r in range(a.repeats):
         for engine in (("macinfer", "mlx-vlm") if r % 2 == 0 else ("mlx-vlm", "macinfer")):
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--model", a.model,
-                   "--requests", str(a.requests), "--max-tokens", str(a.max_tokens), "--image-size", str(a.image_size)]
+                   "--requests", str(a.requests), "--max-tokens", str(a.max_tokens), "--image-size", str(a.image_size),
+                   "--sizes", a.sizes]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if out.returncode != 0:
                 sys.exit(f"{engine} failed:\n{out.stderr[-3000:]}")
@@ -125,7 +132,8 @@ def main() -> None:
     import mlx_vlm
 
     print(f"model: random {a.family}, hidden {a.hidden} x {a.layers} layers, vision {a.vision_dim} x {a.vision_depth}; "
-          f"float32; {a.requests} concurrent requests, {a.image_size}px pictures, {a.max_tokens} tokens each")
+          f"float32; {a.requests} concurrent requests, {a.image_size}px pictures ({a.sizes} sizes), "
+          f"{a.max_tokens} tokens each")
     print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, MLX {mx.__version__} "
           f"({mx.default_device()}), mlx-lm {mlx_lm.__version__}, mlx-vlm {mlx_vlm.__version__}; {a.repeats} repeats, "
           "each engine in its own process, interleaved")
