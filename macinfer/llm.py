@@ -179,14 +179,15 @@ class LLM:
                 raise e.__context__ from None
             raise
 
-    def _add(self, prompts: list, params_list: list[SamplingParams], ids: list[str]) -> None:
+    def _add(self, prompts: list, params_list: list[SamplingParams], ids: list[str],
+             loras: list[str | None] | None = None) -> None:
         added: list[str] = []
         try:
-            for prompt, p, rid in zip(prompts, params_list, ids):
+            for prompt, p, rid, lora in zip(prompts, params_list, ids, loras or [None] * len(prompts)):
                 images = None
                 if isinstance(prompt, tuple):  # (ids, ImageInputs): a chat with images
                     prompt, images = prompt
-                added.append(self.engine.add_request(prompt, p, request_id=rid, images=images))
+                added.append(self.engine.add_request(prompt, p, request_id=rid, images=images, lora=lora))
         except Exception:
             for rid in added:
                 self.engine.abort_request(rid)
@@ -217,23 +218,36 @@ class LLM:
                 self._live.discard(out.request_id)
         return mine
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at `path` (mlx-lm's or PEFT's files) as `name`: requests
+        name it with `lora=`, and run batched with the base's and other adapters'."""
+        self._call(self.engine.load_lora, name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self._call(self.engine.unload_lora, name)
+
     def generate(
         self,
         prompts: str | list[str] | list[int] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        lora: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; results in prompt order."""
+        """Run every prompt to completion, batched; results in prompt order. `lora`: the
+        loaded adapter to run them under (`load_lora`), or one per prompt (None: the base)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("need one lora (or None) per prompt")
         # Ids chosen here, so an interrupt (Ctrl-C) even while they are being added
         # still aborts every one of them: nothing keeps decoding behind the next call.
         ids = [uuid.uuid4().hex for _ in prompts]
         final: dict[str, RequestOutput] = {}
         try:
-            self._call(self._add, prompts, params_list, ids)
+            self._call(self._add, prompts, params_list, ids, loras)
             while len(final) < len(ids):
                 for out in self._call(self._pump, set(ids) - set(final)):
                     if out.finished:
@@ -242,11 +256,12 @@ class LLM:
             self._call(self._abort, [rid for rid in ids if rid not in final])
         return [final[rid] for rid in ids]
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               lora: str | None = None) -> Iterator[RequestOutput]:
         """Yield outputs as tokens arrive; each carries `delta_text`."""
         rid = uuid.uuid4().hex
         try:
-            self._call(self._add, [prompt], [params or SamplingParams()], [rid])
+            self._call(self._add, [prompt], [params or SamplingParams()], [rid], [lora])
             while True:
                 for out in self._call(self._pump, {rid}):
                     yield out
@@ -275,14 +290,16 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         params: SamplingParams | None = None,
+        lora: str | list[str | None] | None = None,
         **chat_options: Any,
     ) -> RequestOutput | list[RequestOutput]:
         """One conversation -> one output; a list of conversations -> a list."""
         batch = bool(messages) and isinstance(messages[0], list)
         convs = messages if batch else [messages]
-        outs = self.generate([self._chat_prompt(c, **chat_options) for c in convs], params)  # type: ignore[arg-type]
+        outs = self.generate([self._chat_prompt(c, **chat_options) for c in convs], params,  # type: ignore[arg-type]
+                             lora=lora)
         return outs if batch else outs[0]
 
     def chat_stream(self, messages: list[Message], params: SamplingParams | None = None,
-                    **chat_options: Any) -> Iterator[RequestOutput]:
-        return self.stream(self._chat_prompt(messages, **chat_options), params)
+                    lora: str | None = None, **chat_options: Any) -> Iterator[RequestOutput]:
+        return self.stream(self._chat_prompt(messages, **chat_options), params, lora)

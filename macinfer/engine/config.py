@@ -56,6 +56,8 @@ class EngineConfig:
     # The most this engine may hold, weights and KV together (None: what the device gives).
     # A multi-model server sets it to the room its memory budget leaves (`model_pool.py`).
     memory_limit_bytes: int | None = None
+    # LoRA adapters (`macinfer/lora/`): the most loaded at once (the idle ones evicted first).
+    max_loras: int = 8
     # Build the next decode step's graph while this one computes (`engine/lookahead.py`).
     async_scheduling: bool = True
     # A vision checkpoint's image path (`macinfer/vision/`): loaded when its family runs

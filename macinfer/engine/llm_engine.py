@@ -14,6 +14,8 @@ import numpy as np
 
 from macinfer import kernels
 from macinfer.kernels.backend import Backend
+from macinfer.lora.adapter import LoraAdapter, LoraError, load_adapter
+from macinfer.lora.registry import LoraRegistry
 from macinfer.engine.choices import choose_paths
 from macinfer.engine.disk_cache import disk_cache_for
 from macinfer.engine.block_manager import BlockManager
@@ -129,6 +131,8 @@ class LLMEngine:
             self.block_manager.attach_disk(self.disk)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_prefill_with_decodes, speculative, self.max_model_len)
+        self.loras = LoraRegistry(self.model, cfg.max_loras)
+        self.scheduler.on_lora_done = self.loras.release
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
         # Where there is more than one correct path (Metal kernels or MLX's ops, explicit or
         # fused attention ops, MLA's prompt form): the faster on the model's own shapes,
@@ -264,12 +268,18 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         images: "ImageInputs | None" = None,
+        lora: str | None = None,
     ) -> str:
         """Queue a request. `cache_salt` keeps its prefix-cache entries private:
         only requests with the same salt can reuse them. `images`: from `prepare_images`
-        (the prompt its ids)."""
+        (the prompt its ids). `lora`: the name of a loaded adapter to run it under (its
+        blocks keyed by the adapter's content: shared with no other adapter's)."""
         params = params or SamplingParams()
         ids = self.validate_request(prompt, params)
+        if lora is not None:
+            if lora not in self.loras:
+                raise LoraError(f"no LoRA adapter named {lora!r} is loaded")
+            cache_salt = f"{cache_salt or ''}\x00lora:{self.loras.adapters[lora].digest}"
         if images is not None and (self.vision is None or self.dist is not None):
             raise ValueError("this model takes no images")
         if images is not None and any(s.end > len(ids) for s in images.spans):
@@ -285,6 +295,8 @@ class LLMEngine:
         if seq.images is not None:
             self.stats["images"] += len(seq.images.spans)
             self.stats["image_tokens"] += seq.images.num_tokens
+        if lora is not None:
+            seq.lora_slot = self.loras.acquire(lora)[0]
         prompt_text = prompt if isinstance(prompt, str) else None
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, ids)
         self.requests[request_id] = _RequestState(seq, detok, prompt_text)
@@ -292,6 +304,21 @@ class LLMEngine:
         if self.dist is not None:  # replayed on every rank before the next step (only once it was added here)
             self._inputs.record(("add", ids, params, request_id, cache_salt))
         return request_id
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Serve the adapter at `path` as `name` (`macinfer/lora/`). Raises LoraError."""
+        if self.dist is not None:
+            raise LoraError("LoRA adapters are not served over --distributed ranks yet (each rank holds a share "
+                            "of the layers they adapt)")
+        adapter = load_adapter(name, path)
+        self.loras.add(adapter)
+        log.info("LoRA adapter %s loaded from %s (%s, %d layers, %.1f MiB)", name, path, adapter.format,
+                 len(adapter.parts), adapter.nbytes / 2**20)
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving `name` (its running requests finish under it)."""
+        self.loras.remove(name)
 
     def abort_request(self, request_id: str) -> None:
         if self.dist is not None:

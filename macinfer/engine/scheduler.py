@@ -17,6 +17,7 @@ preempted, and a step takes at most half the sequences, so two steps alternate.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 from dataclasses import dataclass, field
 
 from macinfer.engine.block_manager import BlockManager
@@ -50,6 +51,7 @@ class Scheduler:
         depth: int = 1,
     ):
         self.block_manager = block_manager
+        self.on_lora_done: Callable[[int], None] | None = None  # a finished sequence's adapter slot
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Prefill tokens a step may carry while sequences are decoding: a long prompt's
@@ -212,6 +214,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
+        if seq.lora_slot and self.on_lora_done is not None:
+            self.on_lora_done(seq.lora_slot)
+            seq.lora_slot = 0
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -42,6 +42,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # by position; [0] is None
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    lora_slot: int = 0  # its LoRA adapter's slot in the adapted layers (0: the base model)
     images: Any = None  # `vision.inputs.ImageInputs` of a prompt with images (None: text only)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks

@@ -67,6 +67,7 @@ class AttentionMetadata:
     state: Any = None  # the step's recurrent-state plan (`kv/state.py`; None: no recurrent layers)
     # Rows whose input is an image's encoded features instead of their token's embedding
     # (`macinfer/vision/`), and those features [len(rows), hidden] (None: no image this step).
+    lora_slots: mx.array | None = None  # [T] each row's LoRA adapter slot (None: every row the base's)
     image_rows: mx.array | None = None
     image_features: mx.array | None = None
     image_deepstack: mx.array | None = None  # [early layers, len(image_rows), hidden] (Qwen3-VL's DeepStack)

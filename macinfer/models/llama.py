@@ -19,6 +19,7 @@ from macinfer.kv.dense import LOG2E
 from macinfer.kernels import quantized as quantized_kernels
 from macinfer.kernels.call import launch
 from macinfer.kv.spec import FullAttention, LayerKV
+from macinfer.lora.layers import rows as lora_rows
 from macinfer.models.base import ModelArgs
 from macinfer.models.rope import apply_rope_tables, make_rope, rope_tables
 
@@ -66,10 +67,13 @@ class Attention(nn.Module):
         self.rope_key = f"rope{rope_args!r}"
 
     def fuse(self) -> None:
+        sizes = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
         fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         if fused is not None:
             self.qkv_proj = fused
             del self["q_proj"], self["k_proj"], self["v_proj"]
+            # (a plain attribute, not a child: where each part's outputs lie, for LoRA adapters)
+            object.__setattr__(self, "fused_parts", {"qkv_proj": tuple(zip(("q_proj", "k_proj", "v_proj"), sizes))})
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v as flat rows [T, heads * head_dim]."""
@@ -120,10 +124,12 @@ class MLP(nn.Module):
         self.qmv: str | None = None  # the batched qmv kernel: "metal" | "emulate" (`Model.use_paths`)
 
     def fuse(self) -> None:
+        hidden = self.gate_proj.weight.shape[0]
         fused = fuse_linears([self.gate_proj, self.up_proj])
         if fused is not None:
             self.gate_up_proj = fused
             del self["gate_proj"], self["up_proj"]
+            object.__setattr__(self, "fused_parts", {"gate_up_proj": (("gate_proj", hidden), ("up_proj", hidden))})
 
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:
@@ -174,7 +180,8 @@ class Model(nn.Module):
 
     def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:
         """Hidden states [T, hidden] for a flat ragged batch of tokens."""
-        return self.model(input_ids, meta)
+        with lora_rows(meta.lora_slots):
+            return self.model(input_ids, meta)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """LM head on the rows that need a next token only (not every prompt token)."""

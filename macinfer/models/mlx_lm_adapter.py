@@ -42,6 +42,7 @@ import mlx.nn as nn
 
 from macinfer.kv.attention import AttentionMetadata
 from macinfer.kv.spec import ChunkedLocal, FullAttention, LayerKV, SlidingWindow, StateSpec
+from macinfer.lora.layers import rows as lora_rows
 from macinfer.kv.state import probe_plan
 from macinfer.models.paged_layers import Forward, PagedLayerCache, UnsupportedModelError, patch_modules, set_active
 from macinfer.models.paged_state import CacheListStandIn, PagedStateCache, patch_receiver, trace_receivers
@@ -395,7 +396,8 @@ class MlxLmModel(nn.Module):
         return embed if isinstance(embed, nn.Module) and not self._inner_takes_mask else None
 
     def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:
-        return self._run(input_ids, Forward(meta=meta, state_plan=meta.state))[:, 0, :]
+        with lora_rows(meta.lora_slots):
+            return self._run(input_ids, Forward(meta=meta, state_plan=meta.state))[:, 0, :]
 
     def logits(self, hidden: mx.array) -> mx.array:
         # An instance attribute shadows the inner model child for this call only.

@@ -123,6 +123,7 @@ def build_inputs(
     image_rows: list[int] = []
     image_parts: list[mx.array] = []
     rope: list[tuple[int, np.ndarray]] = []  # (first row, [3, n]) of sequences with multimodal RoPE
+    lora: list[int] = []  # each row's adapter slot
 
     for k, (seq, n) in enumerate(scheduled):
         start = seq.num_computed_tokens if ahead is None else ahead[1][k]
@@ -134,6 +135,7 @@ def build_inputs(
             ids.extend(drafts)
         pos = np.arange(start, start + n)
         positions.extend(pos.tolist())
+        lora.extend([seq.lora_slot] * n)
         if seq.images is not None:
             if ahead is None:
                 _image_rows(seq, start, start + real, row, image_rows, image_parts)
@@ -168,6 +170,8 @@ def build_inputs(
             meta.rope_offsets = mx.array(table[0], dtype=mx.int32)
         else:
             meta.rope_positions = mx.array(table, dtype=mx.int32)
+    if any(lora):
+        meta.lora_slots = mx.array(lora, dtype=mx.uint32)
     if image_rows:
         meta.image_rows = mx.array(image_rows, dtype=mx.int32)
         feats = image_parts[0] if len(image_parts) == 1 else mx.concatenate(image_parts, axis=-2)

@@ -1,0 +1,209 @@
+"""LoRA adapters on the engine: each kind gives mlx-lm's own tokens under `load(base,
+adapter_path=...)` for every cache kind; rows of several adapters and of the base share one
+batch and give what each gives alone; blocks are keyed by the adapter's content; bad
+adapters are refused with the reason."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from macinfer import LLM
+from macinfer.lora.adapter import LoraError
+from macinfer.sampling_params import SamplingParams
+from tests.helpers import make_mlx_lm_model, save_model_dir
+from tests.lora_adapters import mlx_lm_adapter, mlx_lm_lora_greedy, peft_from_mlx_lm
+from tests.zoo import tiny_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPT = [5, 9, 23, 44, 71, 12, 8, 99, 100, 31, 7, 3, 55]
+ATTENTION = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+# What an adapter of each kind adapts (mlx-lm's defaults: every linear layer of a block, but
+# an MoE's experts, which the engine refuses yet; MLA: its low-rank query/latent projections).
+CASES = {
+    "llama": ("llama", None, "auto"),  # the hand-written Llama file: fused q/k/v and gate/up
+    "llama-mlx-lm": ("llama", None, "mlx-lm"),
+    "sliding": ("gemma3_text", None, "auto"),
+    "hybrid": ("qwen3_next", ATTENTION + ["linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba",
+                                          "linear_attn.out_proj"], "auto"),
+    "mla": ("deepseek_v3", ["self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+                            "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"], "auto"),
+    "moe": ("qwen3_moe", ATTENTION, "auto"),
+}
+
+
+def _base(tmp_path, model_type: str, **extra) -> str:
+    cfg = tiny_config(model_type, **extra)
+    if "query_pre_attn_scalar" in cfg:
+        cfg["query_pre_attn_scalar"] = 16  # (transformers' config class wants an int)
+    return save_model_dir(str(tmp_path / "-".join([model_type, *map(str, extra.values())])), cfg,
+                          make_mlx_lm_model(cfg, 0))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama and three adapters of it (different ranks, scales, layers)."""
+    tmp = tmp_path_factory.mktemp("lora")
+    base = _base(tmp, "llama")
+    adapters = {"a": mlx_lm_adapter(base, str(tmp / "a"), rank=4, seed=1),
+                "b": mlx_lm_adapter(base, str(tmp / "b"), rank=8, scale=5.0, seed=2),
+                "c": mlx_lm_adapter(base, str(tmp / "c"), rank=2, num_layers=1, keys=ATTENTION, seed=3)}
+    return base, adapters
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_adapter_gives_mlx_lm_tokens(tmp_path, case):
+    model_type, keys, impl = CASES[case]
+    base = _base(tmp_path, model_type)
+    adapter = mlx_lm_adapter(base, str(tmp_path / "adapter"), keys=keys)
+    llm = LLM(base, kv_cache_gb=0.01, model_impl=impl)
+    try:
+        llm.load_lora("mine", adapter)
+        ours = llm.generate([PROMPT, PROMPT], GREEDY, lora=["mine", None])  # one batch, both rows
+    finally:
+        llm.close()
+    with_adapter, without = mlx_lm_lora_greedy(base, adapter, PROMPT, 10), mlx_lm_lora_greedy(base, None, PROMPT, 10)
+    assert with_adapter != without  # the adapter matters on this model
+    assert [o.token_ids for o in ours] == [with_adapter, without]
+
+
+def test_dora_peft_and_rslora_give_their_references(llama, tmp_path):
+    """DoRA as mlx-lm trains it; the same LoRA factors in PEFT's layout (alpha / r), and as
+    rsLoRA (alpha / sqrt(r)): the same tokens as mlx-lm's adapter."""
+    base, adapters = llama
+    dora = mlx_lm_adapter(base, str(tmp_path / "dora"), rank=4, dora=True, seed=4)
+    llm = LLM(base, kv_cache_gb=0.01)
+    try:
+        llm.load_lora("dora", dora)
+        llm.load_lora("peft", peft_from_mlx_lm(adapters["a"], str(tmp_path / "peft")))
+        llm.load_lora("rslora", peft_from_mlx_lm(adapters["a"], str(tmp_path / "rslora"), rslora=True))
+        outs = llm.generate([PROMPT] * 3, GREEDY, lora=["dora", "peft", "rslora"])
+    finally:
+        llm.close()
+    reference = mlx_lm_lora_greedy(base, adapters["a"], PROMPT, 10)
+    assert [o.token_ids for o in outs] == [mlx_lm_lora_greedy(base, dora, PROMPT, 10), reference, reference]
+
+
+def test_adapters_and_the_base_batch_as_they_run_alone(llama):
+    """24 requests over three adapters and the base, different prompts, in one batch: each
+    gives what it gives alone, and what mlx-lm gives under its adapter."""
+    base, adapters = llama
+    names = [None, "a", "b", "c"] * 6
+    prompts = [PROMPT[: 5 + i % 7] + [10 + i] for i in range(len(names))]
+    llm = LLM(base, kv_cache_gb=0.02, max_num_seqs=32)
+    try:
+        for name, path in adapters.items():
+            llm.load_lora(name, path)
+        together = [o.token_ids for o in llm.generate(prompts, GREEDY, lora=names)]
+        alone = [llm.generate([p], GREEDY, lora=n)[0].token_ids for p, n in zip(prompts[:8], names[:8])]
+    finally:
+        llm.close()
+    assert together[:8] == alone
+    for p, n, t in list(zip(prompts, names, together))[:4]:
+        assert t == mlx_lm_lora_greedy(base, adapters.get(n), p, 10)
+
+
+def test_blocks_are_keyed_by_the_adapters_content(llama):
+    """The same prompt under two adapters shares no block (nor with the base); the same
+    adapter's files under another name share every one, and a repeat hits the prefix cache."""
+    base, adapters = llama
+    prompt = list(range(3, 60))
+    llm = LLM(base, kv_cache_gb=0.01)
+    try:
+        eng = llm.engine
+        llm.load_lora("a", adapters["a"])
+        llm.load_lora("b", adapters["b"])
+        llm.load_lora("a-again", adapters["a"])
+        hashes = {}
+        for name in (None, "a", "b", "a-again"):
+            rid = eng.add_request(prompt, GREEDY, lora=name)
+            seq = eng.requests[rid].seq
+            hashes[name] = eng.block_manager._hashes(seq, 3)
+            eng.abort_request(rid)
+        assert len({tuple(h) for h in hashes.values()}) == 3 and hashes["a"] == hashes["a-again"]
+        first, again = (llm.generate([prompt], GREEDY, lora="a")[0] for _ in range(2))
+        assert again.num_cached_tokens > 0 and again.token_ids == first.token_ids
+    finally:
+        llm.close()
+
+
+def test_an_adapter_unloaded_in_use_finishes_its_requests(llama):
+    base, adapters = llama
+    llm = LLM(base, kv_cache_gb=0.01)
+    try:
+        eng = llm.engine
+        llm.load_lora("a", adapters["a"])
+        rid = eng.add_request(PROMPT, GREEDY, lora="a")
+        eng.step()
+        llm.unload_lora("a")  # in use: served to its running request, refused to new ones
+        with pytest.raises(LoraError, match="no LoRA adapter named 'a'"):
+            eng.add_request(PROMPT, GREEDY, lora="a")
+        out = None
+        while eng.has_unfinished_requests():
+            out = next((o for o in eng.step() if o.request_id == rid and o.finished), out)
+        assert out.token_ids == mlx_lm_lora_greedy(base, adapters["a"], PROMPT, 10)
+        assert not eng.loras.adapters and "a" not in eng.loras.slots  # its slot freed when it ended
+    finally:
+        llm.close()
+
+
+def test_idle_adapters_are_evicted_past_max_loras(llama):
+    base, adapters = llama
+    llm = LLM(base, kv_cache_gb=0.01, max_loras=2)
+    try:
+        for name in ("a", "b", "c"):
+            llm.load_lora(name, adapters[name])
+        assert sorted(llm.engine.loras.names()) == ["b", "c"]  # "a", the least recently used, went
+    finally:
+        llm.close()
+
+
+def test_bad_adapters_are_refused_with_the_reason(llama, tmp_path):
+    base, adapters = llama
+    other = _base(tmp_path, "llama", hidden_size=96)  # another base: other shapes
+    moe = _base(tmp_path, "qwen3_moe")
+    truncated = str(tmp_path / "truncated")
+    os.makedirs(truncated)
+    for f in ("adapter_config.json", "adapters.safetensors"):
+        with open(os.path.join(adapters["a"], f), "rb") as src, open(os.path.join(truncated, f), "wb") as dst:
+            data = src.read()
+            dst.write(data[: len(data) // 2] if f.endswith(".safetensors") else data)
+    cases = {
+        str(tmp_path / "missing"): "is not a folder",
+        str(tmp_path): "has no adapter_config.json",
+        truncated: "cannot be read",
+        mlx_lm_adapter(other, str(tmp_path / "other")): "an adapter for another base model",
+        mlx_lm_adapter(moe, str(tmp_path / "experts")): r"per-expert \(switch\) LoRA",
+    }
+    llm = LLM(base, kv_cache_gb=0.01)
+    try:
+        for path, why in cases.items():
+            with pytest.raises(LoraError, match=why):
+                llm.load_lora("bad", path)
+        with pytest.raises(LoraError, match="no LoRA adapter named 'nope'"):
+            llm.generate([PROMPT], GREEDY, lora="nope")
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == mlx_lm_lora_greedy(base, None, PROMPT, 10)
+    finally:
+        llm.close()
+
+
+def test_adapter_rows_speculate_and_survive_preemption(llama):
+    """Prompt-lookup drafts verified under the row's adapter, and requests preempted for want
+    of blocks and recomputed: the same tokens as a roomy engine without speculation."""
+    base, adapters = llama
+    prompts = [[40 + i] + PROMPT * 2 + PROMPT[:3] for i in range(6)]  # repetitive: the lookup drafts
+    names = ["a", "b", None] * 2
+    outs = {}
+    for key, kwargs in (("plain", dict(kv_cache_gb=0.01)),
+                        ("tight", dict(num_kv_blocks=8, num_speculative_tokens=3, speculative_max_batch=8))):
+        llm = LLM(base, **kwargs)
+        try:
+            llm.load_lora("a", adapters["a"])
+            llm.load_lora("b", adapters["b"])
+            outs[key] = [o.token_ids for o in llm.generate(prompts, GREEDY, lora=names)]
+            stats = dict(llm.engine.stats, preemptions=llm.engine.scheduler.num_preemptions)
+        finally:
+            llm.close()
+    assert outs["tight"] == outs["plain"]
+    assert stats["preemptions"] > 0 and stats["spec_draft_tokens"] > 0, stats
