@@ -207,3 +207,106 @@ def test_adapter_rows_speculate_and_survive_preemption(llama):
             llm.close()
     assert outs["tight"] == outs["plain"]
     assert stats["preemptions"] > 0 and stats["spec_draft_tokens"] > 0, stats
+
+
+def _app(base: str, adapters: dict[str, str], api_keys: list[str]):
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from macinfer.server.app import create_app
+    from macinfer.server.model_pool import ModelPool
+
+    engine = LLMEngine(base, EngineConfig(kv_cache_gb=0.02))
+    for name, path in adapters.items():
+        engine.load_lora(name, path)
+    return create_app(ModelPool.one(engine, "m"), api_keys=api_keys), engine
+
+
+def test_the_server_addresses_adapters_by_name_and_loads_them_at_run_time(llama):
+    """`model` names an adapter in every API (the official openai client's completions and
+    chat, Anthropic's messages); /v1/models lists adapters with their base; vLLM's load and
+    unload routes, behind the API key, with the reason for a bad adapter."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    base, adapters = llama
+    app, engine = _app(base, {"a": adapters["a"]}, ["k"])
+    auth = {"Authorization": "Bearer k"}
+    chat = [{"role": "user", "content": "hi there"}]
+    llm = LLM(base, kv_cache_gb=0.01)  # the engine's own texts (its tokens are mlx-lm's: the tests above)
+    try:
+        llm.load_lora("a", adapters["a"])
+        llm.load_lora("b", adapters["b"])
+        expected = {n: llm.generate([PROMPT], GREEDY, lora=n)[0].text for n in ("a", "b", None)}
+        expected["chat"] = llm.chat(chat, SamplingParams(temperature=0, max_tokens=6), lora="a").text
+    finally:
+        llm.close()
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=auth, timeout=120) as c:
+            client = openai.AsyncOpenAI(api_key="k", base_url="http://t/v1", http_client=c)
+            out = {}
+            models = (await c.get("/v1/models")).json()["data"]
+            out["models"] = {m["id"]: m.get("parent") for m in models}
+
+            async def complete(model):
+                r = await client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0)
+                return r.choices[0].text
+
+            out["a"], out["base"] = await complete("a"), await complete("m")
+            out["load"] = (await c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": adapters["b"]})).status_code
+            out["b"] = await complete("b")
+            out["bad"] = await c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"})
+            out["unload"] = (await c.post("/v1/unload_lora_adapter", json={"lora_name": "b"})).status_code
+            out["unknown"] = (await c.post("/v1/unload_lora_adapter", json={"lora_name": "b"})).status_code
+            out["after"] = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+            out["chat"] = (await client.chat.completions.create(model="a", messages=chat, max_tokens=6,
+                                                                temperature=0)).choices[0].message.content
+            msg = await c.post("/v1/messages", json={"model": "a", "max_tokens": 6, "messages": chat,
+                                                     "temperature": 0})
+            out["anthropic"] = msg.json()["content"][0]["text"]
+            return out
+
+    try:
+        out = asyncio.run(go())
+    finally:
+        app.state.pool.shutdown()
+    assert out["models"] == {"m": None, "a": "m"}
+    assert (out["a"], out["base"], out["b"]) == (expected["a"], expected[None], expected["b"])
+    assert out["load"] == 200 and out["unload"] == 200 and out["unknown"] == 404
+    assert out["bad"].status_code == 400 and "is not a folder" in out["bad"].json()["error"]["message"]
+    assert out["after"] == ["m", "a"]
+    assert out["chat"] == out["anthropic"] == expected["chat"]
+    open_app, _ = _app(base, {}, [])
+    try:
+        async def no_key():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_app), base_url="http://t") as c:
+                return await c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": adapters["b"]})
+        r = asyncio.run(no_key())
+        assert r.status_code == 403 and "--api-key" in r.json()["error"]["message"]
+    finally:
+        open_app.state.pool.shutdown()
+
+
+def test_the_cli_generates_under_an_adapter_and_refuses_a_bad_one(llama, tmp_path):
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    base, adapters = llama
+    args = ["generate", base, "-p", "hello world", "-n", "8", "--kv-cache-gb", "0.01", "--no-chat-template"]
+    plain, adapted = (CliRunner().invoke(main, [*args, *extra]) for extra in ([], ["--lora", adapters["a"]]))
+    assert plain.exit_code == 0 and adapted.exit_code == 0, adapted.output
+    llm = LLM(base, kv_cache_gb=0.01)
+    try:
+        llm.load_lora("a", adapters["a"])
+        ids = llm.tokenizer.encode("hello world")
+        expected = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8), lora="a")[0].text
+    finally:
+        llm.close()
+    assert adapted.stdout.rstrip("\n") == expected and adapted.stdout != plain.stdout
+    bad = CliRunner().invoke(main, [*args, "--lora", str(tmp_path)])
+    assert bad.exit_code == 1 and "has no adapter_config.json" in bad.output
+    serve = CliRunner().invoke(main, ["serve", base, "--lora", "oops"])
+    assert serve.exit_code == 2 and "NAME=PATH" in serve.output

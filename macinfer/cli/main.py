@@ -81,6 +81,8 @@ def _engine_options(f):
                      help="Speculative decoding by prompt lookup: draft tokens checked per step while at most 4 "
                           "requests decode (0: off). Same output; faster when answers repeat their input "
                           "(edits, quotes, code, structured data).")(f)
+    f = click.option("--max-loras", type=click.IntRange(min=1), default=8, show_default=True,
+                     help="LoRA adapters loaded at once; loading one more evicts the least recently used idle one.")(f)
     f = click.option("--max-prefill-with-decodes", type=click.IntRange(min=0), default=None,
                      help=f"Prompt tokens per step while other requests are decoding, shortest prompt first "
                           f"(default: {SERVE_PREFILL_WITH_DECODES} for `serve`, no separate cap otherwise; 0: no cap). "
@@ -114,7 +116,7 @@ def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pre
                    kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
                    num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None,
                    distributed_timeout=60.0, pipeline_micro_batches=1, pipeline_depth=None, no_autotune=False,
-                   kv_disk_gb=None, kv_disk_dir=None, async_scheduling=True):
+                   kv_disk_gb=None, kv_disk_dir=None, async_scheduling=True, max_loras=8):
     from macinfer.engine.llm_engine import EngineConfig
 
     return EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
@@ -126,7 +128,8 @@ def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pre
                         distributed=distributed, distributed_timeout=distributed_timeout,
                         pipeline_micro_batches=pipeline_micro_batches, pipeline_depth=pipeline_depth,
                         autotune=not no_autotune,
-                        kv_disk_gb=kv_disk_gb, kv_disk_dir=kv_disk_dir, async_scheduling=async_scheduling)
+                        kv_disk_gb=kv_disk_gb, kv_disk_dir=kv_disk_dir, async_scheduling=async_scheduling,
+                        max_loras=max_loras)
 
 
 def _load_engine(model: str, **engine_opts):
@@ -155,6 +158,41 @@ def _load_engine(model: str, **engine_opts):
     return engine
 
 
+def _load_loras(engine, loras: dict[str, str]) -> dict[str, str]:
+    """Load each named adapter on `engine`; a bad one is a one-line error."""
+    from macinfer.lora.adapter import LoraError
+
+    for name, path in loras.items():
+        try:
+            engine.load_lora(name, path)
+        except LoraError as e:
+            raise click.ClickException(str(e)) from None
+    return loras
+
+
+def _load_loras_into(engine, loras: dict[str, str]):
+    _load_loras(engine, loras)
+    return engine
+
+
+def _lora_pairs(pairs: tuple[str, ...], names: set[str]) -> dict[str, str]:
+    """`--lora NAME=PATH` values, checked: a name once, no model's name, the folder there."""
+    import os
+
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"{pair!r}: give NAME=PATH", param_hint="--lora")
+        if name in out or name in names:
+            raise click.BadParameter(f"{name!r} names " + ("two adapters" if name in out else "a model"),
+                                     param_hint="--lora")
+        if not os.path.isdir(os.path.expanduser(path)):
+            raise click.BadParameter(f"{path}: no such folder", param_hint="--lora")
+        out[name] = os.path.expanduser(path)
+    return out
+
+
 def _params(temperature, max_tokens, top_p, top_k, seed):
     from macinfer.sampling_params import SamplingParams
 
@@ -164,13 +202,13 @@ def _params(temperature, max_tokens, top_p, top_k, seed):
         raise click.BadParameter(str(e)) from None
 
 
-def _stream(engine, prompt, params, images=None) -> tuple[str, int, float, float]:
+def _stream(engine, prompt, params, images=None, lora=None) -> tuple[str, int, float, float]:
     """Print tokens as they come; returns (text, tokens, ttft, total seconds)."""
     from macinfer.engine.llm_engine import PromptTooLongError
 
     start = time.perf_counter()
     try:
-        rid = engine.add_request(prompt, params, images=images)
+        rid = engine.add_request(prompt, params, images=images, lora=lora)
     except (PromptTooLongError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     ttft, text, ntok = 0.0, "", 0
@@ -206,14 +244,18 @@ def main(verbose: bool, log_level: str | None) -> None:
               help="An image file the prompt asks about, before the text (repeatable; vision models).")
 @click.option("--no-chat-template", "raw", is_flag=True, help="Send the prompt as it is, not as a user message "
               "in the chat template.")
+@click.option("--lora", "lora_path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Generate under this LoRA adapter (a folder: mlx-lm's adapters.safetensors or PEFT's "
+                   "adapter_model.safetensors, with adapter_config.json).")
 @_sampling_options
 @_engine_options
 @_log_options
-def generate(model, prompt, images, raw, temperature, max_tokens, top_p, top_k, seed, **engine_opts):
+def generate(model, prompt, images, raw, lora_path, temperature, max_tokens, top_p, top_k, seed, **engine_opts):
     if prompt == "-":
         prompt = sys.stdin.read()
     params = _params(temperature, max_tokens, top_p, top_k, seed)
     engine = _load_engine(model, **engine_opts)
+    lora = _load_loras(engine, {"adapter": lora_path}) and "adapter" if lora_path else None
     inputs = None
     if images and (raw or not engine.tokenizer.chat_template):
         raise click.ClickException("--image needs the chat template (it places the images in the prompt)")
@@ -230,7 +272,7 @@ def generate(model, prompt, images, raw, temperature, max_tokens, top_p, top_k, 
                 prompt, inputs = engine.prepare_images(prompt, pictures)
         except ValueError as e:  # a template that refuses the conversation; an image that is not one
             raise click.ClickException(str(e)) from None
-    _, ntok, ttft, total = _stream(engine, prompt, params, inputs)
+    _, ntok, ttft, total = _stream(engine, prompt, params, inputs, lora)
     decode = (ntok - 1) / (total - ttft) if ntok > 1 and total > ttft else 0.0
     click.echo(f"[{ntok} tokens, TTFT {ttft:.2f}s, decode {decode:.1f} tok/s]", err=True)
 
@@ -316,11 +358,15 @@ def convert(gguf, out_dir):
               help="top_k of requests that set none (default 0: off).")
 @click.option("--seed", "default_seed", type=int, default=None,
               help="Seed of requests that set none (default: unseeded).")
+@click.option("--lora", "loras", multiple=True, metavar="NAME=PATH",
+              help="Serve a LoRA adapter of the (first) MODEL as NAME: requests whose `model` is NAME run under "
+                   "it, batched with the base's and other adapters' (repeatable; more at run time with "
+                   "POST /v1/load_lora_adapter when --api-key is set).")
 @_engine_options
 @_log_options
 def serve(models, model_flags, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, host, port, served_model_names, max_tokens_default, api_keys, cache_isolation, allowed_hosts, no_webui, tool_call_parser, cors_origins, max_queue, allow_image_urls, max_body_mb,
           max_connections, header_timeout, body_timeout, default_temperature, default_top_p, default_top_k,
-          default_seed, **engine_opts):
+          default_seed, loras, **engine_opts):
     import os
 
     given = list(models) + list(model_flags)
@@ -335,6 +381,9 @@ def serve(models, model_flags, models_dir, hf_cache, idle_ttl, pins, max_memory_
         raise click.UsageError("--idle-ttl, --pin and --max-memory-gb are for several models (MODEL MODEL ... or "
                                "--models-dir); one model stays loaded")
     model = given[0] if given else None
+    adapters = _lora_pairs(loras, {*served_model_names, *given, *([_model_name(model)] if model else [])})
+    if adapters and not given:
+        raise click.UsageError("--lora adapts the first MODEL; give one")
     try:
         from macinfer.server.app import run_server
         from macinfer.server.middleware import allowed_host_names
@@ -352,9 +401,11 @@ def serve(models, model_flags, models_dir, hf_cache, idle_ttl, pins, max_memory_
         engine_opts["max_prefill_with_decodes"] = SERVE_PREFILL_WITH_DECODES
     names = list(served_model_names) or ([_model_name(model)] if model else [])
     if several:
-        engine, name = _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, names, engine_opts), None
+        engine, name = _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, names, engine_opts,
+                                   adapters), None
     else:
         engine, name = _load_engine(model, **engine_opts), names[0]
+        _load_loras(engine, adapters)
     hosts = allowed_host_names(host, tuple(allowed_hosts))
     code = run_server(engine, name, sock, header_timeout=header_timeout, max_connections=max_connections,
                       log_requests=logging.getLogger().level <= logging.INFO, api_keys=list(api_keys),
@@ -374,7 +425,7 @@ def _model_name(ref: str) -> str:
     return os.path.basename(ref.rstrip("/")).removesuffix(".gguf")
 
 
-def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, names, engine_opts):
+def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, names, engine_opts, adapters=None):
     """The models of a multi-model server: MODELs first (the first loaded now, named by
     --served-model-name), then --models-dir's and the Hugging Face cache's."""
     import os
@@ -393,7 +444,8 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
             path = resolve(ref) if local else ref
         except ModelNotFoundError as e:
             raise click.ClickException(str(e)) from None
-        sources.append(ModelSource(name, path, aliases, disk_bytes=disk_bytes(path) if local else 0))
+        sources.append(ModelSource(name, path, aliases, disk_bytes=disk_bytes(path) if local else 0,
+                                   loras=dict(adapters or {}) if i == 0 else {}))
     try:
         sources = unique(sources + discover(models_dir, hf_cache))
     except ValueError as e:
@@ -416,13 +468,16 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
                 logging.getLogger("macinfer.server").info("loading model %s: %d%%", src.name, 25 * quarter)
 
         cfg = dataclasses.replace(_engine_config(**engine_opts), memory_limit_bytes=limit)
-        return LLMEngine(src.path, cfg, progress=progress)
+        engine = LLMEngine(src.path, cfg, progress=progress)
+        for lora_name, lora_path in src.loras.items():  # its adapters come with it
+            engine.load_lora(lora_name, lora_path)
+        return engine
 
     kv = engine_opts.get("kv_cache_gb")
     pool = ModelPool(sources, load, budget_bytes=budget, idle_ttl=idle_ttl, kv_bytes=int(kv * 2**30) if kv else None)
     for src in sources:  # the first MODEL and the pinned ones load now; the others on demand
         if (given and src is sources[0]) or src.pinned:
-            pool.preloaded(src.name, _load_engine(src.path, **engine_opts))
+            pool.preloaded(src.name, _load_loras_into(_load_engine(src.path, **engine_opts), src.loras))
     return pool
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from macinfer.engine.llm_engine import LLMEngine
-from macinfer.server import anthropic, embeddings, ollama, openai, responses, status
+from macinfer.server import adapters, anthropic, embeddings, ollama, openai, responses, status
 from macinfer.server import webui as chat_page
 from macinfer.server.async_engine import AsyncEngine
 from macinfer.server.metrics import ServerMetrics
@@ -131,7 +131,7 @@ def create_app(engine: LLMEngine | ModelPool, model_name: str | None = None, api
         return {"status": "ok"}
 
     routing = Routing(pool, metrics, key_ids)
-    for surface in (openai, anthropic, responses, embeddings, ollama, status):
+    for surface in (openai, anthropic, responses, embeddings, ollama, status, adapters):
         surface.add_routes(app, routing)
     return app
 

@@ -154,7 +154,7 @@ class AsyncEngine:
 
     def submit(
         self, prompt_ids: list[int], params_list: list[SamplingParams], request_id: str,
-        cache_salt: str | None = None, images: Any = None,
+        cache_salt: str | None = None, images: Any = None, lora: str | None = None,
     ) -> "RequestStream":
         """Admit len(params_list) choices of one prompt, or raise QueueFullError now."""
         if self.dead or self.draining or not self.running:
@@ -168,7 +168,7 @@ class AsyncEngine:
             for rid in stream.rids:
                 self._routes[rid] = _Pending(stream.loop, stream.queue)
         for rid, params in zip(stream.rids, params_list):
-            self._commands.put(("add", rid, prompt_ids, params, cache_salt, images))
+            self._commands.put(("add", rid, prompt_ids, params, cache_salt, images, lora))
         return stream
 
     async def call(self, fn, *args):
@@ -238,15 +238,13 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, salt, images = cmd
+            _, rid, ids, params, salt, images, lora = cmd
             with self._lock:
                 if rid not in self._routes:  # aborted before it started
                     return
             try:
-                if images is None:
-                    self.engine.add_request(ids, params, rid, cache_salt=salt)
-                else:
-                    self.engine.add_request(ids, params, rid, cache_salt=salt, images=images)
+                extra = {k: v for k, v in (("images", images), ("lora", lora)) if v is not None}
+                self.engine.add_request(ids, params, rid, cache_salt=salt, **extra)
             except Exception as e:  # validated already; anything left is this request's
                 log.exception("could not add request %s", rid)
                 self._deliver(RequestOutput(rid, ids, "", [], "", [], True, "error", error=str(e)))

@@ -44,6 +44,7 @@ class ModelSource:
     aliases: tuple[str, ...] = ()
     pinned: bool = False
     disk_bytes: int = 0  # the weights' files (listings)
+    loras: dict[str, str] = field(default_factory=dict)  # its LoRA adapters: name -> folder, loaded with it
 
     @property
     def names(self) -> set[str]:
@@ -190,6 +191,9 @@ class ModelPool:
             for e in self.entries.values():
                 if base in e.source.names:
                     return e
+        for e in self.entries.values():  # one of a model's LoRA adapters: that model
+            if model in e.source.loras or (e.served is not None and model in e.served.engine.loras):
+                return e
         names = ", ".join(sorted(self.entries))
         raise PoolError(404, f"The model `{model}` does not exist; this server serves: {names}.", "model_not_found")
 

@@ -51,7 +51,10 @@ class Routing:
         try:
             index = getattr(request.state, "api_key_index", None)
             client = (None if index is None else self.key_ids[index], req.user)
-            rid, stream = m.serving.submit(req, ids, params, kind, client, images)
+            # a `model` naming one of this model's LoRA adapters runs under it
+            model = getattr(req, "model", None)
+            lora = model if model and model in m.engine.loras else None
+            rid, stream = m.serving.submit(req, ids, params, kind, client, images, lora)
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="server_busy",
                            headers={"Retry-After": "1"}) from None

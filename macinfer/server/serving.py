@@ -297,10 +297,11 @@ class OpenAIServing:
         return None
 
     def submit(self, req, ids: list[int], params: list[SamplingParams], kind: str,
-               client: tuple[int | None, str | None], images: Any = None) -> tuple[str, RequestStream]:
+               client: tuple[int | None, str | None], images: Any = None,
+               lora: str | None = None) -> tuple[str, RequestStream]:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         return rid, self.engine.submit(ids, params, rid, cache_salt=self.cache_salt(req.cache_salt, *client),
-                                       images=images)
+                                       images=images, lora=lora)
 
     def cache_salt(self, salt: str | None, key_id: str | None, user: str | None) -> str | None:
         """Requests share prefix-cache entries only within the isolation scope: a

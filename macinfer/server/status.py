@@ -24,13 +24,22 @@ def add_routes(app: Any, routing: Routing) -> None:
                 **{k: card[k] for k in ("max_model_len", "input_modalities", "images_refused") if k in card},
                 **({} if pool.single else card)}
 
+    def adapter_cards(entry) -> list[dict]:
+        """A model's LoRA adapters, as vLLM lists them: their base as `parent`, the folder as `root`."""
+        loras = entry.served.engine.loras if entry.served is not None else None
+        paths = {n: loras.adapters[n].path for n in loras.names()} if loras is not None else dict(entry.source.loras)
+        return [{"id": n, "object": "model", "created": created, "owned_by": "macinfer", "parent": entry.name,
+                 "root": p} for n, p in paths.items()]
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(e) for e in pool.entries.values()]}
+        return {"object": "list", "data": [card for e in pool.entries.values()
+                                           for card in (model_card(e), *adapter_cards(e))]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        return model_card(pool.resolve(model_id, strict=True))  # 404 model_not_found for another id
+        entry = pool.resolve(model_id, strict=True)  # 404 model_not_found for another id
+        return next((c for c in adapter_cards(entry) if c["id"] == model_id), None) or model_card(entry)
 
     def engine_status(served: Served) -> dict:
         engine = served.engine
