@@ -18,9 +18,10 @@ from tests.zoo import tiny_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPT = [5, 9, 23, 44, 71, 12, 8, 99, 100, 31, 7, 3, 55]
+LONG = PROMPT * 3
 ATTENTION = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
-# What an adapter of each kind adapts (mlx-lm's defaults: every linear layer of a block, but
-# an MoE's experts, which the engine refuses yet; MLA: its low-rank query/latent projections).
+# What an adapter of each kind adapts (mlx-lm's defaults: every linear layer of a block, an
+# MoE's experts included; or the keys given).
 CASES = {
     "llama": ("llama", None, "auto"),  # the hand-written Llama file: fused q/k/v and gate/up
     "llama-mlx-lm": ("llama", None, "mlx-lm"),
@@ -29,7 +30,8 @@ CASES = {
                                           "linear_attn.out_proj"], "auto"),
     "mla": ("deepseek_v3", ["self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
                             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"], "auto"),
-    "moe": ("qwen3_moe", ATTENTION, "auto"),
+    "moe": ("qwen3_moe", None, "auto"),  # attention, router gate and each expert's (switch) LoRA
+    "moe-mla": ("deepseek_v3", None, "auto"),  # MLA, shared and routed experts
 }
 
 
@@ -60,10 +62,11 @@ def test_adapter_gives_mlx_lm_tokens(tmp_path, case):
     llm = LLM(base, kv_cache_gb=0.01, model_impl=impl)
     try:
         llm.load_lora("mine", adapter)
-        ours = llm.generate([PROMPT, PROMPT], GREEDY, lora=["mine", None])  # one batch, both rows
+        # one batch, both rows; 39 tokens: an MoE's 78 expert picks are sorted by expert (and slot)
+        ours = llm.generate([LONG, LONG], GREEDY, lora=["mine", None])
     finally:
         llm.close()
-    with_adapter, without = mlx_lm_lora_greedy(base, adapter, PROMPT, 10), mlx_lm_lora_greedy(base, None, PROMPT, 10)
+    with_adapter, without = mlx_lm_lora_greedy(base, adapter, LONG, 10), mlx_lm_lora_greedy(base, None, LONG, 10)
     assert with_adapter != without  # the adapter matters on this model
     assert [o.token_ids for o in ours] == [with_adapter, without]
 
@@ -162,7 +165,9 @@ def test_idle_adapters_are_evicted_past_max_loras(llama):
 def test_bad_adapters_are_refused_with_the_reason(llama, tmp_path):
     base, adapters = llama
     other = _base(tmp_path, "llama", hidden_size=96)  # another base: other shapes
-    moe = _base(tmp_path, "qwen3_moe")
+    full = mlx_lm_adapter(base, str(tmp_path / "full"))
+    with open(os.path.join(full, "adapter_config.json"), "w") as f:
+        f.write('{"fine_tune_type": "full", "num_layers": 2, "lora_parameters": {}}')
     truncated = str(tmp_path / "truncated")
     os.makedirs(truncated)
     for f in ("adapter_config.json", "adapters.safetensors"):
@@ -174,7 +179,7 @@ def test_bad_adapters_are_refused_with_the_reason(llama, tmp_path):
         str(tmp_path): "has no adapter_config.json",
         truncated: "cannot be read",
         mlx_lm_adapter(other, str(tmp_path / "other")): "an adapter for another base model",
-        mlx_lm_adapter(moe, str(tmp_path / "experts")): r"per-expert \(switch\) LoRA",
+        full: "a full fine-tune",
     }
     llm = LLM(base, kv_cache_gb=0.01)
     try:

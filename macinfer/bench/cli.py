@@ -193,6 +193,25 @@ def spec(model, vs, out_dir, no_plots, num_speculative_tokens, max_tokens, repea
     _finish(results, out_dir, not no_plots, mod.table(results))
 
 
+@bench.command(help="LoRA adapters: N concurrent requests over K adapters vs the same on the base alone, and vs "
+                    "mlx-lm serving the adapters one after another (load, fuse, batch_generate).")
+@click.argument("model", default="smollm2")
+@click.option("--out", "out_dir", default="bench_results", show_default=True, help="Directory for JSON.")
+@click.option("--adapters", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--requests", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--input-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--rank", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+def lora(model, out_dir, adapters, requests, input_len, output_len, rank, repeats):
+    from macinfer.bench import lora as mod
+
+    with _progress(3 * repeats, "lora", "run") as bar:
+        results = mod.run(model, adapters, requests, input_len, output_len, rank, repeats,
+                          tick=lambda label: (bar.set_postfix_str(label), bar.update()))
+    _finish(results, out_dir, False, mod.table(results))
+
+
 @bench.command(help="Online serving: streaming requests at fixed concurrency and with Poisson arrivals; "
                     "TTFT, TPOT, inter-token latency, end-to-end (p50/p95/p99), tok/s, req/s, memory, KV hit rate.")
 @common

@@ -21,8 +21,8 @@ class LoraError(ValueError):
 
 @dataclass
 class LoraPart:
-    a: mx.array  # [in, r]
-    b: mx.array  # [r, out], the scale folded in
+    a: mx.array  # [in, r] ([experts, in, r] for an MoE's expert layer)
+    b: mx.array  # [r, out] ([experts, r, out]), the scale folded in
     magnitude: mx.array | None = None  # DoRA: [out]
 
 
@@ -94,9 +94,13 @@ def _mlx_lm_parts(name: str, config: dict, weights: dict[str, mx.array]) -> dict
         if unknown or "lora_a" not in leaves or "lora_b" not in leaves:
             raise LoraError(f"LoRA adapter {name!r}: {module} holds {sorted(leaves)}, not lora_a and lora_b")
         a, b = leaves["lora_a"], leaves["lora_b"]
+        if a.ndim == 3 and b.ndim == 3 and "m" not in leaves:  # an MoE's experts: [E, r, in], [E, out, r]
+            if a.shape[0] != b.shape[0] or a.shape[1] != b.shape[2]:
+                raise LoraError(f"LoRA adapter {name!r}: {module}: lora_a {a.shape} and lora_b {b.shape} disagree")
+            parts[module] = LoraPart(a.swapaxes(1, 2).astype(mx.float32), (scale * b.swapaxes(1, 2)).astype(mx.float32))
+            continue
         if a.ndim != 2 or b.ndim != 2:
-            raise LoraError(f"LoRA adapter {name!r}: {module} is a per-expert (switch) LoRA of an MoE layer, "
-                            "which the engine does not apply per request yet")
+            raise LoraError(f"LoRA adapter {name!r}: {module}: factors of {a.ndim} and {b.ndim} dimensions")
         if a.shape[1] != b.shape[0]:
             raise LoraError(f"LoRA adapter {name!r}: {module}: lora_a {a.shape} and lora_b {b.shape} disagree on the rank")
         if (kind == "dora") != ("m" in leaves):

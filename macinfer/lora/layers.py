@@ -63,8 +63,74 @@ class BatchedLoRA(nn.Module):
         return out
 
 
+class BatchedSwitchLoRA(nn.Module):
+    """An MoE's experts (mlx-lm's SwitchLinear) with per-expert adapters per row: while a step
+    has adapter rows, the experts' parent hands every child the row's expert ids offset by
+    slot * experts (`slot_experts`), so a row of slot s reads expert e's factors at s*E + e
+    ([S*E, in, R], [S*E, R, out]) and the base its expert e. Every expert layer of an adapted
+    parent is one of these (zeros where its adapters do not reach)."""
+
+    def __init__(self, base: nn.Module, experts: int):
+        super().__init__()
+        self.base, self.experts = base, experts
+        self.a: mx.array | None = None
+        self.b: mx.array | None = None
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if current() is None:
+            return self.base(x, indices, sorted_indices=sorted_indices)
+        # (sorted by slot and expert, the expert ids alone are not in order)
+        y = self.base(x, indices % self.experts, sorted_indices=False)
+        if self.a is None:
+            return y
+        z = mx.gather_mm(x.astype(self.a.dtype), self.a, rhs_indices=indices, sorted_indices=sorted_indices)
+        z = mx.gather_mm(z, self.b, rhs_indices=indices, sorted_indices=sorted_indices)
+        return y + z.astype(y.dtype)
+
+
+def slot_experts(parent: nn.Module, experts: int) -> None:
+    """Make an MoE's expert block (mlx-lm's SwitchGLU / SwitchMLP: `__call__(x, indices)`)
+    offset each row's expert ids by its adapter slot * `experts` while a step has adapter
+    rows (its own sort then groups rows by slot and expert)."""
+    cls = type(parent)
+    if getattr(cls, "_slot_experts", False):
+        return
+
+    class WithSlots(cls):  # type: ignore[misc, valid-type]
+        _slot_experts = True
+
+        def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+            slots = current()
+            if slots is None:
+                return super().__call__(x, indices)
+            if indices.shape[0] != slots.shape[0]:
+                raise RuntimeError(f"an adapted expert block saw {indices.shape[0]} rows for a step of "
+                                   f"{slots.shape[0]}")
+            offset = (slots * experts).astype(indices.dtype).reshape(-1, *([1] * (indices.ndim - 1)))
+            return super().__call__(x, indices + offset)
+
+    WithSlots.__name__ = cls.__name__
+    parent.__class__ = WithSlots
+
+
+def unslot_experts(parent: nn.Module) -> None:
+    if getattr(type(parent), "_slot_experts", False):
+        parent.__class__ = type(parent).__mro__[1]
+
+
+def experts(module: nn.Module) -> int | None:
+    """The expert count of an MoE expert layer (mlx-lm's SwitchLinear, quantized or not)."""
+    weight = getattr(module, "weight", None)
+    return weight.shape[0] if type(module).__name__ in ("SwitchLinear", "QuantizedSwitchLinear") else None
+
+
 def dims(module: nn.Module) -> tuple[int, int] | None:
-    """(input, output) features of a linear layer, plain or quantized; None for another kind."""
+    """(input, output) features of a linear layer, plain or quantized, or of one expert of an
+    MoE expert layer; None for another kind."""
+    if type(module).__name__ == "QuantizedSwitchLinear":
+        return module.scales.shape[-1] * module.group_size, module.weight.shape[1]
+    if type(module).__name__ == "SwitchLinear":
+        return module.weight.shape[2], module.weight.shape[1]
     if isinstance(module, nn.QuantizedLinear):
         return module.scales.shape[-1] * module.group_size, module.weight.shape[0]
     if isinstance(module, nn.Linear):

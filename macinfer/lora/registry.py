@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.lora.adapter import LoraAdapter, LoraError
-from macinfer.lora.layers import BatchedLoRA, dense_weight, dims
+from macinfer.lora.layers import BatchedLoRA, BatchedSwitchLoRA, dense_weight, dims, experts, slot_experts, unslot_experts
 
 
 @dataclass
@@ -49,8 +49,7 @@ class LoraRegistry:
             self.remove(adapter.name)
             if adapter.name in self.adapters:
                 raise LoraError(f"LoRA adapter {adapter.name!r} is in use; unload it and wait, or use another name")
-        targets = {module: self._target(adapter, module, part.a.shape[0], part.b.shape[1])
-                   for module, part in adapter.parts.items()}
+        targets = {module: self._target(adapter, module, part) for module, part in adapter.parts.items()}
         if len(self.adapters) >= self.max_loras:
             idle = sorted((t, n) for n, t in self.last_used.items() if not self.users.get(n))
             if not idle:
@@ -114,11 +113,16 @@ class LoraRegistry:
             getattr(node, str(last), None) if not isinstance(node, list) else None
         return node, last, child if isinstance(child, nn.Module) else None
 
-    def _target(self, adapter: LoraAdapter, module: str, n_in: int, n_out: int) -> _Target:
+    def _target(self, adapter: LoraAdapter, module: str, part) -> _Target:
+        n_in, n_out = part.a.shape[-2], part.b.shape[-1]
         parent, key, layer = self._resolve(module)
         where = f"LoRA adapter {adapter.name!r}: {module}"
         if layer is not None:
-            base = layer.base if isinstance(layer, BatchedLoRA) else layer
+            base = layer.base if isinstance(layer, (BatchedLoRA, BatchedSwitchLoRA)) else layer
+            if (experts(base) is not None) != (part.a.ndim == 3) or \
+                    (part.a.ndim == 3 and part.a.shape[0] != experts(base)):
+                raise LoraError(f"{where}: the adapter's factors ({tuple(part.a.shape)}) do not fit the model's "
+                                f"{type(base).__name__} (an adapter for another base model?)")
             shape = dims(base)
             if shape is None:
                 raise LoraError(f"{where} is a {type(base).__name__}, not a linear layer (embedding and "
@@ -141,13 +145,19 @@ class LoraRegistry:
                 offset += size
         raise LoraError(f"{where}: the model has no such layer (an adapter for another base model?)")
 
+    def _users(self, path: str) -> list:
+        return [(self.slots[n], self.adapters[n].parts[m], t) for n, ts in self._targets.items()
+                for m, t in ts.items() if t.path == path]
+
     def _rebuild(self, paths: set[str]) -> None:
         """Stack the factors of every adapter on each of `paths` by slot."""
         n_slots = max(self.slots.values(), default=0) + 1
         for path in paths:
-            users = [(self.slots[n], self.adapters[n].parts[m], t) for n, ts in self._targets.items()
-                     for m, t in ts.items() if t.path == path]
+            users = self._users(path)
             parent, key, layer = self._resolve(path)
+            if isinstance(layer, BatchedSwitchLoRA) or (layer is not None and experts(layer) is not None):
+                self._rebuild_experts(path.rsplit(".", 1)[0], parent, n_slots)
+                continue
             wrapper = layer if isinstance(layer, BatchedLoRA) else None
             if not users:
                 if wrapper is not None:  # no adapter left here: the plain layer again
@@ -179,6 +189,35 @@ class LoraRegistry:
             wrapper.a, wrapper.b = mx.stack(a_rows), mx.stack(b_rows)
             wrapper.g = self._dora_scale(wrapper.base, users, n_slots, n_out)
             mx.eval(wrapper.a, wrapper.b, *([wrapper.g] if wrapper.g is not None else []))
+
+    def _rebuild_experts(self, parent_path: str, parent: nn.Module, n_slots: int) -> None:
+        """Every expert layer of an MoE block (`layers.BatchedSwitchLoRA`), each slot's
+        experts' factors at slot * experts + expert; the block plain again when none is left."""
+        children = {k: v for k, v in parent.children().items()
+                    if isinstance(v, BatchedSwitchLoRA) or (isinstance(v, nn.Module) and experts(v) is not None)}
+        users = {k: self._users(f"{parent_path}.{k}") for k in children}
+        if not any(users.values()):
+            for k, v in children.items():
+                if isinstance(v, BatchedSwitchLoRA):
+                    setattr(parent, k, v.base)
+            unslot_experts(parent)
+            return
+        for k, layer in children.items():
+            wrapper = layer if isinstance(layer, BatchedSwitchLoRA) else BatchedSwitchLoRA(layer, experts(layer))
+            setattr(parent, k, wrapper)
+            n_exp, (n_in, n_out) = wrapper.experts, dims(wrapper.base)
+            if not users[k]:
+                wrapper.a = wrapper.b = None
+                continue
+            width = max(part.a.shape[-1] for _, part, _ in users[k])
+            a, b = mx.zeros((n_slots * n_exp, n_in, width)), mx.zeros((n_slots * n_exp, width, n_out))
+            for slot, part, _ in users[k]:
+                r = part.a.shape[-1]
+                a[slot * n_exp: (slot + 1) * n_exp, :, :r] = part.a
+                b[slot * n_exp: (slot + 1) * n_exp, :r, :] = part.b
+            wrapper.a, wrapper.b = a, b
+            mx.eval(a, b)
+        slot_experts(parent, wrapper.experts)
 
     @staticmethod
     def _dora_scale(base: nn.Module, users: list, n_slots: int, n_out: int) -> mx.array | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from macinfer.lora import layers as lora
 from macinfer.kv.state import StateCall, StatePlan
 from macinfer.models.paged_layers import PagedLayerCache, _active
 
@@ -174,7 +175,10 @@ def patch_receiver(cls: type) -> None:
                 def swap(a):
                     return cache if a is stand_in else _regroup(a, call, T, f.positions)
 
-                y = original(self, *[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
+                # (its projections see this call's rows: their LoRA slots follow them)
+                slots = lora.current()
+                with lora.rows(None if slots is None or call.rows is None else slots[call.rows]):
+                    y = original(self, *[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
                 outs.append((y, call))
                 # Only what this module wrote: RWKV's channel mixing keeps one entry, its time
                 # mixing two, each in its own wrapped call (a snapshot taken by each).
