@@ -315,3 +315,21 @@ def test_the_cli_generates_under_an_adapter_and_refuses_a_bad_one(llama, tmp_pat
     assert bad.exit_code == 1 and "has no adapter_config.json" in bad.output
     serve = CliRunner().invoke(main, ["serve", base, "--lora", "oops"])
     assert serve.exit_code == 2 and "NAME=PATH" in serve.output
+
+
+@pytest.mark.slow
+def test_the_bundled_smollm2_under_an_adapter_gives_mlx_lm_tokens(smollm2_mlx_dir, tmp_path):
+    """The real test model (SmolLM2-135M, its quantized weights as mlx-lm loads them) with an
+    adapter made by mlx-lm's LoRA layers on them: mlx-lm's greedy tokens, base and adapter rows
+    in one batch."""
+    adapter = mlx_lm_adapter(smollm2_mlx_dir, str(tmp_path / "adapter"), rank=8, scale=4.0, seed=5)
+    llm = LLM(smollm2_mlx_dir, kv_cache_gb=0.05, max_model_len=512)
+    try:
+        llm.load_lora("tuned", adapter)
+        prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        ours = [o.token_ids for o in llm.generate([prompt, prompt], GREEDY, lora=["tuned", None])]
+    finally:
+        llm.close()
+    tuned, plain = mlx_lm_lora_greedy(smollm2_mlx_dir, adapter, prompt, 10), mlx_lm_lora_greedy(smollm2_mlx_dir, None,
+                                                                                                  prompt, 10)
+    assert tuned != plain and ours == [tuned, plain]

@@ -49,8 +49,10 @@ FAMILIES: dict[str, str | None] = {
     "idefics2": None,
     "gemma3n": None,
     "llama4": None,
-    "phi4mm": ("its language model switches to a vision LoRA adapter for image prompts; LoRA adapters are not "
-               "run yet (issue #44)"),
+    "phi4mm": ("its prompt holds one sentinel id (-200) an image, which the merge replaces by all of the image's "
+               "feature rows (the prompt grows at the merge; the engine splices a row per placeholder), and its "
+               "language model runs image prompts under a vision LoRA (which the engine's per-row adapters could "
+               "carry, docs/lora.md); not run yet"),
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
     "fastvlm": SENTINEL, "llava_bunny": SENTINEL, "phi4_siglip": SENTINEL,
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
