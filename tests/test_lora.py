@@ -45,12 +45,15 @@ def _base(tmp_path, model_type: str, **extra) -> str:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """A tiny Llama and three adapters of it (different ranks, scales, layers)."""
+    """A tiny Llama and eight adapters of it (different ranks, scales, layers, modules)."""
     tmp = tmp_path_factory.mktemp("lora")
     base = _base(tmp, "llama")
     adapters = {"a": mlx_lm_adapter(base, str(tmp / "a"), rank=4, seed=1),
                 "b": mlx_lm_adapter(base, str(tmp / "b"), rank=8, scale=5.0, seed=2),
                 "c": mlx_lm_adapter(base, str(tmp / "c"), rank=2, num_layers=1, keys=ATTENTION, seed=3)}
+    for i, name in enumerate("defgh"):
+        adapters[name] = mlx_lm_adapter(base, str(tmp / name), rank=1 + i, scale=2.0 + i, seed=10 + i,
+                                        keys=None if i % 2 else ["mlp.down_proj", "self_attn.v_proj"])
     return base, adapters
 
 
@@ -89,21 +92,21 @@ def test_dora_peft_and_rslora_give_their_references(llama, tmp_path):
 
 
 def test_adapters_and_the_base_batch_as_they_run_alone(llama):
-    """24 requests over three adapters and the base, different prompts, in one batch: each
+    """32 requests over eight adapters and the base, different prompts, in one batch: each
     gives what it gives alone, and what mlx-lm gives under its adapter."""
     base, adapters = llama
-    names = [None, "a", "b", "c"] * 6
+    names = ([None, *sorted(adapters)] * 4)[:32]
     prompts = [PROMPT[: 5 + i % 7] + [10 + i] for i in range(len(names))]
     llm = LLM(base, kv_cache_gb=0.02, max_num_seqs=32)
     try:
         for name, path in adapters.items():
             llm.load_lora(name, path)
         together = [o.token_ids for o in llm.generate(prompts, GREEDY, lora=names)]
-        alone = [llm.generate([p], GREEDY, lora=n)[0].token_ids for p, n in zip(prompts[:8], names[:8])]
+        alone = [llm.generate([p], GREEDY, lora=n)[0].token_ids for p, n in zip(prompts[:9], names[:9])]
     finally:
         llm.close()
-    assert together[:8] == alone
-    for p, n, t in list(zip(prompts, names, together))[:4]:
+    assert together[:9] == alone  # the base and each adapter once
+    for p, n, t in list(zip(prompts, names, together))[:9:2]:
         assert t == mlx_lm_lora_greedy(base, adapters.get(n), p, 10)
 
 
@@ -176,6 +179,7 @@ def test_bad_adapters_are_refused_with_the_reason(llama, tmp_path):
             dst.write(data[: len(data) // 2] if f.endswith(".safetensors") else data)
     cases = {
         str(tmp_path / "missing"): "is not a folder",
+        "nobody/no-such-adapter": "nor a repo in the Hugging Face cache",
         str(tmp_path): "has no adapter_config.json",
         truncated: "cannot be read",
         mlx_lm_adapter(other, str(tmp_path / "other")): "an adapter for another base model",
@@ -271,6 +275,14 @@ def test_the_server_addresses_adapters_by_name_and_loads_them_at_run_time(llama)
             msg = await c.post("/v1/messages", json={"model": "a", "max_tokens": 6, "messages": chat,
                                                      "temperature": 0})
             out["anthropic"] = msg.json()["content"][0]["text"]
+            resp = await c.post("/v1/responses", json={"model": "a", "input": chat, "max_output_tokens": 6,
+                                                       "temperature": 0})
+            out["responses"] = resp.json()["output"][0]["content"][0]["text"]
+            olla = await c.post("/api/chat", json={"model": "a", "messages": chat, "stream": False,
+                                                   "options": {"temperature": 0, "num_predict": 6}})
+            out["ollama"] = olla.json()["message"]["content"]
+            out["collision"] = await c.post("/v1/load_lora_adapter", json={"lora_name": "m",
+                                                                           "lora_path": adapters["b"]})
             return out
 
     try:
@@ -282,7 +294,8 @@ def test_the_server_addresses_adapters_by_name_and_loads_them_at_run_time(llama)
     assert out["load"] == 200 and out["unload"] == 200 and out["unknown"] == 404
     assert out["bad"].status_code == 400 and "is not a folder" in out["bad"].json()["error"]["message"]
     assert out["after"] == ["m", "a"]
-    assert out["chat"] == out["anthropic"] == expected["chat"]
+    assert out["chat"] == out["anthropic"] == out["responses"] == out["ollama"] == expected["chat"]
+    assert out["collision"].status_code == 400 and "names a served model" in out["collision"].json()["error"]["message"]
     open_app, _ = _app(base, {}, [])
     try:
         async def no_key():

@@ -41,9 +41,12 @@ class LoraAdapter:
 
 
 def load_adapter(name: str, path: str) -> LoraAdapter:
-    """Read the adapter at `path` (a folder). Raises LoraError with the reason."""
+    """Read the adapter at `path` (a folder, or a Hugging Face repo id already in the local
+    cache: nothing is downloaded). Raises LoraError with the reason."""
     if not os.path.isdir(path):
-        raise LoraError(f"LoRA adapter {name!r}: {path} is not a folder")
+        path = _from_hf_cache(path) or path
+    if not os.path.isdir(path):
+        raise LoraError(f"LoRA adapter {name!r}: {path} is not a folder (nor a repo in the Hugging Face cache)")
     config_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise LoraError(f"LoRA adapter {name!r}: {path} has no adapter_config.json")
@@ -70,6 +73,17 @@ def load_adapter(name: str, path: str) -> LoraAdapter:
     if not adapter.parts:
         raise LoraError(f"LoRA adapter {name!r}: its file holds no LoRA factors")
     return adapter
+
+
+def _from_hf_cache(repo: str) -> str | None:
+    if repo.count("/") != 1 or repo.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached (or no hub library): not an adapter we can read
+        return None
 
 
 def _group(weights: dict[str, mx.array]) -> dict[str, dict[str, mx.array]]:
