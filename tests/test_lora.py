@@ -346,3 +346,34 @@ def test_the_bundled_smollm2_under_an_adapter_gives_mlx_lm_tokens(smollm2_mlx_di
     tuned, plain = mlx_lm_lora_greedy(smollm2_mlx_dir, adapter, prompt, 10), mlx_lm_lora_greedy(smollm2_mlx_dir, None,
                                                                                                   prompt, 10)
     assert tuned != plain and ours == [tuned, plain]
+
+
+def test_a_vision_checkpoints_adapter_applies_to_its_language_model(llama, tmp_path):
+    """An adapter trained on a vision checkpoint names its language model's layers under
+    `language_model.` (mlx-vlm's names): it applies to the language model the engine runs,
+    as the same factors under mlx-lm's names do, image prompts included."""
+    import json as jsonlib
+
+    import mlx.core as mx
+
+    from tests.vision_models import picture, tiny_vlm_dir
+
+    _, adapters = llama
+    vlm = tiny_vlm_dir(tmp_path, "llava")  # its language model: the tiny Llama's shapes
+    prefixed = str(tmp_path / "prefixed")
+    os.makedirs(prefixed)
+    weights = mx.load(os.path.join(adapters["a"], "adapters.safetensors"))
+    mx.save_safetensors(os.path.join(prefixed, "adapters.safetensors"),
+                        {f"language_model.{k}": v for k, v in weights.items()})
+    with open(os.path.join(adapters["a"], "adapter_config.json")) as f, \
+            open(os.path.join(prefixed, "adapter_config.json"), "w") as g:
+        jsonlib.dump(jsonlib.load(f), g)
+    llm = LLM(vlm, kv_cache_gb=0.01, max_model_len=512)
+    try:
+        llm.load_lora("plain", adapters["a"])
+        llm.load_lora("vlm", prefixed)
+        ask = [{"role": "user", "content": [{"type": "image", "image": picture(0)}, {"type": "text", "text": "hi"}]}]
+        outs = [o.token_ids for o in llm.chat([ask] * 3, GREEDY, lora=["plain", "vlm", None])]
+    finally:
+        llm.close()
+    assert outs[0] == outs[1] != outs[2]

@@ -49,7 +49,8 @@ class LoraRegistry:
             self.remove(adapter.name)
             if adapter.name in self.adapters:
                 raise LoraError(f"LoRA adapter {adapter.name!r} is in use; unload it and wait, or use another name")
-        targets = {module: self._target(adapter, module, part) for module, part in adapter.parts.items()}
+        targets = {module: self._target(adapter, self._own_name(module), part)
+                   for module, part in adapter.parts.items()}
         if len(self.adapters) >= self.max_loras:
             idle = sorted((t, n) for n, t in self.last_used.items() if not self.users.get(n))
             if not idle:
@@ -112,6 +113,16 @@ class LoraRegistry:
         child = node[last] if isinstance(node, list) and 0 <= int(last) < len(node) else \
             getattr(node, str(last), None) if not isinstance(node, list) else None
         return node, last, child if isinstance(child, nn.Module) else None
+
+    def _own_name(self, module: str) -> str:
+        """The module's name in the engine's model. A vision checkpoint's language model is
+        named under `language_model.` where mlx-lm wraps it, and alone where the engine runs it
+        alone: an adapter trained either way (mlx-vlm's names, or the text model's) finds it."""
+        inner = module[len("language_model."):] if module.startswith("language_model.") else None
+        for name in (module, inner, None if inner else f"language_model.{module}"):
+            if name and (self._resolve(name)[2] is not None or self._resolve(name.rsplit(".", 1)[0])[2] is not None):
+                return name
+        return module
 
     def _target(self, adapter: LoraAdapter, module: str, part) -> _Target:
         n_in, n_out = part.a.shape[-2], part.b.shape[-1]
