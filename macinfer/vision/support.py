@@ -57,6 +57,10 @@ FAMILIES: dict[str, str | None] = {
     "fastvlm": SENTINEL, "llava_bunny": SENTINEL, "phi4_siglip": SENTINEL,
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
              "not a generative chat model"),
+    "d1": ("a decision model (LFM2-VL whose readout scores a question's options: choice, score, yes/no), "
+           "not a generative chat model"),
+    "diffusion_gemma": ("a diffusion language model (it denoises blocks of the answer together, not token "
+                        "after token), which the engine's autoregressive decoding does not run"),
     "prism_hadamard_qwen35": ("its language model's layers take Hadamard-rotated activations (a quantization "
                               "pack whose layers mlx-lm's Qwen3.5 class does not have); not run yet"), "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
     **{t: NOT_CHAT for t in ("sam3", "sam3_1", "sam3d_body", "sam3d_objects", "rfdetr", "rt_detr_v2", "siglip",
