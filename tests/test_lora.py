@@ -154,6 +154,23 @@ def test_an_adapter_unloaded_in_use_finishes_its_requests(llama):
         llm.close()
 
 
+def test_a_later_adapter_passes_layers_only_earlier_ones_adapt(llama):
+    """An adapter of the attention only, loaded after one of every layer: its rows pass the MLP
+    layers the first one adapts, where its slot must be a row of zeros (every layer's stacks
+    grow with the slots), and give mlx-lm's tokens."""
+    base, adapters = llama
+    llm = LLM(base, kv_cache_gb=0.01)
+    try:
+        llm.load_lora("all", adapters["a"])
+        llm.load_lora("attention", adapters["c"])
+        outs = [o.token_ids for o in llm.generate([PROMPT] * 2, GREEDY, lora=["attention", "all"])]
+        stacks = {w.a.shape[0] for w in llm.engine.loras._wrapped.values()}
+    finally:
+        llm.close()
+    assert stacks == {3}  # the base and two slots in every adapted layer, the MLP's too
+    assert outs == [mlx_lm_lora_greedy(base, adapters["c"], PROMPT, 10), mlx_lm_lora_greedy(base, adapters["a"], PROMPT, 10)]
+
+
 def test_idle_adapters_are_evicted_past_max_loras(llama):
     base, adapters = llama
     llm = LLM(base, kv_cache_gb=0.01, max_loras=2)

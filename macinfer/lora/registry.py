@@ -34,6 +34,7 @@ class LoraRegistry:
         self.retired: set[str] = set()  # unloaded, its slot held until its requests finish
         self._targets: dict[str, dict[str, _Target]] = {}  # adapter -> its module -> target
         self._wrapped: dict[str, BatchedLoRA] = {}
+        self._slots_stacked = 1  # slots every adapted layer's stacks hold (a row's slot must be one)
 
     # -- names ---------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -161,8 +162,13 @@ class LoraRegistry:
                 for m, t in ts.items() if t.path == path]
 
     def _rebuild(self, paths: set[str]) -> None:
-        """Stack the factors of every adapter on each of `paths` by slot."""
+        """Stack the factors of every adapter on each of `paths` by slot. When the slot count
+        changes, every adapted layer is restacked: a row of a new slot passes layers its own
+        adapter does not adapt too (zeros there), and must find its slot in their stacks."""
         n_slots = max(self.slots.values(), default=0) + 1
+        if n_slots != self._slots_stacked:
+            paths = set(paths) | {t.path for ts in self._targets.values() for t in ts.values()}
+            self._slots_stacked = n_slots
         for path in paths:
             users = self._users(path)
             parent, key, layer = self._resolve(path)
