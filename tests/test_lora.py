@@ -394,3 +394,46 @@ def test_a_vision_checkpoints_adapter_applies_to_its_language_model(llama, tmp_p
     finally:
         llm.close()
     assert outs[0] == outs[1] != outs[2]
+
+
+def test_load_and_unload_at_run_time_under_load_lose_no_request(llama):
+    """Eight requests under an adapter and eight on the base in flight while another adapter
+    is loaded and the first one unloaded: every request ends with its own tokens."""
+    import asyncio
+
+    import httpx
+
+    base, adapters = llama
+    app, engine = _app(base, {"a": adapters["a"]}, ["k"])
+    llm = LLM(base, kv_cache_gb=0.01)
+    try:
+        llm.load_lora("a", adapters["a"])
+        expected = {n: llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=160, ignore_eos=True),
+                                    lora=n)[0].text for n in ("a", None)}
+    finally:
+        llm.close()
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120,
+                                     headers={"Authorization": "Bearer k"}) as c:
+            async def complete(model):
+                r = await c.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 160,
+                                                          "temperature": 0, "ignore_eos": True})
+                return model, r.status_code, r.json()["choices"][0]["text"]
+
+            jobs = [asyncio.create_task(complete(m)) for m in ["a", "m"] * 8]
+            await asyncio.sleep(0.05)
+            load = await c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": adapters["b"]})
+            unload = await c.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+            in_flight = "a" in engine.loras.retired  # unloaded while its requests ran: they keep it
+            return load.status_code, unload.status_code, in_flight, await asyncio.gather(*jobs)
+
+    try:
+        load, unload, in_flight, results = asyncio.run(go())
+    finally:
+        app.state.pool.shutdown()
+    assert (load, unload, in_flight) == (200, 200, True)
+    assert "a" not in engine.loras.adapters  # its slot freed once they ended
+    assert all(status == 200 and text == expected["a" if model == "a" else None]
+               for model, status, text in results), results
