@@ -436,3 +436,35 @@ def test_load_and_unload_at_run_time_under_load_lose_no_request(llama):
     assert "a" not in engine.loras.adapters  # its slot freed once they ended
     assert all(status == 200 and text == expected["a" if model == "a" else None]
                for model, status, text in results), results
+
+
+def test_adapted_quantized_mlps_leave_the_kernel_path_only_for_adapter_rows(tmp_path, monkeypatch):
+    """Quantized MLPs on the batched qmv kernel (emulated here): a step with adapter rows runs
+    the adapted layers (the kernel reads a layer's weights itself, so it would skip the
+    adapter), a step without them keeps the kernel; the tokens are the reference path's."""
+    from tests.helpers import tiny_model_dir
+
+    path, _ = tiny_model_dir(tmp_path, "llama", quantize={"group_size": 32, "bits": 4}, hidden_size=128,
+                             num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    adapter = mlx_lm_adapter(path, str(tmp_path / "adapter"), keys=["mlp.gate_proj", "mlp.up_proj"])
+    monkeypatch.setenv("MACINFER_CPU_WEIGHTS", "quantized")
+    monkeypatch.setenv("MACINFER_QMV_KERNEL", "1")
+    from macinfer.kernels import quantized as qk
+
+    calls, real = [], qk.qmv_call
+    monkeypatch.setattr(qk, "qmv_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs, kernel_calls = {}, {}
+    for mode in ("reference", "emulate"):
+        monkeypatch.setenv("MACINFER_KERNELS", mode)
+        llm = LLM(path, kv_cache_gb=0.01)
+        try:
+            llm.load_lora("mlp", adapter)
+            outs[mode] = [o.token_ids for o in llm.generate([PROMPT, PROMPT, PROMPT[:5]], GREEDY,
+                                                            lora=["mlp", None, None])]
+            calls.clear()
+            outs[mode].append(llm.generate([PROMPT], GREEDY)[0].token_ids)  # base rows alone: the kernel
+            kernel_calls[mode] = len(calls)
+        finally:
+            llm.close()
+    assert outs["emulate"] == outs["reference"] and kernel_calls["emulate"] > 0
+    assert outs["reference"][0] == mlx_lm_lora_greedy(path, adapter, PROMPT, 10) != outs["reference"][1]

@@ -31,6 +31,12 @@ def current() -> mx.array | None:
     return getattr(_local, "slots", None)
 
 
+def plain(layer: nn.Module) -> nn.Module:
+    """The layer a step with no adapter rows may take a shortcut through (a kernel that reads
+    its weights itself): an adapted layer's base then; an adapted layer as it is otherwise."""
+    return layer.base if isinstance(layer, BatchedLoRA) and current() is None else layer
+
+
 class BatchedLoRA(nn.Module):
     """`base` (a Linear, quantized or not) plus each row's adapter update: for slot s,
     x @ a[s] @ b[s] ([S, in, R] and [S, R, out]; a module's adapters padded to its largest

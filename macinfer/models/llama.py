@@ -19,6 +19,7 @@ from macinfer.kv.dense import LOG2E
 from macinfer.kernels import quantized as quantized_kernels
 from macinfer.kernels.call import launch
 from macinfer.kv.spec import FullAttention, LayerKV
+from macinfer.lora.layers import plain as lora_plain
 from macinfer.lora.layers import rows as lora_rows
 from macinfer.models.base import ModelArgs
 from macinfer.models.rope import apply_rope_tables, make_rope, rope_tables
@@ -135,8 +136,10 @@ class MLP(nn.Module):
         if "gate_up_proj" in self:
             gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
             return self.down_proj(swiglu(gate, up))
-        if self.qmv is not None and quantized_kernels.supported(self.gate_proj, x.shape[0]):
-            call = quantized_kernels.qmv_call(x, self.gate_proj, self.up_proj)
+        gate, up = lora_plain(self.gate_proj), lora_plain(self.up_proj)  # (adapter rows: no kernel)
+        if self.qmv is not None and quantized_kernels.supported(gate, x.shape[0]) and \
+                quantized_kernels.supported(up, x.shape[0]):
+            call = quantized_kernels.qmv_call(x, gate, up)
             return self.down_proj(launch([call], emulate=self.qmv == "emulate"))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
