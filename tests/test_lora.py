@@ -5,6 +5,7 @@ adapters are refused with the reason."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -396,19 +397,20 @@ def test_a_vision_checkpoints_adapter_applies_to_its_language_model(llama, tmp_p
 
 
 def test_load_and_unload_at_run_time_under_load_lose_no_request(llama):
-    """Eight requests under an adapter and eight on the base in flight while another adapter
-    is loaded and the first one unloaded: every request ends with its own tokens."""
+    """Eight requests under an adapter and eight on the base, all admitted, while the adapter
+    is unloaded and another one loaded: every request ends with its own
+    tokens; the unloaded adapter serves its running requests to the end, then frees its slot."""
     import asyncio
 
     import httpx
 
     base, adapters = llama
     app, engine = _app(base, {"a": adapters["a"]}, ["k"])
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
     llm = LLM(base, kv_cache_gb=0.01)
     try:
         llm.load_lora("a", adapters["a"])
-        expected = {n: llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=160, ignore_eos=True),
-                                    lora=n)[0].text for n in ("a", None)}
+        expected = {n: llm.generate([PROMPT], params, lora=n)[0].text for n in ("a", None)}
     finally:
         llm.close()
 
@@ -422,18 +424,21 @@ def test_load_and_unload_at_run_time_under_load_lose_no_request(llama):
                 return model, r.status_code, r.json()["choices"][0]["text"]
 
             jobs = [asyncio.create_task(complete(m)) for m in ["a", "m"] * 8]
-            await asyncio.sleep(0.05)
-            load = await c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": adapters["b"]})
+            deadline = asyncio.get_running_loop().time() + 60
+            while engine.loras.users.get("a", 0) < 8:  # the eight under it admitted (they hold it)
+                assert asyncio.get_running_loop().time() < deadline, "requests were not admitted"
+                await asyncio.sleep(0.005)
             unload = await c.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
             in_flight = "a" in engine.loras.retired  # unloaded while its requests ran: they keep it
+            load = await c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": adapters["b"]})
             return load.status_code, unload.status_code, in_flight, await asyncio.gather(*jobs)
 
     try:
         load, unload, in_flight, results = asyncio.run(go())
+        assert "a" not in engine.loras.adapters  # its slot freed once they ended
     finally:
         app.state.pool.shutdown()
     assert (load, unload, in_flight) == (200, 200, True)
-    assert "a" not in engine.loras.adapters  # its slot freed once they ended
     assert all(status == 200 and text == expected["a" if model == "a" else None]
                for model, status, text in results), results
 
