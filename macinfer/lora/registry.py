@@ -137,8 +137,8 @@ class LoraRegistry:
                                 f"{type(base).__name__} (an adapter for another base model?)")
             shape = dims(base)
             if shape is None:
-                raise LoraError(f"{where} is a {type(base).__name__}, not a linear layer (embedding and "
-                                "expert adapters are not applied per request)")
+                raise LoraError(f"{where} is a {type(base).__name__}, not a linear layer (embedding adapters are not "
+                                "applied per request)")
             if shape != (n_in, n_out):
                 raise LoraError(f"{where}: the adapter's factors are {n_in} -> {n_out}, the model's layer "
                                 f"{shape[0]} -> {shape[1]} (an adapter for another base model?)")
