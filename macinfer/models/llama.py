@@ -136,11 +136,11 @@ class MLP(nn.Module):
         if "gate_up_proj" in self:
             gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
             return self.down_proj(swiglu(gate, up))
-        gate, up = lora_plain(self.gate_proj), lora_plain(self.up_proj)  # (adapter rows: no kernel)
-        if self.qmv is not None and quantized_kernels.supported(gate, x.shape[0]) and \
-                quantized_kernels.supported(up, x.shape[0]):
-            call = quantized_kernels.qmv_call(x, gate, up)
-            return self.down_proj(launch([call], emulate=self.qmv == "emulate"))
+        if self.qmv is not None:
+            gate, up = lora_plain(self.gate_proj), lora_plain(self.up_proj)  # (adapter rows: no kernel)
+            if quantized_kernels.supported(gate, x.shape[0]) and quantized_kernels.supported(up, x.shape[0]):
+                call = quantized_kernels.qmv_call(x, gate, up)
+                return self.down_proj(launch([call], emulate=self.qmv == "emulate"))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
