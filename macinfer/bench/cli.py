@@ -193,6 +193,26 @@ def spec(model, vs, out_dir, no_plots, num_speculative_tokens, max_tokens, repea
     _finish(results, out_dir, not no_plots, mod.table(results))
 
 
+@bench.command(help="Speculative decoding with a draft model: greedy decode at batch 1, 4 and 16 with and without "
+                    "it, against mlx-lm's speculative_generate on the same weights. Without --draft-model the draft "
+                    "is the target's first --draft-layers layers.")
+@click.argument("model", default="smollm2")
+@click.option("--out", "out_dir", default="bench_results", show_default=True, help="Directory for JSON.")
+@click.option("--draft-model", default=None, metavar="MODEL", help="A smaller model of the same tokenizer.")
+@click.option("--draft-layers", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--num-speculative-tokens", "-k", type=click.IntRange(1, 16), default=4, show_default=True)
+@click.option("--batch", "batches", type=click.IntRange(min=1), multiple=True, default=(1, 4, 16), show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True)
+def draft(model, out_dir, draft_model, draft_layers, num_speculative_tokens, batches, max_tokens, repeats):
+    from macinfer.bench import draft as mod
+
+    with _progress(len(batches), "draft", "batch") as bar:
+        results = mod.run(model, draft_model, draft_layers, num_speculative_tokens, tuple(batches), max_tokens,
+                          repeats, tick=lambda label: (bar.set_postfix_str(label), bar.update()))
+    _finish(results, out_dir, False, mod.table(results))
+
+
 @bench.command(help="LoRA adapters: N concurrent requests over K adapters vs the same on the base alone, and vs "
                     "mlx-lm serving the adapters one after another (load, fuse, batch_generate).")
 @click.argument("model", default="smollm2")

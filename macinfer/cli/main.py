@@ -77,10 +77,13 @@ def _engine_options(f):
                           "(a rank that hangs); a rank that dies ends it at once.")(f)
     f = click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
                      help="Tokens per step (prompts are prefilled in chunks of at most this).")(f)
-    f = click.option("--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Speculative decoding by prompt lookup: draft tokens checked per step while at most 4 "
-                          "requests decode (0: off). Same output; faster when answers repeat their input "
-                          "(edits, quotes, code, structured data).")(f)
+    f = click.option("--num-speculative-tokens", type=click.IntRange(0, 16), default=0, show_default=True,
+                     help="Speculative decoding: draft tokens checked per step while at most 4 requests decode "
+                          "(0: off). Same output. Drafts come from prompt lookup (faster when answers repeat "
+                          "their input: edits, quotes, code) or from --draft-model.")(f)
+    f = click.option("--draft-model", default=None, metavar="MODEL",
+                     help="A small model of the same tokenizer that drafts the --num-speculative-tokens tokens "
+                          "(any model macinfer runs, GGUF included), instead of prompt lookup.")(f)
     f = click.option("--max-loras", type=click.IntRange(min=1), default=8, show_default=True,
                      help="LoRA adapters loaded at once; loading one more evicts the least recently used idle one.")(f)
     f = click.option("--max-prefill-with-decodes", type=click.IntRange(min=0), default=None,
@@ -114,7 +117,7 @@ def _sampling_options(f):
 
 def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
                    kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
-                   num_speculative_tokens=0, chat_template=None, rope_scaling=None, distributed=None,
+                   num_speculative_tokens=0, draft_model=None, chat_template=None, rope_scaling=None, distributed=None,
                    distributed_timeout=60.0, pipeline_micro_batches=1, pipeline_depth=None, no_autotune=False,
                    kv_disk_gb=None, kv_disk_dir=None, async_scheduling=True, max_loras=8):
     from macinfer.engine.llm_engine import EngineConfig
@@ -123,7 +126,7 @@ def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pre
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
                         max_num_batched_tokens=max_num_batched_tokens,
                         max_prefill_with_decodes=max_prefill_with_decodes or None,  # 0: no separate cap
-                        num_speculative_tokens=num_speculative_tokens,
+                        num_speculative_tokens=num_speculative_tokens, draft_model=draft_model,
                         chat_template=chat_template, rope_scaling=rope_scaling,
                         distributed=distributed, distributed_timeout=distributed_timeout,
                         pipeline_micro_batches=pipeline_micro_batches, pipeline_depth=pipeline_depth,

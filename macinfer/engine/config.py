@@ -23,12 +23,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": 8-bit affine
     model_impl: str = "auto"  # "mlx-lm": run even the Llama family through mlx-lm's classes
-    # Speculative decoding by prompt lookup (0: off): draft tokens per decode step, the
+    # Speculative decoding (0: off): draft tokens per decode step, prompt lookup's
     # n-gram lengths looked up, and the decoding batch above which it pauses.
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_max_batch: int = 4
+    # A draft model of the same tokenizer proposes the drafts instead (`engine/drafter.py`).
+    draft_model: str | None = None
     # Recurrent layers (hybrid models): tokens between state snapshots kept for the prefix
     # cache (None: where a snapshot costs about the K/V of the tokens it spans, 256 to 4096).
     state_snapshot_interval: int | None = None

@@ -40,6 +40,7 @@ from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    from macinfer.engine.drafter import DraftModel
     from macinfer.vision.inputs import ImageInputs
 
 log = logging.getLogger("macinfer")
@@ -59,6 +60,12 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be 0 (off) or more")
+        if cfg.draft_model is not None:
+            if not cfg.num_speculative_tokens:
+                raise ValueError("--draft-model needs --num-speculative-tokens: the draft tokens per step (say 4)")
+            if cfg.distributed:
+                raise ValueError("--draft-model is not run over --distributed ranks yet; serve the target alone "
+                                 "or drop the draft model")
         speculative = SpeculativeConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                                         cfg.speculative_max_batch) if cfg.num_speculative_tokens else None
         if cfg.rope_scaling and not cfg.max_model_len:
@@ -131,6 +138,8 @@ class LLMEngine:
             self.block_manager.attach_disk(self.disk)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_prefill_with_decodes, speculative, self.max_model_len)
+        self.drafter = self._load_drafter(plan.num_blocks, progress, context) if cfg.draft_model else None
+        self.scheduler.drafter = self.drafter
         self.loras = LoraRegistry(self.model, cfg.max_loras)
         self.scheduler.on_lora_done = self.loras.release
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
@@ -168,8 +177,11 @@ class LLMEngine:
             log.info("recurrent state: %d caches, %.2f MiB a sequence; %d slots (%d running), a snapshot every "
                      "%d tokens", len(self.state_specs), states.bytes_per_slot / 2**20, states.num_slots,
                      cfg.max_num_seqs, plan.interval)
+        # Speculation: drafts checked and accepted, sequence-steps that verified drafts, and
+        # how often the draft at each position was accepted (its acceptance per position).
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                      "images": 0, "image_tokens": 0}
+                      "spec_verify_steps": 0, "spec_accepted_by_position": [0] * cfg.num_speculative_tokens,
+                      "spec_drafted_by_position": [0] * cfg.num_speculative_tokens, "images": 0, "image_tokens": 0}
         log.info(
             "KV cache: %.2f GiB, %s%s, blocks of %d tokens: %s; max_model_len %d; decode attention: %s",
             self.kv_cache.nbytes / 2**30, self.kv_cache.dtype, " as int8" if self.kv_cache.quantized else "", bs,
@@ -177,6 +189,22 @@ class LLMEngine:
                       f"{g.num_blocks} blocks, {g.bytes_per_block // bs} bytes a token" for g in groups),
             self.max_model_len, "reference (int8 KV)" if self.kv_cache.quantized else self.paths.decode_attention,
         )
+
+    def _load_drafter(self, target_blocks: int, progress, context) -> "DraftModel":
+        """The draft model (`engine/drafter.py`), checked against the target; a ValueError
+        with the reason when it cannot draft for it."""
+        from macinfer.engine.drafter import DraftModel, check_pair
+
+        draft = load(self.config.draft_model, self.config.model_impl, progress, context)
+        check_pair(self.loaded, draft)
+        drafter = DraftModel(draft, self.config, target_blocks, self.max_model_len, self.backend)
+        from mlx.utils import tree_flatten
+
+        weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        self.backend.set_limits(weights + drafter.nbytes, self.kv_cache.nbytes)  # both models' memory
+        log.info("draft model %s: %.1f MiB of weights and KV, %d tokens a step", draft.name, drafter.nbytes / 2**20,
+                 self.config.num_speculative_tokens)
+        return drafter
 
     def _check_against_mlx_lm(self) -> None:
         """A model run through mlx-lm's classes must compute what mlx-lm computes. The
@@ -226,7 +254,8 @@ class LLMEngine:
         from mlx.utils import tree_flatten
 
         vision = self.vision.encoder.nbytes if self.vision is not None else 0
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters())) + self.kv_cache.nbytes + vision
+        draft = self.drafter.nbytes if self.drafter is not None else 0
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters())) + self.kv_cache.nbytes + vision + draft
 
     def _kv_dtype(self) -> mx.Dtype:
         """The dtype K/V come out of the projections in (what mlx-lm's cache would hold)."""
@@ -457,10 +486,9 @@ class LLMEngine:
             seq = r.seq
             try:
                 if seq.spec_token_ids:
-                    self.stats["spec_draft_tokens"] += len(seq.spec_token_ids)
-                    self.stats["spec_accepted_tokens"] += len(r.token_ids) - 1
+                    self._count_verdict(len(seq.spec_token_ids), len(r.token_ids) - 1)
                     seq.num_computed_tokens += len(r.token_ids) - 1  # the accepted drafts' K/V are written
-                    record_verdict(seq, len(r.token_ids) - 1)
+                    record_verdict(seq, len(r.token_ids) - 1, len(seq.spec_token_ids))
                     if r.recompute_from is not None:  # recurrent state rewound (`ModelRunner.step`)
                         seq.num_computed_tokens = r.recompute_from
                 if seq.first_token_time is None:
@@ -483,6 +511,15 @@ class LLMEngine:
         for seq, _ in sched.scheduled:
             seq.spec_token_ids = []
         return outputs
+
+    def _count_verdict(self, drafted: int, accepted: int) -> None:
+        st = self.stats
+        st["spec_draft_tokens"] += drafted
+        st["spec_accepted_tokens"] += accepted
+        st["spec_verify_steps"] += 1
+        for j in range(drafted):
+            st["spec_drafted_by_position"][j] += 1
+            st["spec_accepted_by_position"][j] += j < accepted
 
     def _lookahead(self) -> Callable[[Sequence, int], bool] | None:
         """How the runner takes a sequence's next block when it may build the next decode

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.sequence import Sequence, SequenceStatus
-from macinfer.engine.speculative import SpeculativeConfig, draft_limit, propose
+from macinfer.engine.speculative import SpeculativeConfig, cut_for_grammar, draft_limit, propose
 
 
 @dataclass
@@ -60,6 +60,9 @@ class Scheduler:
         self.speculative = speculative
         self.max_model_len = max_model_len
         self._speculate = False
+        # A batched proposer (`engine/drafter.py`: a draft model); None: prompt lookup.
+        self.drafter = None
+        self._proposals: dict[Sequence, list[int]] = {}
         self.depth = depth
         self.in_flight: set[Sequence] = set()  # scheduled in a step whose tokens are not back yet
         self.waiting: deque[Sequence] = deque()
@@ -81,6 +84,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if self.drafter is not None:
+            self.drafter.forget(seq)
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
@@ -94,6 +99,8 @@ class Scheduler:
         num_decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         capped = num_decoding > 0 and self.max_prefill_with_decodes is not None
         self._speculate = self.speculative is not None and 0 < num_decoding <= self.speculative.max_batch
+        if self._speculate and self.drafter is not None:  # every drafting sequence's proposal, in one batch
+            self._proposals = self.drafter.propose([(s, k) for s in self.running if (k := self._draft_room(s))])
         self._prefill_left = self.max_prefill_with_decodes if capped else self._budget
         # Two steps in flight take turns with about half the sequences each.
         active = min(self.max_num_seqs, len(self.running) + len(self.waiting))
@@ -169,6 +176,14 @@ class Scheduler:
             self._prefill_left -= n
         return True
 
+    def _draft_room(self, seq: Sequence) -> int:
+        """Draft tokens a running sequence may take this step (0: none): a decode not in
+        flight, under no thinking budget, not backing off, with room left."""
+        if (seq in self.in_flight or seq.num_tokens - seq.num_computed_tokens != 1 or seq.forced_token_ids
+                or (seq.params.thinking_budget is not None and seq.thinking != "closed") or seq.spec_skip > 0):
+            return 0
+        return draft_limit(seq, self.speculative.num_tokens, self.max_model_len or 1 << 62)
+
     def _draft(self, seq: Sequence) -> list[int]:
         """Draft tokens for a decoding sequence, within the step's token budget."""
         spec = self.speculative
@@ -182,6 +197,8 @@ class Scheduler:
         k = min(draft_limit(seq, spec.num_tokens, self.max_model_len or 1 << 62), self._budget - 1)
         if k <= 0:
             return []
+        if self.drafter is not None:
+            return cut_for_grammar(seq, self._proposals.get(seq, [])[:k])
         return propose(seq, k, spec.min_n, spec.max_n)
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
@@ -214,6 +231,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
+        if self.drafter is not None:
+            self.drafter.forget(seq)
         if seq.lora_slot and self.on_lora_done is not None:
             self.on_lora_done(seq.lora_slot)
             seq.lora_slot = 0

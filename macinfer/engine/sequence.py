@@ -57,6 +57,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (speculative decoding)
     spec_misses: int = 0  # drafts rejected outright in a row
     spec_skip: int = 0  # decode steps left before this sequence drafts again
+    spec_k: int = 0  # its draft length now, adapted to its acceptance (0: the configured k)
     # timing (time.perf_counter seconds)
     arrival_time: float = 0.0
     first_token_time: float | None = None

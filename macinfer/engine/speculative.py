@@ -32,6 +32,9 @@ from macinfer.engine.sequence import Sequence
 from macinfer.sampling_params import SamplingParams
 
 
+MAX_SPECULATIVE_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_tokens: int  # draft tokens per sequence per step (k)
@@ -42,8 +45,9 @@ class SpeculativeConfig:
     max_batch: int = 4
 
     def __post_init__(self) -> None:
-        if self.num_tokens < 1:
-            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens {self.num_tokens}: take 1 to {MAX_SPECULATIVE_TOKENS} (a "
+                             "verify step of more rows costs more than its drafts are likely to save)")
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError("prompt lookup needs 1 <= min n-gram <= max n-gram")
         if self.max_batch < 1:
@@ -68,16 +72,21 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
 def propose(seq: Sequence, k: int, min_n: int, max_n: int) -> list[int]:
     """The draft for a decoding sequence: prompt lookup, cut where a grammar would
     refuse it (its tokens could never be accepted)."""
-    drafts = propose_ngram(np.asarray(seq.token_ids), k, min_n, max_n)
+    return cut_for_grammar(seq, propose_ngram(np.asarray(seq.token_ids), k, min_n, max_n))
+
+
+def cut_for_grammar(seq: Sequence, drafts: list[int]) -> list[int]:
+    """`drafts` up to the first token `seq`'s grammar would refuse (it could never be accepted)."""
     if drafts and seq.matcher is not None:
         drafts = drafts[: seq.matcher.validate_tokens(drafts)]
     return drafts
 
 
 def draft_limit(seq: Sequence, k: int, max_model_len: int) -> int:
-    """Draft tokens `seq` may take this step: all accepted plus the bonus token must
-    stay within max_tokens and the context."""
-    limit = min(k, max_model_len - seq.num_tokens - 1)
+    """Draft tokens `seq` may take this step: at most k and its adapted length
+    (`record_verdict`); all accepted plus the bonus token must stay within max_tokens
+    and the context."""
+    limit = min(k, seq.spec_k or k, max_model_len - seq.num_tokens - 1)
     if seq.params.max_tokens is not None:
         limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
     return max(limit, 0)
@@ -111,12 +120,15 @@ def verify_rows(seq: Sequence) -> list[Sequence | DraftRow]:
 MAX_SKIP = 16
 
 
-def record_verdict(seq: Sequence, accepted: int) -> None:
-    """Back off from a sequence whose drafts keep failing: each draft rejected outright
-    doubles the decode steps it waits before drafting again (up to MAX_SKIP); any
-    accepted token resets it. A verify step with 4 drafts costs ~40% more than a plain
-    decode step on the CPU at 256 tokens of context (~2x at 4k), so text that never
-    repeats should rarely pay it."""
+def record_verdict(seq: Sequence, accepted: int, drafted: int) -> None:
+    """Adapt a sequence's drafting to how its drafts fare. Its draft length follows its
+    acceptance: one more than it accepted last time (so a fully accepted draft grows by
+    one, up to k; a draft cut short at j drafts j + 1 next). A draft rejected outright
+    doubles the decode steps it waits before drafting again (up to MAX_SKIP); any accepted
+    token resets that. A verify step with 4 drafts costs ~40% more than a plain decode
+    step on the CPU at 256 tokens of context (~2x at 4k), and a draft model's forwards
+    grow with the draft's length, so text that never repeats should rarely pay them."""
+    seq.spec_k = accepted + 1 if accepted < drafted else drafted + 1
     if accepted:
         seq.spec_misses = 0
     else:

@@ -46,6 +46,11 @@ class _EngineCollector:
             add(c, "macinfer_spec_draft_tokens", "Speculative draft tokens checked", e.stats["spec_draft_tokens"], model)
             add(c, "macinfer_spec_accepted_tokens", "Speculative draft tokens accepted",
                 e.stats["spec_accepted_tokens"], model)
+            add(c, "macinfer_spec_verify_steps", "Sequence steps that verified drafts (each: one target row "
+                "per draft, tokens gained = accepted + 1)", e.stats["spec_verify_steps"], model)
+            for j, (d, a) in enumerate(zip(e.stats["spec_drafted_by_position"], e.stats["spec_accepted_by_position"])):
+                add(g, f"macinfer_spec_acceptance_position_{j + 1}", f"Share of drafts at position {j + 1} accepted",
+                    a / d if d else 0.0, model)
             vision = getattr(e, "vision", None)
             if vision is not None:
                 enc = vision.encoder

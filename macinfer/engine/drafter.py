@@ -1,0 +1,178 @@
+"""Speculative decoding with a draft model: a small model of the same tokenizer proposes
+each speculating sequence's next k tokens, for all of them in one batch.
+
+The draft runs on its own paged KV pool (its own cache groups, as many blocks as the
+target's full-attention pool, so every sequence the target holds fits) through the
+engine's own `ModelRunner`. Each target sequence has a shadow sequence on the draft's
+side holding the same tokens; a step proposes in k batched forwards: the first takes
+every shadow's uncomputed tokens (the tokens accepted since its last proposal, or a
+chunk of its prompt), the next k-1 one token each. A rejected draft needs no rollback:
+the shadow's computed length falls back to what it shares with the target's tokens,
+and the next forward writes over the rejected K/V.
+
+Drafts are the draft model's argmax: a deterministic draft, so the target's verifier
+(`engine/speculative.py`: a draft is accepted while it equals the token the target
+samples with its own seeded noise) keeps the output exactly what decoding without
+speculation gives, greedy or seeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from macinfer.engine.block_manager import BlockManager
+from macinfer.engine.cache_plan import plan_caches
+from macinfer.engine.runner import ModelRunner
+from macinfer.engine.sequence import Sequence, SequenceStatus
+from macinfer.sampling_params import SamplingParams
+
+log = logging.getLogger("macinfer")
+
+
+def _nbytes(model: Any) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def check_pair(target: Any, draft: Any) -> None:
+    """A ValueError with the reason when `draft` (LoadedModel) cannot draft for `target`."""
+    model = draft.model
+    if hasattr(model, "state_specs") and list(model.state_specs()):
+        raise ValueError(f"draft model {draft.name}: it has recurrent layers, whose state a rejected draft "
+                         "would have to roll back; use an attention-only draft model")
+    # Every draft token must be the same token in the target (the target may have more:
+    # added specials the draft never proposes).
+    t_vocab = target.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    d_vocab = draft.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    differ = sorted((i, tok) for tok, i in d_vocab.items() if t_vocab.get(tok) != i)
+    if differ:
+        raise ValueError(f"draft model {draft.name}: its tokenizer differs from the target's ({len(differ)} of its "
+                         f"{len(d_vocab)} tokens, e.g. id {differ[0][0]} {differ[0][1]!r}); a draft must share the "
+                         "target's vocabulary")
+    if draft.model.args.vocab_size > target.model.args.vocab_size:
+        raise ValueError(f"draft model {draft.name}: its output layer has {draft.model.args.vocab_size} rows, more "
+                         f"than the target's {target.model.args.vocab_size}")
+    d_bytes, t_bytes = _nbytes(draft.model), _nbytes(target.model)
+    if d_bytes > t_bytes:
+        raise ValueError(f"draft model {draft.name} ({d_bytes / 2**20:.1f} MiB of weights) is bigger than the "
+                         f"target ({t_bytes / 2**20:.1f} MiB): it would cost more than it saves")
+    if d_bytes * 2 > t_bytes:
+        log.warning("draft model %s is %.0f%% of the target's size: drafting costs about what it saves",
+                    draft.name, 100 * d_bytes / t_bytes)
+
+
+class DraftModel:
+    """The `draft` proposer (`Scheduler.proposer`): k greedy tokens of the draft model per
+    sequence, batched."""
+
+    def __init__(self, loaded: Any, target_cfg: Any, target_blocks: int, max_model_len: int, backend: Any):
+        self.loaded = loaded
+        model = loaded.model
+        # The draft's pools: a block per target block (its tokens per sequence are the
+        # target's plus k), no prefix cache (a shadow lives as long as its sequence).
+        cfg = dataclasses.replace(target_cfg, num_kv_blocks=target_blocks + target_cfg.max_num_seqs,
+                                  enable_prefix_caching=False, kv_cache_gb=None, kv_cache_dtype="auto",
+                                  num_speculative_tokens=0, memory_limit_bytes=None)
+        plan = plan_caches(model, cfg, model.kv_dtype(), max_model_len, backend)
+        self.kv_cache = plan.kv_cache
+        self.block_manager = BlockManager(plan.groups, cfg.block_size, enable_prefix_caching=False,
+                                          cache_key=loaded.source)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
+        self.chunk = target_cfg.max_num_batched_tokens  # catch-up tokens per step, all shadows together
+        self.vocab = model.args.vocab_size
+        self.max_len = min(max_model_len, model.args.max_position_embeddings)
+        self.shadows: dict[Sequence, Sequence] = {}
+        self.forwards = 0  # the draft's forward passes (bench, tests)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.loaded.model) + self.kv_cache.nbytes
+
+    def _shadow(self, seq: Sequence) -> Sequence:
+        """`seq`'s shadow, its tokens made `seq`'s; its computed length cut to the tokens
+        the two still share (drafts the target rejected are recomputed)."""
+        sh = self.shadows.get(seq)
+        if sh is None:
+            sh = Sequence(seq.request_id, seq.prompt_token_ids, SamplingParams(), 0)
+            sh.status = SequenceStatus.RUNNING
+            self.block_manager.free(sh)  # empty tables, one per group
+            self.shadows[seq] = sh
+        old, new = sh.output_token_ids, seq.output_token_ids
+        same = len(seq.prompt_token_ids)
+        for a, b in zip(old, new):
+            if a != b:
+                break
+            same += 1
+        sh.num_computed_tokens = min(sh.num_computed_tokens, same)
+        sh.output_token_ids = list(new)
+        return sh
+
+    def forget(self, seq: Sequence) -> None:
+        """Free `seq`'s shadow (it finished, was aborted or preempted)."""
+        sh = self.shadows.pop(seq, None)
+        if sh is not None:
+            self.block_manager.free(sh)
+
+    def propose(self, wants: list[tuple[Sequence, int]]) -> dict[Sequence, list[int]]:
+        """Up to k draft tokens for each (sequence, k); a sequence whose shadow is still
+        catching up on its prompt (more than this step's chunk) or has no room gets none."""
+        budget = self.chunk
+        active: list[tuple[Sequence, Sequence, int]] = []
+        catch_up: list[tuple[Sequence, int]] = []
+        shadows = [(seq, self._shadow(seq), k) for seq, k in wants if seq.num_tokens + k <= self.max_len]
+        # Shadows with the least to catch up first: a long prompt's takes what the rest leave.
+        for seq, sh, k in sorted(shadows, key=lambda t: t[1].num_tokens - t[1].num_computed_tokens):
+            todo = sh.num_tokens - sh.num_computed_tokens
+            n = min(todo, budget)
+            if n <= 0:
+                continue
+            # Room for the drafts fed back in (k - 1 more tokens).
+            room = sh.num_computed_tokens + n + (k - 1 if n == todo else 0)
+            if not self.block_manager.can_allocate(sh, room):
+                continue
+            self.block_manager.allocate(sh, room)
+            budget -= n
+            catch_up.append((sh, n))
+            if n == todo:
+                active.append((seq, sh, k))
+        drafts: dict[Sequence, list[int]] = {seq: [] for seq, _, _ in active}
+        if not catch_up:
+            return drafts
+        catch_up.sort(key=lambda item: item[1] != 1)  # the runner takes decode rows first
+        # Round 0 computes every shadow's uncomputed tokens, rounds 1.. one draft each.
+        tokens = self._forward(catch_up)
+        rows = [sh for sh, n in catch_up if sh.num_computed_tokens + n == sh.num_tokens]
+        for sh, n in catch_up:
+            sh.num_computed_tokens += n
+        for j in range(max((k for *_, k in active), default=0)):
+            by_shadow = dict(zip(rows, tokens))
+            scheduled = []
+            for seq, sh, k in active:
+                if len(drafts[seq]) == j and sh in by_shadow:
+                    token = by_shadow[sh]
+                    drafts[seq].append(token)
+                    sh.output_token_ids.append(token)
+                    if len(drafts[seq]) < k:
+                        scheduled.append((sh, 1))
+            if not scheduled:
+                break
+            tokens = self._forward(scheduled)
+            rows = [sh for sh, _ in scheduled]
+            for sh, _ in scheduled:
+                sh.num_computed_tokens += 1
+        return drafts
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> list[int]:
+        """One batched forward of the draft; the argmax token of each row that produces one."""
+        logits, _ = self.runner.forward_logits(scheduled)
+        self.forwards += 1
+        if logits is None:
+            mx.eval(*self.kv_cache.state())
+            return []
+        tokens = mx.argmax(logits[:, : self.vocab], axis=-1)
+        mx.eval(tokens, *self.kv_cache.state())
+        return tokens.tolist()

@@ -1,0 +1,180 @@
+"""Speculative decoding with a draft model (`engine/drafter.py`): a small model of the same
+tokenizer drafts, the target verifies in its batch, and the tokens are the ones decoding
+without speculation gives (greedy and seeded), for every cache kind of target."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+from click.testing import CliRunner
+
+from macinfer.cli.main import main
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.sampling_params import SamplingParams
+from tests.helpers import generate, make_mlx_lm_model, save_model_dir, tiny_model_dir
+from tests.zoo import tiny_config
+
+ROWS = 32
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    """A one-layer Llama of the same byte tokenizer: smaller than every target below."""
+    return tiny_model_dir(tmp_path_factory.mktemp("draft"), num_hidden_layers=1, seed=2)[0]
+
+
+def _target(tmp_path_factory, model_type: str, seed: int = 5, noise: float = 0.0) -> str:
+    """A tiny random `model_type`; with `noise`, its weights jittered by that share of their
+    spread (a draft that agrees with the target often, not always: both the accepting and
+    the rejecting paths run)."""
+    config = tiny_config(model_type)
+    model = make_mlx_lm_model(config, seed=seed)
+    if noise:
+        mx.random.seed(seed + 1)
+        model.update(tree_map(lambda w: w + noise * w.std() * mx.random.normal(w.shape), model.parameters()))
+    name = f"{model_type}-noisy" if noise else model_type
+    return save_model_dir(str(tmp_path_factory.mktemp(name)), config, model)
+
+
+DAMPED = ("o_proj", "out_proj", "down_proj")
+
+
+def _damped(model, scale: float):
+    """Each layer's writes to the residual stream scaled down: the logits mostly follow the
+    input token through the embedding, norm and head."""
+    flat = dict(tree_flatten(model.parameters()))
+    model.load_weights([(k, v * scale if any(d in k for d in DAMPED) else v) for k, v in flat.items()])
+    return model
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    """A Qwen3-Next target (Gated DeltaNet + attention) and an attention-only draft (a
+    one-layer Llama) that share its embedding, final norm and head, both with their
+    layers damped: the draft agrees with the target often, not always."""
+    root = tmp_path_factory.mktemp("hybrid")
+    config = tiny_config("qwen3_next")
+    target = _damped(make_mlx_lm_model(config, seed=7), 0.2)
+    d_config = tiny_config("llama", num_hidden_layers=1, tie_word_embeddings=False)
+    draft = _damped(make_mlx_lm_model(d_config, seed=8), 0.2)
+    t = dict(tree_flatten(target.parameters()))
+    draft.load_weights([(k, t[k]) for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")],
+                       strict=False)
+    return (save_model_dir(str(root / "target"), config, target), save_model_dir(str(root / "draft"), d_config, draft))
+
+
+def _engine(path, **kw):
+    kw = {"num_kv_blocks": 160, "block_size": 16, "max_num_seqs": ROWS, **kw}
+    return LLMEngine(path, EngineConfig(**kw))
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 250, int(rng.integers(3, 40))).tolist() for _ in range(n)]
+
+
+def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
+    """Greedy rows, and seeded sampled rows (temperature, top-p, penalties)."""
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0) if i % 2 == 0 else
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, top_p=0.9, seed=i,
+                           repetition_penalty=1.1) for i in range(n)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_next", "deepseek_v2", "qwen2_moe"])
+def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, hybrid_pair, model_type):
+    """Plain K/V; sliding window + full groups; Gated DeltaNet state (rolled back after a
+    rejected draft); MLA latents; MoE experts. The draft: a jittered copy of the target
+    (the hybrid's, which must be attention-only: the one-layer Llama)."""
+    if model_type == "qwen3_next":
+        target, draft = hybrid_pair
+    else:
+        target, draft = _target(tmp_path_factory, model_type), _target(tmp_path_factory, model_type, noise=0.3)
+    prompts, params = _prompts(ROWS), _params(ROWS)
+    want = [o.token_ids for o in generate(_engine(target), prompts, params)]
+    engine = _engine(target, num_speculative_tokens=4, speculative_max_batch=ROWS, draft_model=draft)
+    got = [o.token_ids for o in generate(engine, prompts, params)]
+    assert got == want
+    st = engine.stats
+    # Both paths were taken: drafts accepted and drafts rejected.
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], st
+    assert st["spec_drafted_by_position"][0] == st["spec_verify_steps"] > 0
+    assert engine.drafter.block_manager.num_used_blocks == 0  # every shadow freed with its sequence
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_the_target_as_its_own_draft_is_always_accepted_greedy(tmp_path_factory):
+    """Full acceptance (the bonus token every step): 5 tokens per target forward."""
+    target = tiny_model_dir(tmp_path_factory.mktemp("self"), num_hidden_layers=2, seed=3)[0]
+    prompts = _prompts(4)
+    params = [SamplingParams(max_tokens=41, ignore_eos=True, temperature=0)] * 4
+    want = [o.token_ids for o in generate(_engine(target), prompts, params)]
+    engine = _engine(target, num_speculative_tokens=4, draft_model=target)
+    got = [o.token_ids for o in generate(engine, prompts, params)]
+    assert got == want
+    st = engine.stats
+    assert st["spec_accepted_tokens"] == st["spec_draft_tokens"] == 4 * 4 * 8  # 8 verify steps of 4 drafts each
+    assert st["spec_accepted_by_position"] == st["spec_drafted_by_position"]
+
+
+def test_a_hybrid_target_stays_exact_over_200_steps(hybrid_pair):
+    """Qwen3-Next-style target: every rejection rewinds its recurrent state (the step's
+    state transaction) and recomputes; 200 tokens match decoding without speculation."""
+    target, draft = hybrid_pair
+    prompts, params = _prompts(3), [SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)] * 3
+    want = [o.token_ids for o in generate(_engine(target), prompts, params)]
+    engine = _engine(target, num_speculative_tokens=3, draft_model=draft)
+    got = [o.token_ids for o in generate(engine, prompts, params)]
+    assert got == want
+    assert 0 < engine.stats["spec_accepted_tokens"] < engine.stats["spec_draft_tokens"], engine.stats
+
+
+def test_every_proposal_is_the_drafts_greedy_continuation(tmp_path_factory):
+    """A long prompt's shadow catching up in chunks, rejected drafts rolled back: each
+    proposal equals what the draft model alone decodes greedily from the same tokens (its
+    K/V for them is right), and the output is the target's."""
+    target, draft = _target(tmp_path_factory, "llama"), _target(tmp_path_factory, "llama", noise=0.1)
+    prompts = [list(range(3, 250)) * 2, [5, 6, 7]]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)] * 2
+    want = [o.token_ids for o in generate(_engine(target), prompts, params)]
+    engine = _engine(target, num_speculative_tokens=4, draft_model=draft, max_num_batched_tokens=64)
+    proposals, propose = [], engine.drafter.propose
+
+    def recorded(wants):
+        drafts = propose(wants)
+        proposals.extend((list(seq.token_ids), d) for seq, d in drafts.items() if d)
+        return drafts
+
+    engine.drafter.propose = recorded
+    got = [o.token_ids for o in generate(engine, prompts, params)]
+    assert got == want
+    assert 0 < engine.stats["spec_accepted_tokens"] < engine.stats["spec_draft_tokens"], engine.stats
+    assert any(len(tokens) > 400 for tokens, _ in proposals)  # the long prompt drafted once caught up
+    alone = generate(_engine(draft), [t for t, _ in proposals],
+                     [SamplingParams(max_tokens=len(d), ignore_eos=True, temperature=0) for _, d in proposals])
+    assert [o.token_ids for o in alone] == [d for _, d in proposals]
+
+
+def test_bad_draft_settings_are_refused_with_the_reason(tmp_path_factory, draft):
+    target = _target(tmp_path_factory, "llama")
+    with pytest.raises(ValueError, match="needs --num-speculative-tokens"):
+        _engine(target, draft_model=draft)
+    with pytest.raises(ValueError, match="1 to 16"):
+        _engine(target, num_speculative_tokens=100)
+    big = tiny_model_dir(tmp_path_factory.mktemp("big"), num_hidden_layers=4, hidden_size=128, seed=4)[0]
+    with pytest.raises(ValueError, match="bigger than the target"):
+        _engine(target, num_speculative_tokens=4, draft_model=big)
+    other = tiny_model_dir(tmp_path_factory.mktemp("vocab"), num_hidden_layers=1, vocab_size=400, seed=4)[0]
+    with pytest.raises(ValueError, match="more than the target's"):
+        _engine(target, num_speculative_tokens=4, draft_model=other)
+    hybrid = _target(tmp_path_factory, "qwen3_next")
+    big_target = tiny_model_dir(tmp_path_factory.mktemp("bigt"), num_hidden_layers=6, hidden_size=256, seed=4)[0]
+    with pytest.raises(ValueError, match="recurrent layers"):
+        _engine(big_target, num_speculative_tokens=4, draft_model=hybrid)
+    with pytest.raises(ValueError, match="distributed"):
+        _engine(target, num_speculative_tokens=4, draft_model=draft, distributed="pipeline")
+    # The CLI: one line and a non-zero exit.
+    for args, says in [(["--num-speculative-tokens", "100"], "0<=x<=16"),
+                       (["--draft-model", draft], "needs --num-speculative-tokens"),
+                       (["--num-speculative-tokens", "4", "--draft-model", big], "bigger than the target")]:
+        result = CliRunner().invoke(main, ["generate", target, "--prompt", "hi", "-n", "2", *args])
+        assert result.exit_code != 0 and says in result.output, result.output
