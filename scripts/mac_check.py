@@ -105,7 +105,8 @@ def check_qmv(peak: float | None) -> bool:
 def check_paths() -> None:
     """Load the bundled model with a fresh verdict cache, so every decision with two correct
     paths (Metal kernel or MLX's ops, fused or explicit attention ops, qmv kernel or
-    quantized_matmul) is timed on this Mac; print the figures."""
+    quantized_matmul) and speculation's batch threshold are timed on this Mac; print the
+    figures."""
     import os
     import tempfile
 
@@ -114,10 +115,14 @@ def check_paths() -> None:
     from macinfer.kernels import autotune
     from macinfer.loading.loader import bundled_test_model
 
-    engine = LLMEngine(bundled_test_model(), EngineConfig(kv_cache_gb=0.25, max_model_len=2048))
+    engine = LLMEngine(bundled_test_model(), EngineConfig(kv_cache_gb=0.25, max_model_len=2048,
+                                                          num_speculative_tokens=4))
     print("\npaths chosen by measurement (bundled SmolLM2, Q4_1; the verdict, then each path's time)")
     print(autotune.table())
     print("engine paths:", engine.paths.describe())
+    # A verify step of k = 4 drafts (5 rows a sequence) against a plain step, by batch: the
+    # largest batch whose verify step costs at most 1.5x speculates (`engine/spec_batch.py`).
+    print("speculation: up to", engine.scheduler.speculative.max_batch, "decoding sequences draft")
 
 
 def main() -> int:

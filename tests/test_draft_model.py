@@ -64,7 +64,7 @@ def hybrid_pair(tmp_path_factory):
 
 
 def _engine(path, **kw):
-    kw = {"num_kv_blocks": 160, "block_size": 16, "max_num_seqs": ROWS, **kw}
+    kw = {"num_kv_blocks": 160, "block_size": 16, "max_num_seqs": ROWS, "speculative_max_batch": ROWS, **kw}
     return LLMEngine(path, EngineConfig(**kw))
 
 

@@ -94,6 +94,7 @@ def _check_committed_blocks(engine):
 
 
 def _engine(path, **kw):
+    kw.setdefault("speculative_max_batch", 4)  # a fixed threshold (None: measured, tested below)
     return LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_model_len=2048, **kw))
 
 
@@ -205,3 +206,32 @@ def test_tight_pool_preemption_and_aborts_keep_speculation_exact(tiny_llama, req
         if rid in done:
             assert done[rid].token_ids == w.token_ids
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_the_speculation_batch_threshold_is_the_first_batch_past_the_cost():
+    from macinfer.engine.spec_batch import threshold
+
+    assert threshold({1: 1.2, 2: 1.3, 4: 1.45, 8: 2.0}) == 4
+    assert threshold({1: 1.2, 2: 1.6, 4: 1.1}) == 1  # a noisy cheap batch past a costly one does not count
+    assert threshold({1: 1.9, 2: 2.5}) == 1  # a single stream asked to speculate still may
+
+
+def test_the_speculation_batch_is_measured_once_per_device_and_cached(tiny_llama, monkeypatch):
+    from macinfer.engine import spec_batch
+
+    calls = []
+    measure = spec_batch.measure
+    monkeypatch.setattr(spec_batch, "measure", lambda *a: calls.append(a) or measure(*a))
+    engine = _engine(tiny_llama, num_speculative_tokens=3, max_num_seqs=4, speculative_max_batch=None)
+    assert len(calls) == 1 and engine.block_manager.num_used_blocks == 0  # the probe's blocks given back
+    ratios = measure(engine, 3, [1, 2, 4])
+    assert set(ratios) == {1, 2, 4} and all(r > 0 for r in ratios.values())
+    assert 1 <= engine.scheduler.speculative.max_batch <= 4
+    again = _engine(tiny_llama, num_speculative_tokens=3, max_num_seqs=4, speculative_max_batch=None)
+    assert len(calls) == 1 and again.scheduler.speculative.max_batch == engine.scheduler.speculative.max_batch
+    assert _engine(tiny_llama, num_speculative_tokens=3, speculative_max_batch=2).scheduler.speculative.max_batch == 2
+    monkeypatch.setenv("MACINFER_AUTOTUNE", "0")
+    assert _engine(tiny_llama, num_speculative_tokens=5, max_num_seqs=4,
+                   speculative_max_batch=None).scheduler.speculative.max_batch == \
+        spec_batch.DEFAULT
+    assert len(calls) == 1

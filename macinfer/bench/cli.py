@@ -200,15 +200,18 @@ def spec(model, vs, out_dir, no_plots, num_speculative_tokens, max_tokens, repea
 @click.option("--out", "out_dir", default="bench_results", show_default=True, help="Directory for JSON.")
 @click.option("--draft-model", default=None, metavar="MODEL", help="A smaller model of the same tokenizer.")
 @click.option("--draft-layers", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--draft-bits", type=click.Choice(["2", "3", "4", "6", "8"]), default=None,
+              help="The draft: the target's weights quantized to this many bits (instead of --draft-layers).")
 @click.option("--num-speculative-tokens", "-k", type=click.IntRange(1, 16), default=4, show_default=True)
 @click.option("--batch", "batches", type=click.IntRange(min=1), multiple=True, default=(1, 4, 16), show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True)
-def draft(model, out_dir, draft_model, draft_layers, num_speculative_tokens, batches, max_tokens, repeats):
+def draft(model, out_dir, draft_model, draft_layers, draft_bits, num_speculative_tokens, batches, max_tokens, repeats):
     from macinfer.bench import draft as mod
 
     with _progress(len(batches), "draft", "batch") as bar:
-        results = mod.run(model, draft_model, draft_layers, num_speculative_tokens, tuple(batches), max_tokens,
+        results = mod.run(model, draft_model, draft_layers, int(draft_bits) if draft_bits else None,
+                          num_speculative_tokens, tuple(batches), max_tokens,
                           repeats, tick=lambda label: (bar.set_postfix_str(label), bar.update()))
     _finish(results, out_dir, False, mod.table(results))
 

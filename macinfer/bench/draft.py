@@ -51,6 +51,24 @@ def truncated_draft(model_dir: str, layers: int) -> str:
     return out
 
 
+def quantized_draft(model_dir: str, bits: int) -> str:
+    """An MLX directory of the model in `model_dir` with its layers quantized to `bits`
+    (group size 64), as mlx-lm's convert writes it."""
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.utils import quantize_model, save_model
+
+    model, tokenizer = mlx_lm_load(model_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    model, config = quantize_model(model, config, group_size=64, bits=bits)
+    out = tempfile.mkdtemp(prefix=f"macinfer-draft-q{bits}-")
+    save_model(out, model)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 class MacinferBatch:
     """The engine (with or without a draft model) running greedy batches, in its own process."""
 
@@ -109,17 +127,22 @@ class MlxLmSpeculative:
         return {"tokens": tokens, "seconds": end - start, "decode_seconds": end - first, "from_draft": from_draft}
 
 
-def run(model: str, draft: str | None, draft_layers: int, k: int = 4, batches: tuple[int, ...] = (1, 4, 16),
+def run(model: str, draft: str | None, draft_layers: int, draft_bits: int | None = None, k: int = 4, batches: tuple[int, ...] = (1, 4, 16),
         max_tokens: int = 64, repeats: int = 2, tick: Callable[[str], None] = lambda _: None) -> dict:
     from macinfer.loading.loader import load
 
     target_dir, weights = same_weights_dir(model)
-    draft_dir = same_weights_dir(draft)[0] if draft else truncated_draft(target_dir, draft_layers)
+    if draft:
+        draft_dir, what = same_weights_dir(draft)[0], draft
+    elif draft_bits:
+        draft_dir, what = quantized_draft(target_dir, draft_bits), f"the target quantized to {draft_bits} bits"
+    else:
+        draft_dir, what = truncated_draft(target_dir, draft_layers), f"the target's first {draft_layers} layers"
     tok = load(target_dir).tokenizer
     texts = list(TASKS.values())
     prompts = [tok.encode_chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(max(batches))]
     results: dict = {"mode": "draft", "context": {
-        "model": model, "mlx_lm_weights": weights, "draft": draft or f"the target's first {draft_layers} layers",
+        "model": model, "mlx_lm_weights": weights, "draft": what,
         "num_speculative_tokens": k, "max_tokens": max_tokens, "repeats": repeats, "sampling": "greedy",
         "prompts": "bench spec's tasks in the chat template, cycled", "hardware": hardware(), "energy": energy(), **versions()},
         "batches": {}}

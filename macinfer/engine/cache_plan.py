@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from macinfer.engine.spec_batch import planned
 from macinfer.kernels.backend import Backend
 from macinfer.kv.cache import KVCache, layer_bytes_per_token, plan_blocks
 from macinfer.kv.spec import CacheGroup, LayerKV, StateSpec, group_caches
@@ -66,7 +67,7 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
     state_specs = list(model.state_specs()) if hasattr(model, "state_specs") else []
     slot_bytes = sum(s.nbytes for s in state_specs)
     interval = snapshot_interval(cfg, groups, slot_bytes)
-    num_verify = cfg.speculative_max_batch if cfg.num_speculative_tokens else 0  # states kept across a verify
+    num_verify = planned(cfg, bool(state_specs)) if cfg.num_speculative_tokens else 0  # states kept across a verify
     fixed_state = (2 * cfg.max_num_seqs + num_verify) * slot_bytes
     per_block = slot_bytes * bs / interval if slot_bytes else 0.0
 

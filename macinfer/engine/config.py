@@ -24,11 +24,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": 8-bit affine
     model_impl: str = "auto"  # "mlx-lm": run even the Llama family through mlx-lm's classes
     # Speculative decoding (0: off): draft tokens per decode step, prompt lookup's
-    # n-gram lengths looked up, and the decoding batch above which it pauses.
+    # n-gram lengths looked up, and the decoding batch above which it pauses (None:
+    # measured on the device at load, `engine/spec_batch.py`).
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    speculative_max_batch: int = 4
+    speculative_max_batch: int | None = None
     # A draft model of the same tokenizer proposes the drafts instead (`engine/drafter.py`).
     draft_model: str | None = None
     # Recurrent layers (hybrid models): tokens between state snapshots kept for the prefix

@@ -67,7 +67,7 @@ class LLMEngine:
                 raise ValueError("--draft-model is not run over --distributed ranks yet; serve the target alone "
                                  "or drop the draft model")
         speculative = SpeculativeConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
-                                        cfg.speculative_max_batch) if cfg.num_speculative_tokens else None
+                                        cfg.speculative_max_batch or 1) if cfg.num_speculative_tokens else None
         if cfg.rope_scaling and not cfg.max_model_len:
             raise ValueError("--rope-scaling needs --max-model-len: the context to stretch RoPE to")
         context = (cfg.max_model_len, cfg.rope_scaling) if cfg.rope_scaling and cfg.max_model_len else None
@@ -169,6 +169,11 @@ class LLMEngine:
                 self.scheduler.depth = cfg.pipeline_depth or (2 if states is None else 1)
             self.distributed_status["steps_in_flight"] = self.scheduler.depth
             log.info("%s: %d step(s) in flight", self.dist.describe(), self.scheduler.depth)
+        if speculative is not None and cfg.speculative_max_batch is None:  # measured on this device
+            from macinfer.engine.spec_batch import choose_speculative_batch
+
+            self.scheduler.speculative = dataclasses.replace(
+                speculative, max_batch=choose_speculative_batch(self, cfg.num_speculative_tokens))
         self._check_against_mlx_lm()
         self.requests: dict[str, _RequestState] = {}
         self._in_flight = None  # a pipeline's step whose tokens are not back yet (`pipelined_step`)

@@ -172,6 +172,10 @@ def table() -> str:
         if not key.startswith(f"{decision}|{here}|"):  # another device's or MLX version's
             continue
         shape = key[len(f"{decision}|{here}|"):]
-        ms = ", ".join(f"{name} {t:g} ms" for name, t in found.get("ms", {}).items())
-        lines.append(f"{decision:<18} {found.get('choice', '?'):<10} ({ms})  shape {shape}")
+        if "ms" in found:
+            detail = ", ".join(f"{name} {t:g} ms" for name, t in found["ms"].items())
+        else:  # a verdict of another form (speculation's ratios by batch)
+            detail = ", ".join(f"{k} {v}" for k, v in found.items() if k not in ("choice", "cached"))
+        choice = found.get("choice", found.get("max_batch", "?"))
+        lines.append(f"{decision:<18} {choice!s:<10} ({detail})  shape {shape}")
     return "\n".join(lines) or "(no verdicts measured on this device)"
