@@ -178,3 +178,14 @@ def test_bad_draft_settings_are_refused_with_the_reason(tmp_path_factory, draft)
                        (["--num-speculative-tokens", "4", "--draft-model", big], "bigger than the target")]:
         result = CliRunner().invoke(main, ["generate", target, "--prompt", "hi", "-n", "2", *args])
         assert result.exit_code != 0 and says in result.output, result.output
+
+
+def test_metrics_report_acceptance_per_position(tmp_path_factory):
+    from macinfer.server.metrics import _EngineCollector
+
+    target = tiny_model_dir(tmp_path_factory.mktemp("metrics"), num_hidden_layers=2, seed=3)[0]
+    engine = _engine(target, num_speculative_tokens=3, draft_model=target)
+    generate(engine, _prompts(2), [SamplingParams(max_tokens=9, ignore_eos=True, temperature=0)] * 2)
+    values = {f.name: f.samples[0].value for f in _EngineCollector(lambda: [("m", engine)], False).collect()}
+    assert values["macinfer_spec_verify_steps"] == engine.stats["spec_verify_steps"] > 0
+    assert [values[f"macinfer_spec_acceptance_position_{j}"] for j in (1, 2, 3)] == [1.0, 1.0, 1.0]

@@ -139,40 +139,42 @@ class DraftModel:
             catch_up.append((sh, n))
             if n == todo:
                 active.append((seq, sh, k))
-        drafts: dict[Sequence, list[int]] = {seq: [] for seq, _, _ in active}
         if not catch_up:
-            return drafts
+            return {}
         catch_up.sort(key=lambda item: item[1] != 1)  # the runner takes decode rows first
-        # Round 0 computes every shadow's uncomputed tokens, rounds 1.. one draft each.
-        tokens = self._forward(catch_up)
-        rows = [sh for sh, n in catch_up if sh.num_computed_tokens + n == sh.num_tokens]
+        # Round 0 computes every shadow's uncomputed tokens; round j feeds each shadow's
+        # draft j - 1 and draws draft j. The rounds are one lazy graph (a round's input ids
+        # are the previous round's argmax, never read back in between): one sync a step.
+        rounds = [(self._forward(catch_up), {sh: i for i, sh in enumerate(
+            sh for sh, n in catch_up if sh.num_computed_tokens + n == sh.num_tokens)})]
         for sh, n in catch_up:
             sh.num_computed_tokens += n
-        for j in range(max((k for *_, k in active), default=0)):
-            by_shadow = dict(zip(rows, tokens))
-            scheduled = []
-            for seq, sh, k in active:
-                if len(drafts[seq]) == j and sh in by_shadow:
-                    token = by_shadow[sh]
-                    drafts[seq].append(token)
-                    sh.output_token_ids.append(token)
-                    if len(drafts[seq]) < k:
-                        scheduled.append((sh, 1))
-            if not scheduled:
+        for j in range(1, max((k for *_, k in active), default=0)):
+            fed = [sh for _, sh, k in active if k > j]
+            if not fed:
                 break
-            tokens = self._forward(scheduled)
-            rows = [sh for sh, _ in scheduled]
-            for sh, _ in scheduled:
+            prev, where = rounds[-1]
+            ids = prev[mx.array([where[sh] for sh in fed])]
+            rounds.append((self._forward([(sh, 1) for sh in fed], (ids, [sh.num_computed_tokens for sh in fed])),
+                           {sh: i for i, sh in enumerate(fed)}))
+            for sh in fed:
                 sh.num_computed_tokens += 1
+        mx.eval(*(tokens for tokens, _ in rounds), *self.kv_cache.state())
+        values = [(tokens.tolist(), where) for tokens, where in rounds]
+        drafts: dict[Sequence, list[int]] = {}
+        for seq, sh, k in active:
+            drafts[seq] = [tokens[where[sh]] for tokens, where in values[:k]]
+            sh.output_token_ids.extend(drafts[seq])
         return drafts
 
-    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> list[int]:
-        """One batched forward of the draft; the argmax token of each row that produces one."""
-        logits, _ = self.runner.forward_logits(scheduled)
+    def _forward(self, scheduled: list[tuple[Sequence, int]], ahead: tuple[mx.array, list[int]] | None = None
+                 ) -> mx.array:
+        """One batched forward of the draft (lazy): the argmax token of each row that produces
+        one. `ahead`: (input ids, positions) of one token a shadow, still unevaluated."""
+        input_ids, meta, rows, _ = self.runner.prepare(scheduled, ahead=ahead)
         self.forwards += 1
-        if logits is None:
-            mx.eval(*self.kv_cache.state())
-            return []
-        tokens = mx.argmax(logits[:, : self.vocab], axis=-1)
-        mx.eval(tokens, *self.kv_cache.state())
-        return tokens.tolist()
+        hidden = self.runner.model(input_ids, meta)
+        if not rows:
+            return mx.zeros((0,), dtype=mx.int32)
+        logits = self.runner.model.logits(hidden[mx.array(rows)])
+        return mx.argmax(logits[:, : self.vocab], axis=-1).astype(mx.int32)
