@@ -102,11 +102,17 @@ def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factor
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_the_target_as_its_own_draft_is_always_accepted_greedy(tmp_path_factory):
-    """Full acceptance (the bonus token every step): 5 tokens per target forward."""
+def test_the_target_as_its_own_draft_is_always_accepted_greedy_or_sampled(tmp_path_factory):
+    """Full acceptance (the bonus token every step): 5 tokens per target forward, for
+    sampled rows too: the draft draws each position with the noise the target draws it
+    with, so the same distribution gives the same token."""
     target = tiny_model_dir(tmp_path_factory.mktemp("self"), num_hidden_layers=2, seed=3)[0]
     prompts = _prompts(4)
-    params = [SamplingParams(max_tokens=41, ignore_eos=True, temperature=0)] * 4
+    params = [SamplingParams(max_tokens=41, ignore_eos=True, temperature=0),
+              SamplingParams(max_tokens=41, ignore_eos=True, temperature=1.0, seed=3),
+              SamplingParams(max_tokens=41, ignore_eos=True, temperature=0.7, top_p=0.9, top_k=50, seed=4),
+              SamplingParams(max_tokens=41, ignore_eos=True, temperature=0.9, min_p=0.05, seed=5,
+                             logit_bias={7: 2.0})]  # (penalties count the known tokens only: a draft may miss)
     want = [o.token_ids for o in generate(_engine(target), prompts, params)]
     engine = _engine(target, num_speculative_tokens=4, draft_model=target)
     got = [o.token_ids for o in generate(engine, prompts, params)]

@@ -10,9 +10,14 @@ chunk of its prompt), the next k-1 one token each. A rejected draft needs no rol
 the shadow's computed length falls back to what it shares with the target's tokens,
 and the next forward writes over the rejected K/V.
 
-Drafts are the draft model's argmax: a deterministic draft, so the target's verifier
-(`engine/speculative.py`: a draft is accepted while it equals the token the target
-samples with its own seeded noise) keeps the output exactly what decoding without
+The draft samples as the request does (its temperature, top-k/p, min-p, penalties over
+the tokens known) with the noise the target will draw that output position with: the
+sampler's noise is a function of (seed, output position, token id), so where the two
+models' distributions are close their Gumbel-max draws coincide, and a sampled request
+has its drafts accepted about as often as a greedy one (a draft's argmax would be
+accepted only with the target's probability of it). The verifier (`engine/speculative.py`)
+outputs the target's own draw at every position and keeps a draft only while it equals
+it, so whatever the draft proposes, the output is exactly what decoding without
 speculation gives, greedy or seeded.
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -28,6 +34,7 @@ from mlx.utils import tree_flatten
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.cache_plan import plan_caches
 from macinfer.engine.runner import ModelRunner
+from macinfer.engine.sampler import draw
 from macinfer.engine.sequence import Sequence, SequenceStatus
 from macinfer.sampling_params import SamplingParams
 
@@ -63,6 +70,21 @@ def check_pair(target: Any, draft: Any) -> None:
     if d_bytes * 2 > t_bytes:
         log.warning("draft model %s is %.0f%% of the target's size: drafting costs about what it saves",
                     draft.name, 100 * d_bytes / t_bytes)
+
+
+@dataclass(eq=False)
+class _DrawRow:
+    """What the sampler reads for a draft: the request's parameters and seed, the tokens
+    known (penalties), and the output position drawn (`ahead` drafts past the known ones)."""
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    ahead: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.ahead
 
 
 class DraftModel:
@@ -145,8 +167,10 @@ class DraftModel:
         # Round 0 computes every shadow's uncomputed tokens; round j feeds each shadow's
         # draft j - 1 and draws draft j. The rounds are one lazy graph (a round's input ids
         # are the previous round's argmax, never read back in between): one sync a step.
-        rounds = [(self._forward(catch_up), {sh: i for i, sh in enumerate(
-            sh for sh, n in catch_up if sh.num_computed_tokens + n == sh.num_tokens)})]
+        target = {sh: seq for seq, sh, _ in active}
+        ready = [sh for sh, n in catch_up if sh.num_computed_tokens + n == sh.num_tokens]
+        rounds = [(self._forward(catch_up, [self._row(target[sh], 0) for sh in ready]),
+                   {sh: i for i, sh in enumerate(ready)})]
         for sh, n in catch_up:
             sh.num_computed_tokens += n
         for j in range(1, max((k for *_, k in active), default=0)):
@@ -155,7 +179,8 @@ class DraftModel:
                 break
             prev, where = rounds[-1]
             ids = prev[mx.array([where[sh] for sh in fed])]
-            rounds.append((self._forward([(sh, 1) for sh in fed], (ids, [sh.num_computed_tokens for sh in fed])),
+            rows = [self._row(target[sh], j) for sh in fed]
+            rounds.append((self._forward([(sh, 1) for sh in fed], rows, (ids, [sh.num_computed_tokens for sh in fed])),
                            {sh: i for i, sh in enumerate(fed)}))
             for sh in fed:
                 sh.num_computed_tokens += 1
@@ -167,14 +192,23 @@ class DraftModel:
             sh.output_token_ids.extend(drafts[seq])
         return drafts
 
-    def _forward(self, scheduled: list[tuple[Sequence, int]], ahead: tuple[mx.array, list[int]] | None = None
-                 ) -> mx.array:
-        """One batched forward of the draft (lazy): the argmax token of each row that produces
-        one. `ahead`: (input ids, positions) of one token a shadow, still unevaluated."""
-        input_ids, meta, rows, _ = self.runner.prepare(scheduled, ahead=ahead)
+    def _row(self, seq: Sequence, j: int) -> _DrawRow:
+        """The sampler's view of `seq`'s draft j (0: the first)."""
+        params = seq.params
+        if params.logit_bias and max(params.logit_bias) >= self.vocab:  # rows past the draft's head
+            params = dataclasses.replace(params, logit_bias={t: b for t, b in params.logit_bias.items()
+                                                             if t < self.vocab})
+        return _DrawRow(params, seq.seed, seq.prompt_token_ids, seq.output_token_ids, j)
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]], rows: list[_DrawRow],
+                 ahead: tuple[mx.array, list[int]] | None = None) -> mx.array:
+        """One batched forward of the draft (lazy), and each of `rows` drawn from the rows
+        that produce a token. `ahead`: (input ids, positions) of one token a shadow, still
+        unevaluated."""
+        input_ids, meta, sample_rows, _ = self.runner.prepare(scheduled, ahead=ahead)
         self.forwards += 1
         hidden = self.runner.model(input_ids, meta)
-        if not rows:
+        if not sample_rows:
             return mx.zeros((0,), dtype=mx.int32)
-        logits = self.runner.model.logits(hidden[mx.array(rows)])
-        return mx.argmax(logits[:, : self.vocab], axis=-1).astype(mx.int32)
+        logits = self.runner.model.logits(hidden[mx.array(sample_rows)])[:, : self.vocab]
+        return draw(logits, rows).tokens.astype(mx.int32)
