@@ -88,6 +88,19 @@ def test_spec_mode_compares_speculation_on_chat_tasks(tiny_llama, tmp_path):
     assert os.path.getsize(tmp_path / "spec_decode.png") > 1000
 
 
+def test_draft_mode_compares_a_draft_model_by_batch(tiny_llama, tmp_path):
+    """The tiny model's first layer as its draft: each engine in its own process, the same
+    tokens with and without it, acceptance and tokens per target forward reported."""
+    out = _run(["bench", "draft", tiny_llama, "--draft-layers", "1", "--batch", "1", "--batch", "2",
+                "--max-tokens", "6", "--repeats", "1", "--temperature", "0.8", "--out", str(tmp_path)])
+    assert "mlx-lm speculative" in out and "tok/fwd" in out
+    res = json.load(open(tmp_path / "bench_draft.json"))
+    assert set(res["batches"]) == {"1", "2"} and res["context"]["draft"] == "the target's first 1 layers"
+    for row in res["batches"].values():
+        assert row["macinfer + draft"]["same_tokens"] and row["macinfer"]["decode_tok_s"] > 0
+        assert row["macinfer + draft"]["tokens_per_target_forward"] >= 1.0
+
+
 def test_serve_mode_against_a_url(tiny_llama, tmp_path):
     other = ServerProcess(tiny_llama, "--kv-cache-gb", "0.01", "--served-model-name", "other")
     try:

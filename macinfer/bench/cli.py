@@ -206,13 +206,16 @@ def spec(model, vs, out_dir, no_plots, num_speculative_tokens, max_tokens, repea
 @click.option("--batch", "batches", type=click.IntRange(min=1), multiple=True, default=(1, 4, 16), show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True)
-def draft(model, out_dir, draft_model, draft_layers, draft_bits, num_speculative_tokens, batches, max_tokens, repeats):
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0: greedy; else seeded sampling (the same tokens with and without the draft).")
+def draft(model, out_dir, draft_model, draft_layers, draft_bits, num_speculative_tokens, batches, max_tokens, repeats,
+          temperature):
     from macinfer.bench import draft as mod
 
     with _progress(len(batches), "draft", "batch") as bar:
         results = mod.run(model, draft_model, draft_layers, int(draft_bits) if draft_bits else None,
                           num_speculative_tokens, tuple(batches), max_tokens,
-                          repeats, tick=lambda label: (bar.set_postfix_str(label), bar.update()))
+                          repeats, temperature, tick=lambda label: (bar.set_postfix_str(label), bar.update()))
     _finish(results, out_dir, False, mod.table(results))
 
 

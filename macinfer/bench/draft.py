@@ -80,13 +80,14 @@ class MacinferBatch:
                            speculative_max_batch=max_batch)
         self.engine = LLMEngine(model_dir, cfg)
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+    def run(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> dict:
         from macinfer.sampling_params import SamplingParams
 
         e = self.engine
         before = dict(e.stats)
         start = time.perf_counter()
-        ids = [e.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens)) for p in prompts]
+        ids = [e.add_request(p, SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens))
+               for i, p in enumerate(prompts)]
         done, first = {}, {}
         while e.has_unfinished_requests():
             outs = e.step()
@@ -116,13 +117,15 @@ class MlxLmSpeculative:
         self.model, _ = load(model_dir)
         self.draft, _ = load(draft_dir)
 
-    def run(self, prompt: list[int], max_tokens: int, k: int, eos: list[int]) -> dict:
+    def run(self, prompt: list[int], max_tokens: int, k: int, eos: list[int], temperature: float = 0.0) -> dict:
         import mlx.core as mx
         from mlx_lm.generate import speculative_generate_step
+        from mlx_lm.sample_utils import make_sampler
 
+        mx.random.seed(0)
         start, first, tokens, from_draft = time.perf_counter(), None, [], 0
         for tok, _, drafted in speculative_generate_step(mx.array(prompt), self.model, self.draft, num_draft_tokens=k,
-                                                         max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, -1)):
+                                                         max_tokens=max_tokens, sampler=make_sampler(temperature)):
             first = first or time.perf_counter()
             tokens.append(int(tok))
             from_draft += bool(drafted)
@@ -134,7 +137,8 @@ class MlxLmSpeculative:
 
 
 def run(model: str, draft: str | None, draft_layers: int, draft_bits: int | None = None, k: int = 4, batches: tuple[int, ...] = (1, 4, 16),
-        max_tokens: int = 64, repeats: int = 2, tick: Callable[[str], None] = lambda _: None) -> dict:
+        max_tokens: int = 64, repeats: int = 2, temperature: float = 0.0,
+        tick: Callable[[str], None] = lambda _: None) -> dict:
     from macinfer.loading.loader import load
 
     target_dir, weights = same_weights_dir(model)
@@ -149,7 +153,9 @@ def run(model: str, draft: str | None, draft_layers: int, draft_bits: int | None
     prompts = [tok.encode_chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(max(batches))]
     results: dict = {"mode": "draft", "context": {
         "model": model, "mlx_lm_weights": weights, "draft": what,
-        "num_speculative_tokens": k, "max_tokens": max_tokens, "repeats": repeats, "sampling": "greedy",
+        "num_speculative_tokens": k, "max_tokens": max_tokens, "repeats": repeats,
+        "sampling": "greedy" if not temperature else f"temperature {temperature}, request i seeded i (macinfer); "
+                    "mlx-lm's own sampler (its tokens differ)",
         "prompts": "bench spec's short tasks in the chat template, cycled; decode tok/s from the step every "
                    "request had its first token", "hardware": hardware(), "energy": energy(), **versions()},
         "batches": {}}
@@ -160,15 +166,16 @@ def run(model: str, draft: str | None, draft_layers: int, draft_bits: int | None
     eos = list(tok.eos_token_ids)
     try:
         plain.run(prompts[:1], 4), spec.run(prompts[:1], 4), lm.run(prompts[0], 4, k, eos)  # warm-up
+        t = temperature
         for b in batches:
             runs: dict[str, list] = {"macinfer": [], "macinfer + draft": []}
             if b == 1:
                 runs["mlx-lm speculative"] = []
             for _ in range(repeats):
-                runs["macinfer"].append(plain.run(prompts[:b], max_tokens))
-                runs["macinfer + draft"].append(spec.run(prompts[:b], max_tokens))
+                runs["macinfer"].append(plain.run(prompts[:b], max_tokens, t))
+                runs["macinfer + draft"].append(spec.run(prompts[:b], max_tokens, t))
                 if b == 1:
-                    runs["mlx-lm speculative"].append(lm.run(prompts[0], max_tokens, k, eos))
+                    runs["mlx-lm speculative"].append(lm.run(prompts[0], max_tokens, k, eos, t))
             want = runs["macinfer"][0]["tokens"]
             row = {}
             for name, rs in runs.items():
@@ -193,7 +200,7 @@ def run(model: str, draft: str | None, draft_layers: int, draft_bits: int | None
 
 def table(results: dict) -> str:
     c = results["context"]
-    lines = [f"greedy decode tok/s, {c['max_tokens']} new tokens a request, k={c['num_speculative_tokens']}, "
+    lines = [f"{c['sampling']}: decode tok/s, {c['max_tokens']} new tokens a request, k={c['num_speculative_tokens']}, "
              f"draft: {c['draft']} (ratio to macinfer without a draft; * tokens differ)",
              f"{'batch':>5}{'macinfer':>20}{'macinfer + draft':>22}{'mlx-lm speculative':>22}{'accepted':>10}"
              f"{'tok/fwd':>9}"]

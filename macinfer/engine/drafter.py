@@ -212,3 +212,18 @@ class DraftModel:
             return mx.zeros((0,), dtype=mx.int32)
         logits = self.runner.model.logits(hidden[mx.array(sample_rows)])[:, : self.vocab]
         return draw(logits, rows).tokens.astype(mx.int32)
+
+
+def load_drafter(engine: Any, target_blocks: int, progress: Any = None, context: Any = None) -> DraftModel:
+    """`engine`'s draft model (`EngineConfig.draft_model`), checked against its target; a
+    ValueError with the reason when it cannot draft for it."""
+    from macinfer.loading.loader import load
+
+    cfg = engine.config
+    draft = load(cfg.draft_model, cfg.model_impl, progress, context)
+    check_pair(engine.loaded, draft)
+    drafter = DraftModel(draft, cfg, target_blocks, engine.max_model_len, engine.backend)
+    engine.backend.set_limits(_nbytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)  # both models
+    log.info("draft model %s: %.1f MiB of weights and KV, %d tokens a step", draft.name, drafter.nbytes / 2**20,
+             cfg.num_speculative_tokens)
+    return drafter

@@ -18,6 +18,7 @@ from macinfer.lora.adapter import LoraAdapter, LoraError, load_adapter
 from macinfer.lora.registry import LoraRegistry
 from macinfer.engine.choices import choose_paths
 from macinfer.engine.disk_cache import disk_cache_for
+from macinfer.engine.drafter import load_drafter
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.config import EngineConfig
 from macinfer.engine.embedding import EmbeddingJob
@@ -40,7 +41,6 @@ from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from macinfer.engine.drafter import DraftModel
     from macinfer.vision.inputs import ImageInputs
 
 log = logging.getLogger("macinfer")
@@ -138,7 +138,7 @@ class LLMEngine:
             self.block_manager.attach_disk(self.disk)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_prefill_with_decodes, speculative, self.max_model_len)
-        self.drafter = self._load_drafter(plan.num_blocks, progress, context) if cfg.draft_model else None
+        self.drafter = load_drafter(self, plan.num_blocks, progress, context) if cfg.draft_model else None
         self.scheduler.drafter = self.drafter
         self.loras = LoraRegistry(self.model, cfg.max_loras)
         self.scheduler.on_lora_done = self.loras.release
@@ -194,22 +194,6 @@ class LLMEngine:
                       f"{g.num_blocks} blocks, {g.bytes_per_block // bs} bytes a token" for g in groups),
             self.max_model_len, "reference (int8 KV)" if self.kv_cache.quantized else self.paths.decode_attention,
         )
-
-    def _load_drafter(self, target_blocks: int, progress, context) -> "DraftModel":
-        """The draft model (`engine/drafter.py`), checked against the target; a ValueError
-        with the reason when it cannot draft for it."""
-        from macinfer.engine.drafter import DraftModel, check_pair
-
-        draft = load(self.config.draft_model, self.config.model_impl, progress, context)
-        check_pair(self.loaded, draft)
-        drafter = DraftModel(draft, self.config, target_blocks, self.max_model_len, self.backend)
-        from mlx.utils import tree_flatten
-
-        weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-        self.backend.set_limits(weights + drafter.nbytes, self.kv_cache.nbytes)  # both models' memory
-        log.info("draft model %s: %.1f MiB of weights and KV, %d tokens a step", draft.name, drafter.nbytes / 2**20,
-                 self.config.num_speculative_tokens)
-        return drafter
 
     def _check_against_mlx_lm(self) -> None:
         """A model run through mlx-lm's classes must compute what mlx-lm computes. The
