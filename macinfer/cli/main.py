@@ -39,7 +39,9 @@ def _engine_options(f):
     f = click.option("--chat-template", "chat_template", default=None, metavar="FILE|NAME",
                      help="Replace the model's chat template: a Jinja file, inline Jinja, or a built-in "
                           "(chatml, llama3, hermes: ChatML with tools and <tool_call> calls).")(f)
-    f = click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8"]), default="auto", show_default=True, help="int8: 8-bit affine KV cache (about half the memory of fp16).")(f)
+    f = click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "int4", "int3"]), default="auto",
+                     show_default=True, help="Quantized KV cache (group-wise affine, dequantized on read): int8 about "
+                     "half the memory of fp16, int4 about a third, int3 about a quarter.")(f)
     f = click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True, help="Reuse KV blocks of repeated prompt prefixes.")(f)
     f = click.option("--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV cache budget in GiB (default: a share of free memory).")(f)
     f = click.option("--kv-disk-gb", type=click.FloatRange(min=0, min_open=True), default=None,

@@ -7,6 +7,7 @@ import logging
 import random
 import time
 import uuid
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
@@ -189,10 +190,12 @@ class LLMEngine:
                       "spec_drafted_by_position": [0] * cfg.num_speculative_tokens, "images": 0, "image_tokens": 0}
         log.info(
             "KV cache: %.2f GiB, %s%s, blocks of %d tokens: %s; max_model_len %d; decode attention: %s",
-            self.kv_cache.nbytes / 2**30, self.kv_cache.dtype, " as int8" if self.kv_cache.quantized else "", bs,
+            self.kv_cache.nbytes / 2**30, self.kv_cache.dtype,
+            f" as int{self.kv_cache.bits}" if self.kv_cache.quantized else "", bs,
             "; ".join(f"{g.kind.describe()}: {len(g.layers)} layers ({len(g.caches)} keep K/V), "
                       f"{g.num_blocks} blocks, {g.bytes_per_block // bs} bytes a token" for g in groups),
-            self.max_model_len, "reference (int8 KV)" if self.kv_cache.quantized else self.paths.decode_attention,
+            self.max_model_len,
+            f"reference (int{self.kv_cache.bits} KV)" if self.kv_cache.quantized else self.paths.decode_attention,
         )
 
     def _check_against_mlx_lm(self) -> None:
@@ -202,13 +205,14 @@ class LLMEngine:
         8 tokens through the paged engine (a 5-token chunk, then decodes) against
         mlx-lm's own forward, refused when any logit is off by more than 5% of the
         largest (low-precision weights differ by far less; a wrong position by about
-        the logits themselves)."""
+        the logits themselves). A quantized KV cache's own error is no layout error: the
+        probe then runs on small full-precision pools of the same layout."""
         reference = getattr(self.model, "reference_logits", None)
         if reference is None:
             return
         vocab = self.model.args.vocab_size
         tokens, chunks = [1 + (i * 7919) % (vocab - 1) for i in range(8)], [5, 1, 1, 1]
-        ours = self.score([tokens], chunks)[0]
+        ours = score(self._float_probe() if self.kv_cache.quantized else self, [tokens], chunks)[0]
         want = np.array(reference(tokens, chunks))
         err, scale = float(np.abs(ours - want).max()), float(np.abs(want).max())
         if not err <= 0.05 * max(scale, 1e-3):
@@ -219,6 +223,20 @@ class LLMEngine:
                 f"compute other logits than mlx-lm's own forward (off by {err:.3g}, largest logit {scale:.3g}), "
                 "so it would run wrong")
         self.block_manager.drop_cache()
+
+    def _float_probe(self) -> SimpleNamespace:
+        """What `score` reads of an engine, on pools of two blocks a group in the model's own
+        dtype (the quantized pools untouched)."""
+        cfg = dataclasses.replace(self.config, kv_cache_dtype="auto", num_kv_blocks=2, kv_cache_gb=None,
+                                  max_num_seqs=1, num_speculative_tokens=0, memory_limit_bytes=None)
+        plan = plan_caches(self.model, cfg, self._kv_dtype(), cfg.block_size * 2, self.backend)
+        self.backend.set_limits(0, self.kv_cache.nbytes)  # (the plan set them for its own small pools)
+        slots = None if plan.kv_cache.states is None else StateGroup(plan.kv_cache.states, 1, cfg.block_size,
+                                                                     plan.interval, False, 0)
+        bm = BlockManager(plan.groups, cfg.block_size, False, state=slots)
+        return SimpleNamespace(block_manager=bm, kv_cache=plan.kv_cache, model=self.model,
+                               runner=ModelRunner(self.model, plan.kv_cache, bm, explicit_ops=self.paths.explicit_ops,
+                                                  prefill_tile=self.paths.prefill_tile))
 
     def prepare_images(self, prompt: list[int], images: list) -> tuple[list[int], "ImageInputs"]:
         """The prompt's image markers expanded for `images` (decoded PIL images) by the

@@ -24,17 +24,18 @@ from macinfer.kv.state import StatePool
 DEFAULT_BLOCK_SIZE = 16
 
 
-KV_CACHE_DTYPES = ("auto", "int8")
-KV_QUANT_BITS = 8
+# "auto": the projections' dtype; "intN": MLX-affine N-bit rows (group-wise scale and bias).
+KV_QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3}
+KV_CACHE_DTYPES = ("auto", *KV_QUANT_BITS)
 
 
 def kv_group_size(head_dim: int) -> int:
     return 64 if head_dim % 64 == 0 else 32
 
 
-def quantized_row_bytes(head_dim: int, scale_itemsize: int) -> int:
-    """Bytes of one int8 row: 1 byte a value + a scale and a bias per group."""
-    return head_dim + 2 * (head_dim // kv_group_size(head_dim)) * scale_itemsize
+def quantized_row_bytes(head_dim: int, scale_itemsize: int, bits: int = 8) -> int:
+    """Bytes of one quantized row: `bits` a value + a scale and a bias per group."""
+    return head_dim * bits // 8 + 2 * (head_dim // kv_group_size(head_dim)) * scale_itemsize
 
 
 def bytes_per_block(
@@ -43,14 +44,15 @@ def bytes_per_block(
 ) -> int:
     """K + V bytes of one block in `num_layers` layers of one shape."""
     per_head = head_dim * dtype.size
-    if kv_cache_dtype == "int8":
-        per_head = quantized_row_bytes(head_dim, dtype.size)
+    if kv_cache_dtype in KV_QUANT_BITS:
+        per_head = quantized_row_bytes(head_dim, dtype.size, KV_QUANT_BITS[kv_cache_dtype])
     return 2 * num_layers * block_size * num_kv_heads * per_head
 
 
 def layer_bytes_per_token(spec: LayerKV, dtype: mx.Dtype, kv_cache_dtype: str = "auto") -> int:
-    if kv_cache_dtype == "int8":
-        return spec.bytes_per_token(dtype.size, lambda d: quantized_row_bytes(d, dtype.size))
+    if kv_cache_dtype in KV_QUANT_BITS:
+        bits = KV_QUANT_BITS[kv_cache_dtype]
+        return spec.bytes_per_token(dtype.size, lambda d: quantized_row_bytes(d, dtype.size, bits))
     return spec.bytes_per_token(dtype.size)
 
 
@@ -89,20 +91,21 @@ def plan_blocks(groups: list[CacheGroup], budget_bytes: int, caps: list[int], ma
 
 
 class LayerPool:
-    """One layer's K and V pools, `[num_blocks * kvh * bs, d]` rows each; with
-    kv_cache_dtype="int8", each row is stored MLX-affine-quantized (8 bits, group-wise
-    scale and bias) and dequantized on read, which halves (fp16) or quarters (fp32)
-    the KV memory."""
+    """One layer's K and V pools, `[num_blocks * kvh * bs, d]` rows each; with a quantized
+    kv_cache_dtype (`bits`: 8, 4 or 3), each row is stored MLX-affine-quantized (group-wise
+    scale and bias) and dequantized on read: int8 halves fp16's KV memory, int4 takes
+    about a quarter (0.31x with its scales, groups of 64), int3 about a fifth."""
 
     def __init__(self, layer: int, spec: LayerKV, num_blocks: int, block_size: int, dtype: mx.Dtype,
-                 quantized: bool):
+                 bits: int | None):
         self.num_kv_heads, self.head_dim, self.v_head_dim = spec.num_kv_heads, spec.head_dim, spec.v_head_dim
-        self.num_blocks, self.block_size, self.dtype, self.quantized = num_blocks, block_size, dtype, quantized
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.bits, self.quantized = bits, bits is not None
         self.v_in_k = spec.v_in_k  # MLA: V is K's leading values (the latent), not stored
         self.group_size = kv_group_size(spec.head_dim)
-        if quantized and (spec.head_dim % 32 or (spec.v_head_dim % 32 and not spec.v_in_k)):
-            raise ValueError(f"--kv-cache-dtype int8 needs head sizes divisible by 32; layer {layer} has "
-                             f"{spec.head_dim} (K) and {spec.v_head_dim} (V)")
+        if self.quantized and (spec.head_dim % 32 or (spec.v_head_dim % 32 and not spec.v_in_k)):
+            raise ValueError(f"--kv-cache-dtype int{bits} needs head sizes divisible by 32 (its quantization "
+                             f"groups); layer {layer} has {spec.head_dim} (K) and {spec.v_head_dim} (V)")
         self.reset()
 
     def _pool(self, d: int) -> list[mx.array]:
@@ -110,7 +113,7 @@ class LayerPool:
         if not self.quantized:
             return [mx.zeros((rows, d), dtype=self.dtype)]
         groups = d // kv_group_size(d)
-        return [mx.zeros((rows, d * KV_QUANT_BITS // 32), dtype=mx.uint32),
+        return [mx.zeros((rows, d * self.bits // 32), dtype=mx.uint32),
                 mx.zeros((rows, groups), dtype=self.dtype), mx.zeros((rows, groups), dtype=self.dtype)]
 
     def reset(self) -> None:
@@ -125,7 +128,7 @@ class LayerPool:
         x = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # one row per (token, head)
         if not self.quantized:
             return [x]
-        return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1]), bits=KV_QUANT_BITS))
+        return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1]), bits=self.bits))
 
     def write(self, rows: mx.array, k: mx.array, v: mx.array | None) -> None:
         """Scatter new K/V ([T, kv_heads, d]) into their pool rows ([T * kv_heads], from `kv_rows`)."""
@@ -136,7 +139,7 @@ class LayerPool:
     def _decode(self, parts: list[mx.array], d: int) -> mx.array:
         if not self.quantized:
             return parts[0]
-        return mx.dequantize(*parts, group_size=kv_group_size(d), bits=KV_QUANT_BITS)
+        return mx.dequantize(*parts, group_size=kv_group_size(d), bits=self.bits)
 
     def _blocks(self, pool: mx.array) -> mx.array:
         return pool.reshape(-1, self.num_kv_heads, self.block_size, pool.shape[-1])
@@ -158,7 +161,7 @@ class LayerPool:
 
     def attention_blocks(self, block_tables: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(K blocks, V blocks, block tables) for attention over `block_tables` ([B, nb]).
-        Unquantized: the pools in place. int8: the tables' blocks dequantized into a
+        Unquantized: the pools in place. Quantized: the tables' blocks dequantized into a
         copy ([B * nb, kvh, bs, d]) with tables renumbered into it."""
         if not self.quantized:
             return *self.blocks(), block_tables
@@ -186,13 +189,14 @@ class KVCache:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.layers, self.groups = layers, groups
         self.block_size, self.dtype, self.kv_cache_dtype = block_size, dtype, kv_cache_dtype
-        self.quantized = kv_cache_dtype == "int8"
+        self.bits = KV_QUANT_BITS.get(kv_cache_dtype)
+        self.quantized = self.bits is not None
         self.group_of = [0] * len(layers)
         for g in groups:
             for i in g.caches:
                 self.group_of[i] = g.index
         self._pools: dict[int, LayerPool] = {
-            i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.quantized)
+            i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.bits)
             for g in groups for i in g.caches}
         self.states = states  # recurrent layers' state pool (hybrid and recurrent models)
         # The disk tier's hooks (`engine/disk_cache.py`): evicted blocks are copied out
