@@ -19,11 +19,11 @@ def head64(tmp_path_factory):
                           num_key_value_heads=1, intermediate_size=256)
 
 
-def _mlx_lm_logits(model, tokens: list[int], chunks: list[int], bits: int) -> np.ndarray:
+def _mlx_lm_logits(model, tokens: list[int], chunks: list[int], bits: int, group: int = 64) -> np.ndarray:
     """mlx-lm's forward over `tokens` in `chunks`, its caches QuantizedKVCache from the first token."""
     from mlx_lm.models.cache import QuantizedKVCache
 
-    cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
+    cache = [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]
     out, pos = [], 0
     for n in chunks:
         out.append(np.array(model(mx.array([tokens[pos:pos + n]]), cache=cache)[0].astype(mx.float32)))
@@ -31,20 +31,21 @@ def _mlx_lm_logits(model, tokens: list[int], chunks: list[int], bits: int) -> np
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("dtype", list(KV_QUANT_BITS))
-def test_quantized_kv_is_smaller_and_computes_what_mlx_lm_does(head64, dtype):
+@pytest.mark.parametrize("dtype,group", [("int8", 64), ("int4", 64), ("int3", 64), ("int4", 32)])
+def test_quantized_kv_is_smaller_and_computes_what_mlx_lm_does(head64, dtype, group):
     path, model = head64
     bits = KV_QUANT_BITS[dtype]
     full = LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
-    quant = LLMEngine(full.loaded, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype=dtype))
-    # fp32 rows of 64 values: 256 bytes; quantized: 64 * bits / 8 + a scale and a bias.
+    quant = LLMEngine(full.loaded, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype=dtype,
+                                                kv_group_size=None if group == 64 else group))
+    # fp32 rows of 64 values: 256 bytes; quantized: 64 * bits / 8 + a scale and a bias per group.
     per_token = [e.cache_groups()[0]["bytes_per_token"] for e in (full, quant)]
-    assert quant.kv_cache.quantized and per_token[0] / per_token[1] == 256 / (64 * bits / 8 + 8)
+    assert quant.kv_cache.quantized and per_token[0] / per_token[1] == 256 / (64 * bits / 8 + 8 * 64 // group)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(3, 250, size=n).tolist() for n in (40, 30)]
     chunks = [17, 8, 1, 1, 1, 1, 1]
     for s, a, b in zip(seqs, full.score(seqs, chunks), quant.score(seqs, chunks)):
-        want = _mlx_lm_logits(model, s, chunks, bits)
+        want = _mlx_lm_logits(model, s, chunks, bits, group)
         scale = np.abs(want).max()
         assert np.abs(b - want).max() < 1e-4 * scale  # the same quantization, the same attention
         assert np.abs(a - want).max() > 1e-4 * scale  # (and not the full-precision cache's logits)
@@ -79,3 +80,19 @@ def test_a_head_size_it_cannot_group_is_refused_at_load(tiny_llama, dtype):
     """head_dim 16 has no 32-value quantization group: refused at load, not at the first step."""
     with pytest.raises(ValueError, match=f"{dtype} needs head sizes divisible by 32.*layer 0 has 16"):
         LLMEngine(tiny_llama, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype=dtype))
+
+
+def test_a_group_size_that_does_not_divide_the_head_is_refused(head64, tiny_llama):
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    with pytest.raises(ValueError, match="divisible by 128.*layer 0 has 64.*--kv-group-size 32"):
+        LLMEngine(head64[0], EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int4", kv_group_size=128))
+    with pytest.raises(ValueError, match="groups of 32, 64, 128"):
+        LLMEngine(head64[0], EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int4", kv_group_size=48))
+    for args, says in [(["--kv-bits", "4", "--kv-cache-dtype", "int8"], "disagree"),
+                       (["--kv-group-size", "32"], "applies to a quantized KV cache"),
+                       (["--kv-bits", "4", "--kv-group-size", "128"], "divisible by 128")]:
+        r = CliRunner().invoke(main, ["generate", head64[0], "-p", "hi", "-n", "2", "--kv-cache-gb", "0.01", *args])
+        assert r.exit_code != 0 and says in r.output, r.output

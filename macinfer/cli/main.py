@@ -39,6 +39,11 @@ def _engine_options(f):
     f = click.option("--chat-template", "chat_template", default=None, metavar="FILE|NAME",
                      help="Replace the model's chat template: a Jinja file, inline Jinja, or a built-in "
                           "(chatml, llama3, hermes: ChatML with tools and <tool_call> calls).")(f)
+    f = click.option("--kv-group-size", type=click.Choice(["32", "64", "128"]), default=None,
+                     help="Quantized KV: values sharing a scale and bias (default 64 where it divides the head "
+                          "size, else 32).")(f)
+    f = click.option("--kv-bits", type=click.Choice(["3", "4", "8"]), default=None,
+                     help="mlx-lm's spelling of --kv-cache-dtype int3/int4/int8.")(f)
     f = click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "int4", "int3"]), default="auto",
                      show_default=True, help="Quantized KV cache (group-wise affine, dequantized on read): int8 about "
                      "half the memory of fp16, int4 about a third, int3 about a quarter.")(f)
@@ -118,14 +123,22 @@ def _sampling_options(f):
 
 
 def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
-                   kv_cache_dtype="auto", max_num_batched_tokens=512, max_prefill_with_decodes=None,
+                   kv_cache_dtype="auto", kv_bits=None, kv_group_size=None, max_num_batched_tokens=512,
+                   max_prefill_with_decodes=None,
                    num_speculative_tokens=0, draft_model=None, chat_template=None, rope_scaling=None, distributed=None,
                    distributed_timeout=60.0, pipeline_micro_batches=1, pipeline_depth=None, no_autotune=False,
                    kv_disk_gb=None, kv_disk_dir=None, async_scheduling=True, max_loras=8):
     from macinfer.engine.llm_engine import EngineConfig
 
+    if kv_bits is not None:
+        if kv_cache_dtype not in ("auto", f"int{kv_bits}"):
+            raise click.UsageError(f"--kv-bits {kv_bits} and --kv-cache-dtype {kv_cache_dtype} disagree; give one")
+        kv_cache_dtype = f"int{kv_bits}"
+    if kv_group_size is not None and kv_cache_dtype == "auto":
+        raise click.UsageError("--kv-group-size applies to a quantized KV cache (--kv-cache-dtype int8/int4/int3)")
     return EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                        kv_group_size=int(kv_group_size) if kv_group_size else None,
                         max_num_batched_tokens=max_num_batched_tokens,
                         max_prefill_with_decodes=max_prefill_with_decodes or None,  # 0: no separate cap
                         num_speculative_tokens=num_speculative_tokens, draft_model=draft_model,

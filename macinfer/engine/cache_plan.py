@@ -56,7 +56,8 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
     layer_specs = list(model.layer_specs)
     groups, _ = group_caches(layer_specs, getattr(model, "layer_caches", None))
     for g in groups:
-        g.bytes_per_block = bs * sum(layer_bytes_per_token(layer_specs[i], kv_dtype, cfg.kv_cache_dtype)
+        g.bytes_per_block = bs * sum(layer_bytes_per_token(layer_specs[i], kv_dtype, cfg.kv_cache_dtype,
+                                                            cfg.kv_group_size)
                                      for i in g.caches)
     step_blocks = -(-cfg.max_num_batched_tokens // bs)
     # A bounded group's pool never needs more than every running sequence's live blocks plus a step's.
@@ -116,6 +117,6 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
         else:  # no K/V: the budget left after the running states buys snapshots
             snapshots = min(max(budget - fixed_state, 0) // slot_bytes, max_blocks * bs // interval)
         states = StatePool(state_specs, 2 * cfg.max_num_seqs + num_verify + snapshots)
-    kv_cache = KVCache(layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype, states)
+    kv_cache = KVCache(layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype, states, cfg.kv_group_size)
     backend.set_limits(sum(v.nbytes for _, v in tree_flatten(model.parameters())), kv_cache.nbytes)
     return CachePlan(layer_specs, state_specs, groups, num_blocks, interval, num_verify, kv_cache)

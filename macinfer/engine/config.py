@@ -22,6 +22,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # else: exactly this many full-attention blocks (tests, tuning)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8" | "int4" | "int3": N-bit affine
+    kv_group_size: int | None = None  # quantized KV: values per scale and bias (None: 64, else 32)
     model_impl: str = "auto"  # "mlx-lm": run even the Llama family through mlx-lm's classes
     # Speculative decoding (0: off): draft tokens per decode step, prompt lookup's
     # n-gram lengths looked up, and the decoding batch above which it pauses (None:

@@ -62,9 +62,9 @@ def identity(source: str, model: Any, kv_cache: Any, block_size: int, config: di
              layer_specs: Any = None) -> str:
     """What a record's bytes depend on: the weights, the model's config as loaded (RoPE kind
     and parameters, `--rope-scaling` and the length it stretches to included), the cache
-    layout (kinds, windows, sharing), its dtypes and the block size."""
+    layout (kinds, windows, sharing), its dtypes (a quantized one's group size) and the block size."""
     parts = [FORMAT, fingerprint(source), repr(model.args), repr(config or {}),
-             repr(layer_specs), str(kv_cache.dtype), kv_cache.kv_cache_dtype, str(block_size),
+             repr(layer_specs), str(kv_cache.dtype), kv_cache.kv_cache_dtype, str(kv_cache.group), str(block_size),
              repr(kv_cache.layers), repr([(g.kind, g.caches) for g in kv_cache.groups])]
     if kv_cache.states is not None:
         parts.append(repr([(s.shapes, s.dtypes) for s in kv_cache.states.specs]))

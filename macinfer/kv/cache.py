@@ -29,13 +29,18 @@ KV_QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3}
 KV_CACHE_DTYPES = ("auto", *KV_QUANT_BITS)
 
 
-def kv_group_size(head_dim: int) -> int:
-    return 64 if head_dim % 64 == 0 else 32
+KV_GROUP_SIZES = (32, 64, 128)  # what MLX's affine quantization takes
 
 
-def quantized_row_bytes(head_dim: int, scale_itemsize: int, bits: int = 8) -> int:
+def kv_group_size(head_dim: int, configured: int | None = None) -> int:
+    """Values sharing a scale and bias: `configured` (`--kv-group-size`), else 64 where it
+    divides the row (mlx-lm's default), else 32."""
+    return configured or (64 if head_dim % 64 == 0 else 32)
+
+
+def quantized_row_bytes(head_dim: int, scale_itemsize: int, bits: int = 8, group: int | None = None) -> int:
     """Bytes of one quantized row: `bits` a value + a scale and a bias per group."""
-    return head_dim * bits // 8 + 2 * (head_dim // kv_group_size(head_dim)) * scale_itemsize
+    return head_dim * bits // 8 + 2 * (head_dim // kv_group_size(head_dim, group)) * scale_itemsize
 
 
 def bytes_per_block(
@@ -49,10 +54,11 @@ def bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * per_head
 
 
-def layer_bytes_per_token(spec: LayerKV, dtype: mx.Dtype, kv_cache_dtype: str = "auto") -> int:
+def layer_bytes_per_token(spec: LayerKV, dtype: mx.Dtype, kv_cache_dtype: str = "auto",
+                          group: int | None = None) -> int:
     if kv_cache_dtype in KV_QUANT_BITS:
         bits = KV_QUANT_BITS[kv_cache_dtype]
-        return spec.bytes_per_token(dtype.size, lambda d: quantized_row_bytes(d, dtype.size, bits))
+        return spec.bytes_per_token(dtype.size, lambda d: quantized_row_bytes(d, dtype.size, bits, group))
     return spec.bytes_per_token(dtype.size)
 
 
@@ -97,22 +103,24 @@ class LayerPool:
     about a quarter (0.31x with its scales, groups of 64), int3 about a fifth."""
 
     def __init__(self, layer: int, spec: LayerKV, num_blocks: int, block_size: int, dtype: mx.Dtype,
-                 bits: int | None):
+                 bits: int | None, group: int | None = None):
         self.num_kv_heads, self.head_dim, self.v_head_dim = spec.num_kv_heads, spec.head_dim, spec.v_head_dim
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        self.bits, self.quantized = bits, bits is not None
+        self.bits, self.quantized, self.group = bits, bits is not None, group
         self.v_in_k = spec.v_in_k  # MLA: V is K's leading values (the latent), not stored
-        self.group_size = kv_group_size(spec.head_dim)
-        if self.quantized and (spec.head_dim % 32 or (spec.v_head_dim % 32 and not spec.v_in_k)):
-            raise ValueError(f"--kv-cache-dtype int{bits} needs head sizes divisible by 32 (its quantization "
-                             f"groups); layer {layer} has {spec.head_dim} (K) and {spec.v_head_dim} (V)")
+        sizes = (spec.head_dim,) if spec.v_in_k else (spec.head_dim, spec.v_head_dim)
+        if self.quantized and any(d % (group or 32) for d in sizes):
+            raise ValueError(f"--kv-cache-dtype int{bits} needs head sizes divisible by {group or 32} (its "
+                             f"quantization group{'' if group else 's'}); layer {layer} has {spec.head_dim} (K) "
+                             f"and {spec.v_head_dim} (V)" + (f"; try --kv-group-size 32" if group and group > 32
+                                                              else ""))
         self.reset()
 
     def _pool(self, d: int) -> list[mx.array]:
         rows = self.num_blocks * self.block_size * self.num_kv_heads
         if not self.quantized:
             return [mx.zeros((rows, d), dtype=self.dtype)]
-        groups = d // kv_group_size(d)
+        groups = d // kv_group_size(d, self.group)
         return [mx.zeros((rows, d * self.bits // 32), dtype=mx.uint32),
                 mx.zeros((rows, groups), dtype=self.dtype), mx.zeros((rows, groups), dtype=self.dtype)]
 
@@ -128,7 +136,7 @@ class LayerPool:
         x = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # one row per (token, head)
         if not self.quantized:
             return [x]
-        return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1]), bits=self.bits))
+        return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1], self.group), bits=self.bits))
 
     def write(self, rows: mx.array, k: mx.array, v: mx.array | None) -> None:
         """Scatter new K/V ([T, kv_heads, d]) into their pool rows ([T * kv_heads], from `kv_rows`)."""
@@ -139,7 +147,7 @@ class LayerPool:
     def _decode(self, parts: list[mx.array], d: int) -> mx.array:
         if not self.quantized:
             return parts[0]
-        return mx.dequantize(*parts, group_size=kv_group_size(d), bits=self.bits)
+        return mx.dequantize(*parts, group_size=kv_group_size(d, self.group), bits=self.bits)
 
     def _blocks(self, pool: mx.array) -> mx.array:
         return pool.reshape(-1, self.num_kv_heads, self.block_size, pool.shape[-1])
@@ -184,19 +192,22 @@ class KVCache:
     routed to that cache by the model."""
 
     def __init__(self, layers: list[LayerKV], groups: list[CacheGroup], block_size: int, dtype: mx.Dtype,
-                 kv_cache_dtype: str = "auto", states: StatePool | None = None):
+                 kv_cache_dtype: str = "auto", states: StatePool | None = None, group: int | None = None):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if group is not None and group not in KV_GROUP_SIZES:
+            raise ValueError(f"--kv-group-size {group}: MLX quantizes in groups of {', '.join(map(str, KV_GROUP_SIZES))}")
         self.layers, self.groups = layers, groups
         self.block_size, self.dtype, self.kv_cache_dtype = block_size, dtype, kv_cache_dtype
         self.bits = KV_QUANT_BITS.get(kv_cache_dtype)
+        self.group = group
         self.quantized = self.bits is not None
         self.group_of = [0] * len(layers)
         for g in groups:
             for i in g.caches:
                 self.group_of[i] = g.index
         self._pools: dict[int, LayerPool] = {
-            i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.bits)
+            i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.bits, group)
             for g in groups for i in g.caches}
         self.states = states  # recurrent layers' state pool (hybrid and recurrent models)
         # The disk tier's hooks (`engine/disk_cache.py`): evicted blocks are copied out
