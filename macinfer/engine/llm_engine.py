@@ -7,7 +7,6 @@ import logging
 import random
 import time
 import uuid
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
@@ -26,6 +25,7 @@ from macinfer.engine.embedding import EmbeddingJob
 from macinfer.engine.runner import ModelRunner
 from macinfer.engine.profile import maybe
 from macinfer.engine.outputs import RequestOutput, _RequestState
+from macinfer.engine.layout_check import check_against_mlx_lm
 from macinfer.engine.scoring import score
 from macinfer.engine.scheduler import Scheduler
 from macinfer.engine.sequence import Sequence, TokenLogprob
@@ -175,7 +175,7 @@ class LLMEngine:
 
             self.scheduler.speculative = dataclasses.replace(
                 speculative, max_batch=choose_speculative_batch(self, cfg.num_speculative_tokens))
-        self._check_against_mlx_lm()
+        check_against_mlx_lm(self)
         self.requests: dict[str, _RequestState] = {}
         self._in_flight = None  # a pipeline's step whose tokens are not back yet (`pipelined_step`)
         self.overlapped_steps = 0  # steps submitted while another was in flight
@@ -197,46 +197,6 @@ class LLMEngine:
             self.max_model_len,
             f"reference (int{self.kv_cache.bits} KV)" if self.kv_cache.quantized else self.paths.decode_attention,
         )
-
-    def _check_against_mlx_lm(self) -> None:
-        """A model run through mlx-lm's classes must compute what mlx-lm computes. The
-        load-time probe catches what it can see (caches, attention calls); this catches
-        the rest (a layer that reads its cache's length or positions some other way):
-        8 tokens through the paged engine (a 5-token chunk, then decodes) against
-        mlx-lm's own forward, refused when any logit is off by more than 5% of the
-        largest (low-precision weights differ by far less; a wrong position by about
-        the logits themselves). A quantized KV cache's own error is no layout error: the
-        probe then runs on small full-precision pools of the same layout."""
-        reference = getattr(self.model, "reference_logits", None)
-        if reference is None:
-            return
-        vocab = self.model.args.vocab_size
-        tokens, chunks = [1 + (i * 7919) % (vocab - 1) for i in range(8)], [5, 1, 1, 1]
-        ours = score(self._float_probe() if self.kv_cache.quantized else self, [tokens], chunks)[0]
-        want = np.array(reference(tokens, chunks))
-        err, scale = float(np.abs(ours - want).max()), float(np.abs(want).max())
-        if not err <= 0.05 * max(scale, 1e-3):
-            from macinfer.models import UnsupportedArchitectureError
-
-            raise UnsupportedArchitectureError(
-                f"unsupported architecture {self.model.args.model_type!r}: its layers on the paged cache "
-                f"compute other logits than mlx-lm's own forward (off by {err:.3g}, largest logit {scale:.3g}), "
-                "so it would run wrong")
-        self.block_manager.drop_cache()
-
-    def _float_probe(self) -> SimpleNamespace:
-        """What `score` reads of an engine, on pools of two blocks a group in the model's own
-        dtype (the quantized pools untouched)."""
-        cfg = dataclasses.replace(self.config, kv_cache_dtype="auto", num_kv_blocks=2, kv_cache_gb=None,
-                                  max_num_seqs=1, num_speculative_tokens=0, memory_limit_bytes=None)
-        plan = plan_caches(self.model, cfg, self._kv_dtype(), cfg.block_size * 2, self.backend)
-        self.backend.set_limits(0, self.kv_cache.nbytes)  # (the plan set them for its own small pools)
-        slots = None if plan.kv_cache.states is None else StateGroup(plan.kv_cache.states, 1, cfg.block_size,
-                                                                     plan.interval, False, 0)
-        bm = BlockManager(plan.groups, cfg.block_size, False, state=slots)
-        return SimpleNamespace(block_manager=bm, kv_cache=plan.kv_cache, model=self.model,
-                               runner=ModelRunner(self.model, plan.kv_cache, bm, explicit_ops=self.paths.explicit_ops,
-                                                  prefill_tile=self.paths.prefill_tile))
 
     def prepare_images(self, prompt: list[int], images: list) -> tuple[list[int], "ImageInputs"]:
         """The prompt's image markers expanded for `images` (decoded PIL images) by the
