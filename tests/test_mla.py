@@ -74,7 +74,8 @@ def test_speculation_on_latents_gives_the_same_tokens(tmp_path, model_type):
     prompts = [[7, 8, 9, 10, 11] * 8, list(range(20, 60))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = generate(LLMEngine(path, EngineConfig(kv_cache_gb=0.01)), prompts, params)
-    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, num_speculative_tokens=3, prompt_lookup_min=1))
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, num_speculative_tokens=3, prompt_lookup_min=1,
+                                          speculative_max_batch=4))
     assert [o.token_ids for o in generate(engine, prompts, params)] == [o.token_ids for o in plain]
     assert engine.stats["spec_draft_tokens"] > 0
 
@@ -98,7 +99,8 @@ def test_latent_decode_kernel_in_the_engine_equals_the_reference(tmp_path, monke
 
     def run(mode):
         monkeypatch.setenv("MACINFER_KERNELS", mode)
-        engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, num_speculative_tokens=2, prompt_lookup_min=1))
+        engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, num_speculative_tokens=2, prompt_lookup_min=1,
+                                              speculative_max_batch=4))
         assert engine.paths.decode_attention == mode
         launched.clear()  # the start-up self-check's launches
         logits = engine.score([PROMPTS[0]], [30, 1, 1, 1])[0]

@@ -29,7 +29,7 @@ import numpy as np
 
 from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kernels.call import launch
-from macinfer.kv.cache import KVCache, kv_rows
+from macinfer.kv.cache import KVCache, QuantizedBlocks, kv_rows
 from macinfer.kv.dense import EXP2_MIN_SCORES, LOG2E, dense_attention, exp2_weights, sdpa
 from macinfer.kv.prefill_plan import PrefillSpan, SpanBatch, batch_mask, plan_prefills
 
@@ -112,8 +112,12 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
             partition_size=meta.decode_partition,
         )
         return launch(calls, emulate=backend == "emulate")
-    k_blocks, v_blocks, tables = pool.attention_blocks(meta.decode_block_tables)
-    # Every layer's tables are the same (int8: the same renumbering), so these are built once a step.
+    if pool.quantized:  # the packed blocks, read in place (`gather_qmm`): no dequantized copy
+        k_blocks, v_blocks = pool.quantized_blocks()
+        tables = meta.decode_block_tables
+    else:
+        k_blocks, v_blocks, tables = pool.attention_blocks(meta.decode_block_tables)
+    # Every layer's tables are the same, so these are built once a step.
     kvh, length, lens, floors = pool.num_kv_heads, tables.shape[1] * pool.block_size, meta.decode_context_lens, \
         meta.decode_floors
     groups = meta.decode_groups
@@ -170,7 +174,8 @@ def reference_decode_attention(
     if single:
         q, mask = q[:, None], mask[:, None]
     B, Q, H, d = q.shape
-    _, kvh, bs, _ = k_blocks.shape
+    kvh = heads.shape[2]
+    bs = k_blocks.w.shape[1] if isinstance(k_blocks, QuantizedBlocks) else k_blocks.shape[2]
     nb = heads.shape[1]
     g = H // kvh
     rows = Q * g  # the rows of one matmul per (block, head): every query of the group
@@ -178,7 +183,7 @@ def reference_decode_attention(
     units = LOG2E if exp2 else 1.0  # exp2_weights takes scores in log2 units
     qscale = scale if softcap is not None else scale * units
     qg = (q * qscale).reshape(B, Q, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(B, 1, kvh, rows, d)
-    scores = mx.gather_mm(qg, k_blocks.reshape(-1, bs, d).swapaxes(-1, -2), None, heads)  # [B, nb, kvh, rows, bs]
+    scores = _block_matmul(qg, k_blocks, heads, keys=True)  # [B, nb, kvh, rows, bs]
     scores = scores.transpose(0, 2, 3, 1, 4).reshape(B, kvh, Q, g, nb * bs)
     if softcap is not None:
         scores = mx.tanh(scores / softcap) * (softcap * units)
@@ -193,12 +198,25 @@ def reference_decode_attention(
     else:
         probs = mx.softmax(scores, axis=-1, precise=True)
     probs = probs.reshape(B, kvh, rows, nb, bs).transpose(0, 3, 1, 2, 4)  # [B, nb, kvh, rows, bs]
-    dv = v_blocks.shape[-1]  # V may be narrower than K (MLA)
-    out = mx.gather_mm(probs, v_blocks.reshape(-1, bs, dv), None, heads).sum(axis=1)  # [B, kvh, rows, dv]
+    dv = v_blocks.dim if isinstance(v_blocks, QuantizedBlocks) else v_blocks.shape[-1]  # (MLA: V narrower)
+    out = _block_matmul(probs, v_blocks, heads, keys=False).sum(axis=1)  # [B, kvh, rows, dv]
     if total is not None:
         out = out / total.reshape(B, kvh, rows, 1)
     out = out.reshape(B, kvh, Q, g, dv).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, dv)
     return out[:, 0] if single else out
+
+
+def _block_matmul(x: mx.array, blocks: "mx.array | QuantizedBlocks", heads: mx.array, keys: bool) -> mx.array:
+    """x times each (block, head) matrix `heads` names: K transposed (`keys`), else V; a
+    quantized pool's packed matrices through `gather_qmm`, in place."""
+    if isinstance(blocks, QuantizedBlocks):
+        b = blocks
+        out = mx.gather_qmm(x, b.w, b.scales, b.biases, rhs_indices=heads, transpose=keys, group_size=b.group,
+                            bits=b.bits)
+        return out
+    bs, d = blocks.shape[-2:]
+    mats = blocks.reshape(-1, bs, d)
+    return mx.gather_mm(x, mats.swapaxes(-1, -2) if keys else mats, None, heads)
 
 
 def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: PrefillSpan, scale: float,

@@ -13,6 +13,8 @@ kernel reads it with unit stride.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -96,6 +98,18 @@ def plan_blocks(groups: list[CacheGroup], budget_bytes: int, caps: list[int], ma
     return lo
 
 
+@dataclass(frozen=True)
+class QuantizedBlocks:
+    """A quantized pool's (block, head) matrices: packed values, scales and biases, each
+    [num_blocks * kvh, bs, ...], and how they were packed (`dim`: the values a row)."""
+    w: mx.array
+    scales: mx.array
+    biases: mx.array
+    group: int
+    bits: int
+    dim: int
+
+
 class LayerPool:
     """One layer's K and V pools, `[num_blocks * kvh * bs, d]` rows each; with a quantized
     kv_cache_dtype (`bits`: 8, 4 or 3), each row is stored MLX-affine-quantized (group-wise
@@ -166,6 +180,18 @@ class LayerPool:
         assert not self.quantized
         k = self._blocks(self.k[0])
         return k, k if self.v_in_k else self._blocks(self.v[0])
+
+    def quantized_blocks(self) -> tuple["QuantizedBlocks", "QuantizedBlocks"]:
+        """K and V as packed (block, head) matrices, read in place by `gather_qmm`
+        (quantized caches only; `v_in_k`: K twice)."""
+        assert self.quantized
+
+        def view(parts: list[mx.array], d: int) -> QuantizedBlocks:
+            w, scales, biases = (p.reshape(-1, self.block_size, p.shape[-1]) for p in parts)
+            return QuantizedBlocks(w, scales, biases, kv_group_size(d, self.group), self.bits, d)
+
+        k = view(self.k, self.head_dim)
+        return k, k if self.v_in_k else view(self.v, self.v_head_dim)
 
     def attention_blocks(self, block_tables: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(K blocks, V blocks, block tables) for attention over `block_tables` ([B, nb]).
