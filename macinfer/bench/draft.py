@@ -69,45 +69,6 @@ def quantized_draft(model_dir: str, bits: int) -> str:
     return out
 
 
-class MacinferBatch:
-    """The engine (with or without a draft model) running greedy batches, in its own process."""
-
-    def __init__(self, model_dir: str, draft_dir: str | None, k: int, max_batch: int):
-        from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-
-        cfg = EngineConfig(max_num_seqs=max_batch, kv_cache_gb=0.5, enable_prefix_caching=False,
-                           num_speculative_tokens=k if draft_dir else 0, draft_model=draft_dir,
-                           speculative_max_batch=max_batch)
-        self.engine = LLMEngine(model_dir, cfg)
-
-    def run(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> dict:
-        from macinfer.sampling_params import SamplingParams
-
-        e = self.engine
-        before = dict(e.stats)
-        start = time.perf_counter()
-        ids = [e.add_request(p, SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens))
-               for i, p in enumerate(prompts)]
-        done, first = {}, {}
-        while e.has_unfinished_requests():
-            outs = e.step()
-            now = time.perf_counter()
-            for o in outs:
-                first.setdefault(o.request_id, (now, len(o.token_ids)))
-                if o.finished:
-                    done[o.request_id] = o
-        end = time.perf_counter()
-        tokens = [done[i].token_ids for i in ids]
-        # Decode: from the step every request had its first token (all prompts prefilled) on.
-        start_decode = max(t for t, _ in first.values())
-        verify = e.stats["spec_verify_steps"] - before["spec_verify_steps"]
-        accepted = e.stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-        drafted = e.stats["spec_draft_tokens"] - before["spec_draft_tokens"]
-        return {"tokens": tokens, "seconds": end - start, "decode_seconds": end - start_decode,
-                "decode_tokens": sum(len(t) for t in tokens) - sum(n for _, n in first.values()),
-                "verify_steps": verify, "accepted": accepted, "drafted": drafted}
-
-
 class MlxLmSpeculative:
     """mlx-lm's `speculative_generate_step` (one stream) on the same weights."""
 
@@ -159,8 +120,10 @@ def run(model: str, draft: str | None, draft_layers: int, draft_bits: int | None
         "prompts": "bench spec's short tasks in the chat template, cycled; decode tok/s from the step every "
                    "request had its first token", "hardware": hardware(), "energy": energy(), **versions()},
         "batches": {}}
-    plain = Isolated("macinfer.bench.draft:MacinferBatch", target_dir, None, k, max(batches), name="macinfer")
-    spec = Isolated("macinfer.bench.draft:MacinferBatch", target_dir, draft_dir, k, max(batches),
+    base = {"max_num_seqs": max(batches), "kv_cache_gb": 0.5, "enable_prefix_caching": False}
+    plain = Isolated("macinfer.bench.batch:MacinferBatch", target_dir, base, name="macinfer")
+    spec = Isolated("macinfer.bench.batch:MacinferBatch", target_dir,
+                    {**base, "num_speculative_tokens": k, "draft_model": draft_dir, "speculative_max_batch": max(batches)},
                     name="macinfer draft")
     lm = Isolated("macinfer.bench.draft:MlxLmSpeculative", target_dir, draft_dir, name="mlx-lm speculative")
     eos = list(tok.eos_token_ids)
