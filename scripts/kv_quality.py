@@ -21,7 +21,7 @@ import macinfer  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
 
-DTYPES = ("auto", "int8", "int4", "int3")
+DTYPES = ("auto", "int8", "int4", "int4r", "int3", "int3r")
 
 
 def fixed_text() -> str:
@@ -79,7 +79,9 @@ def main() -> int:
         engine = base if dtype == "auto" else LLMEngine(base.loaded, EngineConfig(
             kv_cache_gb=0.5, max_model_len=args.tokens + args.greedy + 16, kv_cache_dtype=dtype))
         ours = nll(engine.score([tokens], chunks)[0], tokens)
-        theirs = nll(mlx_lm_logits(lm, tokens, args.chunk, None if dtype == "auto" else int(dtype[3:])), tokens)
+        # mlx-lm has no rotated KV cache: its column for intNr is n/a.
+        theirs = None if dtype.endswith("r") else \
+            nll(mlx_lm_logits(lm, tokens, args.chunk, None if dtype == "auto" else int(dtype[3:])), tokens)
         rid = engine.add_request(prompt, greedy)
         done = {}
         while engine.has_unfinished_requests():
@@ -87,7 +89,7 @@ def main() -> int:
         out = done[rid].token_ids
         reference = reference or out
         share, first = agreement(reference, out)
-        rows[dtype] = {"ppl": float(np.exp(ours)), "mlx_lm_ppl": float(np.exp(theirs)),
+        rows[dtype] = {"ppl": float(np.exp(ours)), "mlx_lm_ppl": None if theirs is None else float(np.exp(theirs)),
                        "bytes_per_token": engine.cache_groups()[0]["bytes_per_token"],
                        "greedy_agreement": share, "first_difference": first}
     auto = rows["auto"]
@@ -96,8 +98,9 @@ def main() -> int:
     print(f"{'KV':<6}{'ppl':>9}{'Δppl':>9}{'mlx-lm ppl':>12}{'Δ mlx-lm':>10}{'bytes/tok':>11}{'greedy same':>13}"
           f"{'first diff':>12}")
     for dtype, r in rows.items():
-        print(f"{dtype:<6}{r['ppl']:>9.3f}{100 * (r['ppl'] / auto['ppl'] - 1):>8.2f}%{r['mlx_lm_ppl']:>12.3f}"
-              f"{100 * (r['mlx_lm_ppl'] / auto['mlx_lm_ppl'] - 1):>9.2f}%{r['bytes_per_token']:>11}"
+        lm_cells = f"{'n/a':>12}{'':>10}" if r["mlx_lm_ppl"] is None else \
+            f"{r['mlx_lm_ppl']:>12.3f}{100 * (r['mlx_lm_ppl'] / auto['mlx_lm_ppl'] - 1):>9.2f}%"
+        print(f"{dtype:<6}{r['ppl']:>9.3f}{100 * (r['ppl'] / auto['ppl'] - 1):>8.2f}%{lm_cells}{r['bytes_per_token']:>11}"
               f"{100 * r['greedy_agreement']:>12.0f}%{r['first_difference']:>12}")
     print(json.dumps({"model": args.model, "weights": weights, "tokens": len(tokens), "chunk": args.chunk,
                       "python": platform.python_version(), **versions(), "rows": rows}))

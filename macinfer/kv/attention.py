@@ -115,11 +115,21 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
     if pool.quantized:  # the packed blocks, read in place (`gather_qmm`): no dequantized copy
         k_blocks, v_blocks = pool.quantized_blocks()
         tables = meta.decode_block_tables
+        if pool.rot_k is not None:  # rotated rows: the queries turned alike, the output turned back
+            out = _decode_attention_blocks(q @ pool.rot_k, meta, pool.num_kv_heads, k_blocks, v_blocks, tables, scale,
+                                           sinks, softcap)
+            return out @ pool.rot_v.T
     else:
         k_blocks, v_blocks, tables = pool.attention_blocks(meta.decode_block_tables)
+    return _decode_attention_blocks(q, meta, pool.num_kv_heads, k_blocks, v_blocks, tables, scale, sinks, softcap)
+
+
+def _decode_attention_blocks(q: mx.array, meta: AttentionMetadata, kvh: int, k_blocks, v_blocks, tables: mx.array,
+                             scale: float, sinks: mx.array | None, softcap: float | None) -> mx.array:
+    """The reference decode over a pool's blocks, `kvh` heads a block (plain rows, then each
+    speculating group)."""
     # Every layer's tables are the same, so these are built once a step.
-    kvh, length, lens, floors = pool.num_kv_heads, tables.shape[1] * pool.block_size, meta.decode_context_lens, \
-        meta.decode_floors
+    length, lens, floors = tables.shape[1] * meta.kv_cache.block_size, meta.decode_context_lens, meta.decode_floors
     groups = meta.decode_groups
     plain = groups[0][0] if groups else q.shape[0]
     outs = []

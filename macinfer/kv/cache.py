@@ -26,9 +26,26 @@ from macinfer.kv.state import StatePool
 DEFAULT_BLOCK_SIZE = 16
 
 
-# "auto": the projections' dtype; "intN": MLX-affine N-bit rows (group-wise scale and bias).
-KV_QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3}
+# "auto": the projections' dtype; "intN": MLX-affine N-bit rows (group-wise scale and bias);
+# "intNr": the same after a fixed rotation of each head's K and V (`rotation`).
+KV_QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3, "int4r": 4, "int3r": 3}
 KV_CACHE_DTYPES = ("auto", *KV_QUANT_BITS)
+
+
+def rotation(d: int, dtype: mx.Dtype) -> mx.array:
+    """An orthogonal d x d matrix applied to K and V rows before they are quantized (and to
+    the queries, and back on the attention output, so attention is unchanged): it spreads a
+    few outlier channels over all of them, so a group's scale fits the rest (QuaRot's and
+    TurboQuant's idea). The normalized Hadamard matrix where d is a power of two, else a
+    fixed random orthogonal one."""
+    if d & (d - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < d:
+            h = np.block([[h, h], [h, -h]])
+        r = h / np.sqrt(d)
+    else:
+        r, _ = np.linalg.qr(np.random.default_rng(0).normal(size=(d, d)))
+    return mx.array(r.astype(np.float32)).astype(dtype)
 
 
 KV_GROUP_SIZES = (32, 64, 128)  # what MLX's affine quantization takes
@@ -117,14 +134,18 @@ class LayerPool:
     about a quarter (0.31x with its scales, groups of 64), int3 about a fifth."""
 
     def __init__(self, layer: int, spec: LayerKV, num_blocks: int, block_size: int, dtype: mx.Dtype,
-                 bits: int | None, group: int | None = None):
+                 bits: int | None, group: int | None = None, rotated: bool = False):
         self.num_kv_heads, self.head_dim, self.v_head_dim = spec.num_kv_heads, spec.head_dim, spec.v_head_dim
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.bits, self.quantized, self.group = bits, bits is not None, group
         self.v_in_k = spec.v_in_k  # MLA: V is K's leading values (the latent), not stored
+        # Rotated rows (`rotation`): K's and V's matrices; None: stored as they come.
+        self.rot_k = rotation(spec.head_dim, dtype) if rotated else None
+        self.rot_v = self.rot_k if spec.v_in_k or not rotated else rotation(spec.v_head_dim, dtype)
         sizes = (spec.head_dim,) if spec.v_in_k else (spec.head_dim, spec.v_head_dim)
         if self.quantized and any(d % (group or 32) for d in sizes):
-            raise ValueError(f"--kv-cache-dtype int{bits} needs head sizes divisible by {group or 32} (its "
+            raise ValueError(f"--kv-cache-dtype int{bits}{'r' if rotated else ''} needs head sizes divisible by "
+                             f"{group or 32} (its "
                              f"quantization group{'' if group else 's'}); layer {layer} has {spec.head_dim} (K) "
                              f"and {spec.v_head_dim} (V)" + (f"; try --kv-group-size 32" if group and group > 32
                                                               else ""))
@@ -154,6 +175,8 @@ class LayerPool:
 
     def write(self, rows: mx.array, k: mx.array, v: mx.array | None) -> None:
         """Scatter new K/V ([T, kv_heads, d]) into their pool rows ([T * kv_heads], from `kv_rows`)."""
+        if self.rot_k is not None:
+            k, v = k.astype(self.dtype) @ self.rot_k, None if self.v_in_k else v.astype(self.dtype) @ self.rot_v
         for pools, x in ((self.k, k),) if self.v_in_k else ((self.k, k), (self.v, v)):
             for pool, values in zip(pools, self._encode(x)):
                 pool[rows] = values
@@ -171,9 +194,12 @@ class LayerPool:
         (`v_in_k`: K twice; the attention keeps V's columns of its output, cheaper than
         copying a strided view of K)."""
         k = self._decode([gather_blocks(self._blocks(p), block_table) for p in self.k], self.head_dim)
+        if self.rot_k is not None:  # rotated back (R is orthogonal: its inverse is its transpose)
+            k = k @ self.rot_k.T
         if self.v_in_k:  # V is K's leading values: the attention reads K and keeps those columns
             return k, k
-        return k, self._decode([gather_blocks(self._blocks(p), block_table) for p in self.v], self.v_head_dim)
+        v = self._decode([gather_blocks(self._blocks(p), block_table) for p in self.v], self.v_head_dim)
+        return k, v if self.rot_v is None else v @ self.rot_v.T
 
     def blocks(self) -> tuple[mx.array, mx.array]:
         """K and V as [num_blocks, kvh, bs, d] views (unquantized caches only)."""
@@ -226,6 +252,7 @@ class KVCache:
         self.layers, self.groups = layers, groups
         self.block_size, self.dtype, self.kv_cache_dtype = block_size, dtype, kv_cache_dtype
         self.bits = KV_QUANT_BITS.get(kv_cache_dtype)
+        rotated = kv_cache_dtype.endswith("r")
         self.group = group
         self.quantized = self.bits is not None
         self.group_of = [0] * len(layers)
@@ -233,7 +260,7 @@ class KVCache:
             for i in g.caches:
                 self.group_of[i] = g.index
         self._pools: dict[int, LayerPool] = {
-            i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.bits, group)
+            i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.bits, group, rotated)
             for g in groups for i in g.caches}
         self.states = states  # recurrent layers' state pool (hybrid and recurrent models)
         # The disk tier's hooks (`engine/disk_cache.py`): evicted blocks are copied out
