@@ -18,7 +18,8 @@ import time
 
 import macinfer  # noqa: F401  (OpenBLAS before MLX)
 
-DTYPES = ("auto", "int8", "int4")
+DTYPES = ("auto", "int8", "k8v4r", "int4", "int4r")
+MLX_LM_BITS = {"auto": None, "int8": 8, "int4": 4}  # mlx-lm has one bit width for K and V, no rotation
 
 
 class MlxLmStream:
@@ -65,7 +66,7 @@ def main() -> int:
     lm = Isolated("scripts.bench_kv_quant:MlxLmStream", model_dir, name="mlx-lm")
     batch = {d: [] for d in DTYPES}
     single = {d: [] for d in DTYPES}
-    lm_single = {d: [] for d in DTYPES}
+    lm_single = {d: [] for d in MLX_LM_BITS}
     try:
         for _ in range(args.repeats):  # configurations take turns: a drift in the machine's speed hits all alike
             for d, e in engines.items():
@@ -73,7 +74,8 @@ def main() -> int:
                 batch[d].append(r["decode_tokens"] / r["decode_seconds"])
                 r = e.run(prompts[:1], args.new)
                 single[d].append(r["decode_tokens"] / r["decode_seconds"])
-                lm_single[d].append(lm.run(prompts[0], args.new, None if d == "auto" else int(d[3:])))
+                if d in MLX_LM_BITS:
+                    lm_single[d].append(lm.run(prompts[0], args.new, MLX_LM_BITS[d]))
     finally:
         for p in (*engines.values(), lm):
             p.close()
@@ -83,8 +85,10 @@ def main() -> int:
           f"medians of {args.repeats}")
     print(f"{'KV':<6}{f'{n} x {L} tok/s':>16}{'vs auto':>9}{'1 stream':>10}{'mlx-lm 1 stream':>17}{'vs mlx-lm':>11}")
     for d in DTYPES:
+        lm_cells = f"{med['mlx_lm_single'][d]:>17.1f}{med['single'][d] / med['mlx_lm_single'][d]:>10.2f}x" \
+            if d in MLX_LM_BITS else f"{'n/a':>17}{'':>11}"
         print(f"{d:<6}{med['batch'][d]:>16.1f}{med['batch'][d] / med['batch']['auto']:>8.2f}x{med['single'][d]:>10.1f}"
-              f"{med['mlx_lm_single'][d]:>17.1f}{med['single'][d] / med['mlx_lm_single'][d]:>10.2f}x")
+              f"{lm_cells}")
     print(json.dumps({"model": args.model, "weights": weights, "conversations": n, "context": L, "new": args.new,
                       "hardware": hardware(), **versions(), "tok_s": med}))
     return 0

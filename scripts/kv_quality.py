@@ -21,7 +21,7 @@ import macinfer  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
 
-DTYPES = ("auto", "int8", "int4", "int4r", "int3", "int3r")
+DTYPES = ("auto", "int8", "k8v4", "k8v4r", "int4", "int4r", "int3", "int3r")
 
 
 def fixed_text() -> str:
@@ -79,8 +79,8 @@ def main() -> int:
         engine = base if dtype == "auto" else LLMEngine(base.loaded, EngineConfig(
             kv_cache_gb=0.5, max_model_len=args.tokens + args.greedy + 16, kv_cache_dtype=dtype))
         ours = nll(engine.score([tokens], chunks)[0], tokens)
-        # mlx-lm has no rotated KV cache: its column for intNr is n/a.
-        theirs = None if dtype.endswith("r") else \
+        # mlx-lm has no rotated KV cache and one bit width for K and V: n/a for intNr and k8v4.
+        theirs = None if dtype.endswith("r") or dtype.startswith("k") else \
             nll(mlx_lm_logits(lm, tokens, args.chunk, None if dtype == "auto" else int(dtype[3:])), tokens)
         rid = engine.add_request(prompt, greedy)
         done = {}

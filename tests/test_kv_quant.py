@@ -34,7 +34,7 @@ def _mlx_lm_logits(model, tokens: list[int], chunks: list[int], bits: int, group
 @pytest.mark.parametrize("dtype,group", [("int8", 64), ("int4", 64), ("int3", 64), ("int4", 32)])
 def test_quantized_kv_is_smaller_and_computes_what_mlx_lm_does(head64, dtype, group):
     path, model = head64
-    bits = KV_QUANT_BITS[dtype]
+    bits = KV_QUANT_BITS[dtype][0]
     full = LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
     quant = LLMEngine(full.loaded, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype=dtype,
                                                 kv_group_size=None if group == 64 else group))
@@ -55,18 +55,19 @@ def test_quantized_kv_is_smaller_and_computes_what_mlx_lm_does(head64, dtype, gr
     assert quant.block_manager.num_free_blocks == quant.block_manager.num_blocks
 
 
-def _roundtrip_logits(model, tokens: list[int], chunks: list[int], bits: int, rot: mx.array) -> np.ndarray:
-    """A float reference with the rotated quantization: mlx-lm's forward whose caches keep
-    each K/V row as dequantize(quantize(row @ R)) @ R^T, attended in full precision."""
+def _roundtrip_logits(model, tokens: list[int], chunks: list[int], bits: tuple[int, int], rot: mx.array) -> np.ndarray:
+    """A float reference with the quantization: mlx-lm's forward whose caches keep each K/V
+    row as dequantize(quantize(row @ R)) @ R^T (K and V at their own bits), attended in
+    full precision."""
     from mlx_lm.models.cache import KVCache
 
-    def roundtrip(x: mx.array) -> mx.array:
-        q = mx.quantize((x @ rot).reshape(-1, x.shape[-1]), group_size=64, bits=bits)
-        return (mx.dequantize(*q, group_size=64, bits=bits) @ rot.T).reshape(x.shape).astype(x.dtype)
+    def roundtrip(x: mx.array, b: int) -> mx.array:
+        q = mx.quantize((x @ rot).reshape(-1, x.shape[-1]), group_size=64, bits=b)
+        return (mx.dequantize(*q, group_size=64, bits=b) @ rot.T).reshape(x.shape).astype(x.dtype)
 
     class RotatedQuantCache(KVCache):
         def update_and_fetch(self, keys, values):
-            return super().update_and_fetch(roundtrip(keys), roundtrip(values))
+            return super().update_and_fetch(roundtrip(keys, bits[0]), roundtrip(values, bits[1]))
 
     cache = [RotatedQuantCache() for _ in model.layers]
     out, pos = [], 0
@@ -76,17 +77,20 @@ def _roundtrip_logits(model, tokens: list[int], chunks: list[int], bits: int, ro
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("dtype", ["int4r", "int3r"])
-def test_rotated_kv_computes_its_float_reference(head64, dtype):
+@pytest.mark.parametrize("dtype", ["int4r", "int3r", "k8v4", "k8v4r"])
+def test_rotated_and_mixed_kv_compute_their_float_reference(head64, dtype):
     """int4r/int3r: K and V rows turned by the Hadamard matrix before they are quantized; the
     prompt reads them dequantized and turned back, a decode reads them packed with its query
-    turned alike and its output turned back. Both equal a float reference that keeps every
-    row as dequantize(quantize(row @ R)) @ R^T."""
+    turned alike and its output turned back. k8v4: 8-bit keys, 4-bit values. Each equals a
+    float reference that keeps every row as dequantize(quantize(row @ R)) @ R^T."""
     from macinfer.kv.cache import rotation
 
     path, model = head64
-    rot = rotation(64, mx.float32)
+    rot = rotation(64, mx.float32) if dtype.endswith("r") else mx.eye(64)
     assert np.allclose(np.array(rot @ rot.T), np.eye(64), atol=1e-6)
+    if dtype.startswith("k8v4"):  # 2 layers of 8-bit K rows, 4-bit V rows, an fp32 scale and bias per 64
+        assert LLMEngine(path, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype=dtype)).cache_groups()[0][
+            "bytes_per_token"] == 2 * ((64 + 8) + (32 + 8))
     engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype=dtype))
     seqs = [np.random.default_rng(2).integers(3, 250, size=n).tolist() for n in (40, 30)]
     chunks = [17, 8, 1, 1, 1, 1, 1]
@@ -110,7 +114,7 @@ def test_rotation_keeps_outlier_channels_from_spoiling_the_groups(bits):
     k[..., [3, 40]] *= 10.0  # two outlier channels
     err = {}
     for rotated in (False, True):
-        pool = LayerPool(0, spec, 4, 16, mx.float32, bits, None, rotated)
+        pool = LayerPool(0, spec, 4, 16, mx.float32, (bits, bits), None, rotated)
         rows = mx.array(kv_rows(np.arange(32), 2, 16), dtype=mx.int32)  # tokens 0-31: blocks 0 and 1
         pool.write(rows, mx.array(k), mx.array(k))
         back, _ = pool.gather(mx.array([0, 1]))  # [kvh, 32, d]

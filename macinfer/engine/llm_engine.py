@@ -191,11 +191,11 @@ class LLMEngine:
         log.info(
             "KV cache: %.2f GiB, %s%s, blocks of %d tokens: %s; max_model_len %d; decode attention: %s",
             self.kv_cache.nbytes / 2**30, self.kv_cache.dtype,
-            f" as int{self.kv_cache.bits}" if self.kv_cache.quantized else "", bs,
+            f" as {self.kv_cache.kv_cache_dtype}" if self.kv_cache.quantized else "", bs,
             "; ".join(f"{g.kind.describe()}: {len(g.layers)} layers ({len(g.caches)} keep K/V), "
                       f"{g.num_blocks} blocks, {g.bytes_per_block // bs} bytes a token" for g in groups),
             self.max_model_len,
-            f"reference (int{self.kv_cache.bits} KV)" if self.kv_cache.quantized else self.paths.decode_attention,
+            f"reference ({self.kv_cache.kv_cache_dtype} KV)" if self.kv_cache.quantized else self.paths.decode_attention,
         )
 
     def prepare_images(self, prompt: list[int], images: list) -> tuple[list[int], "ImageInputs"]:

@@ -27,8 +27,10 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 # "auto": the projections' dtype; "intN": MLX-affine N-bit rows (group-wise scale and bias);
-# "intNr": the same after a fixed rotation of each head's K and V (`rotation`).
-KV_QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3, "int4r": 4, "int3r": 3}
+# "k8v4": 8-bit keys, 4-bit values (keys carry the outliers); a trailing "r": the rows
+# turned by a fixed rotation first (`rotation`). Each: (K bits, V bits).
+KV_QUANT_BITS = {"int8": (8, 8), "int4": (4, 4), "int3": (3, 3), "int4r": (4, 4), "int3r": (3, 3),
+                 "k8v4": (8, 4), "k8v4r": (8, 4)}
 KV_CACHE_DTYPES = ("auto", *KV_QUANT_BITS)
 
 
@@ -67,17 +69,18 @@ def bytes_per_block(
     kv_cache_dtype: str = "auto",
 ) -> int:
     """K + V bytes of one block in `num_layers` layers of one shape."""
-    per_head = head_dim * dtype.size
+    per_head = 2 * head_dim * dtype.size
     if kv_cache_dtype in KV_QUANT_BITS:
-        per_head = quantized_row_bytes(head_dim, dtype.size, KV_QUANT_BITS[kv_cache_dtype])
-    return 2 * num_layers * block_size * num_kv_heads * per_head
+        per_head = sum(quantized_row_bytes(head_dim, dtype.size, b) for b in KV_QUANT_BITS[kv_cache_dtype])
+    return num_layers * block_size * num_kv_heads * per_head
 
 
 def layer_bytes_per_token(spec: LayerKV, dtype: mx.Dtype, kv_cache_dtype: str = "auto",
                           group: int | None = None) -> int:
     if kv_cache_dtype in KV_QUANT_BITS:
-        bits = KV_QUANT_BITS[kv_cache_dtype]
-        return spec.bytes_per_token(dtype.size, lambda d: quantized_row_bytes(d, dtype.size, bits, group))
+        kb, vb = KV_QUANT_BITS[kv_cache_dtype]
+        return spec.bytes_per_token(dtype.size, (lambda d: quantized_row_bytes(d, dtype.size, kb, group),
+                                                 lambda d: quantized_row_bytes(d, dtype.size, vb, group)))
     return spec.bytes_per_token(dtype.size)
 
 
@@ -129,62 +132,67 @@ class QuantizedBlocks:
 
 class LayerPool:
     """One layer's K and V pools, `[num_blocks * kvh * bs, d]` rows each; with a quantized
-    kv_cache_dtype (`bits`: 8, 4 or 3), each row is stored MLX-affine-quantized (group-wise
+    kv_cache_dtype (`bits`: K's and V's, 8, 4 or 3), each row is stored MLX-affine-quantized (group-wise
     scale and bias) and dequantized on read: int8 halves fp16's KV memory, int4 takes
     about a quarter (0.31x with its scales, groups of 64), int3 about a fifth."""
 
     def __init__(self, layer: int, spec: LayerKV, num_blocks: int, block_size: int, dtype: mx.Dtype,
-                 bits: int | None, group: int | None = None, rotated: bool = False):
+                 bits: tuple[int, int] | None, group: int | None = None, rotated: bool = False):
         self.num_kv_heads, self.head_dim, self.v_head_dim = spec.num_kv_heads, spec.head_dim, spec.v_head_dim
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        self.bits, self.quantized, self.group = bits, bits is not None, group
+        self.quantized, self.group = bits is not None, group
+        self.k_bits, self.v_bits = bits or (None, None)
+        self.name = None if bits is None else (f"int{bits[0]}" if bits[0] == bits[1] else f"k{bits[0]}v{bits[1]}") + \
+            ("r" if rotated else "")
         self.v_in_k = spec.v_in_k  # MLA: V is K's leading values (the latent), not stored
         # Rotated rows (`rotation`): K's and V's matrices; None: stored as they come.
         self.rot_k = rotation(spec.head_dim, dtype) if rotated else None
         self.rot_v = self.rot_k if spec.v_in_k or not rotated else rotation(spec.v_head_dim, dtype)
         sizes = (spec.head_dim,) if spec.v_in_k else (spec.head_dim, spec.v_head_dim)
         if self.quantized and any(d % (group or 32) for d in sizes):
-            raise ValueError(f"--kv-cache-dtype int{bits}{'r' if rotated else ''} needs head sizes divisible by "
+            raise ValueError(f"--kv-cache-dtype {self.name} needs head sizes divisible by "
                              f"{group or 32} (its "
                              f"quantization group{'' if group else 's'}); layer {layer} has {spec.head_dim} (K) "
                              f"and {spec.v_head_dim} (V)" + (f"; try --kv-group-size 32" if group and group > 32
                                                               else ""))
         self.reset()
 
-    def _pool(self, d: int) -> list[mx.array]:
+    def _pool(self, d: int, bits: int | None) -> list[mx.array]:
         rows = self.num_blocks * self.block_size * self.num_kv_heads
         if not self.quantized:
             return [mx.zeros((rows, d), dtype=self.dtype)]
         groups = d // kv_group_size(d, self.group)
-        return [mx.zeros((rows, d * self.bits // 32), dtype=mx.uint32),
+        return [mx.zeros((rows, d * bits // 32), dtype=mx.uint32),
                 mx.zeros((rows, groups), dtype=self.dtype), mx.zeros((rows, groups), dtype=self.dtype)]
 
     def reset(self) -> None:
         # k / v: [values] or [packed values, scales, biases]
-        self.k, self.v = self._pool(self.head_dim), [] if self.v_in_k else self._pool(self.v_head_dim)
+        self.k = self._pool(self.head_dim, self.k_bits)
+        self.v = [] if self.v_in_k else self._pool(self.v_head_dim, self.v_bits)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
 
-    def _encode(self, x: mx.array) -> list[mx.array]:
+    def _encode(self, x: mx.array, bits: int | None) -> list[mx.array]:
         x = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # one row per (token, head)
         if not self.quantized:
             return [x]
-        return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1], self.group), bits=self.bits))
+        return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1], self.group), bits=bits))
 
     def write(self, rows: mx.array, k: mx.array, v: mx.array | None) -> None:
         """Scatter new K/V ([T, kv_heads, d]) into their pool rows ([T * kv_heads], from `kv_rows`)."""
         if self.rot_k is not None:
             k, v = k.astype(self.dtype) @ self.rot_k, None if self.v_in_k else v.astype(self.dtype) @ self.rot_v
-        for pools, x in ((self.k, k),) if self.v_in_k else ((self.k, k), (self.v, v)):
-            for pool, values in zip(pools, self._encode(x)):
+        for pools, x, bits in ((self.k, k, self.k_bits),) if self.v_in_k else \
+                ((self.k, k, self.k_bits), (self.v, v, self.v_bits)):
+            for pool, values in zip(pools, self._encode(x, bits)):
                 pool[rows] = values
 
-    def _decode(self, parts: list[mx.array], d: int) -> mx.array:
+    def _decode(self, parts: list[mx.array], d: int, bits: int | None) -> mx.array:
         if not self.quantized:
             return parts[0]
-        return mx.dequantize(*parts, group_size=kv_group_size(d, self.group), bits=self.bits)
+        return mx.dequantize(*parts, group_size=kv_group_size(d, self.group), bits=bits)
 
     def _blocks(self, pool: mx.array) -> mx.array:
         return pool.reshape(-1, self.num_kv_heads, self.block_size, pool.shape[-1])
@@ -193,12 +201,12 @@ class LayerPool:
         """K and V of the blocks in `block_table` ([..., nb]), dequantized, as [..., kvh, nb*bs, d]
         (`v_in_k`: K twice; the attention keeps V's columns of its output, cheaper than
         copying a strided view of K)."""
-        k = self._decode([gather_blocks(self._blocks(p), block_table) for p in self.k], self.head_dim)
+        k = self._decode([gather_blocks(self._blocks(p), block_table) for p in self.k], self.head_dim, self.k_bits)
         if self.rot_k is not None:  # rotated back (R is orthogonal: its inverse is its transpose)
             k = k @ self.rot_k.T
         if self.v_in_k:  # V is K's leading values: the attention reads K and keeps those columns
             return k, k
-        v = self._decode([gather_blocks(self._blocks(p), block_table) for p in self.v], self.v_head_dim)
+        v = self._decode([gather_blocks(self._blocks(p), block_table) for p in self.v], self.v_head_dim, self.v_bits)
         return k, v if self.rot_v is None else v @ self.rot_v.T
 
     def blocks(self) -> tuple[mx.array, mx.array]:
@@ -212,12 +220,12 @@ class LayerPool:
         (quantized caches only; `v_in_k`: K twice)."""
         assert self.quantized
 
-        def view(parts: list[mx.array], d: int) -> QuantizedBlocks:
+        def view(parts: list[mx.array], d: int, bits: int) -> QuantizedBlocks:
             w, scales, biases = (p.reshape(-1, self.block_size, p.shape[-1]) for p in parts)
-            return QuantizedBlocks(w, scales, biases, kv_group_size(d, self.group), self.bits, d)
+            return QuantizedBlocks(w, scales, biases, kv_group_size(d, self.group), bits, d)
 
-        k = view(self.k, self.head_dim)
-        return k, k if self.v_in_k else view(self.v, self.v_head_dim)
+        k = view(self.k, self.head_dim, self.k_bits)
+        return k, k if self.v_in_k else view(self.v, self.v_head_dim, self.v_bits)
 
     def attention_blocks(self, block_tables: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(K blocks, V blocks, block tables) for attention over `block_tables` ([B, nb]).

@@ -94,10 +94,12 @@ class LayerKV:
     v_in_k: bool = False
 
     def bytes_per_token(self, itemsize: int, quantized_bytes=None) -> int:
-        """K + V bytes one token costs in this cache."""
+        """K + V bytes one token costs in this cache (`quantized_bytes`: K's and V's bytes of
+        a row of d values, for a quantized cache)."""
         v = 0 if self.v_in_k else self.v_head_dim
         if quantized_bytes is not None:
-            return self.num_kv_heads * (quantized_bytes(self.head_dim) + (quantized_bytes(v) if v else 0))
+            k_bytes, v_bytes = quantized_bytes
+            return self.num_kv_heads * (k_bytes(self.head_dim) + (v_bytes(v) if v else 0))
         return self.num_kv_heads * (self.head_dim + v) * itemsize
 
 
