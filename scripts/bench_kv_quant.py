@@ -5,18 +5,20 @@ that context against mlx-lm's `generate_step(kv_bits=...)` on the same float wei
 batched generator takes no quantized cache). Every configuration runs in a process of its
 own, taking turns; medians over repeats; greedy, so each dtype's tokens are its own.
 
-    python scripts/bench_kv_quant.py [MODEL] [--conversations 8] [--context 2048] [--new 32]
+    python scripts/bench_kv_quant.py [MODEL]   # from the repository's root [--conversations 8] [--context 2048] [--new 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
-import macinfer  # noqa: F401  (OpenBLAS before MLX)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `scripts.` from the repo root
+import macinfer  # noqa: F401,E402  (OpenBLAS before MLX)
 
 DTYPES = ("auto", "int8", "k8v4r", "int4", "int4r")
 MLX_LM_BITS = {"auto": None, "int8": 8, "int4": 4}  # mlx-lm has one bit width for K and V, no rotation

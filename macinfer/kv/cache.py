@@ -227,21 +227,6 @@ class LayerPool:
         k = view(self.k, self.head_dim, self.k_bits)
         return k, k if self.v_in_k else view(self.v, self.v_head_dim, self.v_bits)
 
-    def attention_blocks(self, block_tables: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """(K blocks, V blocks, block tables) for attention over `block_tables` ([B, nb]).
-        Unquantized: the pools in place. Quantized: the tables' blocks dequantized into a
-        copy ([B * nb, kvh, bs, d]) with tables renumbered into it."""
-        if not self.quantized:
-            return *self.blocks(), block_tables
-
-        def dequantized(pools: list[mx.array], d: int) -> mx.array:
-            blocks = self._decode([self._blocks(p)[block_tables] for p in pools], d)  # [B, nb, kvh, bs, d]
-            return blocks.reshape(-1, *blocks.shape[-3:])
-
-        k = dequantized(self.k, self.head_dim)
-        v = k if self.v_in_k else dequantized(self.v, self.v_head_dim)
-        return k, v, mx.arange(k.shape[0], dtype=mx.int32).reshape(block_tables.shape)
-
     def state(self) -> list[mx.array]:
         return self.k + self.v
 
