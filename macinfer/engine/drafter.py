@@ -36,6 +36,7 @@ from macinfer.engine.cache_plan import plan_caches
 from macinfer.engine.runner import ModelRunner
 from macinfer.engine.sampler import draw
 from macinfer.engine.sequence import Sequence, SequenceStatus
+from macinfer.engine.speculative import MAX_SPECULATIVE_TOKENS
 from macinfer.sampling_params import SamplingParams
 
 log = logging.getLogger("macinfer")
@@ -88,8 +89,8 @@ class _DrawRow:
 
 
 class DraftModel:
-    """The `draft` proposer (`Scheduler.proposer`): k greedy tokens of the draft model per
-    sequence, batched."""
+    """The scheduler's batched proposer (`Scheduler.drafter`): up to k tokens of the draft
+    model per speculating sequence, drawn as the request samples (module docstring)."""
 
     def __init__(self, loaded: Any, target_cfg: Any, target_blocks: int, max_model_len: int, backend: Any):
         self.loaded = loaded
@@ -124,8 +125,11 @@ class DraftModel:
             self.block_manager.free(sh)  # empty tables, one per group
             self.shadows[seq] = sh
         old, new = sh.output_token_ids, seq.output_token_ids
-        same = len(seq.prompt_token_ids)
-        for a, b in zip(old, new):
+        # Only the drafts appended last step can differ: the outputs before them were the
+        # target's then, and a sequence's outputs only grow (a preempted one is forgotten).
+        start = max(0, len(old) - MAX_SPECULATIVE_TOKENS)
+        same = len(seq.prompt_token_ids) + start
+        for a, b in zip(old[start:], new[start:]):
             if a != b:
                 break
             same += 1
