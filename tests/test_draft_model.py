@@ -195,3 +195,4 @@ def test_metrics_report_acceptance_per_position(tmp_path_factory):
     values = {f.name: f.samples[0].value for f in _EngineCollector(lambda: [("m", engine)], False).collect()}
     assert values["macinfer_spec_verify_steps"] == engine.stats["spec_verify_steps"] > 0
     assert [values[f"macinfer_spec_acceptance_position_{j}"] for j in (1, 2, 3)] == [1.0, 1.0, 1.0]
+    assert values["macinfer_kv_bytes_per_token"] == engine.cache_groups()[0]["bytes_per_token"] > 0
