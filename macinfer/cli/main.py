@@ -89,7 +89,8 @@ def _engine_options(f):
     f = click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
                      help="Tokens per step (prompts are prefilled in chunks of at most this).")(f)
     f = click.option("--num-speculative-tokens", type=click.IntRange(0, 16), default=0, show_default=True,
-                     help="Speculative decoding: draft tokens checked per step while at most 4 requests decode "
+                     help="Speculative decoding: draft tokens checked per step while few requests decode (up to a "
+                          "batch size measured on the device at load) "
                           "(0: off). Same output. Drafts come from prompt lookup (faster when answers repeat "
                           "their input: edits, quotes, code) or from --draft-model.")(f)
     f = click.option("--draft-model", default=None, metavar="MODEL",
