@@ -2,6 +2,8 @@
 tokenizer drafts, the target verifies in its batch, and the tokens are the ones decoding
 without speculation gives (greedy and seeded), for every cache kind of target."""
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -178,6 +180,12 @@ def test_bad_draft_settings_are_refused_with_the_reason(tmp_path_factory, draft)
         _engine(big_target, num_speculative_tokens=4, draft_model=hybrid)
     with pytest.raises(ValueError, match="distributed"):
         _engine(target, num_speculative_tokens=4, draft_model=draft, distributed="pipeline")
+    eagle = tiny_model_dir(tmp_path_factory.mktemp("eagle"), num_hidden_layers=1, seed=6)[0]
+    config = json.load(open(f"{eagle}/config.json"))
+    json.dump({**config, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 300},
+              open(f"{eagle}/config.json", "w"))
+    with pytest.raises(ValueError, match="trained eagle drafter .*LlamaForCausalLMEagle3.*hidden states"):
+        _engine(target, num_speculative_tokens=4, draft_model=eagle)
     # The CLI: one line and a non-zero exit.
     for args, says in [(["--num-speculative-tokens", "100"], "0<=x<=16"),
                        (["--draft-model", draft], "needs --num-speculative-tokens"),

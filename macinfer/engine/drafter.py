@@ -218,12 +218,38 @@ class DraftModel:
         return draw(logits, rows).tokens.astype(mx.int32)
 
 
+TRAINED_DRAFTERS = ("eagle", "dflash", "medusa", "speculator")  # architecture names of trained drafter heads
+
+
+def refuse_trained_drafter(path: str) -> None:
+    """A ValueError naming the format when `path` is a trained drafter checkpoint (EAGLE-3,
+    DFlash, Medusa, vLLM speculators) rather than a language model: those heads read the
+    target's hidden states, which the engine does not hand a drafter yet."""
+    import json
+    import os
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        return
+    with open(config_path) as f:
+        config = json.load(f)
+    names = " ".join(config.get("architectures") or []) + " " + str(config.get("model_type", ""))
+    found = next((t for t in TRAINED_DRAFTERS if t in names.lower()), None)
+    if found is None and ("speculators_config" in config or "draft_vocab_size" in config):
+        found = "speculator"
+    if found is not None:
+        raise ValueError(f"draft model {path}: a trained {found} drafter ({names.strip()}), whose layers read the "
+                         "target's hidden states; macinfer runs language models as drafts and does not run these "
+                         "heads yet")
+
+
 def load_drafter(engine: Any, target_blocks: int, progress: Any = None, context: Any = None) -> DraftModel:
     """`engine`'s draft model (`EngineConfig.draft_model`), checked against its target; a
     ValueError with the reason when it cannot draft for it."""
-    from macinfer.loading.loader import load
+    from macinfer.loading.loader import load, resolve
 
     cfg = engine.config
+    refuse_trained_drafter(resolve(cfg.draft_model))
     draft = load(cfg.draft_model, cfg.model_impl, progress, context)
     check_pair(engine.loaded, draft)
     drafter = DraftModel(draft, cfg, target_blocks, engine.max_model_len, engine.backend)
