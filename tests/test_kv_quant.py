@@ -134,7 +134,8 @@ def test_sliding_window_and_hybrid_caches_take_quantized_kv(tmp_path_factory, mo
     config = tiny_config(model_type, head_dim=32)
     path = save_model_dir(str(tmp_path_factory.mktemp(model_type)), config, make_mlx_lm_model(config, seed=3))
     full = LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
-    quant = LLMEngine(full.loaded, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype=dtype))
+    # (the group given explicitly: the load-time layout check's float pools must drop it)
+    quant = LLMEngine(full.loaded, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype=dtype, kv_group_size=32))
     seqs = [np.random.default_rng(1).integers(3, 250, size=40).tolist()]
     chunks = [20, 10, 1, 1, 1]
     a, b = full.score(seqs, chunks)[0], quant.score(seqs, chunks)[0]
@@ -158,6 +159,8 @@ def test_a_group_size_that_does_not_divide_the_head_is_refused(head64, tiny_llam
 
     with pytest.raises(ValueError, match="divisible by 128.*layer 0 has 64.*--kv-group-size 32"):
         LLMEngine(head64[0], EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int4", kv_group_size=128))
+    with pytest.raises(ValueError, match="applies to a quantized KV cache"):  # (the Python API too)
+        LLMEngine(head64[0], EngineConfig(kv_cache_gb=0.01, kv_group_size=32))
     with pytest.raises(ValueError, match="groups of 32, 64, 128"):
         LLMEngine(head64[0], EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int4", kv_group_size=48))
     for args, says in [(["--kv-bits", "4", "--kv-cache-dtype", "int8"], "disagree"),

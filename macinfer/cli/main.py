@@ -139,8 +139,6 @@ def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pre
         if kv_cache_dtype not in ("auto", f"int{kv_bits}"):
             raise click.UsageError(f"--kv-bits {kv_bits} and --kv-cache-dtype {kv_cache_dtype} disagree; give one")
         kv_cache_dtype = f"int{kv_bits}"
-    if kv_group_size is not None and kv_cache_dtype == "auto":
-        raise click.UsageError("--kv-group-size applies to a quantized KV cache (--kv-cache-dtype int8/int4/int3)")
     return EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
                         kv_group_size=int(kv_group_size) if kv_group_size else None,

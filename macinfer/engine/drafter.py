@@ -98,7 +98,7 @@ class DraftModel:
         # The draft's pools: a block per target block (its tokens per sequence are the
         # target's plus k), no prefix cache (a shadow lives as long as its sequence).
         cfg = dataclasses.replace(target_cfg, num_kv_blocks=target_blocks + target_cfg.max_num_seqs,
-                                  enable_prefix_caching=False, kv_cache_gb=None, kv_cache_dtype="auto",
+                                  enable_prefix_caching=False, kv_cache_gb=None, kv_cache_dtype="auto", kv_group_size=None,
                                   num_speculative_tokens=0, memory_limit_bytes=None)
         plan = plan_caches(model, cfg, model.kv_dtype(), max_model_len, backend)
         self.kv_cache = plan.kv_cache

@@ -220,9 +220,8 @@ def _block_matmul(x: mx.array, blocks: "mx.array | QuantizedBlocks", heads: mx.a
     quantized pool's packed matrices through `gather_qmm`, in place."""
     if isinstance(blocks, QuantizedBlocks):
         b = blocks
-        out = mx.gather_qmm(x, b.w, b.scales, b.biases, rhs_indices=heads, transpose=keys, group_size=b.group,
-                            bits=b.bits)
-        return out
+        return mx.gather_qmm(x, b.w, b.scales, b.biases, rhs_indices=heads, transpose=keys, group_size=b.group,
+                             bits=b.bits)
     bs, d = blocks.shape[-2:]
     mats = blocks.reshape(-1, bs, d)
     return mx.gather_mm(x, mats.swapaxes(-1, -2) if keys else mats, None, heads)

@@ -153,8 +153,8 @@ class LayerPool:
             raise ValueError(f"--kv-cache-dtype {self.name} needs head sizes divisible by "
                              f"{group or 32} (its "
                              f"quantization group{'' if group else 's'}); layer {layer} has {spec.head_dim} (K) "
-                             f"and {spec.v_head_dim} (V)" + (f"; try --kv-group-size 32" if group and group > 32
-                                                              else ""))
+                             f"and {spec.v_head_dim} (V)" + ("; try --kv-group-size 32" if group and group > 32
+                                                             else ""))
         self.reset()
 
     def _pool(self, d: int, bits: int | None) -> list[mx.array]:
@@ -240,6 +240,8 @@ class KVCache:
                  kv_cache_dtype: str = "auto", states: StatePool | None = None, group: int | None = None):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if group is not None and kv_cache_dtype not in KV_QUANT_BITS:
+            raise ValueError("--kv-group-size applies to a quantized KV cache (--kv-cache-dtype int8/int4/...)")
         if group is not None and group not in KV_GROUP_SIZES:
             raise ValueError(f"--kv-group-size {group}: MLX quantizes in groups of {', '.join(map(str, KV_GROUP_SIZES))}")
         self.layers, self.groups = layers, groups
