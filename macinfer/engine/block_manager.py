@@ -331,8 +331,9 @@ class BlockManager:
         return hashes[:num_full_blocks]
 
     # -- allocation -------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> int:
-        """Attach the longest cached prefix to a sequence with no blocks yet.
+    def match_prefix(self, seq: Sequence, limit: int | None = None) -> int:
+        """Attach the longest cached prefix (at most `limit` tokens) to a sequence with no
+        blocks yet.
 
         Returns the number of tokens now cached (a multiple of block_size). At
         least one token is always left to compute, so the step yields logits.
@@ -342,6 +343,8 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need every prompt position's logits
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if limit is not None:
+            max_blocks = min(max_blocks, limit // self.block_size)
         self.prefix_queries += seq.num_tokens
         hashes = self._hashes(seq, max_blocks)
         disk = self.disk if self.disk is not None and self.disk.enabled else None

@@ -31,7 +31,10 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_max_batch: int | None = None
-    # A draft model of the same tokenizer proposes the drafts instead (`engine/drafter.py`).
+    # Who drafts: "ngram" (prompt lookup), "draft" (a draft model of the same tokenizer,
+    # `engine/drafter.py`) or "mtp" (the checkpoint's own MTP head, `engine/mtp_drafter.py`).
+    # None: "draft" when a draft model is named, else "ngram".
+    speculative_method: str | None = None
     draft_model: str | None = None
     # Recurrent layers (hybrid models): tokens between state snapshots kept for the prefix
     # cache (None: where a snapshot costs about the K/V of the tokens it spans, 256 to 4096).

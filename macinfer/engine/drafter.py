@@ -92,18 +92,26 @@ class DraftModel:
     """The scheduler's batched proposer (`Scheduler.drafter`): up to k tokens of the draft
     model per speculating sequence, drawn as the request samples (module docstring)."""
 
-    def __init__(self, loaded: Any, target_cfg: Any, target_blocks: int, max_model_len: int, backend: Any):
-        self.loaded = loaded
-        model = loaded.model
+    every_step = False  # proposes only in steps that speculate
+
+    def prefix_limit(self, seq: Sequence) -> int | None:
+        """The longest prefix-cache hit the target may take for `seq` (None: any): a draft
+        model's shadow recomputes whatever its target skipped."""
+        return None
+
+    def __init__(self, model: Any, cache_key: str, target_cfg: Any, target_blocks: int, max_model_len: int,
+                 backend: Any, prefix_caching: bool = False):
+        self.model = model
         # The draft's pools: a block per target block (its tokens per sequence are the
-        # target's plus k), no prefix cache (a shadow lives as long as its sequence).
+        # target's plus k); a prefix cache only where a shadow cannot recompute what a
+        # prefix hit of its target skips (an MTP head's, `engine/mtp_drafter.py`).
         cfg = dataclasses.replace(target_cfg, num_kv_blocks=target_blocks + target_cfg.max_num_seqs,
-                                  enable_prefix_caching=False, kv_cache_gb=None, kv_cache_dtype="auto", kv_group_size=None,
-                                  num_speculative_tokens=0, memory_limit_bytes=None)
+                                  enable_prefix_caching=prefix_caching, kv_cache_gb=None, kv_cache_dtype="auto",
+                                  kv_group_size=None, num_speculative_tokens=0, memory_limit_bytes=None)
         plan = plan_caches(model, cfg, model.kv_dtype(), max_model_len, backend)
         self.kv_cache = plan.kv_cache
-        self.block_manager = BlockManager(plan.groups, cfg.block_size, enable_prefix_caching=False,
-                                          cache_key=loaded.source)
+        self.block_manager = BlockManager(plan.groups, cfg.block_size, enable_prefix_caching=prefix_caching,
+                                          cache_key=cache_key)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         self.chunk = target_cfg.max_num_batched_tokens  # catch-up tokens per step, all shadows together
         self.vocab = model.args.vocab_size
@@ -113,7 +121,7 @@ class DraftModel:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.loaded.model) + self.kv_cache.nbytes
+        return _nbytes(self.model) + self.kv_cache.nbytes
 
     def _shadow(self, seq: Sequence) -> Sequence:
         """`seq`'s shadow, its tokens made `seq`'s; its computed length cut to the tokens
@@ -209,13 +217,19 @@ class DraftModel:
         """One batched forward of the draft (lazy), and each of `rows` drawn from the rows
         that produce a token. `ahead`: (input ids, positions) of one token a shadow, still
         unevaluated."""
+        return self._forward_rows(scheduled, rows, ahead)[0]
+
+    def _forward_rows(self, scheduled: list[tuple[Sequence, int]], rows: list[_DrawRow],
+                      ahead: tuple[mx.array, list[int]] | None = None) -> tuple[mx.array, mx.array | None]:
+        """`_forward`'s draws, and the hidden rows they were drawn from."""
         input_ids, meta, sample_rows, _ = self.runner.prepare(scheduled, ahead=ahead)
         self.forwards += 1
         hidden = self.runner.model(input_ids, meta)
         if not sample_rows:
-            return mx.zeros((0,), dtype=mx.int32)
-        logits = self.runner.model.logits(hidden[mx.array(sample_rows)])[:, : self.vocab]
-        return draw(logits, rows).tokens.astype(mx.int32)
+            return mx.zeros((0,), dtype=mx.int32), None
+        out = hidden[mx.array(sample_rows)]
+        logits = self.runner.model.logits(out)[:, : self.vocab]
+        return draw(logits, rows).tokens.astype(mx.int32), out
 
 
 TRAINED_DRAFTERS = ("eagle", "dflash", "medusa", "speculator")  # architecture names of trained drafter heads
@@ -252,8 +266,47 @@ def load_drafter(engine: Any, target_blocks: int, progress: Any = None, context:
     refuse_trained_drafter(resolve(cfg.draft_model))
     draft = load(cfg.draft_model, cfg.model_impl, progress, context)
     check_pair(engine.loaded, draft)
-    drafter = DraftModel(draft, cfg, target_blocks, engine.max_model_len, engine.backend)
+    drafter = DraftModel(draft.model, draft.source, cfg, target_blocks, engine.max_model_len, engine.backend)
     engine.backend.set_limits(_nbytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)  # both models
     log.info("draft model %s: %.1f MiB of weights and KV, %d tokens a step", draft.name, drafter.nbytes / 2**20,
              cfg.num_speculative_tokens)
     return drafter
+
+
+METHODS = ("ngram", "draft", "mtp")
+
+
+def speculative_method(cfg: Any) -> str | None:
+    """Who drafts under `cfg` (EngineConfig): "ngram", "draft", "mtp", or None (speculation
+    off); a ValueError naming the options that cannot combine."""
+    method = cfg.speculative_method
+    if method is not None and method not in METHODS:
+        raise ValueError(f"speculative_method {method!r}: one of {', '.join(METHODS)}")
+    if not cfg.num_speculative_tokens:
+        if cfg.draft_model is not None:
+            raise ValueError("--draft-model needs --num-speculative-tokens: the draft tokens per step (say 4)")
+        if method in ("draft", "mtp"):
+            raise ValueError(f"--speculative-method {method} needs --num-speculative-tokens: the draft tokens "
+                             "per step (say 2 for an MTP head, 4 for a draft model)")
+        return None
+    method = method or ("draft" if cfg.draft_model is not None else "ngram")
+    if method == "draft" and cfg.draft_model is None:
+        raise ValueError("--speculative-method draft needs --draft-model: the model that drafts")
+    if method != "draft" and cfg.draft_model is not None:
+        raise ValueError(f"--draft-model cannot combine with --speculative-method {method}: one drafter at a time")
+    if method != "ngram" and cfg.distributed:
+        raise ValueError(f"--speculative-method {method} is not run over --distributed ranks yet; serve the target "
+                         "alone or use prompt lookup")
+    return method
+
+
+def load_proposer(engine: Any, method: str | None, target_blocks: int, progress: Any = None,
+                  context: Any = None) -> DraftModel | None:
+    """The engine's batched proposer for `method` (None for prompt lookup and no speculation)."""
+    if method == "draft":
+        return load_drafter(engine, target_blocks, progress, context)
+    if method == "mtp":
+        from macinfer.engine.mtp_drafter import load_mtp_drafter
+
+        return load_mtp_drafter(engine, target_blocks)
+    return None

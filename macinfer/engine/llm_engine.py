@@ -18,7 +18,7 @@ from macinfer.lora.adapter import LoraAdapter, LoraError, load_adapter
 from macinfer.lora.registry import LoraRegistry
 from macinfer.engine.choices import choose_paths
 from macinfer.engine.disk_cache import disk_cache_for
-from macinfer.engine.drafter import load_drafter
+from macinfer.engine.drafter import load_proposer, speculative_method
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.config import EngineConfig
 from macinfer.engine.embedding import EmbeddingJob
@@ -61,12 +61,7 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be 0 (off) or more")
-        if cfg.draft_model is not None:
-            if not cfg.num_speculative_tokens:
-                raise ValueError("--draft-model needs --num-speculative-tokens: the draft tokens per step (say 4)")
-            if cfg.distributed:
-                raise ValueError("--draft-model is not run over --distributed ranks yet; serve the target alone "
-                                 "or drop the draft model")
+        method = speculative_method(cfg)
         speculative = SpeculativeConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                                         cfg.speculative_max_batch or 1) if cfg.num_speculative_tokens else None
         if cfg.rope_scaling and not cfg.max_model_len:
@@ -139,7 +134,7 @@ class LLMEngine:
             self.block_manager.attach_disk(self.disk)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_prefill_with_decodes, speculative, self.max_model_len)
-        self.drafter = load_drafter(self, plan.num_blocks, progress, context) if cfg.draft_model else None
+        self.drafter = load_proposer(self, method, plan.num_blocks, progress, context)
         self.scheduler.drafter = self.drafter
         self.loras = LoraRegistry(self.model, cfg.max_loras)
         self.scheduler.on_lora_done = self.loras.release
@@ -156,6 +151,8 @@ class LLMEngine:
                                   mla_expand_from=self.paths.mla_expand_from,
                                   decode_partition=self.paths.decode_partition,
                                   decode_attention=self.paths.decode_attention)
+        if self.drafter is not None and self.drafter.every_step:  # an MTP head reads the target's hidden rows
+            self.runner.hidden_sink = self.drafter.capture
         self.distributed_status = None
         if self.dist is not None:
             dist_engine.check_same_model(self.dist, {
@@ -491,9 +488,9 @@ class LLMEngine:
     def _lookahead(self) -> Callable[[Sequence, int], bool] | None:
         """How the runner takes a sequence's next block when it may build the next decode
         step ahead (`engine/lookahead.py`); None where it may not: several ranks (lockstep
-        collectives), a step that may speculate."""
+        collectives), a step that may speculate, an MTP head (it reads every forward's rows)."""
         sched = self.scheduler
-        if (not self.config.async_scheduling or self.dist is not None
+        if (not self.config.async_scheduling or self.dist is not None or self.runner.hidden_sink is not None
                 or (sched.speculative is not None and len(sched.running) <= sched.speculative.max_batch)):
             return None
         return self._reserve_next

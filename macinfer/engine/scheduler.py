@@ -99,8 +99,10 @@ class Scheduler:
         num_decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         capped = num_decoding > 0 and self.max_prefill_with_decodes is not None
         self._speculate = self.speculative is not None and 0 < num_decoding <= self.speculative.max_batch
-        if self._speculate and self.drafter is not None:  # every drafting sequence's proposal, in one batch
-            self._proposals = self.drafter.propose([(s, k) for s in self.running if (k := self._draft_room(s))])
+        if self.drafter is not None and (self._speculate or self.drafter.every_step):
+            # Every drafting sequence's proposal, in one batch (an MTP head catches up even when none drafts).
+            wants = [(s, k) for s in self.running if (k := self._draft_room(s))] if self._speculate else []
+            self._proposals = self.drafter.propose(wants)
         self._prefill_left = self.max_prefill_with_decodes if capped else self._budget
         # Two steps in flight take turns with about half the sequences each.
         active = min(self.max_num_seqs, len(self.running) + len(self.waiting))
@@ -207,11 +209,13 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs:
             return False
         bm = self.block_manager
-        cached = bm.match_prefix(seq)
+        cached = bm.match_prefix(seq, self.drafter.prefix_limit(seq) if self.drafter is not None else None)
         seq.num_computed_tokens = cached
         n = _image_cut(seq, min(seq.num_tokens - seq.num_computed_tokens, self._budget, self._prefill_left))
         if not bm.can_allocate(seq, seq.num_computed_tokens + n):
             bm.free(seq)  # give the prefix hits back; they stay cached
+            if self.drafter is not None:
+                self.drafter.forget(seq)
             seq.num_computed_tokens = 0
             return False
         if seq.num_preemptions == 0:

@@ -18,6 +18,7 @@ from macinfer.gguf.file import ModelLoadError
 from macinfer.kernels.streams import work_streams
 from macinfer.kernels.dequantize import dequantize_f32
 from macinfer.models import UnsupportedArchitectureError, build_model
+from macinfer.models.mtp import declared_layers, mtp_keys
 from macinfer.models.rope import extend_context, uses_scaled_rope
 from macinfer.text.tokenizer import TokenizerWrapper
 
@@ -336,6 +337,9 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
         raise UnsupportedArchitectureError(f"--rope-scaling {context[1]}: this architecture "
                                            f"({config.get('model_type')}) does not take RoPE scaling from its config")
     config = extended
+    if declared_layers(config):  # the MTP head's tensors: read by its drafter (`models/mtp.py`), not here
+        is_mtp = mtp_keys(config)
+        weights = {k: v for k, v in weights.items() if not is_mtp(k)}
     weights = model.sanitize(weights)
     if config.get("tie_word_embeddings") and "lm_head.weight" in weights and hasattr(model, "weight_names") \
             and "lm_head.weight" not in set(model.weight_names()):

@@ -63,6 +63,8 @@ class ModelRunner:
         self.groups: list[GroupBlocks | None] = block_manager.kv_groups if block_manager is not None else [None]
         self.state = block_manager.state if block_manager is not None else None
         self._step: StateStep | None = None  # the step's recurrent-state transaction (forward_logits)
+        # Handed every forward's hidden rows with its scheduled sequences (an MTP head reads them).
+        self.hidden_sink: Callable[[list[tuple[Sequence, int]], mx.array], None] | None = None
 
     @property
     def inputs(self) -> InputConfig:
@@ -102,6 +104,8 @@ class ModelRunner:
                 hidden = self.model(input_ids, meta)
             # Over several ranks, evaluated every step: a pipeline stage's send is in it.
             self._hidden.append(hidden)
+            if self.hidden_sink is not None:
+                self.hidden_sink(part, hidden)
             if step is not None:
                 step.commit()
             if rows:

@@ -1,0 +1,284 @@
+"""Multi-token prediction (MTP) heads that checkpoints ship beside their model: one more
+decoder layer that reads the target's last hidden state and the next token's embedding
+and predicts the token after it (Qwen3.5/3.6 and Qwen3-Next: `mtp.*`; DeepSeek V3, Kimi K2
+and GLM-4.5/4.7: `model.layers.{num_hidden_layers}.*`). mlx-lm drops these weights at load;
+here they are read from the checkpoint's own files and built with the target's own
+decoder-layer class (mlx-lm's), so the head runs on the paged engine like any model
+(`MlxLmModel`): `engine/mtp_drafter.py` feeds it the target's hidden rows.
+
+Two layouts, the published ones (transformers / vLLM):
+- "qwen": h = fc([norm_e(embed(t)), norm_h(H)]); the layers; out = norm(h); logits =
+  the target's head(out); the next draft reads out. Norms are stored zero-centred (1 + w).
+- "deepseek": h = eh_proj([enorm(embed(t)), hnorm(H)]); the layer; out = h; logits =
+  shared_head.head(shared_head.norm(out)) (the target's head where the checkpoint has
+  none); the next draft reads out. A checkpoint with several such layers (one per
+  prediction depth) runs its first for every draft.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from macinfer.models.mlx_lm_adapter import MlxLmModel, text_config
+
+
+@dataclass(frozen=True)
+class MTPLayout:
+    style: str  # "qwen" | "deepseek"
+    depth: int  # layers the checkpoint declares
+
+
+QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe")
+
+
+def declared_layers(config: dict[str, Any]) -> int:
+    """How many MTP layers a config declares (0: none)."""
+    tcfg = text_config(config)
+    return int(tcfg.get("mtp_num_hidden_layers") or tcfg.get("num_nextn_predict_layers") or 0)
+
+
+def layout(config: dict[str, Any]) -> MTPLayout:
+    """The checkpoint's MTP layout; a ValueError with the reason when it has none macinfer runs."""
+    tcfg = text_config(config)
+    model_type = config.get("model_type")
+    text_type = tcfg.get("model_type", model_type)
+    depth = declared_layers(config)
+    if depth <= 0:
+        raise ValueError(f"{model_type}: its config declares no multi-token-prediction layers "
+                         "(mtp_num_hidden_layers / num_nextn_predict_layers): this model ships no MTP head; use "
+                         "--draft-model or prompt lookup")
+    if model_type in QWEN or text_type in QWEN:
+        return MTPLayout("qwen", depth)
+    if model_type in DEEPSEEK or text_type in DEEPSEEK:
+        return MTPLayout("deepseek", depth)
+    raise ValueError(f"{model_type}: its config declares {depth} MTP layer(s), but macinfer runs MTP heads of "
+                     f"{', '.join(QWEN + DEEPSEEK)} only (this family's head layout is not verified here)")
+
+
+class MTPStack(nn.Module):
+    """The head's inner model, mlx-lm-shaped: `(ids [T, 1], cache) -> hidden [T, 1, D]`,
+    reading the target's hidden rows for the same tokens from `given` (set per call by
+    `hidden_rows`; zeros when unset, as in the load-time probe)."""
+
+    def __init__(self, style: str, layers: list[nn.Module], dims: int, eps: float, embed: nn.Module):
+        super().__init__()
+        self.style = style
+        if style == "qwen":
+            self.fc = nn.Linear(2 * dims, dims, bias=False)
+            self.pre_fc_norm_embedding = nn.RMSNorm(dims, eps=eps)
+            self.pre_fc_norm_hidden = nn.RMSNorm(dims, eps=eps)
+            self.norm = nn.RMSNorm(dims, eps=eps)
+        else:
+            self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
+            self.enorm = nn.RMSNorm(dims, eps=eps)
+            self.hnorm = nn.RMSNorm(dims, eps=eps)
+        self.layers = layers
+        object.__setattr__(self, "_embed", embed)  # the target's: shared, not this module's weights
+        object.__setattr__(self, "given", None)
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        e = self._embed(inputs)
+        h = self.given if self.given is not None else mx.zeros_like(e)
+        if self.style == "qwen":
+            x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(h.astype(e.dtype))], -1))
+        else:
+            x = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(h.astype(e.dtype))], -1))
+        for layer, c in zip(self.layers, cache if cache is not None else [None] * len(self.layers)):
+            x = layer(x, None, c)
+        return self.norm(x) if self.style == "qwen" else x
+
+
+class SharedHead(nn.Module):
+    def __init__(self, dims: int, eps: float, vocab: int | None):
+        super().__init__()
+        self.norm = nn.RMSNorm(dims, eps=eps)
+        if vocab is not None:
+            self.head = nn.Linear(dims, vocab, bias=False)
+
+
+class MTPHead(nn.Module):
+    """The head as mlx-lm's outer model: `model` (the stack), `layers`, logits from hidden."""
+
+    def __init__(self, stack: MTPStack, args: Any, target_logits: Any, shared_head: SharedHead | None):
+        super().__init__()
+        self.model = stack
+        self.args = args  # the target's text args (MLA dims are read from them)
+        if shared_head is not None:
+            self.shared_head = shared_head
+        object.__setattr__(self, "_target_logits", target_logits)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        h = self.model(inputs, cache)
+        if "shared_head" in self:
+            h = self.shared_head.norm(h)
+            if "head" in self.shared_head:
+                return self.shared_head.head(h)
+        return self._target_logits(h[:, 0, :])[:, None, :]
+
+
+@contextmanager
+def hidden_rows(model: MlxLmModel, hidden: mx.array | None) -> Iterator[None]:
+    """Run `model` (an MTP head) with `hidden` [T, D] as the target rows of its next call."""
+    stack = model.lm.model
+    object.__setattr__(stack, "given", None if hidden is None else hidden[:, None, :])
+    try:
+        yield
+    finally:
+        object.__setattr__(stack, "given", None)
+
+
+NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+         "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
+
+
+def mtp_keys(config: dict[str, Any]) -> Any:
+    """A predicate for the checkpoint tensors of its MTP layers (which the target never loads)."""
+    n = text_config(config).get("num_hidden_layers")
+    deep = tuple(f"model.layers.{n + j}." for j in range(declared_layers(config))) if n else ()
+    return lambda k: k.startswith(("mtp.", "model.mtp.", "model.mtp_layers.")) or (bool(deep) and k.startswith(deep))
+
+
+def _checkpoint_weights(path: str, keep: Any) -> tuple[dict[str, mx.array], bool]:
+    """The checkpoint's tensors whose names `keep` accepts (mx.load reads lazily: only
+    these are ever read from disk), and whether they were written by MLX (already in
+    mlx-lm's layout: norms shifted, experts stacked, maybe quantized)."""
+    out: dict[str, mx.array] = {}
+    mlx_format = False
+    for fp in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        tensors, meta = mx.load(fp, return_metadata=True)
+        picked = {k: v for k, v in tensors.items() if keep(k)}
+        mlx_format |= bool(picked) and (meta or {}).get("format") == "mlx"
+        out.update(picked)
+    return out, mlx_format
+
+
+def _qwen_weights(raw: dict[str, mx.array], depth: int, mlx_format: bool) -> dict[str, mx.array]:
+    """`mtp.*` in transformers' layout -> the stack's names: norms 1 + w, experts stacked
+    (written by MLX: already so)."""
+    out: dict[str, mx.array] = {}
+    for k, v in raw.items():
+        k = k[len("mtp."):]
+        if k.endswith(NORMS) and v.ndim == 1 and not mlx_format:
+            v = v + 1.0
+        out[k] = v
+    for i in range(depth):
+        p = f"layers.{i}.mlp"
+        if f"{p}.experts.gate_up_proj" in out:  # fused experts (Qwen3.5 MoE)
+            gate_up = out.pop(f"{p}.experts.gate_up_proj")
+            mid = gate_up.shape[-2] // 2
+            out[f"{p}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+            out[f"{p}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+            out[f"{p}.switch_mlp.down_proj.weight"] = out.pop(f"{p}.experts.down_proj")
+        experts = sorted({int(m.group(1)) for k in out if (m := re.match(rf"{p}\.experts\.(\d+)\.", k))})
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            if experts:
+                out[f"{p}.switch_mlp.{proj}.weight"] = mx.stack(
+                    [out.pop(f"{p}.experts.{e}.{proj}.weight") for e in experts])
+    return out
+
+
+def _deepseek_weights(raw: dict[str, mx.array], first: int, target: MlxLmModel) -> dict[str, mx.array]:
+    """`model.layers.{first}.*` -> the stack's names, its decoder layer's through the
+    target's own sanitizer (experts stacked, FP8 expanded, MLA's kv_b split) under the
+    name of the target's last layer."""
+    own = {"enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"}
+    prefix, last = f"model.layers.{first}.", f"model.layers.{first - 1}."
+    layer, out = {}, {}
+    for k, v in raw.items():
+        name = k[len(prefix):]
+        if name.split(".")[0] in own:
+            out[name] = v
+        else:
+            layer[last + name] = v
+    for k, v in target.sanitize(layer).items():
+        if k.startswith(last):
+            out["layers.0." + k[len(last):]] = v
+    return out
+
+
+def _quantize_like(head: nn.Module, config: dict[str, Any], names: dict[str, mx.array]) -> None:
+    """Quantize the head's layers whose weights come quantized (an MLX conversion that
+    kept them), with the checkpoint's settings (per-layer overrides included)."""
+    if not any(k.endswith(".scales") for k in names):
+        return
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    if "bits" not in quant:
+        raise ValueError("the MTP weights are quantized but the config names no quantization settings")
+
+    def predicate(path: str, module: nn.Module) -> Any:
+        if f"{path}.scales" not in names:
+            return False
+        override = quant.get(path) or quant.get(path.replace("model.", "mtp.", 1))
+        return {"group_size": override["group_size"], "bits": override["bits"]} if isinstance(override, dict) else True
+
+    nn.quantize(head, group_size=quant.get("group_size", 64), bits=quant["bits"], mode=quant.get("mode", "affine"),
+                class_predicate=predicate)
+
+
+def load_mtp(target: Any) -> MlxLmModel:
+    """`target`'s (LoadedModel) MTP head, its weights read from the checkpoint; a
+    ValueError with the reason when it has none macinfer runs."""
+    config, model = target.config, target.model
+    lay = layout(config)
+    if not isinstance(model, MlxLmModel):
+        raise ValueError(f"{config.get('model_type')}: MTP heads run on models served through mlx-lm's classes")
+    if not os.path.isdir(target.source):
+        raise ValueError(f"{target.name}: MTP heads are read from a safetensors checkpoint; this model is a GGUF "
+                         "file (llama.cpp's nextn blocks are not read yet)")
+    tcfg = text_config(config)
+    n_layers = int(tcfg["num_hidden_layers"])
+    if lay.style == "qwen":
+        raw, mlx_format = _checkpoint_weights(target.source, lambda k: k.startswith("mtp."))
+    else:
+        raw, mlx_format = _checkpoint_weights(target.source, lambda k: k.startswith(f"model.layers.{n_layers}."))
+    if not raw:
+        raise ValueError(f"{target.name}: its config declares {lay.depth} MTP layer(s) but its files hold no MTP "
+                         "weights (mlx-lm's conversions drop them): serve the original checkpoint")
+    text = model.text_model
+    args = text.args
+    layers = model.decoder_layers
+    dims, eps = int(tcfg["hidden_size"]), float(tcfg.get("rms_norm_eps", 1e-6))
+    if lay.style == "qwen":
+        # A full-attention layer of the target's class (Gated DeltaNet layers have none).
+        full = max(i for i, layer in enumerate(layers) if not getattr(layer, "is_linear", False))
+        mtp_layers = [type(layers[full])(args, full) for _ in range(lay.depth)]
+        weights = _qwen_weights(raw, lay.depth, mlx_format)
+        shared = None
+    else:
+        mtp_layers = [type(layers[-1])(args, n_layers)]
+        weights = _deepseek_weights(raw, n_layers, model)
+        has_head = any(k.startswith("shared_head.head.") for k in weights)
+        shared = SharedHead(dims, eps, int(tcfg["vocab_size"]) if has_head else None)
+    weights = {k: v for k, v in weights.items() if not k.startswith("embed_tokens.")}  # the target's is the same
+    embed = model.embed_module()
+    if embed is None:
+        raise ValueError(f"{config.get('model_type')}: the MTP head needs the target's token embedding")
+    stack = MTPStack(lay.style, mtp_layers, dims, eps, embed)
+    head = MTPHead(stack, args, model.logits, shared)
+    names = {f"model.{k}" if not k.startswith("shared_head.") else k: v for k, v in weights.items()}
+    _quantize_like(head, config, names)
+    try:
+        head.load_weights(list(names.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{target.name}: its MTP weights do not fit the {lay.style}-style head ({e})") from None
+    from macinfer.loading.loader import _dequantize_modules, should_dequantize
+
+    if should_dequantize(head):  # as the target's: float32 for BLAS on the CPU backend
+        _dequantize_modules(head)
+    mx.eval(head.parameters())
+    head.eval()
+    cfg = {**tcfg, "model_type": f"{config.get('model_type')}_mtp", "layer_types": None, "sliding_window": None}
+    return MlxLmModel(head, cfg)

@@ -1,0 +1,288 @@
+"""Speculative decoding with the checkpoint's own MTP head (`models/mtp.py`,
+`engine/mtp_drafter.py`): tiny random targets written with MTP tensors in the published
+layouts (Qwen3.5/Qwen3-Next `mtp.*`, DeepSeek V3 / GLM-4.5 `model.layers.{N}.*`), the
+head computing the published formula, and the tokens those of decoding without
+speculation, for hybrid, MoE and MLA targets."""
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx.utils import tree_flatten
+
+from macinfer.cli.main import main
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.sampling_params import SamplingParams
+from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+from tests.zoo import tiny_config
+
+ROWS = 32
+DAMPED = ("o_proj", "out_proj", "down_proj")
+
+
+def _text(model):
+    return model.language_model if hasattr(model, "language_model") else model
+
+
+def _declare(config: dict) -> dict:
+    if "text_config" in config:
+        config["text_config"]["mtp_num_hidden_layers"] = 1
+    else:
+        config["num_nextn_predict_layers"] = 1
+    return config
+
+
+def _hf_head(model, config: dict, style: str, agree: bool) -> dict:
+    """The MTP tensors as the published checkpoints hold them, for a head built with the
+    target's own layer class. `agree`: the head's input projection passes the token's
+    embedding through and its layer is damped, so it predicts what the (damped) target
+    predicts one token later: drafts accepted often, not always."""
+    text = _text(model)
+    layers, args = text.model.layers, text.args
+    dims = args.hidden_size
+    mx.random.seed(11)
+    proj = mx.concatenate([mx.eye(dims), mx.zeros((dims, dims))], axis=1) if agree else \
+        mx.random.normal((dims, 2 * dims)) / dims**0.5
+    if style == "qwen":
+        full = max(i for i, layer in enumerate(layers) if not getattr(layer, "is_linear", False))
+        layer = type(layers[full])(args, full)
+        prefix, own = "mtp.layers.0.", {"mtp.fc.weight": proj}
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            own[f"mtp.{name}.weight"] = 0.05 * mx.random.normal((dims,))  # zero-centred: 1 + w
+    else:
+        n = args.num_hidden_layers
+        layer = type(layers[-1])(args, n)
+        prefix = f"model.layers.{n}."
+        head = text.lm_head.weight if "lm_head" in text else text.model.embed_tokens.weight
+        own = {f"{prefix}eh_proj.weight": proj, f"{prefix}shared_head.head.weight": head,
+               f"{prefix}embed_tokens.weight": text.model.embed_tokens.weight}
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            own[f"{prefix}{name}.weight"] = 1 + 0.05 * mx.random.normal((dims,))
+    flat = dict(tree_flatten(layer.parameters()))
+    for k, v in flat.items():
+        if agree and any(d in k for d in DAMPED):
+            v = v * 0.05
+        if style == "qwen" and k.endswith("norm.weight"):
+            v = v - 1.0 + 0.05 * mx.random.normal(v.shape)
+        if ".switch_mlp." in k:  # experts one by one, as transformers writes them
+            for e in range(v.shape[0]):
+                own[prefix + k.replace("switch_mlp", f"experts.{e}")] = v[e]
+            continue
+        own[prefix + k] = v
+    if "self_attn.embed_q.weight" in flat:  # MLA: the checkpoint's kv_b_proj, split by the target's sanitizer
+        wk, wv = flat["self_attn.embed_q.weight"], flat["self_attn.unembed_out.weight"]
+        kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)
+        own[prefix + "self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+        del own[prefix + "self_attn.embed_q.weight"], own[prefix + "self_attn.unembed_out.weight"]
+    return own
+
+
+def mtp_target(root, model_type: str, agree: bool = True, seed: int = 5, with_weights: bool = True) -> str:
+    """A tiny random `model_type` target (its layers damped with `agree`) with an MTP head."""
+    config = _declare(tiny_config(model_type))
+    model = make_mlx_lm_model(config, seed=seed)
+    if agree:
+        flat = dict(tree_flatten(model.parameters()))
+        model.load_weights([(k, v * 0.2 if any(d in k for d in DAMPED) else v) for k, v in flat.items()])
+    style = "qwen" if model_type.startswith("qwen") else "deepseek"
+    path = save_model_dir(str(root / f"{model_type}-{int(agree)}-{int(with_weights)}"), config, model)
+    if with_weights:
+        head = _hf_head(model, config, style, agree)
+        mx.save_safetensors(os.path.join(path, "model-mtp.safetensors"), head)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    return mtp_target(tmp_path_factory.mktemp("q35"), "qwen3_5")
+
+
+def _engine(path, **kw):
+    kw = {"num_kv_blocks": 160, "block_size": 16, "max_num_seqs": ROWS, "speculative_max_batch": ROWS, **kw}
+    return LLMEngine(path, EngineConfig(**kw))
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, int(rng.integers(3, 40))).tolist() for _ in range(n)]
+
+
+def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
+    """Greedy rows, and seeded sampled rows."""
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0) if i % 2 == 0 else
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, top_p=0.9, seed=i)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe"])
+def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
+    """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
+    experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),
+    GQA with a shared head of its own: greedy and seeded rows alike."""
+    target = qwen35 if model_type == "qwen3_5" else mtp_target(tmp_path_factory.mktemp(model_type), model_type)
+    prompts, params = _prompts(ROWS), _params(ROWS)
+    want = [o.token_ids for o in generate(_engine(target), prompts, params)]
+    engine = _engine(target, num_speculative_tokens=3, speculative_method="mtp")
+    got = [o.token_ids for o in generate(engine, prompts, params)]
+    assert got == want
+    st = engine.stats
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], st  # both paths taken
+    assert st["spec_drafted_by_position"][0] == st["spec_verify_steps"] > 0
+    assert not engine.drafter.shadows and not engine.drafter.pending  # every shadow freed with its sequence
+    assert engine.drafter.block_manager.num_used_blocks == 0 and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_hybrid_target_with_mtp_stays_exact_over_200_steps(qwen35):
+    """Qwen3.5-style: each rejection rewinds the target's recurrent state; 200 tokens match."""
+    prompts, params = _prompts(3, seed=1), [SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)] * 3
+    want = [o.token_ids for o in generate(_engine(qwen35), prompts, params)]
+    engine = _engine(qwen35, num_speculative_tokens=2, speculative_method="mtp")
+    got = [o.token_ids for o in generate(engine, prompts, params)]
+    assert got == want
+    st = engine.stats
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], st
+    # More than one token per target forward on average (the head agrees often by construction).
+    assert st["generation_tokens"] / (st["spec_verify_steps"] + 3) > 1.3, st
+
+
+def _reference_drafts(engine, prompt: list[int], first: int, k: int) -> list[int]:
+    """The head's greedy drafts after `prompt` + [first], computed densely, one position at
+    a time, from the published formula: the target's hidden rows from mlx-lm's own forward,
+    the head's input projection written out, its layer run with mlx-lm's cache."""
+    from mlx_lm.models.cache import KVCache
+
+    target = engine.model.text_model
+    ids = mx.array([prompt])
+    hidden = target.model(ids)[0]  # [T, D], after the final norm
+    head = engine.drafter.model.lm
+    stack = head.model
+    embed = engine.model.embed_module()
+    caches = [KVCache() for _ in stack.layers]
+
+    eps = stack.norm.eps
+
+    def rms(x, w):
+        return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    def step(token: int, h: mx.array) -> mx.array:
+        e = embed(mx.array([[token]]))[0, 0]
+        x = stack.fc(mx.concatenate([rms(e, stack.pre_fc_norm_embedding.weight),
+                                     rms(h, stack.pre_fc_norm_hidden.weight)]))[None, None]
+        for layer, c in zip(stack.layers, caches):
+            x = layer(x, None, c)
+        return rms(x[0, 0], stack.norm.weight)
+
+    tokens = prompt[1:] + [first]
+    for i, t in enumerate(tokens):
+        out = step(t, hidden[i])
+    drafts = []
+    for _ in range(k):
+        drafts.append(int(mx.argmax(engine.model.logits(out[None])[0]).item()))
+        out = step(drafts[-1], out)
+    return drafts
+
+
+def test_the_heads_drafts_follow_the_published_formula(tmp_path_factory):
+    """A head that mostly disagrees (random projection): after a long prompt (caught up in
+    chunks), the batched paged drafts equal the dense reference's, position by position."""
+    path = mtp_target(tmp_path_factory.mktemp("formula"), "qwen3_5", agree=False)
+    engine = _engine(path, num_speculative_tokens=3, speculative_method="mtp", max_num_batched_tokens=32,
+                     enable_prefix_caching=False)
+    prompts = [_prompts(1, seed=3)[0] * 3, [1, 5, 9], *_prompts(6, seed=5)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
+    seqs = list(engine.requests.values())
+    engine.scheduler.speculative = None  # no drafting while the prompts go in (the head still catches up)
+    while any(s.seq.num_output_tokens == 0 for s in seqs):
+        engine.step()
+    drafter = engine.drafter
+    proposals = {}
+    for _ in range(4):  # a shadow still catching up (32 tokens a step) drafts in a later proposal
+        proposals.update(drafter.propose([(s.seq, 4) for s in seqs]))
+    for s, p in zip(seqs, prompts):
+        seq = s.seq
+        assert proposals[seq] == _reference_drafts(engine, p + seq.output_token_ids[:-1], seq.output_token_ids[-1], 4)
+
+
+def test_prefix_hits_are_held_to_what_the_head_holds(tmp_path_factory, qwen35):
+    """A request whose prompt the target's prefix cache holds: the head's cache holds it
+    too (hit together), or the target's hit is cut to the head's, and the tokens stay
+    those of decoding without speculation."""
+    shared = _prompts(1, seed=4)[0] * 3  # 3 blocks and more
+    prompts = [shared + [7, 8, 9], shared + [10, 11], shared[:40] + [12]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    base = _engine(qwen35)
+    want = [generate(base, [p], params)[0].token_ids for p in prompts]
+    engine = _engine(qwen35, num_speculative_tokens=2, speculative_method="mtp")
+    got = [generate(engine, [p], params)[0].token_ids for p in prompts]
+    assert got == want
+    assert engine.block_manager.prefix_hits > 0 and engine.drafter.block_manager.prefix_hits > 0
+    # The head's cache dropped: the target recomputes what the head lacks, still exact.
+    engine.drafter.block_manager.drop_cache()
+    hits = engine.block_manager.prefix_hits
+    assert generate(engine, [prompts[0]], params)[0].token_ids == want[0]
+    assert engine.block_manager.prefix_hits == hits
+
+
+def test_mtp_refusals(tmp_path_factory, qwen35):
+    root = tmp_path_factory.mktemp("refuse")
+    plain = save_model_dir(str(root / "llama"), tiny_config("llama"), make_mlx_lm_model(tiny_config("llama")))
+    with pytest.raises(ValueError, match="declares no multi-token-prediction layers"):
+        _engine(plain, num_speculative_tokens=2, speculative_method="mtp")
+    stripped = mtp_target(root, "qwen3_5", with_weights=False)
+    with pytest.raises(ValueError, match="hold no MTP weights"):
+        _engine(stripped, num_speculative_tokens=2, speculative_method="mtp")
+    assert generate(_engine(stripped), [[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids  # serves without
+    with pytest.raises(ValueError, match="cannot combine"):
+        _engine(qwen35, num_speculative_tokens=2, speculative_method="mtp", draft_model=plain)
+    with pytest.raises(ValueError, match="needs --num-speculative-tokens"):
+        _engine(qwen35, speculative_method="mtp")
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        _engine(qwen35, num_speculative_tokens=2, speculative_method="draft")
+    r = CliRunner().invoke(main, ["generate", plain, "-p", "hi", "-n", "2", "--num-speculative-tokens", "2",
+                                  "--speculative-method", "mtp"])
+    assert r.exit_code != 0 and "multi-token-prediction" in r.output and "Traceback" not in r.output
+
+
+def test_a_head_written_by_mlx_loads_as_written(tmp_path_factory):
+    """MLX conversions that keep the head (`format: mlx` files) hold it in mlx-lm's layout:
+    norms already shifted, maybe quantized. The same head read from either layout has the
+    same weights; a quantized one runs (expanded to float32 on the CPU), exact."""
+    from macinfer.loading.loader import load
+    from macinfer.models.mtp import load_mtp
+
+    root = tmp_path_factory.mktemp("mlxhead")
+    hf = mtp_target(root, "qwen3_5")
+    heads = {}
+    for quantize in (None, {"group_size": 32, "bits": 8}):
+        path = str(root / f"mlx-{bool(quantize)}")
+        os.makedirs(path)
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+            with open(os.path.join(hf, name), "rb") as a, open(os.path.join(path, name), "wb") as b:
+                b.write(a.read())
+        mlx_head = dict(tree_flatten(load_mtp(load(hf)).lm.model.parameters()))
+        tensors = {f"mtp.{k}": v for k, v in mlx_head.items()}
+        if quantize:
+            for k in [k for k in tensors if k.endswith(".weight") and tensors[k].ndim == 2 and "norm" not in k]:
+                w, scales, biases = mx.quantize(tensors[k], **quantize)
+                tensors[k], tensors[k[:-6] + "scales"], tensors[k[:-6] + "biases"] = w, scales, biases
+            import json
+            with open(os.path.join(path, "config.json")) as f:
+                config = json.load(f)
+            config["quantization"] = quantize
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(config, f)
+        mx.save_safetensors(os.path.join(path, "model-mtp.safetensors"), tensors, metadata={"format": "mlx"})
+        heads[bool(quantize)] = (path, mlx_head)
+    from_hf = heads[False][1]
+    from_mlx = dict(tree_flatten(load_mtp(load(heads[False][0])).lm.model.parameters()))
+    assert from_hf.keys() == from_mlx.keys()
+    assert all(mx.array_equal(from_hf[k], from_mlx[k]) for k in from_hf)
+    quantized = heads[True][0]
+    prompts, params = _prompts(6, seed=7), SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    want = [o.token_ids for o in generate(_engine(hf), prompts, params)]
+    engine = _engine(quantized, num_speculative_tokens=2, speculative_method="mtp")
+    assert [o.token_ids for o in generate(engine, prompts, params)] == want
+    assert engine.stats["spec_accepted_tokens"] > 0
