@@ -286,3 +286,26 @@ def test_a_head_written_by_mlx_loads_as_written(tmp_path_factory):
     engine = _engine(quantized, num_speculative_tokens=2, speculative_method="mtp")
     assert [o.token_ids for o in generate(engine, prompts, params)] == want
     assert engine.stats["spec_accepted_tokens"] > 0
+
+
+def test_a_failing_head_leaves_the_requests_decoding(qwen35, monkeypatch):
+    """The head's forward fails once (say, out of memory): the running requests go on
+    without drafts, exact, and the next requests draft again."""
+    prompts, params = _prompts(4, seed=8), SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
+    want = [o.token_ids for o in generate(_engine(qwen35), prompts, params)]
+    engine = _engine(qwen35, num_speculative_tokens=2, speculative_method="mtp")
+    drafter, calls = engine.drafter, []
+    real = drafter._forward_rows
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(drafter, "_forward_rows", flaky)
+    assert [o.token_ids for o in generate(engine, prompts, params)] == want
+    assert len(calls) == 4 and not drafter.shadows and not drafter.pending  # none drafted for again
+    drafted = engine.stats["spec_draft_tokens"]
+    assert [o.token_ids for o in generate(engine, prompts, params)] == want
+    assert engine.stats["spec_draft_tokens"] > drafted

@@ -151,6 +151,14 @@ class DraftModel:
         if sh is not None:
             self.block_manager.free(sh)
 
+    def reset(self) -> None:
+        """Drop every shadow and the pool's contents (after a failed forward, its or the
+        target's): the sequences running now decode without drafts, new ones draft again."""
+        for seq in list(self.shadows):
+            self.forget(seq)
+        self.block_manager.drop_cache()
+        self.kv_cache.reset()
+
     def propose(self, wants: list[tuple[Sequence, int]]) -> dict[Sequence, list[int]]:
         """Up to k draft tokens for each (sequence, k); a sequence whose shadow is still
         catching up on its prompt (more than this step's chunk) or has no room gets none."""

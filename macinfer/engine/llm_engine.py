@@ -510,6 +510,8 @@ class LLMEngine:
         self.runner.ahead = None
         self.block_manager.drop_cache()
         self.kv_cache.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
         for seq in list(self.scheduler.running):
             self.scheduler.preempt(seq)
         log.warning("KV cache reset after a failed step; %d running requests will be recomputed",

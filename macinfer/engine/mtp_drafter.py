@@ -82,6 +82,9 @@ class MTPDrafter(DraftModel):
         advanced) produced `hidden` [rows, D], rows in the scheduled order."""
         row = 0
         for seq, n in scheduled:
+            if seq not in self.shadows:  # not drafted for (a shadow dropped after a failure)
+                row += n
+                continue
             start = seq.num_computed_tokens
             kept = []
             for first, rows in self.pending.get(seq, []):

@@ -16,6 +16,7 @@ preempted, and a step takes at most half the sequences, so two steps alternate.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.sequence import Sequence, SequenceStatus
 from macinfer.engine.speculative import SpeculativeConfig, cut_for_grammar, draft_limit, propose
+
+log = logging.getLogger("macinfer")
 
 
 @dataclass
@@ -102,7 +105,12 @@ class Scheduler:
         if self.drafter is not None and (self._speculate or self.drafter.every_step):
             # Every drafting sequence's proposal, in one batch (an MTP head catches up even when none drafts).
             wants = [(s, k) for s in self.running if (k := self._draft_room(s))] if self._speculate else []
-            self._proposals = self.drafter.propose(wants)
+            try:
+                self._proposals = self.drafter.propose(wants)
+            except Exception:  # e.g. out of memory in the drafter's forward: decode on without drafts
+                log.exception("the drafter failed; the running requests decode without drafts")
+                self.drafter.reset()
+                self._proposals = {}
         self._prefill_left = self.max_prefill_with_decodes if capped else self._budget
         # Two steps in flight take turns with about half the sequences each.
         active = min(self.max_num_seqs, len(self.running) + len(self.waiting))
