@@ -184,7 +184,10 @@ def test_bad_draft_settings_are_refused_with_the_reason(tmp_path_factory, draft)
     config = json.load(open(f"{eagle}/config.json"))
     json.dump({**config, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 300},
               open(f"{eagle}/config.json", "w"))
-    with pytest.raises(ValueError, match="trained eagle drafter .*LlamaForCausalLMEagle3.*hidden states"):
+    with pytest.raises(ValueError, match="EAGLE-3 checkpoint without its fc projection"):  # an EAGLE-3 head's layout
+        _engine(target, num_speculative_tokens=4, draft_model=eagle)
+    json.dump({**config, "architectures": ["DFlashDraftModel"]}, open(f"{eagle}/config.json", "w"))
+    with pytest.raises(ValueError, match="trained dflash drafter .*DFlashDraftModel.*EAGLE-3 only"):
         _engine(target, num_speculative_tokens=4, draft_model=eagle)
     # The CLI: one line and a non-zero exit.
     for args, says in [(["--num-speculative-tokens", "100"], "0<=x<=16"),

@@ -94,13 +94,14 @@ def _engine_options(f):
                           "(0: off). Same output. Drafts come from prompt lookup (faster when answers repeat "
                           "their input: edits, quotes, code), from --draft-model, or from the checkpoint's own "
                           "MTP head (--speculative-method mtp).")(f)
-    f = click.option("--speculative-method", type=click.Choice(["ngram", "draft", "mtp"]), default=None,
-                     help="Who drafts: ngram (prompt lookup), draft (--draft-model) or mtp (the multi-token "
+    f = click.option("--speculative-method", type=click.Choice(["ngram", "draft", "eagle3", "mtp"]), default=None,
+                     help="Who drafts: ngram (prompt lookup), draft or eagle3 (--draft-model) or mtp (the multi-token "
                           "prediction head Qwen3.5/3.6, Qwen3-Next, DeepSeek V3 and GLM-4.5 checkpoints ship). "
                           "Default: draft with --draft-model, else ngram.")(f)
     f = click.option("--draft-model", default=None, metavar="MODEL",
                      help="A small model of the same tokenizer that drafts the --num-speculative-tokens tokens "
-                          "(any model macinfer runs, GGUF included), instead of prompt lookup.")(f)
+                          "(any model macinfer runs, GGUF included), or an EAGLE-3 head trained for the model, "
+                          "instead of prompt lookup.")(f)
     f = click.option("--max-loras", type=click.IntRange(min=1), default=8, show_default=True,
                      help="LoRA adapters loaded at once; loading one more evicts the least recently used idle one.")(f)
     f = click.option("--max-prefill-with-decodes", type=click.IntRange(min=0), default=None,

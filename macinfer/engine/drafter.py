@@ -244,9 +244,9 @@ TRAINED_DRAFTERS = ("eagle", "dflash", "medusa", "speculator")  # architecture n
 
 
 def refuse_trained_drafter(path: str) -> None:
-    """A ValueError naming the format when `path` is a trained drafter checkpoint (EAGLE-3,
-    DFlash, Medusa, vLLM speculators) rather than a language model: those heads read the
-    target's hidden states, which the engine does not hand a drafter yet."""
+    """A ValueError naming the format when `path` is a trained drafter checkpoint macinfer
+    does not run (EAGLE 1/2, DFlash, Medusa, other vLLM speculators) rather than a language
+    model. (EAGLE-3 heads run: `models/eagle3.py`.)"""
     import json
     import os
 
@@ -260,9 +260,9 @@ def refuse_trained_drafter(path: str) -> None:
     if found is None and ("speculators_config" in config or "draft_vocab_size" in config):
         found = "speculator"
     if found is not None:
-        raise ValueError(f"draft model {path}: a trained {found} drafter ({names.strip()}), whose layers read the "
-                         "target's hidden states; macinfer runs language models as drafts and does not run these "
-                         "heads yet")
+        raise ValueError(f"draft model {path}: a trained {found} drafter ({names.strip()}); of the trained heads "
+                         "macinfer runs EAGLE-3 only (DFlash drafts a block at once from masked positions, Medusa "
+                         "and EAGLE 1/2 have other layouts)")
 
 
 def load_drafter(engine: Any, target_blocks: int, progress: Any = None, context: Any = None) -> DraftModel:
@@ -281,7 +281,7 @@ def load_drafter(engine: Any, target_blocks: int, progress: Any = None, context:
     return drafter
 
 
-METHODS = ("ngram", "draft", "mtp")
+METHODS = ("ngram", "draft", "mtp", "eagle3")
 
 
 def speculative_method(cfg: Any) -> str | None:
@@ -298,9 +298,9 @@ def speculative_method(cfg: Any) -> str | None:
                              "per step (say 2 for an MTP head, 4 for a draft model)")
         return None
     method = method or ("draft" if cfg.draft_model is not None else "ngram")
-    if method == "draft" and cfg.draft_model is None:
-        raise ValueError("--speculative-method draft needs --draft-model: the model that drafts")
-    if method != "draft" and cfg.draft_model is not None:
+    if method in ("draft", "eagle3") and cfg.draft_model is None:
+        raise ValueError(f"--speculative-method {method} needs --draft-model: the model (or EAGLE-3 head) that drafts")
+    if method not in ("draft", "eagle3") and cfg.draft_model is not None:
         raise ValueError(f"--draft-model cannot combine with --speculative-method {method}: one drafter at a time")
     if method != "ngram" and cfg.distributed:
         raise ValueError(f"--speculative-method {method} is not run over --distributed ranks yet; serve the target "
@@ -311,7 +311,17 @@ def speculative_method(cfg: Any) -> str | None:
 def load_proposer(engine: Any, method: str | None, target_blocks: int, progress: Any = None,
                   context: Any = None) -> DraftModel | None:
     """The engine's batched proposer for `method` (None for prompt lookup and no speculation)."""
-    if method == "draft":
+    if method in ("draft", "eagle3"):
+        from macinfer.loading.loader import resolve
+        from macinfer.models.eagle3 import is_eagle3
+
+        if is_eagle3(resolve(engine.config.draft_model)):  # a trained head, whichever method was named
+            from macinfer.engine.mtp_drafter import load_eagle3_drafter
+
+            return load_eagle3_drafter(engine, target_blocks)
+        if method == "eagle3":
+            raise ValueError(f"--speculative-method eagle3: {engine.config.draft_model} is not an EAGLE-3 "
+                             "checkpoint (LlamaForCausalLMEagle3 or speculators' eagle3)")
         return load_drafter(engine, target_blocks, progress, context)
     if method == "mtp":
         from macinfer.engine.mtp_drafter import load_mtp_drafter

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -43,9 +43,12 @@ class MTPDrafter(DraftModel):
     every_step = True  # the head reads every target row: it catches up each step, drafting or not
 
     def __init__(self, head: Any, cache_key: str, target_cfg: Any, target_blocks: int, max_model_len: int,
-                 backend: Any):
+                 backend: Any, features: Callable[[mx.array], mx.array] | None = None):
         super().__init__(head, cache_key, target_cfg, target_blocks, max_model_len, backend,
                          prefix_caching=target_cfg.enable_prefix_caching)
+        # A forward's hidden rows as the head reads them (an MTP head: the final hidden
+        # state itself; EAGLE-3: its projection of three recorded layers' inputs).
+        self.features = features
         self.targets: dict[Sequence, Sequence] = {}  # shadow -> its target sequence
         # Target hidden rows not yet read by the head: per sequence, (first position, rows).
         self.pending: dict[Sequence, list[tuple[int, mx.array]]] = {}
@@ -80,6 +83,8 @@ class MTPDrafter(DraftModel):
     def capture(self, scheduled: list[tuple[Sequence, int]], hidden: mx.array) -> None:
         """The target's forward over `scheduled` (its sequences' computed counts not yet
         advanced) produced `hidden` [rows, D], rows in the scheduled order."""
+        if self.features is not None and any(seq in self.shadows for seq, _ in scheduled):
+            hidden = self.features(hidden)
         row = 0
         for seq, n in scheduled:
             if seq not in self.shadows:  # not drafted for (a shadow dropped after a failure)
@@ -203,6 +208,23 @@ def load_mtp_drafter(engine: Any, target_blocks: int) -> MTPDrafter:
     engine.backend.set_limits(sum(v.nbytes for v in _params(engine.model)) + drafter.nbytes, engine.kv_cache.nbytes)
     log.info("MTP head: %.1f MiB of weights and KV, %d tokens a step", drafter.nbytes / 2**20,
              engine.config.num_speculative_tokens)
+    return drafter
+
+
+def load_eagle3_drafter(engine: Any, target_blocks: int) -> MTPDrafter:
+    """`engine`'s EAGLE-3 head (`--draft-model` naming an EAGLE-3 checkpoint): it reads the
+    inputs of three of the target's layers, recorded on every forward."""
+    from macinfer.loading.loader import resolve
+    from macinfer.models.eagle3 import load_eagle3
+
+    path = resolve(engine.config.draft_model)
+    head, recorded = load_eagle3(path, engine.loaded)
+    stack = head.lm.model
+    drafter = MTPDrafter(head, path + ":eagle3", engine.config, target_blocks, engine.max_model_len, engine.backend,
+                         features=lambda _: stack.features(recorded.take()))
+    engine.backend.set_limits(sum(v.nbytes for v in _params(engine.model)) + drafter.nbytes, engine.kv_cache.nbytes)
+    log.info("EAGLE-3 head %s: %.1f MiB of weights and KV, reading layers %s, %d tokens a step",
+             engine.config.draft_model, drafter.nbytes / 2**20, recorded.ids, engine.config.num_speculative_tokens)
     return drafter
 
 
