@@ -51,6 +51,13 @@ def _hf_head(model, config: dict, style: str, agree: bool) -> dict:
         prefix, own = "mtp.layers.0.", {"mtp.fc.weight": proj}
         for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
             own[f"mtp.{name}.weight"] = 0.05 * mx.random.normal((dims,))  # zero-centred: 1 + w
+    elif style == "mimo":  # the hidden state first in its input projection
+        layer = type(layers[-1])(args)
+        prefix = "model.mtp_layers.0."
+        swap = mx.concatenate([proj[:, dims:], proj[:, :dims]], axis=1)
+        own = {f"{prefix}input_proj.weight": swap}
+        for name in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+            own[f"{prefix}{name}.weight"] = 1 + 0.05 * mx.random.normal((dims,))
     else:
         n = args.num_hidden_layers
         layer = type(layers[-1])(args, n)
@@ -86,7 +93,7 @@ def mtp_target(root, model_type: str, agree: bool = True, seed: int = 5, with_we
     if agree:
         flat = dict(tree_flatten(model.parameters()))
         model.load_weights([(k, v * 0.2 if any(d in k for d in DAMPED) else v) for k, v in flat.items()])
-    style = "qwen" if model_type.startswith("qwen") else "deepseek"
+    style = "qwen" if model_type.startswith("qwen") else "mimo" if model_type == "mimo" else "deepseek"
     path = save_model_dir(str(root / f"{model_type}-{int(agree)}-{int(with_weights)}"), config, model)
     if with_weights:
         head = _hf_head(model, config, style, agree)
@@ -116,11 +123,12 @@ def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
             for i in range(n)]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "mimo"])
 def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
     """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
     experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),
-    GQA with a shared head of its own: greedy and seeded rows alike."""
+    GQA with a shared head of its own, MiMo's hidden-first projection: greedy and seeded
+    rows alike."""
     target = qwen35 if model_type == "qwen3_5" else mtp_target(tmp_path_factory.mktemp(model_type), model_type)
     prompts, params = _prompts(ROWS), _params(ROWS)
     want = [o.token_ids for o in generate(_engine(target), prompts, params)]

@@ -13,6 +13,10 @@ Two layouts, the published ones (transformers / vLLM):
   shared_head.head(shared_head.norm(out)) (the target's head where the checkpoint has
   none); the next draft reads out. A checkpoint with several such layers (one per
   prediction depth) runs its first for every draft.
+- "mimo" (MiMo, `model.mtp_layers.*`): h = input_proj([hidden_layernorm(H),
+  token_layernorm(embed(t))]) (the hidden state first); the layer; out =
+  final_layernorm(h); logits = the target's head(out). MiMo trained its head for one
+  step; later drafts read out as the others do.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class MTPLayout:
 
 QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe")
+MIMO = ("mimo",)
 
 
 def declared_layers(config: dict[str, Any]) -> int:
@@ -60,8 +65,10 @@ def layout(config: dict[str, Any]) -> MTPLayout:
         return MTPLayout("qwen", depth)
     if model_type in DEEPSEEK or text_type in DEEPSEEK:
         return MTPLayout("deepseek", depth)
+    if model_type in MIMO:
+        return MTPLayout("mimo", depth)
     raise ValueError(f"{model_type}: its config declares {depth} MTP layer(s), but macinfer runs MTP heads of "
-                     f"{', '.join(QWEN + DEEPSEEK)} only (this family's head layout is not verified here)")
+                     f"{', '.join(QWEN + DEEPSEEK + MIMO)} only (this family's head layout is not verified here)")
 
 
 class MTPStack(nn.Module):
@@ -77,6 +84,11 @@ class MTPStack(nn.Module):
             self.pre_fc_norm_embedding = nn.RMSNorm(dims, eps=eps)
             self.pre_fc_norm_hidden = nn.RMSNorm(dims, eps=eps)
             self.norm = nn.RMSNorm(dims, eps=eps)
+        elif style == "mimo":
+            self.input_proj = nn.Linear(2 * dims, dims, bias=False)
+            self.token_layernorm = nn.RMSNorm(dims, eps=eps)
+            self.hidden_layernorm = nn.RMSNorm(dims, eps=eps)
+            self.final_layernorm = nn.RMSNorm(dims, eps=eps)
         else:
             self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
             self.enorm = nn.RMSNorm(dims, eps=eps)
@@ -88,13 +100,18 @@ class MTPStack(nn.Module):
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         e = self._embed(inputs)
         h = self.given if self.given is not None else mx.zeros_like(e)
+        h = h.astype(e.dtype)
         if self.style == "qwen":
-            x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(h.astype(e.dtype))], -1))
+            x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(h)], -1))
+        elif self.style == "mimo":
+            x = self.input_proj(mx.concatenate([self.hidden_layernorm(h), self.token_layernorm(e)], -1))
         else:
-            x = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(h.astype(e.dtype))], -1))
+            x = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(h)], -1))
         for layer, c in zip(self.layers, cache if cache is not None else [None] * len(self.layers)):
             x = layer(x, None, c)
-        return self.norm(x) if self.style == "qwen" else x
+        if self.style == "qwen":
+            return self.norm(x)
+        return self.final_layernorm(x) if self.style == "mimo" else x
 
 
 class SharedHead(nn.Module):
@@ -209,6 +226,15 @@ def _deepseek_weights(raw: dict[str, mx.array], first: int, target: MlxLmModel) 
     return out
 
 
+def _layer_like(layer: nn.Module, args: Any, index: int) -> nn.Module:
+    """A new decoder layer of `layer`'s class, built as layer `index` where the class takes one."""
+    import inspect
+
+    cls = type(layer)
+    takes = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    return cls(args, index) if len(takes) > 1 else cls(args)
+
+
 def _quantize_like(head: nn.Module, config: dict[str, Any], names: dict[str, mx.array]) -> None:
     """Quantize the head's layers whose weights come quantized (an MLX conversion that
     kept them), with the checkpoint's settings (per-layer overrides included)."""
@@ -242,6 +268,8 @@ def load_mtp(target: Any) -> MlxLmModel:
     n_layers = int(tcfg["num_hidden_layers"])
     if lay.style == "qwen":
         raw, mlx_format = _checkpoint_weights(target.source, lambda k: k.startswith("mtp."))
+    elif lay.style == "mimo":
+        raw, mlx_format = _checkpoint_weights(target.source, lambda k: k.startswith("model.mtp_layers.0."))
     else:
         raw, mlx_format = _checkpoint_weights(target.source, lambda k: k.startswith(f"model.layers.{n_layers}."))
     if not raw:
@@ -257,8 +285,17 @@ def load_mtp(target: Any) -> MlxLmModel:
         mtp_layers = [type(layers[full])(args, full) for _ in range(lay.depth)]
         weights = _qwen_weights(raw, lay.depth, mlx_format)
         shared = None
+    elif lay.style == "mimo":
+        mtp_layers = [_layer_like(layers[-1], args, n_layers)]
+        own = ("input_proj.", "token_layernorm.", "hidden_layernorm.", "final_layernorm.")
+        weights = {}
+        for k, v in raw.items():
+            name = k[len("model.mtp_layers.0."):]
+            weights[name if name.startswith(own) else f"layers.0.{name}"] = v
+        weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
+        shared = None
     else:
-        mtp_layers = [type(layers[-1])(args, n_layers)]
+        mtp_layers = [_layer_like(layers[-1], args, n_layers)]
         weights = _deepseek_weights(raw, n_layers, model)
         has_head = any(k.startswith("shared_head.head.") for k in weights)
         shared = SharedHead(dims, eps, int(tcfg["vocab_size"]) if has_head else None)
