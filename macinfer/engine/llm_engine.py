@@ -18,7 +18,7 @@ from macinfer.lora.adapter import LoraAdapter, LoraError, load_adapter
 from macinfer.lora.registry import LoraRegistry
 from macinfer.engine.choices import choose_paths
 from macinfer.engine.disk_cache import disk_cache_for
-from macinfer.engine.drafter import load_proposer, speculative_method
+from macinfer.engine.proposers import load_proposer, speculative_method
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.config import EngineConfig
 from macinfer.engine.embedding import EmbeddingJob

@@ -202,13 +202,21 @@ def _salt(seq: Sequence) -> str:
 def load_mtp_drafter(engine: Any, target_blocks: int) -> MTPDrafter:
     """`engine`'s MTP drafter (`EngineConfig.speculative_method == "mtp"`); a ValueError
     with the reason when its checkpoint has no MTP head macinfer runs."""
-    head = load_mtp(engine.loaded)
+    head = load_mtp(engine.loaded, finish=_as_the_loader_does)
     drafter = MTPDrafter(head, engine.loaded.source + ":mtp", engine.config, target_blocks, engine.max_model_len,
                          engine.backend)
     engine.backend.set_limits(sum(v.nbytes for v in _params(engine.model)) + drafter.nbytes, engine.kv_cache.nbytes)
     log.info("MTP head: %.1f MiB of weights and KV, %d tokens a step", drafter.nbytes / 2**20,
              engine.config.num_speculative_tokens)
     return drafter
+
+
+def _as_the_loader_does(module: Any) -> None:
+    """Quantized layers expanded to float32 where the loader expands the target's (CPU)."""
+    from macinfer.loading.loader import _dequantize_modules, should_dequantize
+
+    if should_dequantize(module):
+        _dequantize_modules(module)
 
 
 def load_eagle3_drafter(engine: Any, target_blocks: int) -> MTPDrafter:

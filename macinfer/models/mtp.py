@@ -254,9 +254,10 @@ def _quantize_like(head: nn.Module, config: dict[str, Any], names: dict[str, mx.
                 class_predicate=predicate)
 
 
-def load_mtp(target: Any) -> MlxLmModel:
+def load_mtp(target: Any, finish: Any = None) -> MlxLmModel:
     """`target`'s (LoadedModel) MTP head, its weights read from the checkpoint; a
-    ValueError with the reason when it has none macinfer runs."""
+    ValueError with the reason when it has none macinfer runs. `finish(head)` runs once its
+    weights are in (the loader's dequantization)."""
     config, model = target.config, target.model
     lay = layout(config)
     if not isinstance(model, MlxLmModel):
@@ -311,10 +312,8 @@ def load_mtp(target: Any) -> MlxLmModel:
         head.load_weights(list(names.items()), strict=True)
     except ValueError as e:
         raise ValueError(f"{target.name}: its MTP weights do not fit the {lay.style}-style head ({e})") from None
-    from macinfer.loading.loader import _dequantize_modules, should_dequantize
-
-    if should_dequantize(head):  # as the target's: float32 for BLAS on the CPU backend
-        _dequantize_modules(head)
+    if finish is not None:  # the loader's treatment of the target's modules (float32 on the CPU backend)
+        finish(head)
     mx.eval(head.parameters())
     head.eval()
     cfg = {**tcfg, "model_type": f"{config.get('model_type')}_mtp", "layer_types": None, "sliding_window": None}

@@ -1,0 +1,55 @@
+"""Who drafts for speculative decoding: the method a config names, checked once at load
+(`speculative_method`), and its batched proposer built (`load_proposer`): none for prompt
+lookup (`engine/speculative.py`), a draft model (`engine/drafter.py`), or a head that reads
+the target's hidden states, an MTP head or an EAGLE-3 checkpoint (`engine/mtp_drafter.py`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from macinfer.engine.drafter import DraftModel, load_drafter
+from macinfer.engine.mtp_drafter import load_eagle3_drafter, load_mtp_drafter
+
+METHODS = ("ngram", "draft", "mtp", "eagle3")
+
+
+def speculative_method(cfg: Any) -> str | None:
+    """Who drafts under `cfg` (EngineConfig): "ngram", "draft", "eagle3", "mtp", or None
+    (speculation off); a ValueError naming the options that cannot combine."""
+    method = cfg.speculative_method
+    if method is not None and method not in METHODS:
+        raise ValueError(f"speculative_method {method!r}: one of {', '.join(METHODS)}")
+    if not cfg.num_speculative_tokens:
+        if cfg.draft_model is not None:
+            raise ValueError("--draft-model needs --num-speculative-tokens: the draft tokens per step (say 4)")
+        if method in ("draft", "mtp", "eagle3"):
+            raise ValueError(f"--speculative-method {method} needs --num-speculative-tokens: the draft tokens "
+                             "per step (say 2 for an MTP head, 4 for a draft model)")
+        return None
+    method = method or ("draft" if cfg.draft_model is not None else "ngram")
+    if method in ("draft", "eagle3") and cfg.draft_model is None:
+        raise ValueError(f"--speculative-method {method} needs --draft-model: the model (or EAGLE-3 head) that drafts")
+    if method not in ("draft", "eagle3") and cfg.draft_model is not None:
+        raise ValueError(f"--draft-model cannot combine with --speculative-method {method}: one drafter at a time")
+    if method != "ngram" and cfg.distributed:
+        raise ValueError(f"--speculative-method {method} is not run over --distributed ranks yet; serve the target "
+                         "alone or use prompt lookup")
+    return method
+
+
+def load_proposer(engine: Any, method: str | None, target_blocks: int, progress: Any = None,
+                  context: Any = None) -> DraftModel | None:
+    """The engine's batched proposer for `method` (None for prompt lookup and no speculation)."""
+    if method in ("draft", "eagle3"):
+        from macinfer.loading.loader import resolve
+        from macinfer.models.eagle3 import is_eagle3
+
+        if is_eagle3(resolve(engine.config.draft_model)):  # a trained head, whichever method was named
+            return load_eagle3_drafter(engine, target_blocks)
+        if method == "eagle3":
+            raise ValueError(f"--speculative-method eagle3: {engine.config.draft_model} is not an EAGLE-3 "
+                             "checkpoint (LlamaForCausalLMEagle3 or speculators' eagle3)")
+        return load_drafter(engine, target_blocks, progress, context)
+    if method == "mtp":
+        return load_mtp_drafter(engine, target_blocks)
+    return None
