@@ -94,6 +94,9 @@ class VisionProcessor:
             out = self.processor(text=[text], images=[image], return_tensors="np")
         except (ValueError, TypeError, IndexError, KeyError) as e:  # sizes the processor refuses
             raise ImageError(f"the model's image processor refused the image: {str(e)[:200]}") from None
+        if not any(k.startswith(("pixel_values", "images")) for k in out):  # a bare tokenizer: the image dropped
+            raise ImageError("the model's processor made no pixel values for the image (transformers loaded a "
+                             "tokenizer only for this checkpoint)")
         ids = np.asarray(out["input_ids"]).reshape(-1).tolist()
         bos = getattr(self.tokenizer, "bos_token_id", None)
         if ids and bos is not None and ids[0] == bos and self.marker[0] != bos:

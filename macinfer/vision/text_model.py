@@ -35,6 +35,8 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     # even/odd ones): Llama's modules and names, every projection biased as `use_bias` says.
     "paddleocr_vl": lambda t: {**t, "model_type": "llama", "attention_bias": _flag(t.get("use_bias")),
                                "mlp_bias": _flag(t.get("use_bias"))},
+    # Mistral Large 3's decoder is DeepSeek-V3's (latent attention, MoE), in mlx-vlm's module of it.
+    "mistral_large3": lambda t: {**t, "model_type": "deepseek_v3"},
 }
 # Text model types mlx-lm runs only inside its wrapper, which takes the text config nested:
 # (the wrapper's type, where it wants the decoder's `model.*` weights, or None where its
