@@ -124,7 +124,7 @@ def test_prefix_cache_and_preemption_give_the_same_tokens(family):
     assert again.token_ids == want and again.num_cached_tokens > 0
 
 
-@pytest.mark.parametrize("model_type,why", [("deepseek_v32", "sparse attention indexer"),
+@pytest.mark.parametrize("model_type,why", [("minimax_m3_vl", "block selection over its own index cache"),
                                             ("baichuan_m1", "convolution over K/V inside attention")])
 def test_unsupported_kinds_are_refused_with_the_reason(model_type, why):
     from tests.zoo import tiny_config

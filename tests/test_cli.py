@@ -72,7 +72,7 @@ def test_models_architectures_lists_every_mlx_lm_model_type_with_its_verdict():
     r = CliRunner().invoke(main, ["models", "architectures"], terminal_width=400)
     runs = sum(v == "runs" for v in VERDICTS.values())
     assert r.exit_code == 0 and f"{runs} of {len(VERDICTS)} model types run" in r.output
-    assert "  deepseek_v32: a sparse attention indexer" in r.output and "qwen3_5," in r.output
+    assert "  minimax_m3_vl: MiniMax M3's sparse attention" in r.output and "qwen3_5," in r.output
     r = CliRunner().invoke(main, ["models", "architectures", "--json"])
     assert json.loads(r.output) == VERDICTS
 

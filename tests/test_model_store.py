@@ -35,7 +35,7 @@ def cache(tmp_path, monkeypatch):
     _add_file(d, "mlx-community/Tiny-4bit", "config.json",
               json.dumps({"model_type": "qwen3", "quantization": {"group_size": 64, "bits": 4}}).encode())
     _add_file(d, "mlx-community/Tiny-4bit", "model.safetensors", b"\0" * 1000)
-    _add_file(d, "someone/DeepSeek-tiny", "config.json", json.dumps({"model_type": "deepseek_v32"}).encode())
+    _add_file(d, "someone/DeepSeek-tiny", "config.json", json.dumps({"model_type": "minimax_m3_vl"}).encode())
     config = tiny_config("llama")
     gguf_path = str(tmp_path / "Tiny-Q8_0.gguf")
     write_gguf(gguf_path, config, llama_tensors(config, make_mlx_lm_model(config)))
@@ -59,7 +59,7 @@ def test_models_list(cache):
     assert rows["someone/Tiny-GGUF"]["architecture"] == "llama" and rows["someone/Tiny-GGUF"]["supported"]
     assert rows["smollm2"]["supported"] and rows["smollm2"]["path"].endswith(".gguf")  # the bundled model, servable
     table = CliRunner().invoke(main, ["models", "list"]).output
-    assert "mlx-community/Tiny-4bit" in table and "no: architecture 'deepseek_v32'" in table
+    assert "mlx-community/Tiny-4bit" in table and "no: architecture 'minimax_m3_vl'" in table
 
 
 def test_models_info_and_rm(cache):

@@ -105,6 +105,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_next": dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
                        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
                        shared_expert_intermediate_size=32),
+    # DeepSeek Sparse Attention: an 8-key budget, so the 40-token prompts' queries select
+    # (16 index heads: a key whose every head's ReLU score is 0, a tie, is rare).
+    "deepseek_v32": dict(index_topk=8, index_n_heads=16, index_head_dim=16),
+    "glm_moe_dsa": dict(index_topk=8, index_n_heads=16, index_head_dim=16, topk_method="noaux_tc",
+                        scoring_func="sigmoid", rope_parameters=dict(rope_theta=10000.0, rope_type="default"),
+                        attention_bias=False),
     "deepseek_v2": dict(rope_scaling=dict(type="yarn", factor=1.0, original_max_position_embeddings=2048,
                                           mscale=1.0, mscale_all_dim=0, beta_fast=32, beta_slow=1)),
     "minicpm3": dict(rope_scaling=dict(type="longrope", short_factor=1.0, long_factor=1.0,

@@ -53,6 +53,9 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
     """The pools for `model` under `cfg` (an `EngineConfig`); a ValueError a user can act on
     when the budget cannot hold them."""
     bs = cfg.block_size
+    if cfg.kv_cache_dtype != "auto" and any(getattr(type(m), "_paged_indexer", False) for _, m in model.named_modules()):
+        raise ValueError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: this model's sparse attention indexer reads its "
+                         "index keys at full precision; serve it with --kv-cache-dtype auto")
     layer_specs = list(model.layer_specs)
     groups, _ = group_caches(layer_specs, getattr(model, "layer_caches", None))
     for g in groups:

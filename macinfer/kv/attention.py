@@ -98,10 +98,11 @@ class AttentionMetadata:
 
 
 def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
-                      sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
+                      sinks: mx.array | None = None, softcap: float | None = None,
+                      key_mask: mx.array | None = None) -> mx.array:
     pool = meta.kv_cache.pool(layer)
     backend = meta.decode_attention
-    if (backend != "reference" and not pool.quantized and sinks is None and softcap is None
+    if (backend != "reference" and not pool.quantized and sinks is None and softcap is None and key_mask is None
             and (meta.kind is None or meta.window is not None or not meta.kind.bounded)
             and (pool.head_dim == pool.v_head_dim or pool.v_in_k)
             and paged_kernels.supported(q.shape[-1], q.shape[1] // pool.num_kv_heads, pool.v_head_dim)):
@@ -118,15 +119,18 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
     tables = meta.decode_block_tables
     if pool.rot_k is not None:  # rotated rows: the queries turned alike, the output turned back
         out = _decode_attention_blocks(q @ pool.rot_k, meta, pool.num_kv_heads, k_blocks, v_blocks, tables, scale,
-                                       sinks, softcap)
+                                       sinks, softcap, key_mask)
         return out @ pool.rot_v.T
-    return _decode_attention_blocks(q, meta, pool.num_kv_heads, k_blocks, v_blocks, tables, scale, sinks, softcap)
+    return _decode_attention_blocks(q, meta, pool.num_kv_heads, k_blocks, v_blocks, tables, scale, sinks, softcap,
+                                    key_mask)
 
 
 def _decode_attention_blocks(q: mx.array, meta: AttentionMetadata, kvh: int, k_blocks, v_blocks, tables: mx.array,
-                             scale: float, sinks: mx.array | None, softcap: float | None) -> mx.array:
+                             scale: float, sinks: mx.array | None, softcap: float | None,
+                             key_mask: mx.array | None = None) -> mx.array:
     """The reference decode over a pool's blocks, `kvh` heads a block (plain rows, then each
-    speculating group)."""
+    speculating group); `key_mask` [B, width]: the keys each row may read beyond its context
+    (a sparse attention's selection, `kv/sparse.py`)."""
     # Every layer's tables are the same, so these are built once a step.
     length, lens, floors = tables.shape[1] * meta.kv_cache.block_size, meta.decode_context_lens, meta.decode_floors
     groups = meta.decode_groups
@@ -135,6 +139,8 @@ def _decode_attention_blocks(q: mx.array, meta: AttentionMetadata, kvh: int, k_b
     if plain:
         heads = meta.memo(("block_heads", kvh), lambda: block_heads(tables[:plain], kvh))
         mask = meta.memo("mask", lambda: decode_mask(lens[:plain], length, None if floors is None else floors[:plain]))
+        if key_mask is not None:
+            mask = mask & key_mask[:plain]
         outs.append(reference_decode_attention(q[:plain], k_blocks, v_blocks, heads, mask, scale, sinks, softcap))
     for start, count in groups:
         # A speculating sequence's rows share one table (the last row's is the longest):
@@ -143,6 +149,8 @@ def _decode_attention_blocks(q: mx.array, meta: AttentionMetadata, kvh: int, k_b
         heads = meta.memo(("block_heads", kvh, start), lambda: block_heads(tables[end - 1 : end], kvh))
         mask = meta.memo(("mask", start), lambda: decode_mask(
             lens[start:end], length, None if floors is None else floors[start:end])[None])
+        if key_mask is not None:
+            mask = mask & key_mask[None, start:end]
         outs.append(reference_decode_attention(q[None, start:end], k_blocks, v_blocks, heads, mask, scale, sinks,
                                                softcap)[0])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
@@ -228,12 +236,15 @@ def _block_matmul(x: mx.array, blocks: "mx.array | QuantizedBlocks", heads: mx.a
 
 
 def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: PrefillSpan, scale: float,
-                       sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
+                       sinks: mx.array | None = None, softcap: float | None = None,
+                       key_mask: mx.array | None = None) -> mx.array:
     k, v = meta.kv_cache.pool(layer).gather(span.block_table)  # [kvh, L, d]
     k, v = (x[None, :, : span.context_len] for x in (k, v))  # [1, kvh, ctx, d]
     # "causal" in MLX aligns the last query with the last key, which is exactly
     # a chunk that continues a cached prefix.
     mask = meta.memo(("span_mask", span.start), lambda: span_mask(span, meta.kind))
+    if key_mask is not None:  # a sparse attention's selection ([rows, context], within the causal keys)
+        mask = key_mask if isinstance(mask, str) else mask & key_mask
     qh = mx.swapaxes(q, 0, 1)[None]
     out = dense_attention(qh, k, v, scale, mask, meta.explicit_ops, meta.prefill_tile, sinks, softcap)
     return mx.swapaxes(out[0], 0, 1)  # [n, H, d]
@@ -269,23 +280,28 @@ SPLIT = None  # an `engine.device_split.DeviceSplit` while `macinfer bench profi
 
 
 def attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
-           sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
+           sinks: mx.array | None = None, softcap: float | None = None, select: Any = None) -> mx.array:
     """q: [T, H, d] against the paged cache `layer` (this step's K/V already written; a
     layer that reads another's K/V passes that cache). Which keys each query reads is
-    the cache group's kind. `sinks`: per-head attention-sink logits; `softcap`:
-    attention logit soft-capping."""
+    the cache group's kind, narrowed by `select` (a sparse attention's `KeySelection`).
+    `sinks`: per-head attention-sink logits; `softcap`: attention logit soft-capping."""
     if SPLIT is not None:
-        return SPLIT.timed("attention", lambda: _attend(q, meta, layer, scale, sinks, softcap), q)
-    return _attend(q, meta, layer, scale, sinks, softcap)
+        return SPLIT.timed("attention", lambda: _attend(q, meta, layer, scale, sinks, softcap, select), q)
+    return _attend(q, meta, layer, scale, sinks, softcap, select)
 
 
 def _attend(q: mx.array, meta: AttentionMetadata, layer: int, scale: float,
-            sinks: mx.array | None, softcap: float | None) -> mx.array:
+            sinks: mx.array | None, softcap: float | None, select: Any = None) -> mx.array:
     meta = meta.for_layer(layer)
     outs = []
     if meta.num_decodes:
-        outs.append(_decode_attention(q[: meta.num_decodes], meta, layer, scale, sinks, softcap))
-    if meta.prefills:
+        outs.append(_decode_attention(q[: meta.num_decodes], meta, layer, scale, sinks, softcap,
+                                      None if select is None else select.decode))
+    if meta.prefills and select is not None:  # each chunk alone, with its own selection
+        for span in meta.prefills:
+            qs = q[span.start : span.start + span.length]
+            outs.append(_prefill_attention(qs, meta, layer, span, scale, sinks, softcap, select.spans[span.start]))
+    elif meta.prefills:
         batches, alone, index = meta.memo("prefill_plan", lambda: plan_prefills(meta.prefills))
         parts = [_batched_prefill_attention(q, meta, layer, b, scale, sinks, softcap) for b in batches]
         for i in alone:

@@ -47,12 +47,12 @@ from macinfer.kv.state import probe_plan
 from macinfer.models.paged_layers import Forward, PagedLayerCache, UnsupportedModelError, patch_modules, set_active
 from macinfer.models.paged_state import CacheListStandIn, PagedStateCache, patch_receiver, trace_receivers
 
-SPARSE = ("a sparse attention indexer (DeepSeek Sparse Attention, MiniMax M3's block selection) picks each "
-          "query's keys from an index cache; the paged path does not run it yet, and dense attention would not "
-          "be this model past the indexer's budget (issue #23)")
-# Families mlx-lm runs that the probe would pass (the indexer keeps every key of a short
+SPARSE = ("MiniMax M3's sparse attention (a block selection over its own index cache) picks each query's keys; "
+          "the paged path runs DeepSeek Sparse Attention's indexer only, and dense attention would not be this "
+          "model past the selection's budget")
+# Families mlx-lm runs that the probe would pass (the selection keeps every key of a short
 # context) but that the paged path would run wrong on long ones.
-REFUSED = {name: SPARSE for name in ("deepseek_v32", "glm_moe_dsa", "minimax_m3_vl")}
+REFUSED = {"minimax_m3_vl": SPARSE}
 
 # Families whose mlx-lm file applies no sliding window although transformers (and
 # llama.cpp) do: the window of layer i, from the config. `layer_types` wins when given.

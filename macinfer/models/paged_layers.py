@@ -22,6 +22,7 @@ import mlx.nn as nn
 
 from macinfer.kv.attention import AttentionMetadata, attend
 from macinfer.kv.mla import expanded_spans, split_latent_attention
+from macinfer.models.paged_indexer import patch_indexer
 
 
 class UnsupportedModelError(ValueError):
@@ -56,6 +57,8 @@ class Forward:
     mla_queries: dict[int, tuple[Any, mx.array]] = field(default_factory=dict)
     premade: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)
     mla_dims: dict[int, tuple[Any, Any, dict]] = field(default_factory=dict)  # the probe: cache -> embed_q, unembed_out, dims
+    # A sparse attention's key selection for the layer's next latent attention (`paged_indexer.py`).
+    key_select: Any = None
 
 
 _state = threading.local()
@@ -92,6 +95,7 @@ class PagedLayerCache:
             meta.kv_cache.write(self.index, meta.kv_rows(keys.shape[1]), keys[:, :, 0], values[:, :, 0])
         f.fetched[id(keys)] = f.fetched[id(values)] = self.index
         f.handed[self.index] = (keys, values)
+        self.keys, self.values = keys, values  # (what a model reads back off its cache: DeepSeek V3.2's)
         return keys, values
 
     def _latent(self, latent: mx.array, k_rope: mx.array) -> tuple[mx.array, mx.array]:
@@ -109,6 +113,7 @@ class PagedLayerCache:
         f.fetched[id(latent)] = self.index
         f.handed[self.index] = (latent, eye)
         f.latent[self.index] = latent.shape[-1]
+        self.keys, self.values = latent, eye
         return latent, eye
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
@@ -174,6 +179,7 @@ def _latent_call(f: Forward, index: int, queries: mx.array, keys: mx.array, valu
         f.problems.append(f"cache {index} holds MLA latents but its attention is not mlx-lm's absorbed form")
         return mx.zeros(queries.shape, dtype=queries.dtype)
     f.calls.append(index)
+    select, f.key_select = f.key_select, None  # DeepSeek Sparse Attention: this layer's selected keys
     q_rope = (mask * (1.0 / scale)).astype(queries.dtype)
     embed_q, q_nope = f.mla_queries.get(id(queries), (None, None))
     unembed = f.mla_unembed.get(id(embed_q))
@@ -183,14 +189,14 @@ def _latent_call(f: Forward, index: int, queries: mx.array, keys: mx.array, valu
         f.mla_dims[index] = (embed_q, unembed, dict(heads=queries.shape[1], r=queries.shape[-1],
                                                     nope=q_nope.shape[-1], rope=rope))
         return _premade(f, queries, unembed(mx.zeros(queries.shape, dtype=queries.dtype)))
-    if unembed is not None and expanded_spans(f.meta, index):
+    if unembed is not None and select is None and expanded_spans(f.meta, index):
         # Long prompt chunks in the expanded form (K/V per head from the latents): the output
         # is already projected out, handed to the model's `unembed_out` by `_premade`.
         out = split_latent_attention(queries[:, :, 0], q_nope[:, :, 0], q_rope[:, :, 0], f.meta, index, scale,
                                      embed_q, unembed)
         return _premade(f, queries, out[:, :, None, :])
     q = mx.concatenate([queries, q_rope], axis=-1)
-    return attend(q[:, :, 0, :], f.meta, index, scale)[:, :, None, :]
+    return attend(q[:, :, 0, :], f.meta, index, scale, select=select)[:, :, None, :]
 
 
 def _premade(f: Forward, queries: mx.array, out: mx.array) -> mx.array:
@@ -384,7 +390,8 @@ _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
                       "mlx_lm.models.gpt_bigcode": [_patch_sdpa, _patch_gpt_bigcode],
                       "mlx_lm.models.afm7": [_patch_sdpa, _patch_afm7],
                       "mlx_lm.models.plamo2": [_patch_sdpa, _patch_plamo2],
-                      "mlx_lm.models.mla": [_patch_multilinear]}
+                      "mlx_lm.models.mla": [_patch_multilinear],
+                      "mlx_lm.models.deepseek_v32": [_patch_sdpa, patch_indexer]}
 
 
 def patch_modules() -> None:
