@@ -96,6 +96,19 @@ def tiny_model_dir(tmp_path, family: str = "llama", tie: bool = True, quantize: 
     return save_model_dir(str(tmp_path / f"{family}-{int(tie)}-{seed}"), config, model, quantize), model
 
 
+def mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens after `prompt` from mlx-lm's own model and caches (the reference)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache)[0, -1]
+    return out
+
+
 def generate(engine, prompts, params) -> list:
     """Run prompts (one SamplingParams or one per prompt) to completion; outputs in order."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)

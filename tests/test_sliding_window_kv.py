@@ -4,18 +4,16 @@ Their blocks live in a second pool; blocks that end before the window of the
 next query are given back while the sequence runs, prefix hits need the
 window's tail, and the memory budget buys more full-attention blocks."""
 
-import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import make_prompt_cache
 
 from macinfer.engine.block_manager import NULL_BLOCK, BlockManager
 from macinfer.kv.spec import CacheGroup, ChunkedLocal, FullAttention, SlidingWindow, cdiv
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.engine.sequence import Sequence
 from macinfer.sampling_params import SamplingParams
-from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+from tests.helpers import generate, make_mlx_lm_model, mlx_lm_greedy, save_model_dir
 
 W, BS = 8, 4
 
@@ -139,22 +137,12 @@ def gemma3(tmp_path_factory):
     return config, ref, save_model_dir(str(tmp_path_factory.mktemp("gemma3")), config, ref)
 
 
-def _reference_greedy(model, prompt, n):
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)[0, -1]
-    out = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits).item()))
-        logits = model(mx.array([[out[-1]]]), cache=cache)[0, -1]
-    return out
-
-
 @pytest.mark.parametrize("kernels", ["reference", "emulate"])
 def test_window_blocks_are_released_and_tokens_match_mlx_lm(gemma3, kernels, monkeypatch):
     monkeypatch.setenv("MACINFER_KERNELS", kernels)
     _, ref, path = gemma3
     prompts = [list(range(3, 53)), list(range(60, 90))]
-    want = [_reference_greedy(ref, p, 30) for p in prompts]
+    want = [mlx_lm_greedy(ref, p, 30) for p in prompts]
     engine = LLMEngine(path, EngineConfig(block_size=BS, kv_cache_gb=0.01, max_num_batched_tokens=16))
     bm = engine.block_manager
     assert [(g["kind"], g["layers"]) for g in engine.cache_groups()] == \
@@ -198,7 +186,7 @@ def test_speculative_drafts_across_window_blocks_match_mlx_lm(gemma3):
     greedy tokens still match mlx-lm, and every window block comes back."""
     _, ref, path = gemma3
     prompt = list(range(3, 23)) * 3
-    want = _reference_greedy(ref, prompt, 40)
+    want = mlx_lm_greedy(ref, prompt, 40)
     engine = LLMEngine(path, EngineConfig(block_size=BS, kv_cache_gb=0.01, num_speculative_tokens=4,
                                           prompt_lookup_min=1))
     out = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]

@@ -4,14 +4,12 @@ mlx-lm's tokens (alone, batched, through chunked prefill: the architecture matri
 them with prefix hits and preemption too), and the selection is what the model reads: a
 far token no query selects changes nothing, a selected one changes the answer."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.sampling_params import SamplingParams
-from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+from tests.helpers import generate, make_mlx_lm_model, mlx_lm_greedy, save_model_dir
 from tests.zoo import tiny_config
 
 TOPK = 8
@@ -25,21 +23,11 @@ def dsa(request, tmp_path_factory):
     return save_model_dir(str(tmp_path_factory.mktemp(request.param)), config, model), model
 
 
-def _mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)[0, -1]
-    out = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits).item()))
-        logits = model(mx.array([[out[-1]]]), cache=cache)[0, -1]
-    return out
-
-
 def test_tokens_equal_mlx_lm_past_the_budget(dsa):
     path, model = dsa
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, n).tolist() for n in (5, 20, 37, 60, 9, 44, 26, 31)]
-    want = [_mlx_lm_greedy(model, p, 12) for p in prompts]
+    want = [mlx_lm_greedy(model, p, 12) for p in prompts]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for budget in (512, 16):  # the prompts in one chunk each, and cut into chunks of 16 tokens
         engine = LLMEngine(path, EngineConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=budget))
