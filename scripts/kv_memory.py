@@ -54,16 +54,21 @@ MLA_PRESETS = {  # from the published config.json files: layers, heads, kv_lora_
     "GLM-4.7-Flash": dict(layers=47, heads=20, kv_lora_rank=512, rope=64, nope=192, v=256),
     # Mistral-Small-4-119B-2603: transformers' Mistral4Config, whose defaults are that checkpoint's
     "Mistral-Small-4": dict(layers=36, heads=32, kv_lora_rank=256, rope=64, nope=64, v=128),
+    # DeepSeek Sparse Attention: each layer's indexer also caches one key a token
+    "DeepSeek-V3.2": dict(layers=61, heads=128, kv_lora_rank=512, rope=64, nope=128, v=128, index_head_dim=128),
 }
 
 
 def mla_report(name: str, m: dict, budgets: tuple[float, ...] = (16, 64, 256), itemsize: int = 2) -> None:
     """Latent bytes a token (what macinfer caches: one K head of latent + rope key, V read
     from it) against K/V expanded per head, and the context each budget holds."""
-    latent = m["layers"] * (m["kv_lora_rank"] + m["rope"]) * itemsize
+    # A sparse attention's index keys are kept as K and V (mlx-lm's cache keeps them so too).
+    index = 2 * m.get("index_head_dim", 0)
+    latent = m["layers"] * (m["kv_lora_rank"] + m["rope"] + index) * itemsize
     expanded = m["layers"] * m["heads"] * (m["nope"] + m["rope"] + m["v"]) * itemsize
     held = ", ".join(f"{b:g} GiB: {int(b * 2**30 // latent):,} tokens" for b in budgets)
-    print(f"{name} (MLA): {m['layers']} layers x ({m['kv_lora_rank']} + {m['rope']}) bf16 = {latent / 1024:.1f} KiB a "
+    parts = f"{m['kv_lora_rank']} + {m['rope']}" + (f" + 2 x {index // 2} index keys" if index else "")
+    print(f"{name} (MLA): {m['layers']} layers x ({parts}) bf16 = {latent / 1024:.1f} KiB a "
           f"token ({expanded / latent:.0f}x less than K/V expanded over {m['heads']} heads); {held}")
 
 
