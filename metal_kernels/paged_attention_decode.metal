@@ -19,6 +19,22 @@
 // Inputs: q [B, H, D], k_pool [num_blocks, KVH, BS, D], v_pool [num_blocks, KVH, BS, VW]
 // (a block's rows of one head are contiguous; VW >= DV), block_tables [B, max_blocks]
 // int32, context_lens [B] int32, scale [1] float32.
+// MACINFER_QUANTIZED: the pools hold MLX-affine-quantized rows instead (KBITS / VBITS bits a
+// value, little-endian bit-packed into uint32 words, a scale and a bias per KGROUP / VGROUP
+// values): k_w [num_blocks, KVH, BS, D * KBITS / 32], k_s / k_b [num_blocks, KVH, BS,
+// D / KGROUP], and v_w, v_s, v_b alike over the V row's VW values; each lane dequantizes
+// the values it reads (a 3-bit value may straddle two words).
+#if MACINFER_QUANTIZED
+#define MI_DEQ(dst, W, S, Z, WPR, NG, GROUP, BITS, r, c) {                          \
+    const long bit_ = long(c) * BITS;                                                   \
+    const long w0_ = long(r) * (WPR) + bit_ / 32;                                      \
+    const uint sh_ = uint(bit_ % 32);                                                   \
+    uint q_ = W[w0_] >> sh_;                                                            \
+    if (sh_ + BITS > 32) { q_ |= W[w0_ + 1] << (32 - sh_); }                            \
+    q_ &= (1u << BITS) - 1u;                                                            \
+    const long g_ = long(r) * (NG) + (c) / GROUP;                                       \
+    dst = float(S[g_]) * float(q_) + float(Z[g_]); }
+#endif
 constexpr int DPL = D / 32;
 constexpr int DVPL = DV / 32;
 constexpr int BLOCKS_PER_GROUP = GQA / HB;
@@ -28,9 +44,17 @@ const int kvh = threadgroup_position_in_grid.x / BLOCKS_PER_GROUP;
 const int head0 = kvh * GQA + (threadgroup_position_in_grid.x % BLOCKS_PER_GROUP) * HB;  // first query head
 const int seq = threadgroup_position_in_grid.y;
 const int part = threadgroup_position_in_grid.z;
+#if MACINFER_QUANTIZED
+const int num_kv_heads = k_w_shape[1];
+const int k_words = k_w_shape[3];
+const int v_words = v_w_shape[3];
+const int k_groups = k_s_shape[3];
+const int v_groups = v_s_shape[3];
+#else
 const int num_kv_heads = k_pool_shape[1];
-const int num_heads = q_shape[1];
 const int v_width = v_pool_shape[3];
+#endif
+const int num_heads = q_shape[1];
 const int max_blocks = block_tables_shape[1];
 const int ctx = context_lens[seq];
 const int part_start = part * PART;
@@ -57,16 +81,25 @@ for (int g = 0; g < HB; g++) {
 for (int t = start + int(sg); t < end; t += NSG) {
   const long block = block_tables[long(seq) * max_blocks + t / BS];
   const long row = (block * num_kv_heads + kvh) * BS + t % BS;
-  const long koff = row * D + lane * DPL;
-  const long voff = row * v_width + lane * DVPL;
   float kr[DPL];
   float vr[DVPL];
+#if MACINFER_QUANTIZED
+  for (int i = 0; i < DPL; i++) {
+    MI_DEQ(kr[i], k_w, k_s, k_b, k_words, k_groups, KGROUP, KBITS, row, int(lane) * DPL + i);
+  }
+  for (int i = 0; i < DVPL; i++) {
+    MI_DEQ(vr[i], v_w, v_s, v_b, v_words, v_groups, VGROUP, VBITS, row, int(lane) * DVPL + i);
+  }
+#else
+  const long koff = row * D + lane * DPL;
+  const long voff = row * v_width + lane * DVPL;
   for (int i = 0; i < DPL; i++) {
     kr[i] = float(k_pool[koff + i]);
   }
   for (int i = 0; i < DVPL; i++) {
     vr[i] = float(v_pool[voff + i]);
   }
+#endif
   for (int g = 0; g < HB; g++) {
     float s = 0.0f;
     for (int i = 0; i < DPL; i++) {
@@ -134,3 +167,6 @@ if (sg == 0) {
 #endif
   }
 }
+#if MACINFER_QUANTIZED
+#undef MI_DEQ
+#endif

@@ -89,6 +89,56 @@ def test_decode_kernel_latent_attention(B, H, R, ROPE, lens, part):
                                atol=2e-5, rtol=1e-4)
 
 
+def _quantized(pool: np.ndarray, bits: int, group: int):
+    """A [num_blocks, kvh, bs, d] pool as the engine's quantized pools hold it (its packed
+    (block, head) matrices), and its dequantized values (what the kernel must read)."""
+    from macinfer.kv.cache import QuantizedBlocks
+
+    nb, kvh, bs, d = pool.shape
+    w, scales, biases = mx.quantize(mx.array(pool.reshape(-1, d)), group_size=group, bits=bits)
+    back = np.array(mx.dequantize(w, scales, biases, group_size=group, bits=bits)).reshape(pool.shape)
+    blocks = QuantizedBlocks(*(x.reshape(nb * kvh, bs, -1) for x in (w, scales, biases)), group, bits, d)
+    return blocks, back.astype(np.float64)
+
+
+# Quantized pools read in place: K and V bits (8, 4, 3: a 3-bit value straddles words; K8V4),
+# their group size, and the split-K launch (partition 32) for long contexts.
+QUANTIZED = [
+    # (k bits, v bits, group, B, KVH, GQA, D, context lengths, partition size)
+    (8, 8, 64, 2, 2, 2, 64, [16, 33], 512),
+    (4, 4, 32, 3, 1, 4, 128, [7, 50, 129], 32),
+    (3, 3, 32, 2, 2, 1, 64, [40, 90], 512),
+    (8, 4, 64, 2, 1, 4, 128, [95, 300], 64),
+]
+
+
+@pytest.mark.parametrize("kbits,vbits,group,B,KVH,GQA,D,lens,part", QUANTIZED)
+def test_decode_kernel_reads_quantized_pools(kbits, vbits, group, B, KVH, GQA, D, lens, part):
+    from macinfer.kernels.paged_attention import quantized_decode_calls
+
+    q, kp, vp, tables, lens_ = paged_case(B, KVH, GQA, D, lens)
+    kq, k_back = _quantized(kp, kbits, group)
+    vq, v_back = _quantized(vp, vbits, group)
+    calls = quantized_decode_calls(mx.array(q), kq, vq, KVH, mx.array(tables), mx.array(lens_), D**-0.5, BS,
+                                   max(lens), partition_size=part)
+    out, _ = emulate_calls(calls)
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out, float64_decode_attention(q, k_back, v_back, tables, lens_), atol=2e-5, rtol=1e-4)
+
+
+def test_decode_kernel_reads_quantized_latents():
+    """MLA over a quantized latent pool: K = [latent, rope key] packed, V its leading columns."""
+    from macinfer.kernels.paged_attention import quantized_decode_calls
+
+    R, ROPE = 64, 32
+    q, kp, _, tables, lens_ = paged_case(2, 1, 8, R + ROPE, [20, 90])
+    kq, k_back = _quantized(kp, 8, 32)
+    out, _ = emulate_calls(quantized_decode_calls(mx.array(q), kq, kq, 1, mx.array(tables), mx.array(lens_), 0.1, BS,
+                                                  90, partition_size=32, v_dim=R))
+    np.testing.assert_allclose(out, float64_decode_attention(q, k_back, k_back[..., :R], tables, lens_, scale=0.1),
+                               atol=2e-5, rtol=1e-4)
+
+
 def test_decode_kernel_float16():
     case = paged_case(2, 2, 4, 64, [40, 90], dtype=np.float16)
     out, _ = emulate_calls(calls_for(case, 32))
@@ -115,7 +165,10 @@ def test_thread_sanitizer_is_clean_and_catches_a_missing_barrier():
     assert "WARNING: ThreadSanitizer: data race" in broken.stderr
 
 
-def test_engine_output_with_emulated_kernels_equals_reference(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kv", ["auto", "int4", "k8v4r"])
+def test_engine_output_with_emulated_kernels_equals_reference(tmp_path, monkeypatch, kv):
+    """The whole engine with the decode kernel run by the emulator, over full-precision and
+    quantized (rotated too) KV pools, gives the reference path's logits and tokens."""
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
     from macinfer.sampling_params import SamplingParams
     from tests.helpers import tiny_model_dir
@@ -127,7 +180,7 @@ def test_engine_output_with_emulated_kernels_equals_reference(tmp_path, monkeypa
 
     def run(mode):
         monkeypatch.setenv("MACINFER_KERNELS", mode)
-        engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
+        engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16, kv_cache_dtype=kv))
         logits = engine.score([list(range(30, 70)), list(range(3, 43))], [21, 12, 1, 1, 1])
         ids = [engine.add_request(p, params) for p in prompts]
         done = {}

@@ -8,12 +8,15 @@ CPU emulator, which compiles exactly the source MLX generates for it.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import mlx.core as mx
 
 from macinfer.kernels.call import KernelCall, kernel_source, launch
 
 DECODE_INPUTS = ["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"]
+# The quantized pools' form: packed words, scales and biases of K and of V.
+QUANTIZED_INPUTS = ["q", "k_w", "k_s", "k_b", "v_w", "v_s", "v_b", "block_tables", "context_lens", "scale"]
 MERGE_INPUTS = ["tmp_out", "tmp_ml"]
 PARTITION_SIZE = 512  # tokens per split-K partition
 THREADGROUP_MEMORY = 32 * 1024  # bytes of threadgroup memory on Apple GPUs
@@ -24,13 +27,14 @@ REGISTER_FLOATS = 128
 
 
 @lru_cache(maxsize=None)
-def _kernel(partitioned: bool):
+def _kernel(partitioned: bool, quantized: bool = False):
     src = kernel_source("paged_attention_decode")
-    src = f"#define MACINFER_PARTITIONED {int(partitioned)}\n{src}\n#undef MACINFER_PARTITIONED\n"
+    src = (f"#define MACINFER_PARTITIONED {int(partitioned)}\n#define MACINFER_QUANTIZED {int(quantized)}\n{src}\n"
+           "#undef MACINFER_QUANTIZED\n#undef MACINFER_PARTITIONED\n")
     outputs = ["tmp_out", "tmp_ml"] if partitioned else ["out"]
     return mx.fast.metal_kernel(
-        name="macinfer_paged_decode" + ("_split" if partitioned else ""),
-        input_names=DECODE_INPUTS,
+        name="macinfer_paged_decode" + ("_split" if partitioned else "") + ("_q" if quantized else ""),
+        input_names=QUANTIZED_INPUTS if quantized else DECODE_INPUTS,
         output_names=outputs,
         source=src,
     )
@@ -91,25 +95,50 @@ def decode_calls(
     One launch when the longest context fits one partition; otherwise the
     split-K launch plus a merge launch (its inputs are the split outputs,
     filled in by `launch`)."""
-    B, H, D = q.shape
     kvh = k_pool.shape[1]
     dv = v_pool.shape[-1] if v_dim is None else v_dim
+    return _calls(q, [k_pool, v_pool], kvh, dv, [], block_tables, context_lens, scale, block_size, max_context,
+                  partition_size, window)
+
+
+def quantized_decode_calls(
+    q: mx.array, k: Any, v: Any, num_kv_heads: int, block_tables: mx.array, context_lens: mx.array, scale: float,
+    block_size: int, max_context: int, partition_size: int = PARTITION_SIZE, window: int | None = None,
+    v_dim: int | None = None,
+) -> list[KernelCall]:
+    """`decode_calls` over a quantized pool's packed blocks (`kv.cache.QuantizedBlocks`, K
+    and V; MLA: K twice, `v_dim` the latent's width): each row dequantized as it is read."""
+    def shaped(x: mx.array) -> mx.array:  # [num_blocks * kvh, bs, n] -> [num_blocks, kvh, bs, n]
+        return x.reshape(-1, num_kv_heads, *x.shape[1:])
+
+    arrays = [shaped(x) for b in (k, v) for x in (b.w, b.scales, b.biases)]
+    template = [("KBITS", k.bits), ("VBITS", v.bits), ("KGROUP", k.group), ("VGROUP", v.group)]
+    return _calls(q, arrays, num_kv_heads, v.dim if v_dim is None else v_dim, template, block_tables, context_lens,
+                  scale, block_size, max_context, partition_size, window)
+
+
+def _calls(q: mx.array, pools: list[mx.array], kvh: int, dv: int, extra: list, block_tables: mx.array,
+           context_lens: mx.array, scale: float, block_size: int, max_context: int, partition_size: int,
+           window: int | None) -> list[KernelCall]:
+    B, H, D = q.shape
+    quantized = len(pools) > 2
+    names = QUANTIZED_INPUTS if quantized else DECODE_INPUTS
     gqa = H // kvh
     hb, nsg = head_block(D, dv, gqa)
     assert partition_size % block_size == 0 and hb > 0
     parts = max(1, -(-max_context // partition_size))
     template = [("T", q.dtype), ("D", D), ("DV", dv), ("BS", block_size), ("GQA", gqa), ("HB", hb), ("NSG", nsg),
-                ("PART", partition_size), ("WINDOW", window or 0)]
-    inputs = [q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32),
+                ("PART", partition_size), ("WINDOW", window or 0), *extra]
+    inputs = [q, *pools, block_tables.astype(mx.int32), context_lens.astype(mx.int32),
               mx.array([scale], dtype=mx.float32)]
     grid = (32 * nsg * kvh * (gqa // hb), B, parts)
     tg = (32 * nsg, 1, 1)
     if parts == 1:
-        return [KernelCall(_kernel(False), inputs, template, grid, tg, [(B, H, dv)], [q.dtype],
-                           DECODE_INPUTS, ["out"])]
-    split = KernelCall(_kernel(True), inputs, template, grid, tg,
+        return [KernelCall(_kernel(False, quantized), inputs, template, grid, tg, [(B, H, dv)], [q.dtype],
+                           names, ["out"])]
+    split = KernelCall(_kernel(True, quantized), inputs, template, grid, tg,
                        [(B, H, parts, dv), (B, H, parts, 2)], [mx.float32, mx.float32],
-                       DECODE_INPUTS, ["tmp_out", "tmp_ml"])
+                       names, ["tmp_out", "tmp_ml"])
     merge = KernelCall(_merge_kernel(), [], [("T", q.dtype), ("D", dv)], (32, B * H, 1), (32, 1, 1),
                        [(B, H, dv)], [q.dtype], MERGE_INPUTS, ["out"])
     return [split, merge]

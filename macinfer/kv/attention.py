@@ -102,17 +102,20 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
                       key_mask: mx.array | None = None) -> mx.array:
     pool = meta.kv_cache.pool(layer)
     backend = meta.decode_attention
-    if (backend != "reference" and not pool.quantized and sinks is None and softcap is None and key_mask is None
+    if (backend != "reference" and sinks is None and softcap is None and key_mask is None
             and (meta.kind is None or meta.window is not None or not meta.kind.bounded)
             and (pool.head_dim == pool.v_head_dim or pool.v_in_k)
             and paged_kernels.supported(q.shape[-1], q.shape[1] // pool.num_kv_heads, pool.v_head_dim)):
+        args = (meta.decode_block_tables, meta.decode_context_lens, scale, pool.block_size, meta.decode_max_context)
+        opts = dict(window=meta.window, v_dim=pool.v_head_dim, partition_size=meta.decode_partition)
+        if pool.quantized:  # the packed rows dequantized as the kernel reads them (rotated: q turned alike)
+            k_q, v_q = pool.quantized_blocks()
+            qr = q if pool.rot_k is None else q @ pool.rot_k
+            out = launch(paged_kernels.quantized_decode_calls(qr, k_q, v_q, pool.num_kv_heads, *args, **opts),
+                         emulate=backend == "emulate")
+            return out if pool.rot_v is None else out @ pool.rot_v.T
         k_blocks, v_blocks = pool.blocks()  # MLA: the latent pool twice, V its leading columns
-        calls = paged_kernels.decode_calls(
-            q, k_blocks, v_blocks, meta.decode_block_tables, meta.decode_context_lens, scale,
-            pool.block_size, meta.decode_max_context, window=meta.window, v_dim=pool.v_head_dim,
-            partition_size=meta.decode_partition,
-        )
-        return launch(calls, emulate=backend == "emulate")
+        return launch(paged_kernels.decode_calls(q, k_blocks, v_blocks, *args, **opts), emulate=backend == "emulate")
     # The pools in place; a quantized one's packed blocks through `gather_qmm` (a dequantized
     # copy of the step's blocks was 1.5-3x slower on the CPU: 8 x 2k tokens, SmolLM2's heads).
     k_blocks, v_blocks = pool.quantized_blocks() if pool.quantized else pool.blocks()
