@@ -185,6 +185,9 @@ class MTPDrafter(DraftModel):
                     [(sh, 1) for sh in fed], [self._row(self.targets[sh], j) for sh in fed],
                     (prev[pick], [sh.num_computed_tokens + j - 1 for sh in fed]))
             rounds.append((tokens, {sh: i for i, sh in enumerate(fed)}))
+        if not ready:  # a catch-up alone: its writes run behind the step's forward, no sync here
+            mx.async_eval(*self.kv_cache.state())
+            return {}
         mx.eval(*(t for t, _ in rounds), *self.kv_cache.state())
         values = [(t.tolist(), where) for t, where in rounds]
         return {self.targets[sh]: [v[where[sh]] for v, where in values[: ks[sh]]] for sh in ready}
