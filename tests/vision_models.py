@@ -39,6 +39,18 @@ def _tokenizer(specials: list[str], marker: str, named: dict | None = None):
     return fast
 
 
+def _llava_bunny(path: str) -> tuple[dict, Any]:
+    """nanoLLaVA's layout: a Qwen2 decoder's config at the root, a SigLIP tower (27 x 27
+    patches: mlx-vlm's merge takes 729 rows), one sentinel id (-200) an image in the prompt,
+    and a tokenizer for a processor (mlx-vlm's own image processor beside it)."""
+    text = {k: v for k, v in TEXT.items() if k != "model_type"}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+              "num_attention_heads": 2, "image_size": 384, "patch_size": 14}
+    cfg = {"model_type": "llava-qwen2", **text, "vision_config": vision, "mm_hidden_size": 32,
+           "mm_projector_type": "mlp2x_gelu", "image_token_index": -200, "auto_map": {}, "eos_token_id": 2}
+    return cfg, _tokenizer([], "<image>")
+
+
 def _llava(path: str) -> tuple[dict, Any]:
     from transformers import CLIPImageProcessor
 
@@ -676,7 +688,7 @@ TEXT_FIXED = {"gemma3n"}
 PROMPT_ONLY = {"paligemma"}
 TIED = {"gemma3", "gemma3n", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
+BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
@@ -741,7 +753,15 @@ def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tup
     model, processor = load(path)
     # (mlx-vlm's Llama 4 image processor leaves out the global tile its prompt counts: mended as the engine does)
     mend(processor, model.config.model_type)
-    inputs = processor(text=[prompt], images=images, return_tensors="np")
+    from mlx_vlm.models.base import BaseImageProcessor
+
+    if isinstance(getattr(processor, "image_processor", None), BaseImageProcessor):  # a tokenizer and its own
+        from mlx_vlm.utils import prepare_inputs
+
+        inputs = {k: np.array(v) for k, v in prepare_inputs(processor, images=images, prompts=prompt,
+                                                            image_token_index=model.config.image_token_index).items()}
+    else:
+        inputs = processor(text=[prompt], images=images, return_tensors="np")
     # (arrays as MLX arrays; lists, MiniCPM-V's per-image pixels and bounds, as they are)
     extras = {k: _mx(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
     ids, mask = mx.array(inputs["input_ids"]), mx.array(inputs["attention_mask"])

@@ -117,6 +117,7 @@ class VisionEncoder:
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0
         self.rope_index = rope_index  # multimodal RoPE families: (ids, spans) -> (positions, shift), mlx-vlm's rule
+        self.sentinel = False  # a sentinel family's (`sentinel_rows`): its images encoded a call each
 
     @classmethod
     def load(cls, path: str, embed: nn.Module, image_token_id: int, dtype: mx.Dtype,
@@ -156,6 +157,14 @@ class VisionEncoder:
         own = [v for k, v in tree_flatten(self.vlm.parameters()) if not k.startswith("language_model.")]
         return sum(v.nbytes for v in own)
 
+    def sentinel_rows(self, inputs: dict[str, Any]) -> int:
+        """The feature rows the merge grows an image's one sentinel id into (a shape only:
+        the merge's graph is built, never evaluated past finding the sentinel)."""
+        ids = np.asarray(inputs["input_ids"], dtype=np.int32)[None]
+        merged = self.vlm.get_input_embeddings(mx.array(ids), mx.array(np.asarray(inputs["pixel_values"])),
+                                               mask=mx.ones(ids.shape, dtype=mx.int32)).inputs_embeds
+        return int(merged.shape[1] - ids.shape[1] + 1)
+
     def encode(self, span: ImageSpan) -> mx.array:
         """The embedding rows of `span`'s placeholders [len(rows), hidden] (DeepStack:
         [1 + early layers, rows, hidden]), from the cache or encoded now."""
@@ -168,8 +177,8 @@ class VisionEncoder:
         out: list[mx.array | None] = [self.cache.get(s.digest) for s in spans]
         groups: dict[Any, list[int]] = {}
         for i, s in enumerate(spans):
-            if out[i] is None:
-                groups.setdefault(_stack_key(s.pixels or {}), []).append(i)
+            if out[i] is None:  # (a sentinel family's merge grows the first sentinel only: a call an image)
+                groups.setdefault(object() if self.sentinel else _stack_key(s.pixels or {}), []).append(i)
         for members in groups.values():
             for i, features in zip(members, self._encode_group([spans[i] for i in members])):
                 out[i] = features

@@ -35,9 +35,18 @@ class VisionProcessor:
     `ImageInputs` for the engine."""
 
     def __init__(self, processor: Any, tokenizer: Any, image_token_id: int, marker: list[int],
-                 placeholders_only: bool = False, own_vocab: tuple[int, int] | None = None):
+                 placeholders_only: bool = False, own_vocab: tuple[int, int] | None = None,
+                 image_processor: Any = None):
         self.processor, self.tokenizer = processor, tokenizer
         self.image_token_id, self.marker = image_token_id, marker
+        # mlx-vlm's own image processor where the checkpoint's processor is a bare tokenizer
+        # (LLaVA-Bunny's): the prompt is tokenized around "<image>" and the image's id put
+        # between, as mlx-vlm's `prepare_inputs` does.
+        self.image_processor = image_processor
+        # A sentinel family (one id, -200, an image, grown into all of its feature rows at the
+        # merge): how many rows an image's inputs give (`VisionEncoder.sentinel_rows`), set
+        # with the encoder; the engine's prompt holds that many placeholders instead.
+        self.sentinel_rows: Any = None
         # The processor writes the whole prompt around any text (PaliGemma: BOS and a newline),
         # which the template writes too: an image's expansion is its run of placeholders alone.
         self.placeholders_only = placeholders_only
@@ -55,6 +64,15 @@ class VisionProcessor:
 
         processor = load_processor(path, add_detokenizer=False)
         mend(processor, model_type)
+        image_processor = None
+        if not hasattr(processor, "image_processor"):  # a bare tokenizer: mlx-vlm's image processor, if any
+            from mlx_vlm.models.base import BaseImageProcessor
+            from mlx_vlm.utils import load_image_processor
+
+            found = load_image_processor(path)
+            if not isinstance(found, BaseImageProcessor):
+                raise ValueError("its processor is a tokenizer and mlx-vlm has no image processor for it")
+            image_processor = found
         if image_token_id is None:
             image_token_id = getattr(processor, "image_token_id", None)
             if not isinstance(image_token_id, int):
@@ -69,7 +87,7 @@ class VisionProcessor:
         marker = _find_marker(with_image, without)
         if not marker:
             raise ValueError("its chat template renders no marker for an image part")
-        return cls(processor, tokenizer, image_token_id, marker, placeholders_only, own_vocab)
+        return cls(processor, tokenizer, image_token_id, marker, placeholders_only, own_vocab, image_processor)
 
     def _expand_one(self, image: Any, after: list[int]) -> tuple[list[int], dict[str, Any]]:
         """The marker expanded for `image` by the model's processor, and its encoder inputs.
@@ -90,6 +108,8 @@ class VisionProcessor:
         return ids, pixels
 
     def _run(self, text: str, image: Any) -> tuple[list[int], dict[str, Any]]:
+        if self.image_processor is not None:
+            return self._run_split(text, image)
         try:
             out = self.processor(text=[text], images=[image], return_tensors="np")
         except (ValueError, TypeError, IndexError, KeyError) as e:  # sizes the processor refuses
@@ -104,6 +124,26 @@ class VisionProcessor:
         pixels = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids",
                                                                  "mm_token_type_ids", "labels")}
         return ids, pixels
+
+    def _run_split(self, text: str, image: Any) -> tuple[list[int], dict[str, Any]]:
+        """mlx-vlm's `prepare_inputs` for a tokenizer and its own image processor: the text
+        before and after "<image>" tokenized apart, the image's id between them."""
+        before, found, after = text.partition("<image>")
+        if not found:
+            raise ImageError("the model's image marker did not reach its processor")
+        try:
+            pixels = np.stack([np.asarray(p) for p in self.image_processor.preprocess(images=[image.convert("RGB")])])
+        except (ValueError, TypeError, IndexError, KeyError) as e:
+            raise ImageError(f"the model's image processor refused the image: {str(e)[:200]}") from None
+        ids = list(self.processor(before).input_ids) + [self.image_token_id] + list(self.processor(after).input_ids)
+        return ids, {"pixel_values": pixels}
+
+    def _grown(self, shown: list[int], pixels: dict[str, Any], expanded: list[int]) -> tuple[list[int], list[int]]:
+        """A sentinel family's image: its one sentinel id replaced by a placeholder (id 0, its
+        embedding replaced) for each of the image's feature rows; (the prompt's ids, those rows)."""
+        at = shown.index(self.image_token_id)
+        n = self.sentinel_rows({"input_ids": expanded, **pixels})
+        return shown[:at] + [0] * n + shown[at + 1:], list(range(at, at + n))
 
     def _numbered(self, ids: list[int], k: int) -> list[int]:
         """MiniCPM-V writes each image's number before it (`<image_id>k</image_id>`, counted
@@ -136,6 +176,8 @@ class VisionProcessor:
             shown = self._numbered(expanded, k)
             lo, hi = self.own_vocab or (0, 0)
             rows = [j for j, t in enumerate(shown) if t == self.image_token_id or lo <= t < hi]
+            if self.sentinel_rows is not None and len(rows) == 1:
+                shown, rows = self._grown(shown, pixels, expanded)
             if not rows:
                 raise ImageError("the model's processor gave the image no placeholder tokens")
             # (the encoder takes the image as expanded alone: its inputs' bounds count those ids)

@@ -37,8 +37,12 @@ PREFIX_LM_TEMPLATE = (
 NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
 CROSS = "its language model cross-attends to the image (no image tokens in the prompt), not run yet"
 ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
-SENTINEL = ("its prompt holds one sentinel id (-200) an image, which the merge replaces by all of the image's "
-            "feature rows (the prompt grows at the merge; the engine splices a row per placeholder); not run yet")
+SENTINEL = ("its prompt holds one sentinel id (-200) an image, grown into the image's feature rows at the merge "
+            "(as LLaVA-Bunny's, which runs); this family's tower and processor are not built and checked on a tiny "
+            "model yet")
+# Families whose prompt holds one sentinel id an image, grown into the image's rows at the merge:
+# the engine's prompt holds a placeholder a row instead (`VisionProcessor._grown`).
+SENTINEL_FAMILIES = {"llava_bunny"}
 # model_type -> None (runs: same greedy tokens and first-token logprobs as mlx-vlm on tiny random
 # weights, tests/test_vision.py) or why images are refused (the text still runs where mlx-lm does).
 FAMILIES: dict[str, str | None] = {
@@ -54,7 +58,7 @@ FAMILIES: dict[str, str | None] = {
                "language model runs image prompts under a vision LoRA (which the engine's per-row adapters could "
                "carry, docs/lora.md); not run yet"),
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": SENTINEL, "llava_bunny": SENTINEL, "phi4_siglip": SENTINEL,
+    "fastvlm": SENTINEL, "llava_bunny": None, "phi4_siglip": SENTINEL,
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
              "not a generative chat model"),
     "d1": ("a decision model (LFM2-VL whose readout scores a question's options: choice, score, yes/no), "
@@ -116,10 +120,20 @@ def is_vision_config(config: dict[str, Any]) -> bool:
     return isinstance(config.get("vision_config"), dict)
 
 
+def family(config: dict[str, Any]) -> str | None:
+    """The config's mlx-vlm model type (its aliases resolved: nanoLLaVA's `llava-qwen2` is `llava_bunny`)."""
+    model_type = config.get("model_type")
+    try:
+        from mlx_vlm.utils import MODEL_REMAPPING
+    except ImportError:
+        return model_type
+    return MODEL_REMAPPING.get(model_type, model_type)
+
+
 def verdict(config: dict[str, Any]) -> str | None:
     """None when images run for this config, else why not (a text-only model: None is never
     asked: `is_vision_config` first)."""
-    return FAMILIES.get(config.get("model_type"), UNVERIFIED)
+    return FAMILIES.get(family(config), UNVERIFIED)
 
 
 def image_token_id(config: dict[str, Any]) -> int | None:
@@ -189,6 +203,8 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
             if config.get("model_type") in DEEPSTACK_FAMILIES else 0
         encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None,
                                      deepstack=deepstack > 0)
+        if family(config) in SENTINEL_FAMILIES:
+            encoder.sentinel, processor.sentinel_rows = True, encoder.sentinel_rows
     except (ValueError, OSError, KeyError, ImportError, AttributeError, TypeError) as e:  # the checkpoint's fault
         log.warning("%s: images are off: %s", config.get("model_type"), e)
         return None, f"its processor or vision tower could not be loaded ({str(e).splitlines()[0][:200]})"

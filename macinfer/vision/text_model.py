@@ -37,6 +37,9 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                                "mlp_bias": _flag(t.get("use_bias"))},
     # Mistral Large 3's decoder is DeepSeek-V3's (latent attention, MoE), in mlx-vlm's module of it.
     "mistral_large3": lambda t: {**t, "model_type": "deepseek_v3"},
+    # LLaVA-Bunny (nanoLLaVA, Bunny): a Qwen2 or a Llama decoder under the checkpoint's own name.
+    "llava-qwen2": lambda t: {**t, "model_type": "qwen2"},
+    "bunny-llama": lambda t: {**t, "model_type": "llama"},
 }
 # Text model types mlx-lm runs only inside its wrapper, which takes the text config nested:
 # (the wrapper's type, where it wants the decoder's `model.*` weights, or None where its
@@ -97,6 +100,8 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
         if key not in text and getattr(top, key, None) is not None:
             text[key] = getattr(top, key)
     weights = dict(tree_flatten(lm.parameters()))
+    if "model.lm_head.weight" in weights:  # a head kept inside the decoder module (LLaVA-Bunny's): the model's
+        weights["lm_head.weight"] = weights.pop("model.lm_head.weight")
     if not any(k.startswith("model.") for k in weights):  # the decoder at the top (Idefics3's): mlx-lm's names
         weights = {k if k.startswith("lm_head.") else f"model.{k}": v for k, v in weights.items()}
     # Tied or not is what the module holds (mlx-vlm's config classes may not carry the flag,
