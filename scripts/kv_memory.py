@@ -62,14 +62,16 @@ MLA_PRESETS = {  # from the published config.json files: layers, heads, kv_lora_
 def mla_report(name: str, m: dict, budgets: tuple[float, ...] = (16, 64, 256), itemsize: int = 2) -> None:
     """Latent bytes a token (what macinfer caches: one K head of latent + rope key, V read
     from it) against K/V expanded per head, and the context each budget holds."""
-    # A sparse attention's index keys are kept as K and V (mlx-lm's cache keeps them so too).
-    index = 2 * m.get("index_head_dim", 0)
+    # A sparse attention's index keys, kept once (mlx-lm's cache keeps them as K and as V).
+    index = m.get("index_head_dim", 0)
     latent = m["layers"] * (m["kv_lora_rank"] + m["rope"] + index) * itemsize
     expanded = m["layers"] * m["heads"] * (m["nope"] + m["rope"] + m["v"]) * itemsize
     held = ", ".join(f"{b:g} GiB: {int(b * 2**30 // latent):,} tokens" for b in budgets)
-    parts = f"{m['kv_lora_rank']} + {m['rope']}" + (f" + 2 x {index // 2} index keys" if index else "")
+    parts = f"{m['kv_lora_rank']} + {m['rope']}" + (f" + {index} index key" if index else "")
+    mlx_lm = f" (mlx-lm's cache: {m['layers'] * (m['kv_lora_rank'] + m['rope'] + 2 * index) * itemsize / 1024:.1f} " \
+        "KiB, the index keys twice)" if index else ""
     print(f"{name} (MLA): {m['layers']} layers x ({parts}) bf16 = {latent / 1024:.1f} KiB a "
-          f"token ({expanded / latent:.0f}x less than K/V expanded over {m['heads']} heads); {held}")
+          f"token{mlx_lm} ({expanded / latent:.0f}x less than K/V expanded over {m['heads']} heads); {held}")
 
 
 def hybrid_report(name: str, config: dict, budget_gb: float, context: int, max_num_seqs: int) -> None:

@@ -337,7 +337,8 @@ class MlxLmModel(nn.Module):
             (k, v, _), = f.writes[i]
             if len(k) != 4 or k[0] != 2 or k[2] != 1 or v[:3] != k[:3]:
                 raise UnsupportedModelError(f"{name}: cache {i} is written K {k} / V {v}, not [T, heads, 1, d]")
-            specs.append(LayerKV(kind, num_kv_heads=k[1], head_dim=k[3], v_head_dim=v[3], v_in_k=i in f.latent))
+            specs.append(LayerKV(kind, num_kv_heads=k[1], head_dim=k[3], v_head_dim=v[3],
+                                 v_in_k=i in f.latent or i in f.v_is_k))
         states = self._state_specs_from(f, name)
         if states:  # a state is fixed bytes a sequence: the same after 3 tokens as after 2
             f3 = Forward(meta=None)

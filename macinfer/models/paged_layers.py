@@ -59,6 +59,7 @@ class Forward:
     mla_dims: dict[int, tuple[Any, Any, dict]] = field(default_factory=dict)  # the probe: cache -> embed_q, unembed_out, dims
     # A sparse attention's key selection for the layer's next latent attention (`paged_indexer.py`).
     key_select: Any = None
+    v_is_k: set[int] = field(default_factory=set)  # caches written with V the same array as K
 
 
 _state = threading.local()
@@ -90,9 +91,12 @@ class PagedLayerCache:
         if rope and keys.shape[1] == 1 and values.shape[-1] == rope and keys.shape[-1] != rope:
             return self._latent(keys, values)
         f.writes.setdefault(self.index, []).append((tuple(keys.shape), tuple(values.shape), keys.dtype))
+        if values is keys:  # V is K itself (a sparse attention's index keys): stored once
+            f.v_is_k.add(self.index)
         if f.meta is not None:
             meta = f.meta.for_layer(self.index)
-            meta.kv_cache.write(self.index, meta.kv_rows(keys.shape[1]), keys[:, :, 0], values[:, :, 0])
+            meta.kv_cache.write(self.index, meta.kv_rows(keys.shape[1]), keys[:, :, 0],
+                                None if values is keys else values[:, :, 0])
         f.fetched[id(keys)] = f.fetched[id(values)] = self.index
         f.handed[self.index] = (keys, values)
         self.keys, self.values = keys, values  # (what a model reads back off its cache: DeepSeek V3.2's)
