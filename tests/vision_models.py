@@ -231,6 +231,17 @@ def _glm4v(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _glm4v_moe(path: str) -> tuple[dict, Any]:
+    """GLM-4.5V: GLM-4.1V's tower, prompt and multimodal RoPE over GLM-4.5's MoE decoder."""
+    cfg, processor = _glm4v(path)
+    cfg["text_config"].update({"model_type": "glm4v_moe_text", "moe_intermediate_size": 32, "norm_topk_prob": True,
+                               "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "n_routed_experts": 4,
+                               "routed_scaling_factor": 1.0, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                               "use_qk_norm": False, "rms_norm_eps": 1e-5})
+    cfg["model_type"] = cfg["vision_config"]["model_type"] = "glm4v_moe"
+    return cfg, processor
+
+
 def _kimi(model_type: str, begin: str, image_processor_cls: type, processor_cls: type) -> tuple[dict, Any]:
     """A MoonViT tower (native resolution, patches merged 2x2) and a DeepSeek-V3 language model
     (multi-head latent attention, MoE), with the family's image marker and processor."""
@@ -688,7 +699,7 @@ TEXT_FIXED = {"gemma3n"}
 PROMPT_ONLY = {"paligemma"}
 TIED = {"gemma3", "gemma3n", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
+BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "glm4v_moe": _glm4v_moe, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}

@@ -16,8 +16,6 @@ from macinfer.vision.processor import VisionProcessor
 
 log = logging.getLogger(__name__)
 
-MROPE = ("its MoE language model (GLM-4.5V's) is not matched to mlx-lm's glm4_moe names and checked on a "
-         "tiny model yet")
 # Families whose image tokens attend to each other both ways (transformers' Gemma 3; mlx-vlm
 # runs them causally: the tests check against mlx-vlm's own classes with that mask). Gemma 4
 # says so in its config (`use_bidirectional_attention: "vision"`), and mlx-vlm follows it.
@@ -48,7 +46,7 @@ SENTINEL_FAMILIES = {"llava_bunny"}
 FAMILIES: dict[str, str | None] = {
     "llava": None, "mistral3": None, "pixtral": None, "internvl_chat": None, "internvl": None, "llava_onevision": None, "idefics3": None, "smolvlm": None,
     "llava_next": None, "granite_vision": None, "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
-    "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": None, "glm4v_moe": MROPE,
+    "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": None, "glm4v_moe": None,
     "gemma3": None, "gemma4": None, "aya_vision": None, "paddleocr_vl": None, "glm_ocr": None, "paligemma": None,
     "idefics2": None,
     "gemma3n": None,
@@ -80,7 +78,7 @@ OWN_VOCAB = {"gemma3n"}
 # leaves them unscaled): the engine's given text rows are scaled so.
 SCALED_TEXT_ROWS = {"gemma3n"}
 # Families whose language model turns image positions by multimodal RoPE: the style.
-MROPE_STYLE = {"glm4v": "chunked", "glm_ocr": "chunked", "paddleocr_vl": "chunked", "qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
+MROPE_STYLE = {"glm4v": "chunked", "glm4v_moe": "chunked", "glm_ocr": "chunked", "paddleocr_vl": "chunked", "qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
                "indic_ocr": "interleaved", "minicpmv4_7": "interleaved",
                "qwen3_vl": "interleaved", "qwen3_vl_moe": "interleaved"}
 # Families whose vision tower also feeds the first decoder layers (Qwen3-VL's DeepStack).

@@ -26,6 +26,8 @@ def _flag(v: Any) -> bool:
 # same modules and weight names; the image side, multimodal RoPE included, is the engine's).
 TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "glm4v_text": lambda t: {**t, "model_type": "glm4"},
+    # GLM-4.5V's decoder is GLM-4.5's (MoE), mlx-lm's glm4_moe.
+    "glm4v_moe_text": lambda t: {**t, "model_type": "glm4_moe"},
     # GLM-OCR's decoder is GLM-4's; its RoPE settings live in `rope_parameters` only.
     "glm_ocr_text": lambda t: {**t, "model_type": "glm4",
                                "rope_theta": (t.get("rope_parameters") or {}).get("rope_theta", 10000),
