@@ -130,6 +130,28 @@ def _qwen3_family(model_type: str, text: dict, deepstack: list[int]) -> tuple[di
     return cfg, processor
 
 
+def _mage_vl(path: str) -> tuple[dict, Any]:
+    """Mage-VL: a ViT with 3D RoPE over a stock Qwen3 decoder (plain positions), Qwen-VL's
+    placeholders and image processor."""
+    from mlx_vlm.models.mage_vl.processing_mage_vl import MageVLProcessor
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor
+
+    text = {**TEXT, "model_type": "qwen3", "head_dim": 16, "rope_theta": 1000000.0}
+    vision = {"model_type": "mage_vl_vision", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 64, "patch_size": 16, "image_size": 64, "spatial_merge_size": 2,
+              "temporal_patch_size": 1, "out_hidden_size": 64, "text_hidden_size": 64}
+    cfg = {"model_type": "mage_vl", "text_config": text, "vision_config": vision, "image_token_id": 260,
+           "video_token_id": 262, "vision_start_token_id": 259, "vision_end_token_id": 261, "eos_token_id": 2}
+    tok = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+                     "<|vision_start|><|image_pad|><|vision_end|>")
+    sizes = {"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2, "min_pixels": 64 * 64,
+             "max_pixels": 128 * 128}
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:  # what its processor reads back
+        json.dump(sizes, f)
+    image_processor = Qwen3VLImageProcessor(**sizes)
+    return cfg, MageVLProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+
+
 def _qwen3_vl(path: str) -> tuple[dict, Any]:
     text = {**TEXT, "model_type": "qwen3", "head_dim": 16, "rope_theta": 1000000.0,
             "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
@@ -699,7 +721,7 @@ TEXT_FIXED = {"gemma3n"}
 PROMPT_ONLY = {"paligemma"}
 TIED = {"gemma3", "gemma3n", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "glm4v_moe": _glm4v_moe, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
+BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
