@@ -51,6 +51,39 @@ def _llava_bunny(path: str) -> tuple[dict, Any]:
     return cfg, _tokenizer([], "<image>")
 
 
+def _tiny_fastvit() -> None:
+    """mlx-vlm builds FastVLM's FastViTHD tower from block lists kept as class attributes,
+    not config fields (125M parameters): the tiny model keeps the five stages with one block
+    each and narrow widths (the last stage's attention heads are 32 wide). Set for the test
+    process, as Gemma 3n's list is (`_tiny_mobilenet`)."""
+    from mlx_vlm.models.fastvlm import config as fastvlm_config
+
+    v = fastvlm_config.VisionConfig
+    v.layers, v.embed_dims, v.mlp_ratios = [1, 1, 1, 1, 1], [8, 16, 16, 32, 64], [2, 2, 2, 2, 2]
+
+
+_tiny_fastvit()
+
+
+def _fastvlm(path: str) -> tuple[dict, Any]:
+    """Apple's FastVLM: a FastViTHD tower (a 64x downsampling conv/attention hybrid, 2 x 64
+    channels out), a two-layer projector, a Qwen2 decoder with its config at the root; one
+    sentinel id (-200) an image in the prompt, grown into the image's rows at the merge."""
+    from mlx_vlm.models.fastvlm.processing import FastVLMImageProcessor, FastVLMProcessor
+
+    text = {k: v for k, v in TEXT.items() if k != "model_type"}
+    vision = {"model_type": "llava_qwen2", "hidden_size": 32, "intermediate_size": 64, "image_size": 128,
+              "patch_size": 64, "projection_dim": 48}
+    cfg = {"model_type": "llava_qwen2", **text, "vision_config": vision, "mm_hidden_size": 128,
+           "mm_projector_type": "mlp2x_gelu", "image_token_index": -200, "eos_token_id": 2}
+    sizes = {"size": {"shortest_edge": 128}, "crop_size": {"height": 128, "width": 128}}
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:  # what its processor reads back
+        json.dump(sizes, f)
+    tok = _tokenizer([], "<image>")
+    return cfg, FastVLMProcessor(image_processor=FastVLMImageProcessor(**sizes), tokenizer=tok,
+                                 chat_template=tok.chat_template)
+
+
 def _llava(path: str) -> tuple[dict, Any]:
     from transformers import CLIPImageProcessor
 
@@ -721,7 +754,7 @@ TEXT_FIXED = {"gemma3n"}
 PROMPT_ONLY = {"paligemma"}
 TIED = {"gemma3", "gemma3n", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
+BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "fastvlm": _fastvlm, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}

@@ -40,7 +40,7 @@ SENTINEL = ("its prompt holds one sentinel id (-200) an image, grown into the im
             "model yet")
 # Families whose prompt holds one sentinel id an image, grown into the image's rows at the merge:
 # the engine's prompt holds a placeholder a row instead (`VisionProcessor._grown`).
-SENTINEL_FAMILIES = {"llava_bunny"}
+SENTINEL_FAMILIES = {"llava_bunny", "fastvlm"}
 # model_type -> None (runs: same greedy tokens and first-token logprobs as mlx-vlm on tiny random
 # weights, tests/test_vision.py) or why images are refused (the text still runs where mlx-lm does).
 FAMILIES: dict[str, str | None] = {
@@ -56,7 +56,7 @@ FAMILIES: dict[str, str | None] = {
                "language model runs image prompts under a vision LoRA (which the engine's per-row adapters could "
                "carry, docs/lora.md); not run yet"),
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": SENTINEL, "llava_bunny": None, "phi4_siglip": SENTINEL,
+    "fastvlm": None, "llava_bunny": None, "phi4_siglip": SENTINEL,
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
              "not a generative chat model"),
     "d1": ("a decision model (LFM2-VL whose readout scores a question's options: choice, score, yes/no), "

@@ -41,6 +41,7 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "mistral_large3": lambda t: {**t, "model_type": "deepseek_v3"},
     # LLaVA-Bunny (nanoLLaVA, Bunny): a Qwen2 or a Llama decoder under the checkpoint's own name.
     "llava-qwen2": lambda t: {**t, "model_type": "qwen2"},
+    "llava_qwen2": lambda t: {**t, "model_type": "qwen2"},  # FastVLM's Qwen2 decoder
     "bunny-llama": lambda t: {**t, "model_type": "llama"},
 }
 # Text model types mlx-lm runs only inside its wrapper, which takes the text config nested:
