@@ -35,9 +35,6 @@ PREFIX_LM_TEMPLATE = (
 NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
 CROSS = "its language model cross-attends to the image (no image tokens in the prompt), not run yet"
 ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
-SENTINEL = ("its prompt holds one sentinel id (-200) an image, grown into the image's feature rows at the merge "
-            "(as LLaVA-Bunny's, which runs); this family's tower and processor are not built and checked on a tiny "
-            "model yet")
 # Families whose prompt holds one sentinel id an image, grown into the image's rows at the merge:
 # the engine's prompt holds a placeholder a row instead (`VisionProcessor._grown`).
 SENTINEL_FAMILIES = {"llava_bunny", "fastvlm"}
@@ -56,7 +53,10 @@ FAMILIES: dict[str, str | None] = {
                "language model runs image prompts under a vision LoRA (which the engine's per-row adapters could "
                "carry, docs/lora.md); not run yet"),
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "phi4_siglip": SENTINEL,
+    "fastvlm": None, "llava_bunny": None,
+    "phi4_siglip": ("its image processor (mlx-vlm's choice: transformers' Siglip2ImageProcessor) imports torch, "
+                    "which a Mac's MLX install does not have; mlx-vlm itself falls back to the checkpoint's remote "
+                    "code there. Its sentinel image id is grown as LLaVA-Bunny's is; not run yet"),
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
              "not a generative chat model"),
     "d1": ("a decision model (LFM2-VL whose readout scores a question's options: choice, score, yes/no), "
