@@ -488,6 +488,23 @@ def _gemma4(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _gemma4_unified(path: str) -> tuple[dict, Any]:
+    """Gemma 4 unified: no vision encoder (each 48 px patch layer-normed, projected and placed
+    by a learned 2D position embedding), Gemma 4's decoder with K = V on its global layers.
+    The tower's patch sizes are its image processor's defaults: mlx-vlm's `load` swaps the
+    checkpoint's image processor for its module's default one."""
+    from mlx_vlm.models.gemma4_unified.processing_gemma4_unified import (Gemma4UnifiedImageProcessor,
+                                                                         Gemma4UnifiedProcessor)
+
+    cfg, gemma4 = _gemma4(path)
+    cfg["model_type"] = "gemma4_unified"
+    cfg["text_config"].update({"model_type": "gemma4_unified_text", "attention_k_eq_v": True,
+                               "num_global_key_value_heads": 1})
+    cfg["vision_config"] = {"model_type": "gemma4_unified_vision", "mm_embed_dim": 32, "output_proj_dims": 32}
+    return cfg, Gemma4UnifiedProcessor(image_processor=Gemma4UnifiedImageProcessor(), tokenizer=gemma4.tokenizer,
+                                       chat_template=gemma4.tokenizer.chat_template)
+
+
 def _paligemma(path: str) -> tuple[dict, Any]:
     """PaliGemma: SigLIP, one linear projection, a Gemma prefix LM (the whole prompt attends both
     ways). No chat template, as published: the processor writes the prompt around the text."""
@@ -752,9 +769,9 @@ ANYRES = {"llava_next", "granite_vision"}
 TEXT_FIXED = {"gemma3n"}
 # Families with no chat template (prefix LMs): the reference prompt is mlx-vlm's own format.
 PROMPT_ONLY = {"paligemma"}
-TIED = {"gemma3", "gemma3n", "gemma4", "paligemma"}  # checkpoints with the embedding as the output head
+TIED = {"gemma3", "gemma3n", "gemma4", "gemma4_unified", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "fastvlm": _fastvlm, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
+BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "fastvlm": _fastvlm, "gemma4_unified": _gemma4_unified, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}

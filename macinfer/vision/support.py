@@ -44,7 +44,7 @@ FAMILIES: dict[str, str | None] = {
     "llava": None, "mistral3": None, "pixtral": None, "mage_vl": None, "internvl_chat": None, "internvl": None, "llava_onevision": None, "idefics3": None, "smolvlm": None,
     "llava_next": None, "granite_vision": None, "qwen2_vl": None, "qwen2_5_vl": None, "qwen3_5": None,
     "qwen3_vl": None, "qwen3_vl_moe": None, "qwen3_5_moe": None, "glm4v": None, "glm4v_moe": None,
-    "gemma3": None, "gemma4": None, "aya_vision": None, "paddleocr_vl": None, "glm_ocr": None, "paligemma": None,
+    "gemma3": None, "gemma4": None, "gemma4_unified": None, "aya_vision": None, "paddleocr_vl": None, "glm_ocr": None, "paligemma": None,
     "idefics2": None,
     "gemma3n": None,
     "llama4": None,
