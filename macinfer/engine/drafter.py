@@ -42,7 +42,8 @@ from macinfer.sampling_params import SamplingParams
 log = logging.getLogger("macinfer")
 
 
-def _nbytes(model: Any) -> int:
+def weight_bytes(model: Any) -> int:
+    """The bytes of a model's parameters (what a drafter adds to the memory budget)."""
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
@@ -64,7 +65,7 @@ def check_pair(target: Any, draft: Any) -> None:
     if draft.model.args.vocab_size > target.model.args.vocab_size:
         raise ValueError(f"draft model {draft.name}: its output layer has {draft.model.args.vocab_size} rows, more "
                          f"than the target's {target.model.args.vocab_size}")
-    d_bytes, t_bytes = _nbytes(draft.model), _nbytes(target.model)
+    d_bytes, t_bytes = weight_bytes(draft.model), weight_bytes(target.model)
     if d_bytes > t_bytes:
         raise ValueError(f"draft model {draft.name} ({d_bytes / 2**20:.1f} MiB of weights) is bigger than the "
                          f"target ({t_bytes / 2**20:.1f} MiB): it would cost more than it saves")
@@ -121,7 +122,7 @@ class DraftModel:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.model) + self.kv_cache.nbytes
+        return weight_bytes(self.model) + self.kv_cache.nbytes
 
     def _shadow(self, seq: Sequence) -> Sequence:
         """`seq`'s shadow, its tokens made `seq`'s; its computed length cut to the tokens
@@ -275,7 +276,7 @@ def load_drafter(engine: Any, target_blocks: int, progress: Any = None, context:
     draft = load(cfg.draft_model, cfg.model_impl, progress, context)
     check_pair(engine.loaded, draft)
     drafter = DraftModel(draft.model, draft.source, cfg, target_blocks, engine.max_model_len, engine.backend)
-    engine.backend.set_limits(_nbytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)  # both models
+    engine.backend.set_limits(weight_bytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)  # both models
     log.info("draft model %s: %.1f MiB of weights and KV, %d tokens a step", draft.name, drafter.nbytes / 2**20,
              cfg.num_speculative_tokens)
     return drafter

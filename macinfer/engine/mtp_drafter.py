@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from macinfer.engine.drafter import DraftModel
+from macinfer.engine.drafter import DraftModel, weight_bytes
 from macinfer.engine.sequence import Sequence, SequenceStatus
 from macinfer.models.mtp import hidden_rows, load_mtp
 from macinfer.sampling_params import SamplingParams
@@ -208,7 +208,7 @@ def load_mtp_drafter(engine: Any, target_blocks: int) -> MTPDrafter:
     head = load_mtp(engine.loaded, finish=_as_the_loader_does)
     drafter = MTPDrafter(head, engine.loaded.source + ":mtp", engine.config, target_blocks, engine.max_model_len,
                          engine.backend)
-    engine.backend.set_limits(sum(v.nbytes for v in _params(engine.model)) + drafter.nbytes, engine.kv_cache.nbytes)
+    engine.backend.set_limits(weight_bytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)
     log.info("MTP head: %.1f MiB of weights and KV, %d tokens a step", drafter.nbytes / 2**20,
              engine.config.num_speculative_tokens)
     return drafter
@@ -233,13 +233,7 @@ def load_eagle3_drafter(engine: Any, target_blocks: int) -> MTPDrafter:
     stack = head.lm.model
     drafter = MTPDrafter(head, path + ":eagle3", engine.config, target_blocks, engine.max_model_len, engine.backend,
                          features=lambda _: stack.features(recorded.take()))
-    engine.backend.set_limits(sum(v.nbytes for v in _params(engine.model)) + drafter.nbytes, engine.kv_cache.nbytes)
+    engine.backend.set_limits(weight_bytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)
     log.info("EAGLE-3 head %s: %.1f MiB of weights and KV, reading layers %s, %d tokens a step",
              engine.config.draft_model, drafter.nbytes / 2**20, recorded.ids, engine.config.num_speculative_tokens)
     return drafter
-
-
-def _params(model: Any) -> list[mx.array]:
-    from mlx.utils import tree_flatten
-
-    return [v for _, v in tree_flatten(model.parameters())]
