@@ -14,7 +14,6 @@ Its attention and MLP are mlx-lm's Llama classes, so the paged engine runs it as
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any
@@ -23,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.models.mlx_lm_adapter import MlxLmModel
+from macinfer.models.mtp import checkpoint_tensors
 
 FORMATS = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
 
@@ -168,18 +168,14 @@ def _noting_call(self: Any, x: mx.array, *args: Any, **kwargs: Any) -> Any:
 
 
 def _weights(path: str) -> dict[str, mx.array]:
-    out: dict[str, mx.array] = {}
-    for fp in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        out.update(mx.load(fp))
+    """The head's tensors under the stack's names (`midlayer.*` is the first layer's)."""
+    out, _ = checkpoint_tensors(path, lambda k: k != "t2d" and "rotary_emb" not in k and not k.startswith("verifier_"))
     if not out:
         raise ValueError(f"{path}: no *.safetensors weights")
     renamed = {}
     for k, v in out.items():
-        if k == "t2d" or "rotary_emb" in k or k.startswith("verifier_"):
-            continue
         k = "layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k
-        k = k[len("model."):] if k.startswith("model.") else k
-        renamed[k] = v
+        renamed[k[len("model."):] if k.startswith("model.") else k] = v
     return renamed
 
 
@@ -199,7 +195,6 @@ def load_eagle3(path: str, target: Any) -> tuple[MlxLmModel, LayerInputs]:
     t_embed = model.embed_module() if isinstance(model, MlxLmModel) else model.model.embed_tokens
     if t_embed is None:
         raise ValueError(f"{path}: the EAGLE-3 head needs the target's token embedding, which this model hides")
-    t_dims = int(config.get("target_hidden_size") or text.get("target_hidden_size") or dims)
     vocab = int(model.args.vocab_size)
     weights = _weights(path)
     fc = weights.get("fc.weight")

@@ -168,7 +168,7 @@ def mtp_keys(config: dict[str, Any]) -> Any:
     return lambda k: k.startswith(("mtp.", "model.mtp.", "model.mtp_layers.")) or (bool(deep) and k.startswith(deep))
 
 
-def _checkpoint_weights(path: str, keep: Any) -> tuple[dict[str, mx.array], bool]:
+def checkpoint_tensors(path: str, keep: Any) -> tuple[dict[str, mx.array], bool]:
     """The checkpoint's tensors whose names `keep` accepts (mx.load reads lazily: only
     these are ever read from disk), and whether they were written by MLX (already in
     mlx-lm's layout: norms shifted, experts stacked, maybe quantized)."""
@@ -268,11 +268,11 @@ def load_mtp(target: Any, finish: Any = None) -> MlxLmModel:
     tcfg = text_config(config)
     n_layers = int(tcfg["num_hidden_layers"])
     if lay.style == "qwen":
-        raw, mlx_format = _checkpoint_weights(target.source, lambda k: k.startswith("mtp."))
+        raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("mtp."))
     elif lay.style == "mimo":
-        raw, mlx_format = _checkpoint_weights(target.source, lambda k: k.startswith("model.mtp_layers.0."))
+        raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("model.mtp_layers.0."))
     else:
-        raw, mlx_format = _checkpoint_weights(target.source, lambda k: k.startswith(f"model.layers.{n_layers}."))
+        raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith(f"model.layers.{n_layers}."))
     if not raw:
         raise ValueError(f"{target.name}: its config declares {lay.depth} MTP layer(s) but its files hold no MTP "
                          "weights (mlx-lm's conversions drop them): serve the original checkpoint")
