@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Which mlx-lm architectures macinfer runs, and why the others are refused.
+"""Which mlx-lm (and mlx-vlm-only) architectures macinfer runs, and why the others are refused.
 
 Builds every `model_type` mlx-lm implements (its model files and its remapped
-aliases) as a tiny random model from `tests/zoo.py` and loads it the way
+aliases), and every one of mlx-vlm's that mlx-lm lacks (`architectures_mlx_vlm.json`),
+as a tiny random model from `tests/zoo.py` and loads it the way
 `macinfer` does (`macinfer.models.build_model`: mlx-lm's class, then the probe
 that maps each cache to a cache spec). Writes the verdicts to
 `macinfer/models/architectures.json`, which `macinfer models` and the CLI help
@@ -51,25 +52,31 @@ def verdicts(load: bool = True) -> dict[str, str]:
     return {model_type: verdict(model_type, load) for model_type in mlx_lm_model_types()}
 
 
+def vlm_verdicts(load: bool = True) -> dict[str, str]:
+    """The same over mlx-vlm's model types that mlx-lm lacks (`macinfer/models/mlx_vlm_text.py`)."""
+    from macinfer.models.mlx_vlm_text import mlx_vlm_only_model_types
+
+    return {model_type: verdict(model_type, load) for model_type in mlx_vlm_only_model_types()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="compare with the stored table; exit 1 if it differs")
+    ap.add_argument("--check", action="store_true", help="compare with the stored tables; exit 1 if one differs")
     args = ap.parse_args()
-    from macinfer.models import VERDICTS_FILE
+    from macinfer.models import VERDICTS_FILE, VLM_VERDICTS_FILE
 
-    table = verdicts()
-    if args.check:
-        with open(VERDICTS_FILE) as f:
-            stored = json.load(f)
-        if stored != table:
-            print("architectures.json is stale; run python scripts/architectures.py", file=sys.stderr)
-            sys.exit(1)
-        return
-    with open(VERDICTS_FILE, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-        f.write("\n")
-    runs = sum(v == "runs" for v in table.values())
-    print(f"{runs} of {len(table)} model types run; table written to {VERDICTS_FILE}")
+    for path, table in ((VERDICTS_FILE, verdicts()), (VLM_VERDICTS_FILE, vlm_verdicts())):
+        if args.check:
+            with open(path) as f:
+                if json.load(f) != table:
+                    print(f"{path} is stale; run python scripts/architectures.py", file=sys.stderr)
+                    sys.exit(1)
+            continue
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+        runs = sum(v == "runs" for v in table.values())
+        print(f"{runs} of {len(table)} model types run; table written to {path}")
 
 
 if __name__ == "__main__":

@@ -59,12 +59,19 @@ def byte_tokenizer() -> Tokenizer:
 
 
 def make_mlx_lm_model(config: dict, seed: int = 0, quantize: dict | None = None) -> nn.Module:
-    """Random-weight model built with mlx-lm's own class for this family."""
+    """Random-weight model built with mlx-lm's own class for this family (mlx-vlm's, for a
+    language model only mlx-vlm implements)."""
     mx.random.seed(seed)
     from mlx_lm.utils import _get_classes  # honours mlx-lm's model_type remapping
 
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    try:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+    except ValueError:  # a language model only mlx-vlm implements: its own class
+        from mlx_vlm.utils import get_model_and_args
+
+        module, _ = get_model_and_args(config)
+        model = module.Model(module.ModelConfig.from_dict(config))
     # mlx-lm initialises norms to 1; jitter them so a norm mix-up shows in logits.
     params = dict(tree_flatten(model.parameters()))
     params = {k: (v + 0.1 * mx.random.normal(v.shape) if "norm" in k else v) for k, v in params.items()}
@@ -182,3 +189,15 @@ class ProcessProbe:
 
     def fail(self) -> None:
         raise ValueError("probe failed on purpose")
+
+
+def generate_joining(engine, prompts: list[list[int]], params) -> list[list[int]]:
+    """Each request's tokens, each request joining a few steps after the previous one."""
+    ids, outs = [], {}
+    for i, prompt in enumerate(prompts):
+        ids.append(engine.add_request(prompt, params))
+        for _ in range(2 + i):
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    return [outs[r].token_ids for r in ids]

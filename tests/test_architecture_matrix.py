@@ -30,7 +30,7 @@ from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.models import ARCHITECTURES, VERDICTS, VERDICTS_FILE, UnsupportedArchitectureError, build_model
 from macinfer.models.mlx_lm_adapter import CONFIG_WINDOWS, config_windows, mlx_lm_model_types
 from macinfer.sampling_params import SamplingParams
-from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+from tests.helpers import generate, generate_joining, make_mlx_lm_model, save_model_dir
 from tests.zoo import tiny_config
 
 from tests.test_architectures import FAMILIES
@@ -151,14 +151,7 @@ def test_runs_like_mlx_lm(model_type, tmp_path):
         np.testing.assert_allclose(got, _reference_logits(ref, toks, ref_chunks, windows), atol=2e-4, rtol=2e-4)
 
     want = [_reference_greedy(ref, p, GREEDY.max_tokens, windows, model_type == "plamo3") for p in TOKENS]
-    ids, outs = [], {}
-    for i, prompt in enumerate(TOKENS):  # each request joins a few steps after the previous one
-        ids.append(engine.add_request(prompt, GREEDY))
-        for _ in range(2 + i):
-            outs.update({o.request_id: o for o in engine.step() if o.finished})
-    while engine.has_unfinished_requests():
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
-    assert [outs[r].token_ids for r in ids] == want
+    assert generate_joining(engine, TOKENS, GREEDY) == want
 
     # 6 blocks of 16 tokens for 3 requests of 50 tokens each: they preempt each other.
     tight = LLMEngine(path, EngineConfig(num_kv_blocks=6, model_impl="mlx-lm", max_num_seqs=3))

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.models import ARCHITECTURES, UnsupportedArchitectureError, build_model
 from macinfer.sampling_params import SamplingParams
-from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+from tests.helpers import generate, generate_joining, make_mlx_lm_model, save_model_dir
 from tests.test_model_parity import _reference_logits
 
 BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -100,16 +100,7 @@ def test_greedy_alone_and_batched_with_joiners(family):
     want = [_reference_greedy(ref, p, 12) for p in TOKENS]
     engine = _engine(path, max_num_batched_tokens=24)
     assert generate(engine, [TOKENS[0]], GREEDY)[0].token_ids == want[0], name
-    # Joiners: each request arrives a few steps after the previous one.
-    ids = []
-    outs = {}
-    for i, prompt in enumerate(TOKENS):
-        ids.append(engine.add_request(prompt, GREEDY))
-        for _ in range(2 + i):
-            outs.update({o.request_id: o for o in engine.step() if o.finished})
-    while engine.has_unfinished_requests():
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
-    assert [outs[r].token_ids for r in ids] == want, name
+    assert generate_joining(engine, TOKENS, GREEDY) == want, name
 
 
 def test_prefix_cache_and_preemption_give_the_same_tokens(family):

@@ -66,15 +66,18 @@ def test_help_for_every_command():
         assert r.exit_code == 0 and "Usage:" in r.output
 
 
-def test_models_architectures_lists_every_mlx_lm_model_type_with_its_verdict():
-    from macinfer.models import VERDICTS
+def test_models_architectures_lists_every_model_type_with_its_source_and_verdict():
+    from macinfer.models import VERDICTS, VLM_VERDICTS
 
     r = CliRunner().invoke(main, ["models", "architectures"], terminal_width=400)
     runs = sum(v == "runs" for v in VERDICTS.values())
-    assert r.exit_code == 0 and f"{runs} of {len(VERDICTS)} model types run" in r.output
+    assert r.exit_code == 0 and f"mlx-lm: {runs} of {len(VERDICTS)} model types run" in r.output
+    vlm_runs = sum(v == "runs" for v in VLM_VERDICTS.values())
+    assert f"mlx-vlm (model types mlx-lm lacks): {vlm_runs} of {len(VLM_VERDICTS)} model types run" in r.output
     assert "  minimax_m3_vl: MiniMax M3's sparse attention" in r.output and "qwen3_5," in r.output
+    assert "k2_horizon," in r.output and "  hy_v4: cache 0 is a HyV4KVCache" in r.output
     r = CliRunner().invoke(main, ["models", "architectures", "--json"])
-    assert json.loads(r.output) == VERDICTS
+    assert json.loads(r.output) == {"mlx-lm": VERDICTS, "mlx-vlm": VLM_VERDICTS}
 
 
 def test_serve_help_lists_the_registry():

@@ -157,6 +157,20 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                          activation_sparsity_pattern=[0.0] * 4, hidden_size_per_layer_input=8, altup_num_inputs=2,
                          altup_coef_clip=120.0, altup_correct_scale=True, altup_active_idx=0, laurel_rank=8,
                          intermediate_size=[128] * 4),
+    # Language models only mlx-vlm implements (`macinfer/models/mlx_vlm_text.py`).
+    "cohere2_moe": dict(layer_types=["full_attention", "sliding_attention"]),  # its dense first layer is full
+    "deepseek_v4": dict(head_dim=16, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=8,
+                        index_block=4, index_keep=2, num_hash_layers=1, num_hidden_layers=4),
+    "kolibri1": dict(shared_expert_intermediate_size=32),
+    "limite": dict(rope_n_pairs=4, attn_gate_channels=8, ve_dim=8, ve_gate_channels=4, ve_stored_heads=2, ve_layers=[1],
+                   xsa_layers=[0], global_layers=[1], mudd_inter=8),
+    "longcat_flash_sparse": dict(zero_expert_type="identity", zero_expert_num=1, attention_method="LSA",
+                                 index_n_heads=2, index_head_dim=16, index_topk=WINDOW),
+    "qwen3_5_text": dict(num_experts=0, num_experts_per_tok=0, linear_num_value_heads=2, linear_num_key_heads=2,
+                         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                         full_attention_interval=2, rope_parameters=dict(
+                             rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                             mrope_section=[2, 1, 1])),
     "minimax_m3_vl.text": dict(moe_layer_freq=None, num_local_experts=4, dense_intermediate_size=128,
                                shared_intermediate_size=32, head_dim=16, rotary_dim=8),
     "muse_spark.text": dict(post_norm_eps=1e-5, layer_rope_theta=[10000.0, 0.0], final_logit_softcapping=30.0,
@@ -182,6 +196,15 @@ def _fill(fields, model_type: str) -> dict[str, Any]:
     return cfg
 
 
+def _mlx_vlm_module(model_type: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(f"mlx_vlm.models.{model_type}")
+    except ImportError:
+        return None
+
+
 def tiny_config(model_type: str, **extra: Any) -> dict[str, Any]:
     """A config mlx-lm's class for `model_type` accepts, tiny."""
     from macinfer.models.mlx_lm_adapter import import_model_module
@@ -191,6 +214,9 @@ def tiny_config(model_type: str, **extra: Any) -> dict[str, Any]:
         fields = dataclasses.fields(module.ModelArgs)
     except (ImportError, SystemExit):  # olmo's module exits when ai2-olmo is missing
         module, fields = None, ()
+        vlm = _mlx_vlm_module(model_type)
+        if vlm is not None and dataclasses.is_dataclass(getattr(vlm, "ModelConfig", None)):
+            module, fields = None, dataclasses.fields(vlm.ModelConfig)  # a language model only mlx-vlm has
     cfg = _fill(fields, model_type)
     if any(f.name == "text_config" for f in fields):
         text_args = next((getattr(module, n) for n in ("TextConfig", "TextArgs", "TextModelArgs") if hasattr(module, n)), None)
@@ -204,6 +230,9 @@ def tiny_config(model_type: str, **extra: Any) -> dict[str, Any]:
         cfg["text_config"] = text
         cfg["vocab_size"] = text.get("vocab_size", BY_NAME["vocab_size"])
     cfg.update(OVERRIDES.get(model_type, {}))
+    if model_type == "qwen3_5_moe_text":
+        cfg.update(OVERRIDES["qwen3_5_text"], model_type=model_type, num_experts=4, num_experts_per_tok=2,
+                   shared_expert_intermediate_size=32)
     if model_type == "qwen3_5_moe":  # the MoE text model: qwen3_5's tiny text config, with experts
         cfg["text_config"] = {**tiny_config("qwen3_5")["text_config"], "model_type": "qwen3_5_moe", "num_experts": 4,
                               "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32}

@@ -18,12 +18,13 @@ from macinfer.cli.options import setup_logging as _setup_logging
 from macinfer.text.tool_parsers import FORMATS
 
 def _model_help() -> str:
-    from macinfer.models import ARCHITECTURES, VERDICTS
+    from macinfer.models import ARCHITECTURES, VERDICTS, VLM_VERDICTS
 
+    lm = sum(v == "runs" for v in VERDICTS.values())
     return ("A .gguf file, an MLX model directory, a Hugging Face repo id (org/Model, org/Model-GGUF:Q4_K_M), "
-            f"or 'smollm2' (the bundled test model). {len(ARCHITECTURES)} of the {len(VERDICTS)} architectures "
-            "mlx-lm implements run: " + ", ".join(ARCHITECTURES) + " (`macinfer models architectures`: "
-            "why the others are refused).")
+            f"or 'smollm2' (the bundled test model). {lm} of the {len(VERDICTS)} architectures mlx-lm implements "
+            f"run, and {len(ARCHITECTURES) - lm} language models only mlx-vlm implements: "
+            + ", ".join(ARCHITECTURES) + " (`macinfer models architectures`: why the others are refused).")
 
 
 MODEL_HELP = _model_help()

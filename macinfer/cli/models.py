@@ -40,29 +40,32 @@ def models_list(as_json):
 @click.option("--vision", is_flag=True, help="The vision families (mlx-vlm's model types with a vision tower): "
                                               "whether images run, or why not.")
 def models_architectures(as_json, vision):
-    """Every architecture (model_type) mlx-lm implements: runs, or why it is refused."""
+    """Every architecture (model_type) mlx-lm implements, and every one only mlx-vlm
+    implements: runs, or why it is refused."""
     import json
 
-    from macinfer.models import VERDICTS
+    from macinfer.models import VERDICTS, VLM_VERDICTS
 
     if vision:
         try:
             from macinfer.vision.support import vision_table
-
-            VERDICTS = vision_table()  # noqa: N806 - the same report, over the vision families
         except ImportError:
             raise click.ClickException("mlx-vlm is not installed (pip install 'macinfer[vision]')") from None
-
+        tables = {"mlx-vlm vision families": vision_table()}
+    else:
+        tables = {"mlx-lm": VERDICTS, "mlx-vlm (model types mlx-lm lacks)": VLM_VERDICTS}
     if as_json:
-        click.echo(json.dumps(VERDICTS, indent=1, sort_keys=True))
+        out = next(iter(tables.values())) if vision else {"mlx-lm": VERDICTS, "mlx-vlm": VLM_VERDICTS}
+        click.echo(json.dumps(out, indent=1, sort_keys=True))
         return
-    runs = sorted(t for t, v in VERDICTS.items() if v == "runs")
-    click.echo(f"{len(runs)} of {len(VERDICTS)} model types run{' with images' if vision else ''}:")
-    click.echo("  " + ", ".join(runs))
-    click.echo("refused:")
-    for t, why in sorted(VERDICTS.items()):
-        if why != "runs":
-            click.echo(f"  {t}: {why}")
+    for source, table in tables.items():
+        runs = sorted(t for t, v in table.items() if v == "runs")
+        click.echo(f"{source}: {len(runs)} of {len(table)} model types run{' with images' if vision else ''}:")
+        click.echo("  " + ", ".join(runs))
+        click.echo("refused:")
+        for t, why in sorted(table.items()):
+            if why != "runs":
+                click.echo(f"  {t}: {why}")
 
 
 @models.command("info")

@@ -37,9 +37,10 @@ def check_against_mlx_lm(engine: Any) -> None:
     if not err <= 0.05 * max(scale, 1e-3):
         from macinfer.models import UnsupportedArchitectureError
 
+        source = "mlx-vlm" if type(getattr(engine.model, "lm", None)).__module__.startswith("mlx_vlm") else "mlx-lm"
         raise UnsupportedArchitectureError(
             f"unsupported architecture {engine.model.args.model_type!r}: its layers on the paged cache "
-            f"compute other logits than mlx-lm's own forward (off by {err:.3g}, largest logit {scale:.3g}), "
+            f"compute other logits than {source}'s own forward (off by {err:.3g}, largest logit {scale:.3g}), "
             "so it would run wrong")
     engine.block_manager.drop_cache()
 

@@ -33,19 +33,21 @@ HAND_WRITTEN: dict[str, tuple[Any, dict[str, Any]]] = {
 }
 MODEL_IMPLS = ("auto", "mlx-lm")
 VERDICTS_FILE = os.path.join(os.path.dirname(__file__), "architectures.json")
+VLM_VERDICTS_FILE = os.path.join(os.path.dirname(__file__), "architectures_mlx_vlm.json")
 
 
-def _verdicts() -> dict[str, str]:
+def _verdicts(path: str) -> dict[str, str]:
     """model_type -> "runs" or the reason it is refused (see scripts/architectures.py)."""
     try:
-        with open(VERDICTS_FILE) as f:
+        with open(path) as f:
             return json.load(f)
     except OSError:
         return {}
 
 
-VERDICTS = _verdicts()
-ARCHITECTURES = tuple(sorted(t for t, v in VERDICTS.items() if v == "runs") or HAND_WRITTEN)
+VERDICTS = _verdicts(VERDICTS_FILE)  # every model_type mlx-lm implements
+VLM_VERDICTS = _verdicts(VLM_VERDICTS_FILE)  # mlx-vlm's that mlx-lm lacks (`mlx_vlm_text.py`)
+ARCHITECTURES = tuple(sorted(t for t, v in {**VERDICTS, **VLM_VERDICTS}.items() if v == "runs") or HAND_WRITTEN)
 
 
 class UnsupportedArchitectureError(ValueError):

@@ -44,6 +44,7 @@ from macinfer.kv.attention import AttentionMetadata
 from macinfer.kv.spec import ChunkedLocal, FullAttention, LayerKV, SlidingWindow, StateSpec
 from macinfer.lora.layers import rows as lora_rows
 from macinfer.kv.state import probe_plan
+from macinfer.models import mlx_vlm_text
 from macinfer.models.paged_layers import Forward, PagedLayerCache, UnsupportedModelError, patch_modules, set_active
 from macinfer.models.paged_state import CacheListStandIn, PagedStateCache, patch_receiver, trace_receivers
 
@@ -52,7 +53,7 @@ SPARSE = ("MiniMax M3's sparse attention (a block selection over its own index c
           "model past the selection's budget")
 # Families mlx-lm runs that the probe would pass (the selection keeps every key of a short
 # context) but that the paged path would run wrong on long ones.
-REFUSED = {"minimax_m3_vl": SPARSE}
+REFUSED = {"minimax_m3_vl": SPARSE, "minimax_m3": SPARSE}  # (the text-only one: mlx-vlm's)
 
 # Families whose mlx-lm file applies no sliding window although transformers (and
 # llama.cpp) do: the window of layer i, from the config. `layer_types` wins when given.
@@ -116,35 +117,44 @@ class _GivenHidden:
         return getattr(self._inner, name)  # e.g. embed_tokens for tied heads
 
 
-def _cache_kind(cache: Any, index: int, model_type: str) -> FullAttention | SlidingWindow | ChunkedLocal:
-    from mlx_lm.models import cache as c
+_CACHE_MODULES = ("mlx_lm.models.cache", "mlx_vlm.models.cache")  # mlx-vlm keeps classes of its own
 
-    kind = type(cache)
-    if kind in (c.KVCache, c.ConcatenateKVCache):
+
+def _cache_class(cache: Any) -> str | None:
+    """mlx-lm's (or mlx-vlm's same-named) cache class of `cache`, by name; None for another."""
+    return type(cache).__name__ if type(cache).__module__ in _CACHE_MODULES else None
+
+
+def _cache_kind(cache: Any, index: int, model_type: str) -> FullAttention | SlidingWindow | ChunkedLocal:
+    kind = _cache_class(cache)
+    if kind in ("KVCache", "ConcatenateKVCache"):
         return FullAttention()
-    if kind is c.RotatingKVCache:
+    if kind == "RotatingKVCache":
         if cache.keep:
             raise UnsupportedModelError(f"cache {index} is a RotatingKVCache keeping {cache.keep} first tokens "
                                         "(attention sinks by position), which the paged cache does not keep")
         return SlidingWindow(cache.max_size)
-    if kind is c.ChunkedKVCache:
+    if kind == "ChunkedKVCache":
         return ChunkedLocal(cache.chunk_size)
-    raise UnsupportedModelError(f"cache {index} is a {kind.__name__}, which the paged cache cannot hold")
+    raise UnsupportedModelError(f"cache {index} is a {type(cache).__name__}, which the paged cache cannot hold")
 
 
 def _template(cache: Any, kinds: list, states: list[int], model_type: str) -> Any:
     """What stands in for one of mlx-lm's caches: ("kv", K/V cache index), ("state",
     state cache index), or a list of those for a `CacheList`. Fills `kinds` (each K/V
     cache's kind) and `states` (each state cache's entry count)."""
-    from mlx_lm.models import cache as c
-
-    if type(cache) is c.CacheList:
+    if _cache_class(cache) == "CacheList":
         return [_template(x, kinds, states, model_type) for x in cache.caches]
-    if type(cache) is c.ArraysCache:
+    if _cache_class(cache) == "ArraysCache":
         states.append(len(cache.cache))
         return ("state", len(states) - 1)
     kinds.append(_cache_kind(cache, len(kinds), model_type))
     return ("kv", len(kinds) - 1)
+
+
+def _logits_of(out: Any) -> mx.array:
+    """Logits from a model's output (mlx-vlm's language models return a LanguageModelOutput)."""
+    return getattr(out, "logits", out)
 
 
 class MlxLmModel(nn.Module):
@@ -407,7 +417,7 @@ class MlxLmModel(nn.Module):
         name = self._inner_path[-1]
         object.__setattr__(parent, name, _GivenHidden(getattr(parent, name), hidden[:, None, :]))
         try:
-            out = text(mx.zeros((hidden.shape[0], 1), dtype=mx.int32))
+            out = _logits_of(text(mx.zeros((hidden.shape[0], 1), dtype=mx.int32)))
         finally:
             object.__delattr__(parent, name)
         return out[:, 0, :]
@@ -442,7 +452,7 @@ class MlxLmModel(nn.Module):
 
         cache, outs, pos = make_prompt_cache(_resolve(self.lm, ".".join(self._cache_owner_path))), [], 0
         for n in chunks:
-            outs.append(self.lm(mx.array([tokens[pos : pos + n]]), cache=cache)[0])
+            outs.append(_logits_of(self.lm(mx.array([tokens[pos : pos + n]]), cache=cache))[0])
             mx.eval(outs[-1])  # chunk by chunk: a pipeline stage's sends must go in order
             pos += n
         return mx.concatenate(outs, axis=0).astype(mx.float32)
@@ -482,14 +492,19 @@ def build(config: dict[str, Any]) -> MlxLmModel:
 
 
 def instantiate(config: dict[str, Any]) -> nn.Module:
-    """mlx-lm's own model object for `config`; its arrays stay lazy until evaluated."""
+    """mlx-lm's own model object for `config` (mlx-vlm's, for a language model only mlx-vlm
+    implements: `mlx_vlm_text.py`); its arrays stay lazy until evaluated."""
     from mlx_lm.utils import _get_classes
 
     try:
         model_class, args_class = _get_classes(config)
-    except (ValueError, ImportError, SystemExit) as e:  # olmo's module exits when ai2-olmo is missing
-        raise UnsupportedModelError(str(e) if isinstance(e, ValueError) else
-                                    f"mlx-lm's module for it cannot be imported here ({type(e).__name__})") from None
+    except ValueError as e:  # not an mlx-lm model type
+        lm = mlx_vlm_text.instantiate(config)
+        if lm is None:
+            raise UnsupportedModelError(str(e)) from None
+        return lm
+    except (ImportError, SystemExit) as e:  # olmo's module exits when ai2-olmo is missing
+        raise UnsupportedModelError(f"mlx-lm's module for it cannot be imported here ({type(e).__name__})") from None
     try:
         lm = model_class(args_class.from_dict(config))
     except Exception as e:  # noqa: BLE001 - a config mlx-lm's class cannot take

@@ -399,8 +399,15 @@ _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
 
 
 def patch_modules() -> None:
-    """Every mlx-lm model module loaded so far (a model's own and those it borrows from)."""
+    """Every mlx-lm (and mlx-vlm) model module loaded so far (a model's own and those it
+    borrows from); outside our forward the replaced function is the module's own."""
     for name, mod in list(sys.modules.items()):
         if name.startswith("mlx_lm.models.") and mod is not None:
             for patch in _ATTENTION_PATCHES.get(name, [_patch_sdpa]):
                 patch(mod)
+        elif name.startswith("mlx_vlm.models.") and mod is not None and name != "mlx_vlm.models.base":
+            # Only modules that call mlx-vlm's own SDPA (its towers keep functions of their own).
+            base = sys.modules.get("mlx_vlm.models.base")
+            if base is not None and getattr(mod, "scaled_dot_product_attention", None) is getattr(
+                    base, "scaled_dot_product_attention", None):
+                _patch_sdpa(mod)

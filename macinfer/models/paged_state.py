@@ -45,6 +45,16 @@ class PagedStateCache:
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None  # calls are dense (no padding): nothing to mask
 
+    # mlx-vlm's ArraysCache API (its modules hand the cache the update), no history kept.
+    def update_window(self, index: int, source: mx.array, width: int, *, lengths: Any = None) -> mx.array:
+        self[index] = state = source[:, source.shape[1] - int(width):]
+        return state
+
+    def update_recurrent(self, index: int, length: int, update: Any) -> tuple[mx.array, mx.array]:
+        output, state = update(self[index], None)[:2]
+        self[index] = state
+        return output, state
+
     def advance(self, n: int) -> None:
         pass
 
@@ -147,6 +157,14 @@ def _combine(outs: list[tuple[Any, StateCall]], plan: StatePlan) -> Any:
     return y if plan.inverse is None else y[plan.inverse]
 
 
+def _arrays_cache_class(cls: type) -> type:
+    if cls.__module__.startswith("mlx_vlm."):
+        from mlx_vlm.models.cache import ArraysCache
+    else:
+        from mlx_lm.models.cache import ArraysCache
+    return ArraysCache
+
+
 def patch_receiver(cls: type) -> None:
     """Wrap a recurrent module class: inside our forward, run on the step plan's calls."""
     if cls in _patched:
@@ -158,8 +176,8 @@ def patch_receiver(cls: type) -> None:
         states, _ = _stand_ins(args, kwargs)
         if f is None or not states or f.tracing:
             return original(self, *args, **kwargs)
-        from mlx_lm.models.cache import ArraysCache
-
+        # the receiving module's own package's cache class (mlx-vlm's has an API of its own)
+        ArraysCache = _arrays_cache_class(cls)  # noqa: N806
         stand_in = states[0]
         plan = f.state_plan
         pool = None if f.meta is None else f.meta.kv_cache.states
