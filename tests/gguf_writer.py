@@ -13,6 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from mlx.utils import tree_flatten
 
+from macinfer.gguf.hybrid import model_arch
+
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -146,7 +148,7 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
     in_proj_qkvz split into attn_qkv (all q, all k, all v) and attn_gate (z)."""
     config = config.get("text_config", config)
     layers = len(config["hybrid_override_pattern"]) if "hybrid_override_pattern" in config else config["num_hidden_layers"]
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    tmap = gguf.get_tensor_name_map(model_arch(arch), layers)
     mamba2 = arch in ("mamba2", "nemotron_h", "nemotron_h_moe")  # Mamba2Model's conversion
     out = {}
     params = dict(tree_flatten(model.parameters()))
@@ -243,6 +245,28 @@ def _moe_meta(w, count: int, used: int, ff: int, shared_ff: int) -> None:
     w.add_expert_shared_feed_forward_length(shared_ff)
 
 
+def _attention_meta(w, config: dict) -> None:
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_feed_forward_length(config["intermediate_size"])
+
+
+def _routed_meta(w, config: dict, gating) -> None:
+    """DeepSeek-style routed experts (DeepseekV2Model's and Glm4MoeModel's keys)."""
+    w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    w.add_expert_count(config["n_routed_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    w.add_expert_shared_count(config["n_shared_experts"])
+    w.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gating)
+
+
 def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.ndarray],
                       quant: dict[str, Q] | None = None, nextn: int = 0) -> None:
     """The metadata llama.cpp's converter writes for `arch`, a byte vocabulary, the tensors
@@ -288,7 +312,7 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_shortconv_l_cache(config["conv_L_cache"])
         w.add_layer_norm_rms_eps(config["norm_eps"])
         w.add_feed_forward_length(config.get("block_ff_dim") or config["intermediate_size"])
-    elif arch == "deepseek2":
+    elif arch in ("deepseek2", "glm-dsa"):  # GlmMoeDsaModel: DeepseekV2Model's, and the indexer's
         rope, kv_lora = config["qk_rope_head_dim"], config["kv_lora_rank"]
         w.add_head_count(config["num_attention_heads"])
         w.add_head_count_kv(1)  # MLA stored as MQA
@@ -303,30 +327,22 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_value_length(kv_lora)
         w.add_key_length_mla(config["qk_nope_head_dim"] + rope)
         w.add_value_length_mla(config["v_head_dim"])
-        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-        w.add_expert_count(config["n_routed_experts"])
-        w.add_expert_used_count(config["num_experts_per_tok"])
-        w.add_expert_shared_count(config["n_shared_experts"])
-        w.add_expert_weights_scale(config["routed_scaling_factor"])
-        if config.get("norm_topk_prob"):
-            w.add_expert_weights_norm(True)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX if config["model_type"] == "deepseek_v2"
-                                 else gguf.ExpertGatingFuncType.SIGMOID)
+        _routed_meta(w, config, gguf.ExpertGatingFuncType.SOFTMAX if config["model_type"] == "deepseek_v2"
+                     else gguf.ExpertGatingFuncType.SIGMOID)
         w.add_rope_dimension_count(rope)
         if (scaling := config.get("rope_scaling")) is not None:
             w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             w.add_rope_scaling_factor(scaling["factor"])
             w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
             w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
+        if arch == "glm-dsa":
+            w.add_indexer_head_count(config["index_n_heads"])
+            w.add_indexer_key_length(config["index_head_dim"])
+            w.add_indexer_top_k(config["index_topk"])
+            w.add_expert_group_count(config["n_group"])
     elif arch in ("qwen3next", "qwen35", "qwen35moe"):
         head_dim = config["head_dim"]
-        w.add_head_count(config["num_attention_heads"])
-        w.add_head_count_kv(config["num_key_value_heads"])
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-        w.add_rope_freq_base(config["rope_theta"])
-        w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-        w.add_feed_forward_length(config["intermediate_size"])
+        _attention_meta(w, config)
         if config.get("num_experts"):
             _moe_meta(w, config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
                       config["shared_expert_intermediate_size"])
@@ -335,6 +351,11 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
                   config["linear_num_value_heads"])
         w.add_full_attention_interval(config.get("full_attention_interval", 4))
         w.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", 0.25)))
+    elif arch == "glm4moe":  # Glm4MoeModel's set_gguf_parameters (the base TextModel's, then its own)
+        _attention_meta(w, config)
+        w.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.5)))
+        w.add_leading_dense_block_count(config["first_k_dense_replace"])
+        _routed_meta(w, config, gguf.ExpertGatingFuncType.SIGMOID)
     tokens, scores, types = spm_vocab(config["vocab_size"])
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)

@@ -98,17 +98,49 @@ def test_gated_deltanet_gguf_with_q8_0_projections(tmp_path, arch, model_type):
     ("glm4_moe_lite", {}, True),  # GLM-4.7-Flash: stored as deepseek2, its own norm eps
     ("deepseek_v2", {}, True),  # softmax routing, YaRN, kv_b_proj whole in mlx-lm's file
     ("deepseek_v2", {}, False),
+    # GLM-5 (16 indexer heads: with few, relu leaves several keys at score 0, a tie at the
+    # top-k boundary that mlx-lm's argpartition and ours may break differently)
+    ("glm_moe_dsa", {}, True),
 ])
 def test_deepseek2_gguf_runs_like_mlx_lm(tmp_path, model_type, extra, split):
     """MLA files as llama.cpp writes them (`deepseek2`): kv_b_proj split into attn_k_b
-    (transposed) and attn_v_b, or one attn_kv_b in older files; the latent cache is paged."""
+    (transposed) and attn_v_b, or one attn_kv_b in older files; the latent cache is paged.
+    GLM-5 (`glm-dsa`): the same, with the sparse-attention indexer's tensors and top-k (8 of
+    the prompts' 20 and 37 keys: the selection matters)."""
     config = {**tiny_config(model_type), **extra}
     model = make_mlx_lm_model(config)
     path = str(tmp_path / "ds.gguf")
-    write_hybrid_gguf(path, "deepseek2", config, hybrid_tensors("deepseek2", config, model, kv_b_split=split))
+    arch = "glm-dsa" if model_type == "glm_moe_dsa" else "deepseek2"
+    write_hybrid_gguf(path, arch, config, hybrid_tensors(arch, config, model, kv_b_split=split))
     engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
     assert engine.model.args.model_type == model_type
     prompts = [[int(x) for x in mx.random.randint(3, 300, (n,), key=mx.random.key(n)).tolist()] for n in (37, 20)]
+    outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for prompt, out in zip(prompts, outs):
+        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
+        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+
+
+@pytest.mark.parametrize("extra", [dict(attention_bias=True, routed_scaling_factor=2.5), dict(use_qk_norm=True)])
+def test_glm4moe_gguf_runs_like_mlx_lm(tmp_path, extra):
+    """GLM-4.5/4.6/4.7 files (`glm4moe`): experts stacked, the correction bias as exp_probs_b,
+    partial rotary as a rotated width, and the MTP layer the converter keeps (one more `blk.N`
+    with its `nextn.*` tensors, counted in block_count) left for the drafter."""
+    config = {**tiny_config("glm4_moe"), **extra}
+    model = make_mlx_lm_model(config)
+    tensors = hybrid_tensors("glm4moe", config, model)
+    n = config["num_hidden_layers"]
+    mtp = {k.replace(f"blk.{n - 1}.", f"blk.{n}."): v for k, v in tensors.items() if k.startswith(f"blk.{n - 1}.")}
+    hidden = config["hidden_size"]
+    mtp.update({f"blk.{n}.nextn.eh_proj.weight": np.zeros((hidden, 2 * hidden), np.float32),
+                f"blk.{n}.nextn.enorm.weight": np.ones(hidden, np.float32),
+                f"blk.{n}.nextn.hnorm.weight": np.ones(hidden, np.float32),
+                f"blk.{n}.nextn.shared_head_norm.weight": np.ones(hidden, np.float32)})
+    path = str(tmp_path / "glm.gguf")
+    write_hybrid_gguf(path, "glm4moe", config, {**tensors, **mtp}, nextn=1)
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
+    assert engine.model.args.model_type == "glm4_moe" and engine.model.num_layers == n
+    prompts = [[int(x) for x in mx.random.randint(3, 300, (k,), key=mx.random.key(k)).tolist()] for k in (37, 20)]
     outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     for prompt, out in zip(prompts, outs):
         ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])

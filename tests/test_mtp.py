@@ -123,7 +123,7 @@ def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
             for i in range(n)]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "mimo"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "mimo"])
 def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
     """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
     experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),
@@ -317,3 +317,69 @@ def test_a_failing_head_leaves_the_requests_decoding(qwen35, monkeypatch):
     drafted = engine.stats["spec_draft_tokens"]
     assert [o.token_ids for o in generate(engine, prompts, params)] == want
     assert engine.stats["spec_draft_tokens"] > drafted
+
+
+def _gguf_block(head: dict, n: int, arch: str, config: dict) -> dict:
+    """The HF head tensors of block `n` as llama.cpp's converter writes them: experts
+    stacked, the correction bias as exp_probs_b, MLA's kv_b_proj split into k_b (transposed)
+    and v_b, the tensor map's names (nextn.*)."""
+    import gguf
+
+    from macinfer.gguf.hybrid import model_arch
+
+    tmap = gguf.get_tensor_name_map(model_arch(arch), n + 1)
+    prefix, out, experts = f"model.layers.{n}.", {}, {}
+    for k, v in head.items():
+        v = np.array(v.astype(mx.float32))
+        base, kind = k.rsplit(".", 1)
+        if base.endswith("self_attn.kv_b_proj"):
+            per_head = v.reshape(config["num_attention_heads"], -1, v.shape[-1])
+            k_b, v_b = np.split(per_head, [config["qk_nope_head_dim"]], axis=1)
+            out[tmap.get_name(base.replace("kv_b_proj", "k_b_proj")) + ".weight"] = k_b.swapaxes(-1, -2)
+            out[tmap.get_name(base.replace("kv_b_proj", "v_b_proj")) + ".weight"] = v_b
+            continue
+        if ".mlp.experts." in base:  # model.layers.n.mlp.experts.{e}.{proj}
+            e, proj = base.split(".mlp.experts.")[1].split(".")
+            experts.setdefault(proj, {})[int(e)] = v
+            continue
+        if kind == "e_score_correction_bias":
+            base, kind = f"{base}.e_score_correction", "bias"
+        out[f"{tmap.get_name(base)}.{kind}"] = v
+    for proj, per in experts.items():
+        out[tmap.get_name(f"{prefix}mlp.experts.{proj}") + ".weight"] = np.stack([per[e] for e in sorted(per)])
+    return out
+
+
+@pytest.mark.parametrize("model_type,arch", [("glm4_moe", "glm4moe"), ("glm_moe_dsa", "glm-dsa")])
+def test_a_gguf_files_nextn_block_is_the_same_head(tmp_path_factory, model_type, arch):
+    """GLM-4.5 (`glm4moe`) and GLM-5 (`glm-dsa`) GGUF: llama.cpp's converter keeps the MTP
+    layer as one more `blk.N` with `nextn.*` tensors. Read from it, the head has the weights
+    it has when read from the safetensors checkpoint, and speculating with it gives the
+    tokens of decoding without speculation."""
+    from macinfer.loading.loader import load
+    from macinfer.models.mtp import load_mtp
+    from tests.gguf_writer import hybrid_tensors, write_hybrid_gguf
+
+    root = tmp_path_factory.mktemp("gguf-mtp")
+    config = _declare(tiny_config(model_type))
+    model = make_mlx_lm_model(config, seed=5)
+    flat = dict(tree_flatten(model.parameters()))
+    model.load_weights([(k, v * 0.2 if any(d in k for d in DAMPED) else v) for k, v in flat.items()])
+    n = config["num_hidden_layers"]
+    head = _hf_head(model, config, "deepseek", agree=True)
+    hf = save_model_dir(str(root / "hf"), config, model)
+    mx.save_safetensors(os.path.join(hf, "model-mtp.safetensors"), head)
+    path = str(root / "glm.gguf")
+    write_hybrid_gguf(path, arch, config, {**hybrid_tensors(arch, config, model), **_gguf_block(head, n, arch, config)},
+                      nextn=1)
+
+    from_hf = dict(tree_flatten(load_mtp(load(hf)).lm.parameters()))
+    from_gguf = dict(tree_flatten(load_mtp(load(path)).lm.parameters()))
+    assert from_hf.keys() == from_gguf.keys() and any(k.startswith("shared_head.head.") for k in from_gguf)
+    for k in from_hf:
+        np.testing.assert_allclose(np.array(from_gguf[k]), np.array(from_hf[k]), atol=1e-6, err_msg=k)
+    prompts, params = _prompts(6, seed=9), SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
+    want = [o.token_ids for o in generate(_engine(path), prompts, params)]
+    engine = _engine(path, num_speculative_tokens=2, speculative_method="mtp")
+    assert [o.token_ids for o in generate(engine, prompts, params)] == want
+    assert engine.stats["spec_accepted_tokens"] > 0

@@ -1,6 +1,7 @@
-"""llama.cpp's recurrent, hybrid and MLA architectures in GGUF: Mamba-2, LFM2, Qwen3-Next,
-Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE), DeepSeek V2/V3 (`deepseek2`:
-also Kimi K2 and GLM-4.7-Flash files).
+"""llama.cpp's recurrent, hybrid, MLA and tensor-mapped MoE architectures in GGUF: Mamba-2,
+LFM2, Qwen3-Next, Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE), DeepSeek V2/V3
+(`deepseek2`: also Kimi K2 and GLM-4.7-Flash files), GLM-5 (`glm-dsa`: the same MLA with
+DeepSeek Sparse Attention's indexer), GLM-4.5/4.6/4.7 and Solar Open (`glm4moe`).
 
 The config comes from the `{arch}.ssm.*` / `shortconv.*` metadata llama.cpp's
 converter writes; tensors are renamed onto mlx-lm's parameters with llama.cpp's own
@@ -39,7 +40,7 @@ from macinfer.kernels.dequantize import dequantize_f32
 # GGUF architecture -> mlx-lm model_type
 ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
          "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
-         "deepseek2": "deepseek_v3"}
+         "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa"}
 # mlx-lm parameter (under a layer) -> the name llama.cpp's converter gave it before its tensor map
 _ALIASES = {"mixer.switch_mlp.fc1": "mlp.experts.up_proj", "mixer.switch_mlp.fc2": "mlp.experts.down_proj",
             "self_attn.embed_q": "self_attn.k_b_proj", "self_attn.unembed_out": "self_attn.v_b_proj"}
@@ -146,6 +147,39 @@ def _deepseek2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str
             "topk_method": "noaux_tc" if sigmoid else "greedy", "scoring_func": "sigmoid" if sigmoid else "softmax"}
 
 
+def _glm_dsa(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """GLM-5 (`glm-dsa`): DeepSeek's MLA layers, converted as `deepseek2`'s, with DeepSeek Sparse
+    Attention's indexer (its heads, key width and top-k in `attention.indexer.*`)."""
+    if get("rope.scaling.type", None) not in (None, "none"):
+        raise ModelLoadError("glm-dsa: RoPE scaling in a GLM-5 file is not read here (mlx-lm's class takes "
+                             "its RoPE from rope_parameters)")
+    config = _deepseek2(get, meta, names)
+    config.update(model_type="glm_moe_dsa", index_n_heads=int(get("attention.indexer.head_count")),
+                  index_head_dim=int(get("attention.indexer.key_length")),
+                  index_topk=int(get("attention.indexer.top_k")),
+                  rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]})
+    return config
+
+
+def _glm4moe(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """GLM-4.5/4.6/4.7 (`glm4moe`): sigmoid-routed experts after dense leading layers, partial
+    rotary (the converter writes the rotated width), q/k norms and biases when stored."""
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", int(get("embedding_length")) // heads))
+    return {"num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+            "head_dim": head_dim, "partial_rotary_factor": int(get("rope.dimension_count", head_dim // 2)) / head_dim,
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
+            "rope_scaling": None, "intermediate_size": int(get("feed_forward_length")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "n_routed_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "n_shared_experts": int(get("expert_shared_count", 1)),
+            "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(get("expert_weights_norm", True)),
+            "n_group": int(get("expert_group_count", 1)), "topk_group": int(get("expert_group_used_count", 1)),
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in names, "attention_bias": "blk.0.attn_q.bias" in names}
+
+
 def _per_layer(get: Callable, key: str, n: int) -> list[int]:
     value = get(key, 0)
     value = value.tolist() if hasattr(value, "tolist") else value
@@ -183,7 +217,8 @@ def _nemotron_h(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[st
 
 
 _CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
-            "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2}
+            "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2,
+            "glm4moe": _glm4moe, "glm-dsa": _glm_dsa}
 
 
 def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -192,6 +227,8 @@ def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) 
               "max_position_embeddings": int(get("context_length", 4096)),
               "tie_word_embeddings": "output.weight" not in names}
     config.update(_CONFIGS[arch](get, meta, names))
+    if nextn := int(get("nextn_predict_layers", 0)):  # the MTP blocks kept after the layers (`models/mtp.py`)
+        config["num_nextn_predict_layers"] = nextn
     return config
 
 
@@ -261,7 +298,7 @@ def _undo_conversion(arch: str, config: dict[str, Any], tensors: dict[str, mx.ar
     if arch.startswith("qwen35"):
         tensors = _untile_qwen35(config, tensors)
     out = dict(tensors)
-    if arch == "deepseek2":
+    if arch in ("deepseek2", "glm-dsa"):
         out = _kv_b_as_the_model_takes_it(config, out)
     for name, w in tensors.items():
         if name.endswith(".ssm_a"):
@@ -291,13 +328,20 @@ def _undo_conversion(arch: str, config: dict[str, Any], tensors: dict[str, mx.ar
     return out
 
 
+def model_arch(arch: str) -> Any:
+    """The `gguf` package's MODEL_ARCH for a GGUF architecture name ("glm4moe" is GLM4_MOE)."""
+    import gguf
+
+    return next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+
+
 def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
     """GGUF tensors -> mlx-lm parameter names of `model` (values converted back)."""
     import gguf
     from mlx.utils import tree_flatten
 
     tensors = _undo_conversion(arch, config, tensors)
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    tmap = gguf.get_tensor_name_map(model_arch(arch), config["num_hidden_layers"])
     modules = dict(model.named_modules())
     out: dict[str, mx.array] = {}
     for param, _ in tree_flatten(model.parameters()):

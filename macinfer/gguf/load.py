@@ -175,13 +175,15 @@ def _requantize_tensor(f: GGUFFile, name: str, kind: str, rows_per_chunk: int = 
     return tuple(mx.concatenate([p[i] for p in parts]).reshape(*t.shape[:-1], -1) for i in range(3))
 
 
-def _requantize(f: GGUFFile, progress: Progress | None = None) -> dict[str, mx.array]:
-    """Every tensor via the gguf package: quantized ones to MLX affine (group 32)."""
+def _requantize(f: GGUFFile, progress: Progress | None = None, keep: Any = None) -> dict[str, mx.array]:
+    """Every tensor (those `keep` accepts) via the gguf package: quantized ones to MLX affine
+    (group 32)."""
     out: dict[str, mx.array] = {}
     counts: dict[str, int] = {}
-    for done, (name, t) in enumerate(f.tensors.items()):
+    tensors = {n: t for n, t in f.tensors.items() if keep is None or keep(n)}
+    for done, (name, t) in enumerate(tensors.items()):
         if progress is not None:
-            progress(done, len(f.tensors))
+            progress(done, len(tensors))
         kind = t.type_name
         if kind in _FLOAT_TYPES:
             out[name] = mx.array(f.dequantize(name)).astype(_FLOAT_TYPES[kind])
@@ -196,6 +198,8 @@ def _requantize(f: GGUFFile, progress: Progress | None = None) -> dict[str, mx.a
         else:
             raise ModelLoadError(f"{f.path}: tensor {name} uses quantization type {kind}, which macinfer cannot read")
     total = sum(v.nbytes for v in out.values())
+    if not counts:
+        return out
     log.warning(
         "%s: re-quantized %s to MLX affine group %d (%s); %.2f GiB in memory for a %.2f GiB file",
         os.path.basename(f.path), ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), GGUF_GROUP_SIZE,
@@ -260,3 +264,15 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
             if q["bits"] != default_bits:
                 config["quantization"][prefix] = q
     return config, weights, meta
+
+
+def read_block(path: str, first: int, model: Any, config: dict[str, Any]) -> dict[str, mx.array]:
+    """Block `first` of a GGUF file (a multi-token-prediction layer llama.cpp's converter keeps
+    as one more `blk.N`, with its `nextn.*` tensors), under the names of `model`'s parameters
+    (a module tree whose parameters are `model.layers.{first}.*`), converted as the model's are."""
+    f = GGUFFile(path)
+    arch = arch_of(f.metadata)
+    if arch not in gguf_hybrid.ARCHS:
+        raise ModelLoadError(f"{os.path.basename(path)}: {arch} files keep no multi-token-prediction block here")
+    raw = _requantize(f, keep=lambda n: n.startswith(f"blk.{first}."))
+    return gguf_hybrid.to_model_names(arch, model, raw, {**config, "num_hidden_layers": first + 1})

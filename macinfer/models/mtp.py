@@ -1,7 +1,8 @@
 """Multi-token prediction (MTP) heads that checkpoints ship beside their model: one more
 decoder layer that reads the target's last hidden state and the next token's embedding
 and predicts the token after it (Qwen3.5/3.6 and Qwen3-Next: `mtp.*`; DeepSeek V3, Kimi K2
-and GLM-4.5/4.7: `model.layers.{num_hidden_layers}.*`). mlx-lm drops these weights at load;
+and GLM-4.5/4.7/5: `model.layers.{num_hidden_layers}.*`, or in a GGUF file the `blk.N` block
+llama.cpp's converter keeps). mlx-lm drops these weights at load;
 here they are read from the checkpoint's own files and built with the target's own
 decoder-layer class (mlx-lm's), so the head runs on the paged engine like any model
 (`MlxLmModel`): `engine/mtp_drafter.py` feeds it the target's hidden rows.
@@ -41,7 +42,7 @@ class MTPLayout:
 
 
 QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe")
+DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
 MIMO = ("mimo",)
 
 
@@ -125,13 +126,24 @@ class SharedHead(nn.Module):
 class MTPHead(nn.Module):
     """The head as mlx-lm's outer model: `model` (the stack), `layers`, logits from hidden."""
 
-    def __init__(self, stack: MTPStack, args: Any, target_logits: Any, shared_head: SharedHead | None):
+    def __init__(self, stack: MTPStack, args: Any, target_logits: Any, shared_head: SharedHead | None,
+                 target_caches: Any = None):
         super().__init__()
         self.model = stack
         self.args = args  # the target's text args (MLA dims are read from them)
         if shared_head is not None:
             self.shared_head = shared_head
         object.__setattr__(self, "_target_logits", target_logits)
+        # () -> the target's cache for the layer the head's layers copy (a CacheList where the
+        # layer keeps several: DeepSeek Sparse Attention's latents and index keys)
+        object.__setattr__(self, "_target_caches", target_caches)
+
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import KVCache
+
+        if self._target_caches is None:
+            return [KVCache() for _ in self.layers]
+        return [self._target_caches() for _ in self.layers]
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -226,6 +238,30 @@ def _deepseek_weights(raw: dict[str, mx.array], first: int, target: MlxLmModel) 
     return out
 
 
+def _gguf_block(path: str, config: dict[str, Any], target: MlxLmModel, first: int) -> dict[str, mx.array]:
+    """The MTP block llama.cpp's converter keeps as `blk.{first}` (its layer's tensors and
+    `nextn.eh_proj/enorm/hnorm/shared_head_*`), in the checkpoint's names
+    (`model.layers.{first}.*`, the layer's already in mlx-lm's form)."""
+    from macinfer.gguf.load import read_block
+
+    tcfg = text_config(config)
+    dims, eps = int(tcfg["hidden_size"]), float(tcfg.get("rms_norm_eps", 1e-6))
+    block = _layer_like(target.decoder_layers[-1], target.text_model.args, first)
+    block.eh_proj = nn.Linear(2 * dims, dims, bias=False)
+    block.enorm, block.hnorm = nn.RMSNorm(dims, eps=eps), nn.RMSNorm(dims, eps=eps)
+    from macinfer.gguf.file import GGUFFile
+
+    own_head = f"blk.{first}.nextn.shared_head_head.weight" in GGUFFile(path).tensors
+    block.shared_head = SharedHead(dims, eps, int(tcfg["vocab_size"]) if own_head else None)
+    names = nn.Module()  # parameters named model.layers.{first}.*: what the file's block maps onto
+    names.model = nn.Module()
+    names.model.layers = [nn.Module() for _ in range(first)] + [block]
+    try:
+        return read_block(path, first, names, config)
+    except Exception as e:  # noqa: BLE001 - a block the tensor map cannot place: the reason
+        raise ValueError(f"the GGUF file's MTP block {first} cannot be read ({e})") from None
+
+
 def _layer_like(layer: nn.Module, args: Any, index: int) -> nn.Module:
     """A new decoder layer of `layer`'s class, built as layer `index` where the class takes one."""
     import inspect
@@ -248,7 +284,11 @@ def _quantize_like(head: nn.Module, config: dict[str, Any], names: dict[str, mx.
         if f"{path}.scales" not in names:
             return False
         override = quant.get(path) or quant.get(path.replace("model.", "mtp.", 1))
-        return {"group_size": override["group_size"], "bits": override["bits"]} if isinstance(override, dict) else True
+        group = override["group_size"] if isinstance(override, dict) else quant.get("group_size", 64)
+        # The width tells the bits (packed uint32 columns over the groups): a GGUF block's layers
+        # may mix them, and their names are not the ones the config's overrides use.
+        packed, groups = names[f"{path}.weight"].shape[-1], names[f"{path}.scales"].shape[-1]
+        return {"group_size": group, "bits": packed * 32 // (groups * group)}
 
     nn.quantize(head, group_size=quant.get("group_size", 64), bits=quant["bits"], mode=quant.get("mode", "affine"),
                 class_predicate=predicate)
@@ -262,12 +302,15 @@ def load_mtp(target: Any, finish: Any = None) -> MlxLmModel:
     lay = layout(config)
     if not isinstance(model, MlxLmModel):
         raise ValueError(f"{config.get('model_type')}: MTP heads run on models served through mlx-lm's classes")
-    if not os.path.isdir(target.source):
-        raise ValueError(f"{target.name}: MTP heads are read from a safetensors checkpoint; this model is a GGUF "
-                         "file (llama.cpp's nextn blocks are not read yet)")
+    gguf_file = not os.path.isdir(target.source)
+    if gguf_file and lay.style != "deepseek":
+        raise ValueError(f"{target.name}: in GGUF, llama.cpp's tensor map names the MTP block (`nextn.*`) of "
+                         "DeepSeek-style heads only (GLM-4.5/4.6/4.7, GLM-5); this file's is not read")
     tcfg = text_config(config)
     n_layers = int(tcfg["num_hidden_layers"])
-    if lay.style == "qwen":
+    if gguf_file:
+        raw, mlx_format = _gguf_block(target.source, config, model, n_layers), True
+    elif lay.style == "qwen":
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("mtp."))
     elif lay.style == "mimo":
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("model.mtp_layers.0."))
@@ -284,10 +327,11 @@ def load_mtp(target: Any, finish: Any = None) -> MlxLmModel:
         # A full-attention layer of the target's class (Gated DeltaNet layers have none).
         full = max(i for i, layer in enumerate(layers) if not getattr(layer, "is_linear", False))
         mtp_layers = [type(layers[full])(args, full) for _ in range(lay.depth)]
+        copied = full
         weights = _qwen_weights(raw, lay.depth, mlx_format)
         shared = None
     elif lay.style == "mimo":
-        mtp_layers = [_layer_like(layers[-1], args, n_layers)]
+        mtp_layers, copied = [_layer_like(layers[-1], args, n_layers)], -1
         own = ("input_proj.", "token_layernorm.", "hidden_layernorm.", "final_layernorm.")
         weights = {}
         for k, v in raw.items():
@@ -296,7 +340,7 @@ def load_mtp(target: Any, finish: Any = None) -> MlxLmModel:
         weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
         shared = None
     else:
-        mtp_layers = [_layer_like(layers[-1], args, n_layers)]
+        mtp_layers, copied = [_layer_like(layers[-1], args, n_layers)], -1
         weights = _deepseek_weights(raw, n_layers, model)
         has_head = any(k.startswith("shared_head.head.") for k in weights)
         shared = SharedHead(dims, eps, int(tcfg["vocab_size"]) if has_head else None)
@@ -305,7 +349,8 @@ def load_mtp(target: Any, finish: Any = None) -> MlxLmModel:
     if embed is None:
         raise ValueError(f"{config.get('model_type')}: the MTP head needs the target's token embedding")
     stack = MTPStack(lay.style, mtp_layers, dims, eps, embed)
-    head = MTPHead(stack, args, model.logits, shared)
+    owner = getattr(text, "make_cache", None)
+    head = MTPHead(stack, args, model.logits, shared, None if owner is None else lambda: owner()[copied])
     names = {f"model.{k}" if not k.startswith("shared_head.") else k: v for k, v in weights.items()}
     _quantize_like(head, config, names)
     try:
