@@ -184,7 +184,10 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
                 base = base.replace("embed_q", "kv_b_proj")
             else:
                 continue
-        for mine, theirs in (("mixer.switch_mlp.fc1", "mlp.experts.up_proj"), ("mixer.switch_mlp.fc2", "mlp.experts.down_proj")):
+        for mine, theirs in (("mixer.switch_mlp.fc1", "mlp.experts.up_proj"), ("mixer.switch_mlp.fc2", "mlp.experts.down_proj"),
+                             ("block_sparse_moe.switch_mlp.gate_proj", "block_sparse_moe.experts.w1"),
+                             ("block_sparse_moe.switch_mlp.down_proj", "block_sparse_moe.experts.w2"),
+                             ("block_sparse_moe.switch_mlp.up_proj", "block_sparse_moe.experts.w3")):
             if base.endswith(mine):  # the converter merges experts under these names
                 base = f"model.layers.{base.split('.')[2]}.{theirs}"
         gname = tmap.get_name(base.replace(".switch_mlp.", ".experts."))
@@ -356,6 +359,13 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.5)))
         w.add_leading_dense_block_count(config["first_k_dense_replace"])
         _routed_meta(w, config, gguf.ExpertGatingFuncType.SIGMOID)
+    elif arch == "minimax-m2":  # MiniMaxM2Model's (the base TextModel's, then its own)
+        _attention_meta(w, config)
+        w.add_expert_count(config["num_local_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_feed_forward_length(config["intermediate_size"])
+        w.add_rope_dimension_count(config["rotary_dim"])
     tokens, scores, types = spm_vocab(config["vocab_size"])
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)

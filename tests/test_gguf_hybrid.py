@@ -147,6 +147,23 @@ def test_glm4moe_gguf_runs_like_mlx_lm(tmp_path, extra):
         np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
 
 
+@pytest.mark.parametrize("extra", [dict(use_qk_norm=True), dict(use_qk_norm=False)])
+def test_minimax_m2_gguf_runs_like_mlx_lm(tmp_path, extra):
+    """MiniMax M2 files (`minimax-m2`): experts w1/w2/w3 stacked, the correction bias as
+    exp_probs_b, partial rotary as rotary_dim, q/k norms over all heads when stored."""
+    config = {**tiny_config("minimax"), **extra}
+    model = make_mlx_lm_model(config)
+    path = str(tmp_path / "mm.gguf")
+    write_hybrid_gguf(path, "minimax-m2", config, hybrid_tensors("minimax-m2", config, model))
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
+    assert engine.model.args.model_type == "minimax"
+    prompts = [[int(x) for x in mx.random.randint(3, 300, (k,), key=mx.random.key(k)).tolist()] for k in (37, 20)]
+    outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for prompt, out in zip(prompts, outs):
+        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
+        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+
+
 def test_multi_token_prediction_blocks_are_left_out(tmp_path):
     """llama.cpp's converter keeps Qwen3.5's MTP block as one more `blk.N` and counts it in
     block_count (nextn_predict_layers = 1): the model is the layers before it."""
@@ -167,7 +184,8 @@ def test_multi_token_prediction_blocks_are_left_out(tmp_path):
 def test_pre_tokenizers_these_families_name():
     """`tokenizer.ggml.pre` of these families' files, split as llama.cpp's llama-vocab.cpp
     does: Qwen3.5 keeps combining marks with their letter, DeepSeek V3 splits digits in
-    threes and CJK runs apart first, LFM2 / Falcon-H1 / GLM-4 split as Llama 3."""
+    threes and CJK runs apart first, LFM2 / Falcon-H1 / GLM-4 split as Llama 3, MiniMax M2 as
+    GPT-4o."""
     from macinfer.gguf.tokenizer import PRE_TOKENIZERS
 
     def pieces(name: str) -> list[str]:
@@ -176,6 +194,8 @@ def test_pre_tokenizers_these_families_name():
 
     assert pieces("qwen2")[:2] == ["cafe", "\u0301"] and pieces("qwen35")[0] == "cafe\u0301"
     assert pieces("deepseek-v3") == ["cafe\u0301", " ", "123", "45", " ", "日本語", "abc", ",", " x", "!"]
+    # MiniMax M2: GPT-4o's split (cased words, digits in threes, CJK with the letters)
+    assert pieces("minimax-m2") == ["cafe\u0301", " ", "123", "45", " 日本語abc", ",", " x", "!"]
     for name in ("lfm2", "falcon-h1", "glm4"):
         assert pieces(name) == ["cafe", "\u0301", " ", "123", "45", " 日本語abc", ",", " x", "!"]
 

@@ -1,7 +1,8 @@
 """llama.cpp's recurrent, hybrid, MLA and tensor-mapped MoE architectures in GGUF: Mamba-2,
 LFM2, Qwen3-Next, Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE), DeepSeek V2/V3
 (`deepseek2`: also Kimi K2 and GLM-4.7-Flash files), GLM-5 (`glm-dsa`: the same MLA with
-DeepSeek Sparse Attention's indexer), GLM-4.5/4.6/4.7 and Solar Open (`glm4moe`).
+DeepSeek Sparse Attention's indexer), GLM-4.5/4.6/4.7 and Solar Open (`glm4moe`), MiniMax M2
+(`minimax-m2`).
 
 The config comes from the `{arch}.ssm.*` / `shortconv.*` metadata llama.cpp's
 converter writes; tensors are renamed onto mlx-lm's parameters with llama.cpp's own
@@ -40,9 +41,12 @@ from macinfer.kernels.dequantize import dequantize_f32
 # GGUF architecture -> mlx-lm model_type
 ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
          "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
-         "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa"}
+         "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax"}
 # mlx-lm parameter (under a layer) -> the name llama.cpp's converter gave it before its tensor map
 _ALIASES = {"mixer.switch_mlp.fc1": "mlp.experts.up_proj", "mixer.switch_mlp.fc2": "mlp.experts.down_proj",
+            "block_sparse_moe.switch_mlp.gate_proj": "block_sparse_moe.experts.w1",  # MiniMax's w1/w2/w3
+            "block_sparse_moe.switch_mlp.down_proj": "block_sparse_moe.experts.w2",
+            "block_sparse_moe.switch_mlp.up_proj": "block_sparse_moe.experts.w3",
             "self_attn.embed_q": "self_attn.k_b_proj", "self_attn.unembed_out": "self_attn.v_b_proj"}
 
 
@@ -161,6 +165,20 @@ def _glm_dsa(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, 
     return config
 
 
+def _minimax_m2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """MiniMax M2/M2.5 (`minimax-m2`): routed experts only (their width is the HF
+    `intermediate_size`), partial rotary (`rotary_dim`), q/k norms over all heads."""
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", int(get("embedding_length")) // heads))
+    return {"num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+            "head_dim": head_dim, "rotary_dim": int(get("rope.dimension_count", head_dim)),
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
+            "intermediate_size": int(get("expert_feed_forward_length")), "shared_intermediate_size": 0,
+            "num_local_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "scoring_func": "softmax" if int(get("expert_gating_func", 2)) == 1 else "sigmoid",
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in names}
+
+
 def _glm4moe(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     """GLM-4.5/4.6/4.7 (`glm4moe`): sigmoid-routed experts after dense leading layers, partial
     rotary (the converter writes the rotated width), q/k norms and biases when stored."""
@@ -218,7 +236,7 @@ def _nemotron_h(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[st
 
 _CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
             "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2,
-            "glm4moe": _glm4moe, "glm-dsa": _glm_dsa}
+            "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2}
 
 
 def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:

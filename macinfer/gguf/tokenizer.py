@@ -36,6 +36,13 @@ _DEEPSEEK3_REGEXES = (
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 
+# GPT-4o's (o200k), which MiniMax M2 uses: cased words keep their contraction, digits in threes.
+_O200K_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 def _split_then_bytes(*regexes: str):
     return lambda: pre_tokenizers.Sequence(
@@ -69,6 +76,8 @@ PRE_TOKENIZERS = {
     "chatglm-bpe": _split_then_bytes(_LLAMA3_REGEX),
     "qwen35": _split_then_bytes(_QWEN35_REGEX),
     "deepseek-v3": _split_then_bytes(*_DEEPSEEK3_REGEXES),
+    "gpt-4o": _split_then_bytes(_O200K_REGEX),
+    "minimax-m2": _split_then_bytes(_O200K_REGEX),
     "smaug-bpe": _split_then_bytes(_LLAMA3_REGEX),
     "qwen2": _split_then_bytes(_QWEN2_REGEX),
     "deepseek-r1-qwen": _split_then_bytes(_QWEN2_REGEX),
