@@ -19,6 +19,7 @@ import pytest
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.models import (ARCHITECTURES, VLM_VERDICTS, VLM_VERDICTS_FILE, UnsupportedArchitectureError,
                              build_model)
+from macinfer.models.mlx_lm_adapter import mlx_lm_model_types
 from macinfer.models.mlx_vlm_text import mlx_vlm_only_model_types
 from tests.helpers import generate, generate_joining, make_mlx_lm_model, save_model_dir
 from tests.test_architecture_matrix import CHUNKS, GREEDY, TOKENS, _generate_preempting, _refused_at_load
@@ -41,7 +42,7 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
 def test_the_table_covers_every_mlx_vlm_only_model_type_and_is_current():
     from scripts.architectures import vlm_verdicts
 
-    assert sorted(VLM_VERDICTS) == mlx_vlm_only_model_types()
+    assert sorted(VLM_VERDICTS) == mlx_vlm_only_model_types(mlx_lm_model_types())
     built = {t: "runs" if _refused_at_load(v) else v for t, v in VLM_VERDICTS.items()}
     assert vlm_verdicts(load=False) == built, f"{VLM_VERDICTS_FILE} is stale: run python scripts/architectures.py"
     # The text families mlx-vlm adds that run here (the hy_v4 and deepseek_v4 are refused

@@ -373,8 +373,10 @@ def test_a_gguf_files_nextn_block_is_the_same_head(tmp_path_factory, model_type,
     write_hybrid_gguf(path, arch, config, {**hybrid_tensors(arch, config, model), **_gguf_block(head, n, arch, config)},
                       nextn=1)
 
+    from macinfer.gguf.load import read_block
+
     from_hf = dict(tree_flatten(load_mtp(load(hf)).lm.parameters()))
-    from_gguf = dict(tree_flatten(load_mtp(load(path)).lm.parameters()))
+    from_gguf = dict(tree_flatten(load_mtp(load(path), read_block=read_block).lm.parameters()))
     assert from_hf.keys() == from_gguf.keys() and any(k.startswith("shared_head.head.") for k in from_gguf)
     for k in from_hf:
         np.testing.assert_allclose(np.array(from_gguf[k]), np.array(from_hf[k]), atol=1e-6, err_msg=k)

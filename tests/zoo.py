@@ -59,6 +59,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": dict(ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)),
     "exaone4": dict(sliding_window_pattern="LG", head_dim=16),
+    "iquestloopcoder": dict(loop_window_size=WINDOW),
     "exaone_moe": dict(is_moe_layer=[False, True], layer_types=["sliding_attention", "full_attention"]),
     "gemma2": dict(query_pre_attn_scalar=16.0, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                    sliding_window=WINDOW),

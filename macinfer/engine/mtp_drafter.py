@@ -205,7 +205,9 @@ def _salt(seq: Sequence) -> str:
 def load_mtp_drafter(engine: Any, target_blocks: int) -> MTPDrafter:
     """`engine`'s MTP drafter (`EngineConfig.speculative_method == "mtp"`); a ValueError
     with the reason when its checkpoint has no MTP head macinfer runs."""
-    head = load_mtp(engine.loaded, finish=_as_the_loader_does)
+    from macinfer.gguf.load import read_block
+
+    head = load_mtp(engine.loaded, finish=_as_the_loader_does, read_block=read_block)
     drafter = MTPDrafter(head, engine.loaded.source + ":mtp", engine.config, target_blocks, engine.max_model_len,
                          engine.backend)
     engine.backend.set_limits(weight_bytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)

@@ -266,13 +266,15 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
     return config, weights, meta
 
 
-def read_block(path: str, first: int, model: Any, config: dict[str, Any]) -> dict[str, mx.array]:
+def read_block(path: str, first: int, names_for: Callable[[set[str]], Any], config: dict[str, Any]) -> dict[str, mx.array]:
     """Block `first` of a GGUF file (a multi-token-prediction layer llama.cpp's converter keeps
-    as one more `blk.N`, with its `nextn.*` tensors), under the names of `model`'s parameters
-    (a module tree whose parameters are `model.layers.{first}.*`), converted as the model's are."""
+    as one more `blk.N`, with its `nextn.*` tensors), under the names of the parameters of
+    `names_for(the file's tensor names)` (a module tree whose parameters are
+    `model.layers.{first}.*`), converted as the model's are."""
     f = GGUFFile(path)
     arch = arch_of(f.metadata)
     if arch not in gguf_hybrid.ARCHS:
         raise ModelLoadError(f"{os.path.basename(path)}: {arch} files keep no multi-token-prediction block here")
+    model = names_for(set(f.tensors))
     raw = _requantize(f, keep=lambda n: n.startswith(f"blk.{first}."))
     return gguf_hybrid.to_model_names(arch, model, raw, {**config, "num_hidden_layers": first + 1})

@@ -336,8 +336,10 @@ class MlxLmModel(nn.Module):
                                             "expected): K/V the paged cache would keep wrong")
         attending = self.num_layers - self._num_state_only
         # Fewer calls than layers only where layers have no cache at all (Nemotron-H's MLP and MoE
-        # layers); more calls than layers: several attentions a layer, LongCat's, each over its own cache.
-        if len(f.calls) < min(attending, n) or len(f.calls) > max(attending, n) or set(f.calls) != set(range(n)):
+        # layers). More are served as they come, each from the cache whose K/V it reads: several
+        # attentions a layer (LongCat's, each over its own cache; IQuest-Loop-Coder's second loop,
+        # over the first loop's cache and over its own window).
+        if len(f.calls) < min(attending, n) or set(f.calls) != set(range(n)):
             raise UnsupportedModelError(
                 f"{name}: {attending} attending layers but {len(f.calls)} attention calls through mlx-lm's "
                 "scaled_dot_product_attention over the caches (attention computed by hand or over K/V "

@@ -44,16 +44,14 @@ def _language_class(module: Any) -> type | None:
         return None
 
 
-def mlx_vlm_only_model_types() -> list[str]:
-    """mlx-vlm's model directories whose type mlx-lm does not implement under any spelling
-    (each is a text model, a vision family, or something that generates no text)."""
+def mlx_vlm_only_model_types(mlx_lm_types: list[str]) -> list[str]:
+    """mlx-vlm's model directories whose type mlx-lm (`mlx_lm_types`) does not implement under
+    any spelling (each is a text model, a vision family, or something that generates no text)."""
     try:
         import mlx_vlm.models as vm
     except ImportError:
         return []
-    from macinfer.models.mlx_lm_adapter import mlx_lm_model_types
-
-    lm = {_norm(t) for t in mlx_lm_model_types()}
+    lm = {_norm(t) for t in mlx_lm_types}
     root = os.path.dirname(vm.__file__)
     return sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))
                   and not d.startswith("_") and _norm(d) not in lm)

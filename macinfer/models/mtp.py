@@ -238,26 +238,28 @@ def _deepseek_weights(raw: dict[str, mx.array], first: int, target: MlxLmModel) 
     return out
 
 
-def _gguf_block(path: str, config: dict[str, Any], target: MlxLmModel, first: int) -> dict[str, mx.array]:
+def _gguf_block(path: str, config: dict[str, Any], target: MlxLmModel, first: int,
+                read_block: Any) -> dict[str, mx.array]:
     """The MTP block llama.cpp's converter keeps as `blk.{first}` (its layer's tensors and
     `nextn.eh_proj/enorm/hnorm/shared_head_*`), in the checkpoint's names
-    (`model.layers.{first}.*`, the layer's already in mlx-lm's form)."""
-    from macinfer.gguf.load import read_block
-
+    (`model.layers.{first}.*`, the layer's already in mlx-lm's form), read by the GGUF
+    loader's `read_block`."""
     tcfg = text_config(config)
     dims, eps = int(tcfg["hidden_size"]), float(tcfg.get("rms_norm_eps", 1e-6))
-    block = _layer_like(target.decoder_layers[-1], target.text_model.args, first)
-    block.eh_proj = nn.Linear(2 * dims, dims, bias=False)
-    block.enorm, block.hnorm = nn.RMSNorm(dims, eps=eps), nn.RMSNorm(dims, eps=eps)
-    from macinfer.gguf.file import GGUFFile
 
-    own_head = f"blk.{first}.nextn.shared_head_head.weight" in GGUFFile(path).tensors
-    block.shared_head = SharedHead(dims, eps, int(tcfg["vocab_size"]) if own_head else None)
-    names = nn.Module()  # parameters named model.layers.{first}.*: what the file's block maps onto
-    names.model = nn.Module()
-    names.model.layers = [nn.Module() for _ in range(first)] + [block]
+    def names_for(in_file: set[str]) -> nn.Module:
+        block = _layer_like(target.decoder_layers[-1], target.text_model.args, first)
+        block.eh_proj = nn.Linear(2 * dims, dims, bias=False)
+        block.enorm, block.hnorm = nn.RMSNorm(dims, eps=eps), nn.RMSNorm(dims, eps=eps)
+        own_head = f"blk.{first}.nextn.shared_head_head.weight" in in_file
+        block.shared_head = SharedHead(dims, eps, int(tcfg["vocab_size"]) if own_head else None)
+        names = nn.Module()  # parameters named model.layers.{first}.*: what the file's block maps onto
+        names.model = nn.Module()
+        names.model.layers = [nn.Module() for _ in range(first)] + [block]
+        return names
+
     try:
-        return read_block(path, first, names, config)
+        return read_block(path, first, names_for, config)
     except Exception as e:  # noqa: BLE001 - a block the tensor map cannot place: the reason
         raise ValueError(f"the GGUF file's MTP block {first} cannot be read ({e})") from None
 
@@ -294,22 +296,25 @@ def _quantize_like(head: nn.Module, config: dict[str, Any], names: dict[str, mx.
                 class_predicate=predicate)
 
 
-def load_mtp(target: Any, finish: Any = None) -> MlxLmModel:
+def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmModel:
     """`target`'s (LoadedModel) MTP head, its weights read from the checkpoint; a
     ValueError with the reason when it has none macinfer runs. `finish(head)` runs once its
-    weights are in (the loader's dequantization)."""
+    weights are in (the loader's dequantization); `read_block` reads a GGUF file's block
+    (`macinfer.gguf.load.read_block`, for a GGUF target)."""
     config, model = target.config, target.model
     lay = layout(config)
     if not isinstance(model, MlxLmModel):
         raise ValueError(f"{config.get('model_type')}: MTP heads run on models served through mlx-lm's classes")
     gguf_file = not os.path.isdir(target.source)
+    if gguf_file and read_block is None:
+        raise ValueError(f"{target.name}: a GGUF target's MTP head needs the GGUF block reader")
     if gguf_file and lay.style != "deepseek":
         raise ValueError(f"{target.name}: in GGUF, llama.cpp's tensor map names the MTP block (`nextn.*`) of "
                          "DeepSeek-style heads only (GLM-4.5/4.6/4.7, GLM-5); this file's is not read")
     tcfg = text_config(config)
     n_layers = int(tcfg["num_hidden_layers"])
     if gguf_file:
-        raw, mlx_format = _gguf_block(target.source, config, model, n_layers), True
+        raw, mlx_format = _gguf_block(target.source, config, model, n_layers, read_block), True
     elif lay.style == "qwen":
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("mtp."))
     elif lay.style == "mimo":

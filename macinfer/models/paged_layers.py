@@ -151,7 +151,11 @@ def paged_call(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, 
     f = _active()
     if f is None:
         return None
-    index = cache.index if isinstance(cache, PagedLayerCache) else f.fetched.get(id(keys))
+    # The K/V tell which cache is read (a layer may attend over another cache's K/V while
+    # passing its own cache: IQuest-Loop-Coder's second loop); else the cache passed.
+    index = f.fetched.get(id(keys))
+    if index is None and isinstance(cache, PagedLayerCache):
+        index = cache.index
     if index is None:
         f.problems.append("an attention call reads K/V that did not come from its cache")
         return mx.zeros(queries.shape[:-1] + values.shape[-1:], dtype=queries.dtype)
