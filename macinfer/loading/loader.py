@@ -18,6 +18,7 @@ from macinfer.gguf.file import ModelLoadError
 from macinfer.kernels.streams import work_streams
 from macinfer.kernels.dequantize import dequantize_f32
 from macinfer.models import UnsupportedArchitectureError, build_model
+from macinfer.models.bitlinear import expand, is_bitlinear
 from macinfer.models.mtp import declared_layers, mtp_keys
 from macinfer.models.rope import extend_context, uses_scaled_rope
 from macinfer.text.tokenizer import TokenizerWrapper
@@ -173,6 +174,23 @@ def _quantize_like_weights(model: nn.Module, config: dict[str, Any], weights: di
     if not quant:
         return
     model = getattr(model, "lm", model)  # mlx-lm's module tree carries the weights' names
+    if "group_size" not in quant:  # transformers' quantization_config: its method, as mlx-lm reads it
+        method = quant.get("quant_method")
+        if method == "bitnet":  # ternary layers (BitNet b1.58, Falcon3 1.58-bit): `models/bitlinear.py`
+            from mlx_lm.models import bitlinear_layers
+
+            from macinfer.models.bitlinear import patch_bitlinear
+
+            patch_bitlinear(bitlinear_layers)
+            bitlinear_layers.bitnet_quantize(model, quant)
+            return
+        if method in ("mxfp4", "mxfp8"):
+            quant = {"group_size": 32, "bits": 4 if method == "mxfp4" else 8, "mode": method}
+        elif not any(k.endswith(".scales") for k in weights):
+            return  # nothing in MLX's quantized form (FP8 checkpoints: the model's sanitize expands them)
+        else:
+            raise ModelLoadError(f"quantization_config with quant_method {method!r} and no group_size/bits: "
+                                 "not a quantization MLX's layers take")
 
     def predicate(path: str, module: nn.Module):
         if f"{path}.scales" not in weights:
@@ -228,7 +246,9 @@ def _dequantize_modules(module: nn.Module, turn: list[int] | None = None) -> int
             if not isinstance(c, nn.Module):
                 continue
             new = None
-            if isinstance(c, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            if is_bitlinear(c):  # BitNet's ternary layers: unpacked once (`models/bitlinear.py`)
+                new = expand(c)
+            elif isinstance(c, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
                 turn[0] += 1
                 with mx.stream(streams[turn[0] % len(streams)]):
                     w = dequantize_f32(c.weight, c.scales, c.get("biases"), c.group_size, c.bits, c.mode)
@@ -259,6 +279,8 @@ def should_dequantize(model: nn.Module) -> bool:
     choice = os.environ.get("MACINFER_CPU_WEIGHTS", "")
     if choice == "quantized" or mx.default_device() != mx.cpu:
         return False
+    if any(is_bitlinear(m) for _, m in model.named_modules()):
+        return True  # the CPU has no ternary kernel: its layers are expanded (what else would run)
     quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     if not quantized:
         return False

@@ -22,6 +22,7 @@ import mlx.nn as nn
 
 from macinfer.kv.attention import AttentionMetadata, attend
 from macinfer.kv.mla import expanded_spans, split_latent_attention
+from macinfer.models.bitlinear import patch_bitlinear
 from macinfer.models.paged_indexer import patch_indexer
 
 
@@ -399,7 +400,8 @@ _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
                       "mlx_lm.models.afm7": [_patch_sdpa, _patch_afm7],
                       "mlx_lm.models.plamo2": [_patch_sdpa, _patch_plamo2],
                       "mlx_lm.models.mla": [_patch_multilinear],
-                      "mlx_lm.models.deepseek_v32": [_patch_sdpa, patch_indexer]}
+                      "mlx_lm.models.deepseek_v32": [_patch_sdpa, patch_indexer],
+                      "mlx_lm.models.bitlinear_layers": [patch_bitlinear]}  # (not attention: a portable path)
 
 
 def patch_modules() -> None:
