@@ -183,14 +183,20 @@ inline float exp(float x) { return std::exp(x); }
 inline float exp2(float x) { return std::exp2(x); }
 inline float log(float x) { return std::log(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline float abs(float x) { return std::fabs(x); }
+inline float cos(float x) { return std::cos(x); }
+inline float sin(float x) { return std::sin(x); }
 using std::max;
 using std::min;
 namespace fast {
 inline float exp(float x) { return std::exp(x); }
 inline float exp2(float x) { return std::exp2(x); }
+inline float cos(float x) { return std::cos(x); }
+inline float sin(float x) { return std::sin(x); }
 }  // namespace fast
 namespace precise {
 inline float exp(float x) { return std::exp(x); }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 }  // namespace precise
 template <typename T>
 using numeric_limits = std::numeric_limits<T>;

@@ -24,6 +24,7 @@ from macinfer.kv.attention import AttentionMetadata, attend
 from macinfer.kv.mla import expanded_spans, split_latent_attention
 from macinfer.models.bitlinear import patch_bitlinear
 from macinfer.models.paged_indexer import patch_indexer
+from macinfer.models.portable_kernels import patch_kernels
 
 
 class UnsupportedModelError(ValueError):
@@ -411,6 +412,7 @@ def patch_modules() -> None:
         if name.startswith("mlx_lm.models.") and mod is not None:
             for patch in _ATTENTION_PATCHES.get(name, [_patch_sdpa]):
                 patch(mod)
+            patch_kernels(mod)  # mlx-lm's fused Metal kernels: portable forms where Metal is absent
         elif name.startswith("mlx_vlm.models.") and mod is not None and name != "mlx_vlm.models.base":
             # Only modules that call mlx-vlm's own SDPA (its towers keep functions of their own).
             base = sys.modules.get("mlx_vlm.models.base")
