@@ -172,6 +172,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                          full_attention_interval=2, rope_parameters=dict(
                              rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
                              mrope_section=[2, 1, 1])),
+    # A Qwen3.5 whose MLP and embedding are Hadamard-rotated 2-bit packs (blocks of 512 and up).
+    "prism_hadamard_qwen35.text": dict(hidden_size=512, intermediate_size=1024, head_dim=32),
+    "prism_hadamard_qwen35": dict(
+        schema_version=2, tensor_namespace="mlx-vlm-qwen3_5", gdn_activation_layout="grouped",
+        quantization={"bits": 2, "group_size": 128, "mode": "affine"},
+        modules=[{"path": f"model.layers.{i}.mlp.{p}", "embedding": False, "dtype": "float16",
+                  "block": 1024 if p == "down_proj" else 512} for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+        + [{"path": "model.embed_tokens", "embedding": True, "dtype": "float16", "block": 512}]),
     "minimax_m3_vl.text": dict(moe_layer_freq=None, num_local_experts=4, dense_intermediate_size=128,
                                shared_intermediate_size=32, head_dim=16, rotary_dim=8),
     "muse_spark.text": dict(post_norm_eps=1e-5, layer_rope_theta=[10000.0, 0.0], final_logit_softcapping=30.0,
@@ -226,6 +234,8 @@ def tiny_config(model_type: str, **extra: Any) -> dict[str, Any]:
             text.update(OVERRIDES.get(f"{model_type}.text", {}))
         elif model_type in TEXT_OF:
             text = tiny_config(TEXT_OF[model_type])
+            text = dict(text.get("text_config", text))  # (a wrapper's: its text part)
+            text.update(OVERRIDES.get(f"{model_type}.text", {}))
         else:
             text = dict(cfg)
         cfg["text_config"] = text

@@ -193,8 +193,8 @@ def _quantize_like_weights(model: nn.Module, config: dict[str, Any], weights: di
                                  "not a quantization MLX's layers take")
 
     def predicate(path: str, module: nn.Module):
-        if f"{path}.scales" not in weights:
-            return False
+        if f"{path}.scales" not in weights or not hasattr(module, "to_quantized"):
+            return False  # (a layer that is quantized its own way: Prism's Hadamard packs)
         override = quant.get(path)
         if isinstance(override, dict):
             return {"group_size": override["group_size"], "bits": override["bits"]}
