@@ -64,8 +64,11 @@ def make_mlx_lm_model(config: dict, seed: int = 0, quantize: dict | None = None)
     mx.random.seed(seed)
     from mlx_lm.utils import _get_classes  # honours mlx-lm's model_type remapping
 
+    from macinfer.models.mlx_lm_adapter import availability_probes_met
+
     try:
-        model_class, args_class = _get_classes(config)
+        with availability_probes_met():  # (OLMo's file checks for a package it never uses)
+            model_class, args_class = _get_classes(config)
     except ValueError:  # a language model only mlx-vlm implements: its own class
         from mlx_vlm.utils import get_model_and_args
 

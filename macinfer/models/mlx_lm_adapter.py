@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -493,13 +494,35 @@ def build(config: dict[str, Any]) -> MlxLmModel:
     return MlxLmModel(instantiate(config), config)
 
 
+# Packages an mlx-lm model file imports only to check they are installed (it exits when one is
+# missing) and never uses: OLMo's `hf_olmo` (ai2-olmo, which brings torch and CUDA libraries).
+AVAILABILITY_PROBES = ("hf_olmo",)
+
+
+@contextmanager
+def availability_probes_met() -> Iterator[None]:
+    import importlib.util
+    import sys
+    import types
+
+    stubs = [n for n in AVAILABILITY_PROBES if n not in sys.modules and importlib.util.find_spec(n) is None]
+    for name in stubs:
+        sys.modules[name] = types.ModuleType(name, "stand-in: the importing model file only checks it exists")
+    try:
+        yield
+    finally:
+        for name in stubs:
+            sys.modules.pop(name, None)
+
+
 def instantiate(config: dict[str, Any]) -> nn.Module:
     """mlx-lm's own model object for `config` (mlx-vlm's, for a language model only mlx-vlm
     implements: `mlx_vlm_text.py`); its arrays stay lazy until evaluated."""
     from mlx_lm.utils import _get_classes
 
     try:
-        model_class, args_class = _get_classes(config)
+        with availability_probes_met():
+            model_class, args_class = _get_classes(config)
     except ValueError as e:  # not an mlx-lm model type
         lm = mlx_vlm_text.instantiate(config)
         if lm is None:
@@ -532,4 +555,5 @@ def mlx_lm_model_types() -> list[str]:
 def import_model_module(model_type: str) -> Any:
     from mlx_lm.utils import MODEL_REMAPPING
 
-    return importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+    with availability_probes_met():
+        return importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")

@@ -347,6 +347,35 @@ def _patch_gpt_bigcode(mod: Any) -> None:
     _patched.add(mod.__name__ + ":positions")
 
 
+def _patch_olmo(mod: Any) -> None:
+    """OLMo 1 computes its attention by hand and adds the mask to the scores, which mlx-lm's
+    mask helper gives as the string "causal" for any prompt longer than one token (mlx-lm's
+    own forward fails there). Its attention goes through SDPA instead: the paged attention
+    inside our forward, MLX's fused one (with the causal mask it meant) outside; and its
+    tied-weights form returns the logits alone."""
+    if mod.__name__ + ":sdpa" in _patched:
+        return
+
+    def attend(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        q, k, v = (t.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3) for t in mx.split(self.att_proj(x), 3, -1))
+        if cache is not None:
+            q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+        else:
+            q, k = self.rope(q), self.rope(k)
+        out = paged_call(q, k, v, cache, self.scale, mask) if isinstance(cache, PagedLayerCache) else \
+            mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.attn_out(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    mod.TransformerBlock.attend = attend
+    # With tied weights it returns (logits, cache): the logits, as the untied form does.
+    transformer = mod.Transformer.__call__
+    mod.Transformer.__call__ = lambda self, inputs, cache=None: (lambda out: out[0] if isinstance(out, tuple) else out)(
+        transformer(self, inputs, cache))
+    _patched.add(mod.__name__ + ":sdpa")
+
+
 def _patch_afm7(mod: Any) -> None:
     """AFM's KV-reuse layers attend over the last layer's K/V and rotate their queries from
     the K/V's length (`S - L`): inside our forward, each row rotates at its own position."""
@@ -399,6 +428,7 @@ _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
                       "mlx_lm.models.llama4": [_patch_sdpa, _patch_llama4],
                       "mlx_lm.models.gpt_bigcode": [_patch_sdpa, _patch_gpt_bigcode],
                       "mlx_lm.models.afm7": [_patch_sdpa, _patch_afm7],
+                      "mlx_lm.models.olmo": [_patch_olmo],
                       "mlx_lm.models.plamo2": [_patch_sdpa, _patch_plamo2],
                       "mlx_lm.models.mla": [_patch_multilinear],
                       "mlx_lm.models.deepseek_v32": [_patch_sdpa, patch_indexer],
