@@ -61,6 +61,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "exaone4": dict(sliding_window_pattern="LG", head_dim=16),
     "iquestloopcoder": dict(loop_window_size=WINDOW),
     "olmo": dict(mlp_hidden_size=256),  # (its gate and up halves: 2 x 128)
+    "plamo": dict(n_shared_head=2),  # (4 query heads over 2 K/V heads, tiled)
     "exaone_moe": dict(is_moe_layer=[False, True], layer_types=["sliding_attention", "full_attention"]),
     "gemma2": dict(query_pre_attn_scalar=16.0, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                    sliding_window=WINDOW),

@@ -376,6 +376,33 @@ def _patch_olmo(mod: Any) -> None:
     _patched.add(mod.__name__ + ":sdpa")
 
 
+def _patch_plamo(mod: Any) -> None:
+    """PLaMo 1 tiles its K/V heads after the cache (query head h reads K/V head h mod KV),
+    where the paged attention groups query heads (h reads h // (H / KV)): inside our forward
+    the query heads are put in the grouped order and the outputs back in theirs."""
+    if mod.__name__ + ":tiled" in _patched:
+        return
+    original = mod.Attention.__call__
+
+    def attention(self, hidden_states, attention_mask=None, cache=None):
+        if not isinstance(cache, PagedLayerCache):
+            return original(self, hidden_states, attention_mask, cache)
+        T, L, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).reshape(T, L, self.q_num_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(hidden_states).reshape(T, L, self.k_num_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(hidden_states).reshape(T, L, self.v_num_heads, -1).transpose(0, 2, 1, 3)
+        q, k = self.rotary_emb(q, offset=cache.offset), self.rotary_emb(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        kv, r = self.k_num_heads, self.q_num_heads // self.k_num_heads
+        grouped = [i * kv + g for g in range(kv) for i in range(r)]  # grouped slot -> its tiled head
+        back = sorted(range(len(grouped)), key=grouped.__getitem__)
+        out = paged_call(q[:, mx.array(grouped)], k, v, cache, self.scale, None)[:, mx.array(back)]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(T, L, -1))
+
+    mod.Attention.__call__ = attention
+    _patched.add(mod.__name__ + ":tiled")
+
+
 def _patch_afm7(mod: Any) -> None:
     """AFM's KV-reuse layers attend over the last layer's K/V and rotate their queries from
     the K/V's length (`S - L`): inside our forward, each row rotates at its own position."""
@@ -429,6 +456,7 @@ _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
                       "mlx_lm.models.gpt_bigcode": [_patch_sdpa, _patch_gpt_bigcode],
                       "mlx_lm.models.afm7": [_patch_sdpa, _patch_afm7],
                       "mlx_lm.models.olmo": [_patch_olmo],
+                      "mlx_lm.models.plamo": [_patch_sdpa, _patch_plamo],
                       "mlx_lm.models.plamo2": [_patch_sdpa, _patch_plamo2],
                       "mlx_lm.models.mla": [_patch_multilinear],
                       "mlx_lm.models.deepseek_v32": [_patch_sdpa, patch_indexer],
