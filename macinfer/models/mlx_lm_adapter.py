@@ -46,7 +46,8 @@ from macinfer.kv.spec import ChunkedLocal, FullAttention, LayerKV, SlidingWindow
 from macinfer.lora.layers import rows as lora_rows
 from macinfer.kv.state import probe_plan
 from macinfer.models import mlx_vlm_text
-from macinfer.models.paged_layers import Forward, PagedLayerCache, UnsupportedModelError, patch_modules, set_active
+from macinfer.models.family_routes import patch_modules
+from macinfer.models.paged_layers import Forward, PagedLayerCache, UnsupportedModelError, set_active
 from macinfer.models.paged_state import CacheListStandIn, PagedStateCache, patch_receiver, trace_receivers
 
 SPARSE = ("MiniMax M3's sparse attention (a block selection over its own index cache) picks each query's keys; "
