@@ -40,7 +40,7 @@ def _hf_head(model, config: dict, style: str, agree: bool) -> dict:
     embedding through and its layer is damped, so it predicts what the (damped) target
     predicts one token later: drafts accepted often, not always."""
     text = _text(model)
-    layers, args = text.model.layers, text.args
+    layers, args = (text.backbone if "backbone" in text else text.model).layers, text.args
     dims = args.hidden_size
     mx.random.seed(11)
     proj = mx.concatenate([mx.eye(dims), mx.zeros((dims, dims))], axis=1) if agree else \
@@ -51,6 +51,23 @@ def _hf_head(model, config: dict, style: str, agree: bool) -> dict:
         prefix, own = "mtp.layers.0.", {"mtp.fc.weight": proj}
         for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
             own[f"mtp.{name}.weight"] = 0.05 * mx.random.normal((dims,))  # zero-centred: 1 + w
+    elif style == "nemotron":  # Nemotron-H: its blocks by pattern, eh_proj on the first, a final norm on the last
+        blocks = [type(layers[0])(args, t) for t in config["mtp_hybrid_override_pattern"]]
+        own = {"mtp.layers.0.eh_proj.weight": proj}
+        for name in ("enorm", "hnorm"):
+            own[f"mtp.layers.0.{name}.weight"] = 1 + 0.05 * mx.random.normal((dims,))
+        own[f"mtp.layers.{len(blocks) - 1}.final_layernorm.weight"] = 1 + 0.05 * mx.random.normal((dims,))
+        for i, block in enumerate(blocks):
+            for k, v in tree_flatten(block.parameters()):
+                if agree and any(d in k for d in DAMPED):
+                    v = v * 0.05
+                if ".switch_mlp." in k:  # experts one by one, as transformers writes them
+                    proj_name = {"fc1": "up_proj", "fc2": "down_proj"}[k.split(".")[-2]]
+                    for e in range(v.shape[0]):
+                        own[f"mtp.layers.{i}.mixer.experts.{e}.{proj_name}.weight"] = v[e]
+                    continue
+                own[f"mtp.layers.{i}.{k}"] = v
+        return own
     elif style == "mimo":  # the hidden state first in its input projection
         layer = type(layers[-1])(args)
         prefix = "model.mtp_layers.0."
@@ -89,11 +106,14 @@ def _hf_head(model, config: dict, style: str, agree: bool) -> dict:
 def mtp_target(root, model_type: str, agree: bool = True, seed: int = 5, with_weights: bool = True) -> str:
     """A tiny random `model_type` target (its layers damped with `agree`) with an MTP head."""
     config = _declare(tiny_config(model_type))
+    if model_type == "nemotron_h":
+        config["mtp_hybrid_override_pattern"] = "*E"
     model = make_mlx_lm_model(config, seed=seed)
     if agree:
         flat = dict(tree_flatten(model.parameters()))
         model.load_weights([(k, v * 0.2 if any(d in k for d in DAMPED) else v) for k, v in flat.items()])
-    style = "qwen" if model_type.startswith("qwen") else "mimo" if model_type == "mimo" else "deepseek"
+    style = {"mimo": "mimo", "nemotron_h": "nemotron"}.get(model_type, "qwen" if model_type.startswith("qwen") else
+                                                            "deepseek")
     path = save_model_dir(str(root / f"{model_type}-{int(agree)}-{int(with_weights)}"), config, model)
     if with_weights:
         head = _hf_head(model, config, style, agree)
@@ -123,7 +143,8 @@ def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
             for i in range(n)]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "mimo"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "mimo",
+                                        "nemotron_h"])
 def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
     """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
     experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),
@@ -385,3 +406,24 @@ def test_a_gguf_files_nextn_block_is_the_same_head(tmp_path_factory, model_type,
     engine = _engine(path, num_speculative_tokens=2, speculative_method="mtp")
     assert [o.token_ids for o in generate(engine, prompts, params)] == want
     assert engine.stats["spec_accepted_tokens"] > 0
+
+
+def test_a_nemotron_head_holds_the_checkpoints_tensors(tmp_path_factory):
+    """Nemotron-H's head (`mtp.layers.*`, blocks by `mtp_hybrid_override_pattern`): its input
+    projection and norms come off the first block, its final norm off the last, its experts
+    stacked from transformers' one-by-one tensors."""
+    from safetensors.numpy import load_file
+
+    from macinfer.loading.loader import load
+    from macinfer.models.mtp import load_mtp
+
+    path = mtp_target(tmp_path_factory.mktemp("nemotron"), "nemotron_h", agree=False)
+    hf = load_file(os.path.join(path, "model-mtp.safetensors"))
+    head = dict(tree_flatten(load_mtp(load(path)).lm.model.parameters()))
+    for ours, theirs in (("eh_proj.weight", "mtp.layers.0.eh_proj.weight"), ("enorm.weight", "mtp.layers.0.enorm.weight"),
+                         ("hnorm.weight", "mtp.layers.0.hnorm.weight"),
+                         ("final_layernorm.weight", "mtp.layers.1.final_layernorm.weight"),
+                         ("layers.0.mixer.q_proj.weight", "mtp.layers.0.mixer.q_proj.weight")):
+        np.testing.assert_array_equal(np.array(head[ours]), hf[theirs], err_msg=ours)
+    experts = np.stack([hf[f"mtp.layers.1.mixer.experts.{e}.up_proj.weight"] for e in range(4)])
+    np.testing.assert_array_equal(np.array(head["layers.1.mixer.switch_mlp.fc1.weight"]), experts)

@@ -408,6 +408,8 @@ class MlxLmModel(nn.Module):
         # (its own, or its decoder's under a wrapper that passes embeddings on: Gemma 3n's)
         embed = getattr(inner, "embed_tokens", None) or getattr(getattr(inner, "language_model", None),
                                                                  "embed_tokens", None)
+        if embed is None and isinstance(getattr(inner, "embeddings", None), nn.Embedding):
+            embed = inner.embeddings  # (Nemotron-H's name for it)
         return embed if isinstance(embed, nn.Module) and not self._inner_takes_mask else None
 
     def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:

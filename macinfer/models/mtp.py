@@ -18,6 +18,10 @@ Two layouts, the published ones (transformers / vLLM):
   token_layernorm(embed(t))]) (the hidden state first); the layer; out =
   final_layernorm(h); logits = the target's head(out). MiMo trained its head for one
   step; later drafts read out as the others do.
+- "nemotron" (Nemotron-H, `mtp.layers.*`): h = eh_proj([enorm(embed(t)), hnorm(H)]) (kept
+  on its first block); its blocks in `mtp_hybrid_override_pattern` (attention "*", MoE "E":
+  the target's block class); out = final_layernorm(h) (on its last block); logits = the
+  target's head(out).
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ from macinfer.models.mlx_lm_adapter import MlxLmModel, text_config
 
 @dataclass(frozen=True)
 class MTPLayout:
-    style: str  # "qwen" | "deepseek"
+    style: str  # "qwen" | "deepseek" | "mimo" | "nemotron"
     depth: int  # layers the checkpoint declares
 
 
 QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
 MIMO = ("mimo",)
+NEMOTRON = ("nemotron_h",)
 
 
 def declared_layers(config: dict[str, Any]) -> int:
@@ -68,8 +73,11 @@ def layout(config: dict[str, Any]) -> MTPLayout:
         return MTPLayout("deepseek", depth)
     if model_type in MIMO:
         return MTPLayout("mimo", depth)
+    if model_type in NEMOTRON:
+        return MTPLayout("nemotron", depth)
     raise ValueError(f"{model_type}: its config declares {depth} MTP layer(s), but macinfer runs MTP heads of "
-                     f"{', '.join(QWEN + DEEPSEEK + MIMO)} only (this family's head layout is not verified here)")
+                     f"{', '.join(QWEN + DEEPSEEK + MIMO + NEMOTRON)} only (this family's head layout is not "
+                     "verified here)")
 
 
 class MTPStack(nn.Module):
@@ -94,6 +102,8 @@ class MTPStack(nn.Module):
             self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
             self.enorm = nn.RMSNorm(dims, eps=eps)
             self.hnorm = nn.RMSNorm(dims, eps=eps)
+            if style == "nemotron":
+                self.final_layernorm = nn.RMSNorm(dims, eps=eps)
         self.layers = layers
         object.__setattr__(self, "_embed", embed)  # the target's: shared, not this module's weights
         object.__setattr__(self, "given", None)
@@ -108,11 +118,14 @@ class MTPStack(nn.Module):
             x = self.input_proj(mx.concatenate([self.hidden_layernorm(h), self.token_layernorm(e)], -1))
         else:
             x = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(h)], -1))
-        for layer, c in zip(self.layers, cache if cache is not None else [None] * len(self.layers)):
-            x = layer(x, None, c)
+        caches = iter(cache if cache is not None else [])
+        for layer in self.layers:
+            # (Nemotron-H's MoE blocks hold no cache: only its attention blocks take one)
+            takes = self.style != "nemotron" or getattr(layer, "block_type", "*") == "*"
+            x = layer(x, None, next(caches, None) if takes else None)
         if self.style == "qwen":
             return self.norm(x)
-        return self.final_layernorm(x) if self.style == "mimo" else x
+        return self.final_layernorm(x) if self.style in ("mimo", "nemotron") else x
 
 
 class SharedHead(nn.Module):
@@ -141,6 +154,8 @@ class MTPHead(nn.Module):
     def make_cache(self) -> list[Any]:
         from mlx_lm.models.cache import KVCache
 
+        if self.model.style == "nemotron":  # its attention blocks only
+            return [KVCache() for layer in self.layers if layer.block_type == "*"]
         if self._target_caches is None:
             return [KVCache() for _ in self.layers]
         return [self._target_caches() for _ in self.layers]
@@ -264,6 +279,24 @@ def _gguf_block(path: str, config: dict[str, Any], target: MlxLmModel, first: in
         raise ValueError(f"the GGUF file's MTP block {first} cannot be read ({e})") from None
 
 
+def _nemotron_weights(raw: dict[str, mx.array], blocks: int, target: MlxLmModel) -> dict[str, mx.array]:
+    """`mtp.layers.{i}.*` -> the stack's names: the input projection and its norms off the
+    first block, the final norm off the last, the blocks' own through the target's sanitizer
+    (experts stacked) under the target's names."""
+    own = {"eh_proj", "enorm", "hnorm", "final_layernorm"}
+    out, layer = {}, {}
+    for k, v in raw.items():
+        i, name = k[len("mtp.layers."):].split(".", 1)
+        if name.split(".")[0] in own:
+            out[name] = v
+        else:
+            layer[f"backbone.layers.{i}.{name}"] = v
+    for k, v in target.sanitize(layer).items():
+        if k.startswith("backbone.layers.") and int(k.split(".")[2]) < blocks:
+            out["layers." + k[len("backbone.layers."):]] = v
+    return out
+
+
 def _layer_like(layer: nn.Module, args: Any, index: int) -> nn.Module:
     """A new decoder layer of `layer`'s class, built as layer `index` where the class takes one."""
     import inspect
@@ -319,6 +352,8 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("mtp."))
     elif lay.style == "mimo":
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("model.mtp_layers.0."))
+    elif lay.style == "nemotron":
+        raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("mtp."))
     else:
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith(f"model.layers.{n_layers}."))
     if not raw:
@@ -343,6 +378,14 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
             name = k[len("model.mtp_layers.0."):]
             weights[name if name.startswith(own) else f"layers.0.{name}"] = v
         weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
+        shared = None
+    elif lay.style == "nemotron":
+        pattern = list(tcfg.get("mtp_hybrid_override_pattern") or "")
+        if not pattern or any(t not in "*E-" for t in pattern):
+            raise ValueError(f"{target.name}: a Nemotron-H MTP head needs its block pattern "
+                             "(mtp_hybrid_override_pattern: attention, MLP and MoE blocks)")
+        mtp_layers, copied = [type(layers[0])(args, t) for t in pattern], -1
+        weights = _nemotron_weights(raw, len(pattern), model)
         shared = None
     else:
         mtp_layers, copied = [_layer_like(layers[-1], args, n_layers)], -1
