@@ -58,6 +58,21 @@ def byte_tokenizer() -> Tokenizer:
     return tok
 
 
+def randomize_packs(params: dict) -> None:
+    """Layers a family builds already packed (Prism's Hadamard 2-bit packs) start at zero:
+    random bits, scales and sign vectors for them, in place."""
+    for k, v in list(params.items()):
+        prefix = k.rsplit(".", 1)[0]
+        if v.dtype == mx.uint32 and f"{prefix}.scales" in params:
+            scales = params[f"{prefix}.scales"]
+            params[k] = mx.random.randint(0, 2**31, v.shape).astype(mx.uint32)
+            params[f"{prefix}.scales"] = (0.05 * mx.random.uniform(shape=scales.shape)).astype(scales.dtype)
+            params[f"{prefix}.biases"] = -1.5 * params[f"{prefix}.scales"]
+            if f"{prefix}.signs" in params:
+                signs = params[f"{prefix}.signs"]
+                params[f"{prefix}.signs"] = mx.where(mx.random.uniform(shape=signs.shape) < 0.5, -1.0, 1.0).astype(mx.float32)
+
+
 def make_mlx_lm_model(config: dict, seed: int = 0, quantize: dict | None = None) -> nn.Module:
     """Random-weight model built with mlx-lm's own class for this family (mlx-vlm's, for a
     language model only mlx-vlm implements)."""
@@ -76,21 +91,10 @@ def make_mlx_lm_model(config: dict, seed: int = 0, quantize: dict | None = None)
         model = module.Model(module.ModelConfig.from_dict(config))
     else:
         model = model_class(args_class.from_dict(config))
-    # mlx-lm initialises norms to 1; jitter them so a norm mix-up shows in logits. Layers a
-    # family builds packed (Prism's Hadamard 2-bit packs) start at zero: random bits, scales
-    # and sign vectors for them.
+    # mlx-lm initialises norms to 1; jitter them so a norm mix-up shows in logits.
     params = dict(tree_flatten(model.parameters()))
     params = {k: (v + 0.1 * mx.random.normal(v.shape) if "norm" in k else v) for k, v in params.items()}
-    for k, v in params.items():
-        prefix = k.rsplit(".", 1)[0]
-        if v.dtype == mx.uint32 and f"{prefix}.scales" in params:
-            params[k] = mx.random.randint(0, 2**31, v.shape).astype(mx.uint32)
-            params[f"{prefix}.scales"] = (0.05 * mx.random.uniform(shape=v.shape[:1] + params[f"{prefix}.scales"].shape[1:])
-                                          ).astype(params[f"{prefix}.scales"].dtype)
-            params[f"{prefix}.biases"] = -1.5 * params[f"{prefix}.scales"]
-            if f"{prefix}.signs" in params:
-                params[f"{prefix}.signs"] = mx.where(mx.random.uniform(shape=params[f"{prefix}.signs"].shape) < 0.5,
-                                                     -1.0, 1.0).astype(mx.float32)
+    randomize_packs(params)
     model.load_weights(list(params.items()))
     if quantize:
         nn.quantize(model, **quantize)

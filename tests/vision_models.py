@@ -13,7 +13,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from macinfer.vision.processor_fixes import mend
-from tests.helpers import byte_tokenizer
+from tests.helpers import byte_tokenizer, randomize_packs
 
 # A chat template that renders image parts as the family's marker (real checkpoints ship their own).
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}"
@@ -211,6 +211,21 @@ def _qwen3_5(path: str, moe: bool = False) -> tuple[dict, Any]:
         text.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     shared_expert_intermediate_size=32)
     return _qwen3_family("qwen3_5_moe" if moe else "qwen3_5", text, [])
+
+
+def _prism(path: str) -> tuple[dict, Any]:
+    """A Prism Hadamard pack of Qwen3.5: its MLP and embedding 2-bit packs with a Hadamard
+    rotation folded in (blocks of 512 and 1024: a 512-wide decoder), the rest Qwen3.5's."""
+    cfg, processor = _qwen3_5(path)
+    cfg["text_config"].update(hidden_size=512, intermediate_size=1024)
+    cfg["vision_config"]["out_hidden_size"] = 512
+    modules = [{"path": f"model.layers.{i}.mlp.{p}", "embedding": False, "dtype": "float16",
+                "block": 1024 if p == "down_proj" else 512} for i in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    modules.append({"path": "model.embed_tokens", "embedding": True, "dtype": "float16", "block": 512})
+    cfg.update(model_type="prism_hadamard_qwen35", schema_version=2, tensor_namespace="mlx-vlm-qwen3_5",
+               gdn_activation_layout="grouped", quantization={"bits": 2, "group_size": 128, "mode": "affine"},
+               modules=modules)
+    return cfg, processor
 
 
 def _indic_ocr(path: str) -> tuple[dict, Any]:
@@ -773,7 +788,7 @@ TIED = {"gemma3", "gemma3n", "gemma4", "gemma4_unified", "paligemma"}  # checkpo
 
 BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "fastvlm": _fastvlm, "gemma4_unified": _gemma4_unified, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
-            "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
+            "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "prism_hadamard_qwen35": _prism, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 
 
@@ -805,6 +820,7 @@ def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None
     # break ties differently: random rows instead.
     params = {k: (0.5 * mx.random.normal(v.shape) if k.endswith("gate.weight") and not mx.any(v).item() else v)
               for k, v in params.items()}
+    randomize_packs(params)
     if family in TIED:  # as published: no lm_head (mlx-vlm copies the embedding, mlx-lm ties it)
         params.pop("language_model.lm_head.weight", None)
     mx.eval(params)

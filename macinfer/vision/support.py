@@ -63,8 +63,7 @@ FAMILIES: dict[str, str | None] = {
            "not a generative chat model"),
     "diffusion_gemma": ("a diffusion language model (it denoises blocks of the answer together, not token "
                         "after token), which the engine's autoregressive decoding does not run"),
-    "prism_hadamard_qwen35": ("its language model's layers take Hadamard-rotated activations (a quantization "
-                              "pack whose layers mlx-lm's Qwen3.5 class does not have); not run yet"), "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
+    "prism_hadamard_qwen35": None, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
     **{t: NOT_CHAT for t in ("sam3", "sam3_1", "sam3d_body", "sam3d_objects", "rfdetr", "rt_detr_v2", "siglip",
                              "pp_doclayout_v3", "video_depth_anything", "colidefics3", "colqwen2_5",
                              "qwen3_vl_embedding", "llama_nemotron_vl_embedding", "embedding_gemma2",
@@ -79,7 +78,7 @@ OWN_VOCAB = {"gemma3n"}
 SCALED_TEXT_ROWS = {"gemma3n"}
 # Families whose language model turns image positions by multimodal RoPE: the style.
 MROPE_STYLE = {"glm4v": "chunked", "glm4v_moe": "chunked", "glm_ocr": "chunked", "paddleocr_vl": "chunked", "qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
-               "indic_ocr": "interleaved", "minicpmv4_7": "interleaved",
+               "indic_ocr": "interleaved", "minicpmv4_7": "interleaved", "prism_hadamard_qwen35": "interleaved",
                "qwen3_vl": "interleaved", "qwen3_vl_moe": "interleaved"}
 # Families whose vision tower also feeds the first decoder layers (Qwen3-VL's DeepStack).
 DEEPSTACK_FAMILIES = {"qwen3_vl", "qwen3_vl_moe"}
