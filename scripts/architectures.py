@@ -47,14 +47,14 @@ def verdict(model_type: str, load: bool = True) -> str:
 
 
 def verdicts(load: bool = True) -> dict[str, str]:
-    from macinfer.models.mlx_lm_adapter import mlx_lm_model_types
+    from macinfer.models.mlx_lm_classes import mlx_lm_model_types
 
     return {model_type: verdict(model_type, load) for model_type in mlx_lm_model_types()}
 
 
 def vlm_verdicts(load: bool = True) -> dict[str, str]:
     """The same over mlx-vlm's model types that mlx-lm lacks (`macinfer/models/mlx_vlm_text.py`)."""
-    from macinfer.models.mlx_lm_adapter import mlx_lm_model_types
+    from macinfer.models.mlx_lm_classes import mlx_lm_model_types
     from macinfer.models.mlx_vlm_text import mlx_vlm_only_model_types
 
     return {model_type: verdict(model_type, load) for model_type in mlx_vlm_only_model_types(mlx_lm_model_types())}

@@ -79,7 +79,7 @@ def make_mlx_lm_model(config: dict, seed: int = 0, quantize: dict | None = None)
     mx.random.seed(seed)
     from mlx_lm.utils import _get_classes  # honours mlx-lm's model_type remapping
 
-    from macinfer.models.mlx_lm_adapter import availability_probes_met
+    from macinfer.models.mlx_lm_classes import availability_probes_met
 
     try:
         with availability_probes_met():  # (OLMo's file checks for a package it never uses)

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.models import ARCHITECTURES, VERDICTS, VERDICTS_FILE, UnsupportedArchitectureError, build_model
-from macinfer.models.mlx_lm_adapter import CONFIG_WINDOWS, config_windows, mlx_lm_model_types
+from macinfer.models.mlx_lm_classes import CONFIG_WINDOWS, config_windows, mlx_lm_model_types
 from macinfer.sampling_params import SamplingParams
 from tests.helpers import generate, generate_joining, make_mlx_lm_model, save_model_dir
 from tests.zoo import tiny_config

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-from macinfer.models.mlx_lm_adapter import config_windows
+from macinfer.models.mlx_lm_classes import config_windows
 from tests.helpers import make_mlx_lm_model, save_model_dir
 from tests.test_architecture_matrix import _window_masks
 

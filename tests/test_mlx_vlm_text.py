@@ -19,7 +19,7 @@ import pytest
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.models import (ARCHITECTURES, VLM_VERDICTS, VLM_VERDICTS_FILE, UnsupportedArchitectureError,
                              build_model)
-from macinfer.models.mlx_lm_adapter import mlx_lm_model_types
+from macinfer.models.mlx_lm_classes import mlx_lm_model_types
 from macinfer.models.mlx_vlm_text import mlx_vlm_only_model_types
 from tests.helpers import generate, generate_joining, make_mlx_lm_model, save_model_dir
 from tests.test_architecture_matrix import CHUNKS, GREEDY, TOKENS, _generate_preempting, _refused_at_load

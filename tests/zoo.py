@@ -218,7 +218,7 @@ def _mlx_vlm_module(model_type: str) -> Any:
 
 def tiny_config(model_type: str, **extra: Any) -> dict[str, Any]:
     """A config mlx-lm's class for `model_type` accepts, tiny."""
-    from macinfer.models.mlx_lm_adapter import import_model_module
+    from macinfer.models.mlx_lm_classes import import_model_module
 
     try:
         module = import_model_module(model_type)

@@ -231,7 +231,7 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
         raw = _requantize(f, progress)
     arch = arch_of(meta)
     if arch in gguf_hybrid.ARCHS:  # named by the model class's own parameters (lazy: nothing allocated)
-        from macinfer.models.mlx_lm_adapter import instantiate
+        from macinfer.models.mlx_lm_classes import instantiate
 
         weights = gguf_hybrid.to_model_names(arch, instantiate(config), raw, config)
     else:

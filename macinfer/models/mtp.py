@@ -36,7 +36,8 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from macinfer.models.mlx_lm_adapter import MlxLmModel, text_config
+from macinfer.models.mlx_lm_adapter import MlxLmModel
+from macinfer.models.mlx_lm_classes import text_config
 
 
 @dataclass(frozen=True)
