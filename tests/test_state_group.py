@@ -19,7 +19,7 @@ from tests.zoo import tiny_config
 # is current: `test_architecture_matrix.py::test_runs_like_mlx_lm`).
 STATEFUL = ["bailing_hybrid", "bailing_moe_linear", "falcon_h1", "falcon_mamba", "gear", "granitemoehybrid",
             "jamba", "kimi_k3", "kimi_linear", "lfm2", "lfm2-vl", "lfm2_moe", "mamba", "mamba2", "nemotron_h",
-            "olmo_hybrid", "plamo2", "prism_hadamard_qwen35", "qwen3_5", "qwen3_5_moe", "qwen3_next", "recurrent_gemma",
+            "longcat_flash_ngram", "olmo_hybrid", "plamo2", "prism_hadamard_qwen35", "qwen3_5", "qwen3_5_moe", "qwen3_next", "recurrent_gemma",
             "rwkv7"]
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),

@@ -162,6 +162,36 @@ def _patch_plamo(mod: Any) -> None:
     _patched.add(mod.__name__ + ":tiled")
 
 
+def _patch_ngram_window(mod: Any) -> None:
+    """LongCat-Flash's n-gram embedding keeps the sequence's last n - 1 token ids as its state,
+    a window that grows until full (which a fixed state slot cannot hold). Here the window
+    starts full of zeros: its shifted ids are the zeros `_shift_right` fills in anyway, so
+    every position embeds as before, and the state keeps one shape."""
+    if mod.__name__ + ":window" in _patched:
+        return
+    original = mod.NgramEmbedding.__call__
+
+    def call(self, input_ids, cache=None):
+        if cache is None:
+            return original(self, input_ids, cache)
+        seq_len, width = input_ids.shape[-1], self.n - 1
+        ids = input_ids.astype(mx.int64)
+        held = cache[0] if cache[0] is not None else mx.zeros((*ids.shape[:-1], width), dtype=mx.int64)
+        context = mx.concatenate([held, ids], axis=-1)
+        cache[0] = context[..., -width:]
+        x = self.word_embeddings(ids)
+        shifted = {i: self._shift_right(context, i - 1) for i in range(2, self.n + 1)}
+        for i in range(2, self.n + 1):
+            for j in range(self.k):
+                index = (i - 2) * self.k + j
+                ngram = self._get_ngram_ids(context, shifted, self._vocab_mods[(i, j)], ngram=i)
+                x = x + self.post_projs[index](self.embedders[index]((ngram % int(self.m + index * 2 + 1))[..., -seq_len:]))
+        return x / (1 + self.k * (self.n - 1))
+
+    mod.NgramEmbedding.__call__ = call
+    _patched.add(mod.__name__ + ":window")
+
+
 def _patch_afm7(mod: Any) -> None:
     """AFM's KV-reuse layers attend over the last layer's K/V and rotate their queries from
     the K/V's length (`S - L`): inside our forward, each row rotates at its own position."""
@@ -215,6 +245,7 @@ _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
                       "mlx_lm.models.gpt_bigcode": [_patch_sdpa, _patch_gpt_bigcode],
                       "mlx_lm.models.afm7": [_patch_sdpa, _patch_afm7],
                       "mlx_lm.models.olmo": [_patch_olmo],
+                      "mlx_lm.models.longcat_flash_ngram": [_patch_sdpa, _patch_ngram_window],
                       "mlx_lm.models.plamo": [_patch_sdpa, _patch_plamo],
                       "mlx_lm.models.plamo2": [_patch_sdpa, _patch_plamo2],
                       "mlx_lm.models.mla": [_patch_multilinear],
