@@ -221,3 +221,12 @@ def generate_joining(engine, prompts: list[list[int]], params) -> list[list[int]
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     return [outs[r].token_ids for r in ids]
+
+
+def greedy_by_recompute(logits, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens, each from `logits(tokens)` ([len, vocab]) over the whole sequence so
+    far: a reference that runs no cache."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(mx.argmax(mx.array(logits(prompt + out))[-1]).item()))
+    return out

@@ -21,7 +21,7 @@ from macinfer.models import (ARCHITECTURES, VLM_VERDICTS, VLM_VERDICTS_FILE, Uns
                              build_model)
 from macinfer.models.mlx_lm_classes import mlx_lm_model_types
 from macinfer.models.mlx_vlm_text import mlx_vlm_only_model_types
-from tests.helpers import generate, generate_joining, make_mlx_lm_model, save_model_dir
+from tests.helpers import generate, generate_joining, greedy_by_recompute, make_mlx_lm_model, save_model_dir
 from tests.test_architecture_matrix import CHUNKS, GREEDY, TOKENS, _generate_preempting, _refused_at_load
 from tests.zoo import tiny_config
 
@@ -33,10 +33,7 @@ def _logits(model, tokens: list[int]) -> np.ndarray:
 
 
 def _greedy(model, prompt: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(np.argmax(_logits(model, prompt + out)[-1])))
-    return out
+    return greedy_by_recompute(lambda t: _logits(model, t), prompt, n)
 
 
 def test_the_table_covers_every_mlx_vlm_only_model_type_and_is_current():

@@ -9,7 +9,7 @@ import numpy as np
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.sampling_params import SamplingParams
-from tests.helpers import generate_joining, make_mlx_lm_model, save_model_dir
+from tests.helpers import generate_joining, greedy_by_recompute, make_mlx_lm_model, save_model_dir
 from tests.zoo import tiny_config
 
 
@@ -26,10 +26,5 @@ def test_ngram_embeddings_follow_mlx_lms_whole_sequence_forward(tmp_path):
     for chunks in ([20], [1, 2, 5, 1, 1, 10], [1] * 20):  # windows filling up across chunk edges
         np.testing.assert_allclose(engine.score([toks], chunks)[0], np.array(logits(toks)), atol=2e-4, rtol=2e-4)
     prompts = [toks[:2], toks[4:17], toks[::2]]
-    want = []
-    for p in prompts:
-        out = []
-        for _ in range(5):
-            out.append(int(mx.argmax(logits(p + out)[-1]).item()))
-        want.append(out)
+    want = [greedy_by_recompute(logits, p, 5) for p in prompts]
     assert generate_joining(engine, prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)) == want

@@ -10,7 +10,7 @@ import pytest
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.sampling_params import SamplingParams
-from tests.helpers import generate_joining, make_mlx_lm_model, save_model_dir
+from tests.helpers import generate_joining, greedy_by_recompute, make_mlx_lm_model, save_model_dir
 from tests.zoo import tiny_config
 
 
@@ -27,10 +27,5 @@ def test_olmo_runs_like_mlx_lms_classes(tmp_path, tied):
     for chunks in ([24], [7, 9, 1, 1, 6]):
         np.testing.assert_allclose(engine.score([toks], chunks)[0], np.array(logits(toks)), atol=2e-4, rtol=2e-4)
     prompts = [toks[:10], toks[3:], toks[::3]]
-    want = []
-    for p in prompts:
-        out = []
-        for _ in range(6):
-            out.append(int(mx.argmax(logits(p + out)[-1]).item()))
-        want.append(out)
+    want = [greedy_by_recompute(logits, p, 6) for p in prompts]
     assert generate_joining(engine, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) == want
