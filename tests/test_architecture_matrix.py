@@ -4,7 +4,7 @@ The verdicts are `macinfer/models/architectures.json` (written by
 scripts/architectures.py from tiny models of tests/zoo.py); this module checks
 the table is current and, for every architecture it lists as running, that the
 paged engine matches mlx-lm alone on the same random weights: logits through
-chunked prefill and batched decodes (within 2e-4), and greedy tokens with requests
+chunked prefill and batched decodes (within 2e-4), and greedy tokens of eight requests
 joining at different steps, a prefix-cache hit and a forced preemption. Windows
 and chunks are 8 tokens, so the 40-token prompts cross them.
 
@@ -36,7 +36,10 @@ from tests.zoo import tiny_config
 from tests.test_architectures import FAMILIES
 from tests.test_state_group import STATEFUL
 
-TOKENS = [list(range(5, 45)), list(range(100, 140)), [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27]]
+# Eight requests of 5-40 tokens (windows and chunks of 8 crossed), batched as they join.
+TOKENS = [list(range(5, 45)), list(range(100, 140)), [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27],
+          list(range(200, 205)), list(range(250, 220, -1)), [3 + (i * 37) % 290 for i in range(17)],
+          list(range(60, 93, 2)), [290 - i for i in range(23)]]
 CHUNKS = [9, 13, 1, 1, 1, 6]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 RUNS = sorted(t for t, v in VERDICTS.items() if v == "runs" and t not in FAMILIES)
