@@ -76,3 +76,16 @@ def test_a_vision_diffusion_or_encoder_family_is_refused_with_its_reason():
                                ("bert", "has no language model"), ("flux2", "no Model and ModelConfig")):
         with pytest.raises(UnsupportedArchitectureError, match=f"unsupported architecture '{model_type}': .*{reason}"):
             build_model({"model_type": model_type})
+
+
+def test_a_quantized_checkpoint_of_an_mlx_vlm_text_family_loads(tmp_path):
+    """An MLX conversion (4-bit, group 32) of a language model only mlx-vlm implements: the
+    loader quantizes mlx-vlm's class like the weights, and (on the CPU) expands it to float32
+    as for mlx-lm's: the logits of mlx-vlm's own quantized model."""
+    quantize = {"group_size": 32, "bits": 4}
+    config = tiny_config("qwen3_5_text")
+    model = make_mlx_lm_model(config, seed=3, quantize=quantize)
+    engine = LLMEngine(save_model_dir(str(tmp_path / "q"), config, model, quantize=quantize),
+                       EngineConfig(kv_cache_gb=0.01))
+    toks = [int(t) for t in np.random.default_rng(1).integers(3, 300, 20)]
+    np.testing.assert_allclose(engine.score([toks], [9, 1, 10])[0], _logits(model, toks), atol=2e-4, rtol=2e-4)
