@@ -121,6 +121,27 @@ def _mistral3(path: str, model_type: str = "mistral3") -> tuple[dict, Any]:
     return cfg, processor
 
 
+DEEPSEEK_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                 "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                 "first_k_dense_replace", "moe_layer_freq", "routed_scaling_factor", "topk_method", "scoring_func",
+                 "norm_topk_prob", "n_group", "topk_group", "rms_norm_eps", "rope_theta")
+
+
+def _mistral_large3(path: str) -> tuple[dict, Any]:
+    """Mistral Large 3: Mistral 3's Pixtral tower and merge over a DeepSeek-V3 decoder (its
+    language model alone is checked, `tests/test_vlm_text_models.py`: its checkpoints ship
+    Mistral's own processor files, which neither transformers nor mlx-vlm loads)."""
+    from tests.zoo import tiny_config
+
+    cfg, processor = _mistral3(path, "mistral3")
+    ds = tiny_config("deepseek_v3")
+    text = {k: ds[k] for k in DEEPSEEK_KEYS if k in ds}
+    text.update({"model_type": "mistral_large3", "vocab_size": 300, "max_position_embeddings": 2048})
+    cfg.update({"model_type": "mistral_large3", "text_config": text, "image_token_id": 259})
+    return cfg, processor
+
+
 def _qwen2_vl(path: str, model_type: str = "qwen2_vl") -> tuple[dict, Any]:
     from transformers import Qwen2VLImageProcessor
 

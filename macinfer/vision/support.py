@@ -54,6 +54,9 @@ FAMILIES: dict[str, str | None] = {
                "carry, docs/lora.md); not run yet"),
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
     "fastvlm": None, "llava_bunny": None,
+    "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
+                       "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
+                       "tokenizer); its language model runs text-only"),
     "phi4_siglip": ("its image processor (mlx-vlm's choice: transformers' Siglip2ImageProcessor) imports torch, "
                     "which a Mac's MLX install does not have; mlx-vlm itself falls back to the checkpoint's remote "
                     "code there. Its sentinel image id is grown as LLaVA-Bunny's is; not run yet"),
