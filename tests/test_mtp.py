@@ -143,8 +143,8 @@ def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
             for i in range(n)]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "mimo",
-                                        "nemotron_h"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
+                                        "glm_moe_dsa", "mimo", "nemotron_h"])
 def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
     """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
     experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),

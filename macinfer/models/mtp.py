@@ -47,7 +47,7 @@ class MTPLayout:
 
 
 QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
+DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
 MIMO = ("mimo",)
 NEMOTRON = ("nemotron_h",)
 
