@@ -164,6 +164,9 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
                 w = -np.exp(w)
             out[gname] = w.reshape(-1, 1) if mamba2 else w
             continue
+        if kind == "sinks":  # gpt-oss: the converter names them sinks.weight
+            out[tmap.get_name(name) + ".weight"] = w
+            continue
         if kind == "dt_bias":
             base, kind = f"{base}.dt_proj", "bias"
         if kind == "e_score_correction_bias":
@@ -359,6 +362,12 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.5)))
         w.add_leading_dense_block_count(config["first_k_dense_replace"])
         _routed_meta(w, config, gguf.ExpertGatingFuncType.SIGMOID)
+    elif arch == "gpt-oss":  # GptOssModel's (the base TextModel's, then its own)
+        _attention_meta(w, config)
+        w.add_expert_count(config["num_local_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_sliding_window(config["sliding_window"])
+        w.add_expert_feed_forward_length(config["intermediate_size"])
     elif arch == "minimax-m2":  # MiniMaxM2Model's (the base TextModel's, then its own)
         _attention_meta(w, config)
         w.add_expert_count(config["num_local_experts"])

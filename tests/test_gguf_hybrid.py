@@ -164,6 +164,38 @@ def test_minimax_m2_gguf_runs_like_mlx_lm(tmp_path, extra):
         np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
 
 
+def test_gpt_oss_gguf_runs_like_mlx_lm(tmp_path):
+    """gpt-oss files (`gpt-oss`): attention with biases and sinks (`attn_sinks.weight`), sliding
+    layers every other one, experts with biases; their experts in MXFP4 (as the converter
+    repacks them) are read as their exact values."""
+    config = tiny_config("gpt_oss")
+    model = make_mlx_lm_model(config)
+    tensors = hybrid_tensors("gpt-oss", config, model)
+    path = str(tmp_path / "oss.gguf")
+    write_hybrid_gguf(path, "gpt-oss", config, tensors)
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
+    assert engine.model.args.model_type == "gpt_oss"
+    prompts = [[int(x) for x in mx.random.randint(3, 300, (k,), key=mx.random.key(k)).tolist()] for k in (37, 20)]
+    outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for prompt, out in zip(prompts, outs):
+        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
+        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+
+    experts = {n: Q.MXFP4 for n in tensors if n.endswith("_exps.weight")}
+    path = str(tmp_path / "oss-mxfp4.gguf")
+    write_hybrid_gguf(path, "gpt-oss", config, tensors, experts)
+    _, loaded, _ = load_gguf(path)
+    stored = {n: dequantize(gguf.quants.quantize(np.ascontiguousarray(tensors[n]), Q.MXFP4), Q.MXFP4) for n in experts}
+    expected = to_model_names("gpt-oss", model, {n: mx.array(stored.get(n, t)) for n, t in tensors.items()}, config)
+    for name in expected:
+        np.testing.assert_array_equal(np.array(loaded[name].astype(mx.float32)), np.array(expected[name]), err_msg=name)
+    model.load_weights(list(expected.items()))
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
+    out = generate(engine, [prompts[1]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
+    np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompts[1]), atol=2e-4)
+
+
 def test_multi_token_prediction_blocks_are_left_out(tmp_path):
     """llama.cpp's converter keeps Qwen3.5's MTP block as one more `blk.N` and counts it in
     block_count (nextn_predict_layers = 1): the model is the layers before it."""

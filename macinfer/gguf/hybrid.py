@@ -2,7 +2,7 @@
 LFM2, Qwen3-Next, Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE), DeepSeek V2/V3
 (`deepseek2`: also Kimi K2 and GLM-4.7-Flash files), GLM-5 (`glm-dsa`: the same MLA with
 DeepSeek Sparse Attention's indexer), GLM-4.5/4.6/4.7 and Solar Open (`glm4moe`), MiniMax M2
-(`minimax-m2`).
+(`minimax-m2`), gpt-oss (`gpt-oss`; its MXFP4 experts read exactly, `load.py`).
 
 The config comes from the `{arch}.ssm.*` / `shortconv.*` metadata llama.cpp's
 converter writes; tensors are renamed onto mlx-lm's parameters with llama.cpp's own
@@ -41,7 +41,8 @@ from macinfer.kernels.dequantize import dequantize_f32
 # GGUF architecture -> mlx-lm model_type
 ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
          "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
-         "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax"}
+         "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax",
+         "gpt-oss": "gpt_oss"}
 # mlx-lm parameter (under a layer) -> the name llama.cpp's converter gave it before its tensor map
 _ALIASES = {"mixer.switch_mlp.fc1": "mlp.experts.up_proj", "mixer.switch_mlp.fc2": "mlp.experts.down_proj",
             "block_sparse_moe.switch_mlp.gate_proj": "block_sparse_moe.experts.w1",  # MiniMax's w1/w2/w3
@@ -179,6 +180,19 @@ def _minimax_m2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[st
             "use_qk_norm": "blk.0.attn_q_norm.weight" in names}
 
 
+def _gpt_oss(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """gpt-oss: biased attention with sinks, sliding layers every other one (llama.cpp's fixed
+    pattern, the first sliding, as transformers' `layer_types`), routed experts with biases."""
+    n = _layers(get)
+    return {"num_attention_heads": int(get("attention.head_count")),
+            "num_key_value_heads": int(get("attention.head_count_kv")), "head_dim": int(get("attention.key_length")),
+            "intermediate_size": int(get("expert_feed_forward_length")),
+            "num_local_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "sliding_window": int(get("attention.sliding_window")),
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]}
+
+
 def _glm4moe(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     """GLM-4.5/4.6/4.7 (`glm4moe`): sigmoid-routed experts after dense leading layers, partial
     rotary (the converter writes the rotated width), q/k norms and biases when stored."""
@@ -236,7 +250,7 @@ def _nemotron_h(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[st
 
 _CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
             "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2,
-            "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2}
+            "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss}
 
 
 def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -366,6 +380,8 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
         base, kind = param.rsplit(".", 1)
         if kind == "dt_bias":  # the converter renamed it dt_proj.bias
             base, kind = f"{base}.dt_proj", "bias"
+        elif kind == "sinks":  # gpt-oss's attention sinks: the converter named them sinks.weight
+            base, kind = param, "weight"
         elif kind == "e_score_correction_bias":
             base, kind = f"{base}.e_score_correction", "bias"
         rest = base.partition(".layers.")[2]

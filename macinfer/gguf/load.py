@@ -62,6 +62,9 @@ _BLOCK_GRIDS = {
     "Q5_K": _kquant_scale_min,
 }
 _FLOAT_TYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float32}
+# Block types read as their exact values: MXFP4 (gpt-oss's experts: 4-bit e2m1 times a power of
+# two a block) is exact in bfloat16, and in float32 where the CPU expands weights anyway.
+_EXACT_TYPES = {"MXFP4"}
 
 def _scalar(v: Any) -> Any:
     return v.item() if isinstance(v, mx.array) else v
@@ -187,6 +190,9 @@ def _requantize(f: GGUFFile, progress: Progress | None = None, keep: Any = None)
         kind = t.type_name
         if kind in _FLOAT_TYPES:
             out[name] = mx.array(f.dequantize(name)).astype(_FLOAT_TYPES[kind])
+        elif kind in _EXACT_TYPES:
+            out[name] = mx.array(f.dequantize(name)).astype(mx.float32 if mx.default_device() == mx.cpu
+                                                              else mx.bfloat16)
         elif kind in _REQUANT_BITS and len(t.shape) in (2, 3) and t.shape[-1] % GGUF_GROUP_SIZE == 0:
             base = name.rsplit(".", 1)[0]
             q = _requantize_tensor(f, name, kind)
@@ -217,7 +223,7 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
     config = gguf_config(meta, set(f.tensors))
     if any(n.startswith("rope_factors_") for n in f.tensors):
         raise ModelLoadError(f"{os.path.basename(path)}: LongRoPE factors (rope_factors_long/short) are not supported")
-    unknown = f.types() - set(_FLOAT_TYPES) - set(_REQUANT_BITS)
+    unknown = f.types() - set(_FLOAT_TYPES) - set(_REQUANT_BITS) - _EXACT_TYPES
     if unknown:
         raise ModelLoadError(
             f"{os.path.basename(path)}: unsupported quantization type(s) {', '.join(sorted(unknown))}"
