@@ -36,6 +36,22 @@ def _mlx_lm_prompt_logprobs(model, prompt: list[int]) -> np.ndarray:
     return np.array(lp[mx.arange(len(prompt) - 1), mx.array(prompt[1:])])
 
 
+PROMPTS = [[int(x) for x in mx.random.randint(3, 300, (n,), key=mx.random.key(n)).tolist()] for n in (37, 20)]
+
+
+def _runs_like_mlx_lm(path: str, model, model_type: str | None = None) -> LLMEngine:
+    """The GGUF file at `path` on the engine (prompts cut into chunks) gives `model`'s
+    (mlx-lm's) prompt log-probs within 2e-4."""
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
+    if model_type is not None:
+        assert engine.model.args.model_type == model_type
+    outs = generate(engine, PROMPTS, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for prompt, out in zip(PROMPTS, outs):
+        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
+        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+    return engine
+
+
 @pytest.mark.parametrize("arch,model_type,extra", CASES)
 def test_hybrid_gguf_runs_like_mlx_lm(tmp_path, arch, model_type, extra):
     config = tiny_config(model_type)
@@ -43,12 +59,7 @@ def test_hybrid_gguf_runs_like_mlx_lm(tmp_path, arch, model_type, extra):
     model = make_mlx_lm_model(config)
     path = str(tmp_path / f"{arch}.gguf")
     write_hybrid_gguf(path, arch, config, hybrid_tensors(arch, config, model))
-    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))  # chunks split prompts
-    prompts = [[int(x) for x in mx.random.randint(3, 300, (n,), key=mx.random.key(n)).tolist()] for n in (37, 20)]
-    outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-    for prompt, out in zip(prompts, outs):
-        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
-        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+    _runs_like_mlx_lm(path, model)
 
 
 def _check_quantized_file(tmp_path, arch: str, config: dict, model, tensors: dict, quant: dict,
@@ -112,13 +123,7 @@ def test_deepseek2_gguf_runs_like_mlx_lm(tmp_path, model_type, extra, split):
     path = str(tmp_path / "ds.gguf")
     arch = "glm-dsa" if model_type == "glm_moe_dsa" else "deepseek2"
     write_hybrid_gguf(path, arch, config, hybrid_tensors(arch, config, model, kv_b_split=split))
-    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
-    assert engine.model.args.model_type == model_type
-    prompts = [[int(x) for x in mx.random.randint(3, 300, (n,), key=mx.random.key(n)).tolist()] for n in (37, 20)]
-    outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-    for prompt, out in zip(prompts, outs):
-        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
-        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+    _runs_like_mlx_lm(path, model, model_type)
 
 
 @pytest.mark.parametrize("extra", [dict(attention_bias=True, routed_scaling_factor=2.5), dict(use_qk_norm=True)])
@@ -138,13 +143,8 @@ def test_glm4moe_gguf_runs_like_mlx_lm(tmp_path, extra):
                 f"blk.{n}.nextn.shared_head_norm.weight": np.ones(hidden, np.float32)})
     path = str(tmp_path / "glm.gguf")
     write_hybrid_gguf(path, "glm4moe", config, {**tensors, **mtp}, nextn=1)
-    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
-    assert engine.model.args.model_type == "glm4_moe" and engine.model.num_layers == n
-    prompts = [[int(x) for x in mx.random.randint(3, 300, (k,), key=mx.random.key(k)).tolist()] for k in (37, 20)]
-    outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-    for prompt, out in zip(prompts, outs):
-        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
-        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+    engine = _runs_like_mlx_lm(path, model, "glm4_moe")
+    assert engine.model.num_layers == n
 
 
 @pytest.mark.parametrize("extra", [dict(use_qk_norm=True), dict(use_qk_norm=False)])
@@ -155,13 +155,7 @@ def test_minimax_m2_gguf_runs_like_mlx_lm(tmp_path, extra):
     model = make_mlx_lm_model(config)
     path = str(tmp_path / "mm.gguf")
     write_hybrid_gguf(path, "minimax-m2", config, hybrid_tensors("minimax-m2", config, model))
-    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
-    assert engine.model.args.model_type == "minimax"
-    prompts = [[int(x) for x in mx.random.randint(3, 300, (k,), key=mx.random.key(k)).tolist()] for k in (37, 20)]
-    outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-    for prompt, out in zip(prompts, outs):
-        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
-        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+    _runs_like_mlx_lm(path, model, "minimax")
 
 
 def test_gpt_oss_gguf_runs_like_mlx_lm(tmp_path):
@@ -173,13 +167,7 @@ def test_gpt_oss_gguf_runs_like_mlx_lm(tmp_path):
     tensors = hybrid_tensors("gpt-oss", config, model)
     path = str(tmp_path / "oss.gguf")
     write_hybrid_gguf(path, "gpt-oss", config, tensors)
-    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, max_num_batched_tokens=16))
-    assert engine.model.args.model_type == "gpt_oss"
-    prompts = [[int(x) for x in mx.random.randint(3, 300, (k,), key=mx.random.key(k)).tolist()] for k in (37, 20)]
-    outs = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-    for prompt, out in zip(prompts, outs):
-        ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
-        np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompt), atol=2e-4)
+    _runs_like_mlx_lm(path, model, "gpt_oss")
 
     experts = {n: Q.MXFP4 for n in tensors if n.endswith("_exps.weight")}
     path = str(tmp_path / "oss-mxfp4.gguf")
@@ -190,10 +178,7 @@ def test_gpt_oss_gguf_runs_like_mlx_lm(tmp_path):
     for name in expected:
         np.testing.assert_array_equal(np.array(loaded[name].astype(mx.float32)), np.array(expected[name]), err_msg=name)
     model.load_weights(list(expected.items()))
-    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01))
-    out = generate(engine, [prompts[1]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
-    ours = np.array([t.logprob for t in out.prompt_logprobs[1:]])
-    np.testing.assert_allclose(ours, _mlx_lm_prompt_logprobs(model, prompts[1]), atol=2e-4)
+    _runs_like_mlx_lm(path, model)
 
 
 def test_multi_token_prediction_blocks_are_left_out(tmp_path):
