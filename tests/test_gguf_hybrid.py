@@ -161,7 +161,7 @@ def test_minimax_m2_gguf_runs_like_mlx_lm(tmp_path, extra):
 def test_gpt_oss_gguf_runs_like_mlx_lm(tmp_path):
     """gpt-oss files (`gpt-oss`): attention with biases and sinks (`attn_sinks.weight`), sliding
     layers every other one, experts with biases; their experts in MXFP4 (as the converter
-    repacks them) are read as their exact values."""
+    repacks them) are held packed in MLX's mxfp4 mode, giving back their exact values."""
     config = tiny_config("gpt_oss")
     model = make_mlx_lm_model(config)
     tensors = hybrid_tensors("gpt-oss", config, model)
@@ -175,6 +175,11 @@ def test_gpt_oss_gguf_runs_like_mlx_lm(tmp_path):
     _, loaded, _ = load_gguf(path)
     stored = {n: dequantize(gguf.quants.quantize(np.ascontiguousarray(tensors[n]), Q.MXFP4), Q.MXFP4) for n in experts}
     expected = to_model_names("gpt-oss", model, {n: mx.array(stored.get(n, t)) for n, t in tensors.items()}, config)
+    packed = [n[: -len(".scales")] for n in loaded if n.endswith(".scales")]
+    assert len(packed) == 3 * config["num_hidden_layers"]  # held in MLX's mxfp4 mode: 4 bits a value
+    for name in packed:
+        loaded[f"{name}.weight"] = mx.dequantize(loaded[f"{name}.weight"], loaded.pop(f"{name}.scales"), None, 32, 4,
+                                                 mode="mxfp4")
     for name in expected:
         np.testing.assert_array_equal(np.array(loaded[name].astype(mx.float32)), np.array(expected[name]), err_msg=name)
     model.load_weights(list(expected.items()))

@@ -2,7 +2,7 @@
 LFM2, Qwen3-Next, Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE), DeepSeek V2/V3
 (`deepseek2`: also Kimi K2 and GLM-4.7-Flash files), GLM-5 (`glm-dsa`: the same MLA with
 DeepSeek Sparse Attention's indexer), GLM-4.5/4.6/4.7 and Solar Open (`glm4moe`), MiniMax M2
-(`minimax-m2`), gpt-oss (`gpt-oss`; its MXFP4 experts read exactly, `load.py`).
+(`minimax-m2`), gpt-oss (`gpt-oss`; its MXFP4 experts packed in MLX's mxfp4 mode, `load.py`).
 
 The config comes from the `{arch}.ssm.*` / `shortconv.*` metadata llama.cpp's
 converter writes; tensors are renamed onto mlx-lm's parameters with llama.cpp's own
@@ -398,11 +398,13 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
             raise ModelLoadError(f"GGUF ({arch}) has no tensor for {param}" + (f" ({key})" if gname else ""))
         out[param] = tensors[key]
         if kind == "weight" and f"{gname}.scales" in tensors:  # a quantized weight's companions
+            biases = tensors.get(f"{gname}.biases")  # (none: MXFP4, MLX's `mxfp4` mode)
             if hasattr(modules.get(param[: -len(".weight")]), "to_quantized"):
                 out[f"{param[: -len('weight')]}scales"] = tensors[f"{gname}.scales"]
-                out[f"{param[: -len('weight')]}biases"] = tensors[f"{gname}.biases"]
+                if biases is not None:
+                    out[f"{param[: -len('weight')]}biases"] = biases
             else:  # a module MLX cannot quantize (a router held as a bare weight): float values
                 w, scales = tensors[key], tensors[f"{gname}.scales"]
                 bits = w.shape[-1] // scales.shape[-1]  # a group of 32 values packs into `bits` uint32s
-                out[param] = dequantize_f32(w, scales, tensors[f"{gname}.biases"], 32, bits)
+                out[param] = dequantize_f32(w, scales, biases, 32, bits, "affine" if biases is not None else "mxfp4")
     return out

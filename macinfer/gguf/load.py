@@ -62,8 +62,8 @@ _BLOCK_GRIDS = {
     "Q5_K": _kquant_scale_min,
 }
 _FLOAT_TYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float32}
-# Block types read as their exact values: MXFP4 (gpt-oss's experts: 4-bit e2m1 times a power of
-# two a block) is exact in bfloat16, and in float32 where the CPU expands weights anyway.
+# Block types MLX holds exactly in a mode of its own: MXFP4 (gpt-oss's experts: 4-bit e2m1
+# values times a power of two a block of 32) is MLX's `mxfp4` (no biases).
 _EXACT_TYPES = {"MXFP4"}
 
 def _scalar(v: Any) -> Any:
@@ -178,6 +178,16 @@ def _requantize_tensor(f: GGUFFile, name: str, kind: str, rows_per_chunk: int = 
     return tuple(mx.concatenate([p[i] for p in parts]).reshape(*t.shape[:-1], -1) for i in range(3))
 
 
+def _as_mxfp4(name: str, values: mx.array) -> dict[str, mx.array]:
+    """An MXFP4 tensor's values packed in MLX's `mxfp4` mode, checked to give them back
+    exactly (else kept as float32, which holds them exactly too)."""
+    if values.shape[-1] % 32 == 0:
+        packed, scales = mx.quantize(values, group_size=32, bits=4, mode="mxfp4")
+        if mx.array_equal(mx.dequantize(packed, scales, None, 32, 4, mode="mxfp4"), values).item():
+            return {name: packed, f"{name.rsplit('.', 1)[0]}.scales": scales}
+    return {name: values}
+
+
 def _requantize(f: GGUFFile, progress: Progress | None = None, keep: Any = None) -> dict[str, mx.array]:
     """Every tensor (those `keep` accepts) via the gguf package: quantized ones to MLX affine
     (group 32)."""
@@ -191,8 +201,7 @@ def _requantize(f: GGUFFile, progress: Progress | None = None, keep: Any = None)
         if kind in _FLOAT_TYPES:
             out[name] = mx.array(f.dequantize(name)).astype(_FLOAT_TYPES[kind])
         elif kind in _EXACT_TYPES:
-            out[name] = mx.array(f.dequantize(name)).astype(mx.float32 if mx.default_device() == mx.cpu
-                                                              else mx.bfloat16)
+            out.update(_as_mxfp4(name, mx.array(f.dequantize(name).astype(np.float32))))
         elif kind in _REQUANT_BITS and len(t.shape) in (2, 3) and t.shape[-1] % GGUF_GROUP_SIZE == 0:
             base = name.rsplit(".", 1)[0]
             q = _requantize_tensor(f, name, kind)
@@ -261,13 +270,15 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
         if name.endswith(".scales"):
             prefix = name[: -len(".scales")]
             quant[prefix] = {"group_size": GGUF_GROUP_SIZE, "bits": _quant_bits(weights, prefix)}
+            if f"{prefix}.biases" not in weights:  # MXFP4 blocks, as MLX's mxfp4 mode holds them
+                quant[prefix]["mode"] = "mxfp4"
     if quant:
         bits = sorted({q["bits"] for q in quant.values()})
         # mlx-lm's convention: a default plus per-layer overrides.
         default_bits = max(bits, key=lambda b: sum(q["bits"] == b for q in quant.values()))
         config["quantization"] = {"group_size": GGUF_GROUP_SIZE, "bits": default_bits}
         for prefix, q in quant.items():
-            if q["bits"] != default_bits:
+            if q["bits"] != default_bits or "mode" in q:
                 config["quantization"][prefix] = q
     return config, weights, meta
 

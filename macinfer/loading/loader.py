@@ -197,7 +197,8 @@ def _quantize_like_weights(model: nn.Module, config: dict[str, Any], weights: di
             return False  # (a layer that is quantized its own way: Prism's Hadamard packs)
         override = quant.get(path)
         if isinstance(override, dict):
-            return {"group_size": override["group_size"], "bits": override["bits"]}
+            return {"group_size": override["group_size"], "bits": override["bits"],
+                    **({"mode": override["mode"]} if "mode" in override else {})}
         return True
 
     nn.quantize(
