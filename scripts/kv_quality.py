@@ -3,7 +3,12 @@
 greedy agreement with the full-precision cache, per dtype, beside mlx-lm's QuantizedKVCache
 (same bits, groups of 64, quantized from the first token) on the same float weights.
 
-    python scripts/kv_quality.py [MODEL] [--tokens 2048] [--chunk 512] [--greedy 128]
+    python scripts/kv_quality.py [MODEL] [--tokens 2048] [--chunk 512] [--greedy 128] [--quant-start N]
+
+`--quant-start N`: each quantized dtype again with its first N tokens kept at full
+precision (`--kv-quant-start`, rows "dtype/N"), beside mlx-lm's own `quantized_kv_start=N`
+(a full-precision cache until it holds N tokens, then all of it quantized, checked after
+each chunk as its `generate_step` does between steps).
 
 The text: CPython's own documentation topics (`pydoc_data.topics`, sorted by name), which
 every Python ships, cut to `--tokens` tokens. Each prompt chunk attends to the quantized
@@ -37,13 +42,16 @@ def nll(logits: np.ndarray, tokens: list[int]) -> float:
     return float(np.mean(lse - lg[np.arange(len(tokens) - 1), tokens[1:]]))
 
 
-def mlx_lm_logits(model, tokens: list[int], chunk: int, bits: int | None) -> np.ndarray:
+def mlx_lm_logits(model, tokens: list[int], chunk: int, bits: int | None, start: int = 0) -> np.ndarray:
+    from mlx_lm.generate import maybe_quantize_kv_cache
     from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
-    cache = make_prompt_cache(model) if bits is None else [QuantizedKVCache(64, bits) for _ in model.layers]
+    cache = make_prompt_cache(model) if bits is None or start else [QuantizedKVCache(64, bits) for _ in model.layers]
     out = []
     for i in range(0, len(tokens), chunk):
         out.append(np.array(model(mx.array([tokens[i:i + chunk]]), cache=cache)[0].astype(mx.float32)))
+        if bits is not None and start:
+            maybe_quantize_kv_cache(cache, start, 64, bits)
     return np.concatenate(out)
 
 
@@ -59,6 +67,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--greedy", type=int, default=128)
+    ap.add_argument("--quant-start", type=int, default=0)
     args = ap.parse_args()
 
     from mlx_lm import load as mlx_lm_load
@@ -75,13 +84,15 @@ def main() -> int:
     prompt = tokens[: args.tokens // 2]
     greedy = SamplingParams(temperature=0, max_tokens=args.greedy, ignore_eos=True)
     rows, reference = {}, None
-    for dtype in DTYPES:
+    runs = [(d, 0) for d in DTYPES] + ([(d, args.quant_start) for d in DTYPES[1:]] if args.quant_start else [])
+    for dtype, start in runs:
         engine = base if dtype == "auto" else LLMEngine(base.loaded, EngineConfig(
-            kv_cache_gb=0.5, max_model_len=args.tokens + args.greedy + 16, kv_cache_dtype=dtype))
+            kv_cache_gb=0.5, max_model_len=args.tokens + args.greedy + 16, kv_cache_dtype=dtype,
+            kv_quant_start=start))
         ours = nll(engine.score([tokens], chunks)[0], tokens)
         # mlx-lm has no rotated KV cache and one bit width for K and V: n/a for intNr and k8v4.
         theirs = None if dtype.endswith("r") or dtype.startswith("k") else \
-            nll(mlx_lm_logits(lm, tokens, args.chunk, None if dtype == "auto" else int(dtype[3:])), tokens)
+            nll(mlx_lm_logits(lm, tokens, args.chunk, None if dtype == "auto" else int(dtype[3:]), start), tokens)
         rid = engine.add_request(prompt, greedy)
         done = {}
         while engine.has_unfinished_requests():
@@ -89,18 +100,18 @@ def main() -> int:
         out = done[rid].token_ids
         reference = reference or out
         share, first = agreement(reference, out)
-        rows[dtype] = {"ppl": float(np.exp(ours)), "mlx_lm_ppl": None if theirs is None else float(np.exp(theirs)),
-                       "bytes_per_token": engine.cache_groups()[0]["bytes_per_token"],
+        rows[dtype + (f"/{start}" if start else "")] = {"ppl": float(np.exp(ours)), "mlx_lm_ppl": None if theirs is None else float(np.exp(theirs)),
+                       "bytes_per_token": engine.cache_groups()[0]["bytes_per_token"],  # (past the first tokens)
                        "greedy_agreement": share, "first_difference": first}
     auto = rows["auto"]
     print(f"{args.model} ({weights}); {len(tokens)} tokens of CPython's pydoc topics, chunks of {args.chunk}; "
           f"greedy {args.greedy} tokens after the first {len(prompt)}")
-    print(f"{'KV':<6}{'ppl':>9}{'Δppl':>9}{'mlx-lm ppl':>12}{'Δ mlx-lm':>10}{'bytes/tok':>11}{'greedy same':>13}"
+    print(f"{'KV':<9}{'ppl':>9}{'Δppl':>9}{'mlx-lm ppl':>12}{'Δ mlx-lm':>10}{'bytes/tok':>11}{'greedy same':>13}"
           f"{'first diff':>12}")
     for dtype, r in rows.items():
         lm_cells = f"{'n/a':>12}{'':>10}" if r["mlx_lm_ppl"] is None else \
             f"{r['mlx_lm_ppl']:>12.3f}{100 * (r['mlx_lm_ppl'] / auto['mlx_lm_ppl'] - 1):>9.2f}%"
-        print(f"{dtype:<6}{r['ppl']:>9.3f}{100 * (r['ppl'] / auto['ppl'] - 1):>8.2f}%{lm_cells}{r['bytes_per_token']:>11}"
+        print(f"{dtype:<9}{r['ppl']:>9.3f}{100 * (r['ppl'] / auto['ppl'] - 1):>8.2f}%{lm_cells}{r['bytes_per_token']:>11}"
               f"{100 * r['greedy_agreement']:>12.0f}%{r['first_difference']:>12}")
     print(json.dumps({"model": args.model, "weights": weights, "tokens": len(tokens), "chunk": args.chunk,
                       "python": platform.python_version(), **versions(), "rows": rows}))

@@ -1,6 +1,6 @@
 """One rank of a distributed generation (started by `mlx.launch` from tests/test_distributed.py).
 
-    mlx.launch -n 2 --backend ring --python PY tests/distributed_run.py MODEL MODE OUT.json
+    mlx.launch -n 2 --backend ring --python PY tests/distributed_run.py MODEL MODE OUT.json [KV_DTYPE:KV_QUANT_START]
 
 Greedy requests that join a few steps apart (chunked prefill with 24-token steps, a shared
 prefix, one request aborted); rank 0 writes each request's tokens to OUT.json."""
@@ -14,13 +14,15 @@ from macinfer.sampling_params import SamplingParams
 PROMPTS = [list(range(5, 45)), list(range(5, 45)) + [50, 51], [7, 9, 11, 13, 15], list(range(100, 131))]
 
 
-def run(model: str, mode: str | None) -> dict:
+def run(model: str, mode: str | None, kv: str = "auto:0") -> dict:
     # "pipeline": two steps in flight (the default); "pipeline-d1": one at a time;
     # "pipeline-mb2": one at a time, cut into 2 micro-batches
     micro, depth = (2 if mode == "pipeline-mb2" else 1), (1 if mode == "pipeline-d1" else None)
+    kv_dtype, kv_start = kv.split(":")  # the KV cache's dtype and --kv-quant-start
     engine = LLMEngine(model, EngineConfig(kv_cache_gb=0.05, max_num_batched_tokens=24, max_model_len=512,
                                            distributed=mode and mode.split("-")[0], pipeline_micro_batches=micro,
-                                           pipeline_depth=depth))
+                                           pipeline_depth=depth, kv_cache_dtype=kv_dtype,
+                                           kv_quant_start=int(kv_start)))
     if engine.dist is not None and not engine.dist.is_driver:
         engine.run_worker()
         return {}
@@ -72,10 +74,10 @@ def fake_hub(root: str, out: str) -> None:
 if __name__ == "__main__":
     import os
 
-    model, mode, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    model, mode, out, *kv = sys.argv[1:]
     if os.environ.get("MACINFER_TEST_HUB"):
         fake_hub(os.environ["MACINFER_TEST_HUB"], out)
-    result = run(model, None if mode == "single" else mode)
+    result = run(model, None if mode == "single" else mode, *kv)
     if result:
         with open(out, "w") as f:
             json.dump(result, f)

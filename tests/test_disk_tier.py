@@ -78,9 +78,11 @@ def wide_llama(tmp_path_factory) -> str:
                           num_key_value_heads=1)[0]
 
 
-def test_int8_kv_cache_round_trips(tmp_path, wide_llama):
+@pytest.mark.parametrize("kw", [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int4", "kv_quant_start": 40}])
+def test_quantized_kv_cache_round_trips(tmp_path, wide_llama, kw):
+    """Quantized records; with --kv-quant-start, the first tokens' group's float records too
+    (a hit needs both groups' blocks)."""
     prompt = _prompt(200, 3)
-    kw = {"kv_cache_dtype": "int8"}
     tiny_llama = wide_llama
     cold = _engine(tiny_llama, tmp_path / "kv", **kw)
     want = generate(cold, [prompt], GREEDY)[0]

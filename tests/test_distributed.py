@@ -34,10 +34,10 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 pytestmark = pytest.mark.skipif(not (BIN / "mlx.launch").exists(), reason="mlx.launch is not installed")
 
 
-def _run(model: str, mode: str, tmp_path: Path) -> dict:
+def _run(model: str, mode: str, tmp_path: Path, kv: str = "auto:0") -> dict:
     out = tmp_path / f"{mode}.json"
     cmd = ([] if mode == "single" else LAUNCH) + ([sys.executable] if mode == "single" else []) + [
-        str(ROOT / "tests" / "distributed_run.py"), model, mode, str(out)]
+        str(ROOT / "tests" / "distributed_run.py"), model, mode, str(out), kv]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -54,6 +54,16 @@ def test_tensor_parallel_gives_single_process_tokens(tmp_path, model_type):
     latent cache stays whole on each rank): the same greedy tokens as one process."""
     path = _tiny(tmp_path, model_type)
     assert _run(path, "tensor", tmp_path)["tokens"] == _run(path, "single", tmp_path)["tokens"]
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_quantized_kv_over_two_ranks(tmp_path, mode):
+    """int4 KV with each sequence's first 16 tokens at full precision (--kv-quant-start):
+    each rank keeps the heads (tensor) or layers (pipeline) it computes, quantized alike;
+    the same greedy tokens as one process with the same cache."""
+    config = tiny_config("qwen3", head_dim=32)
+    path = save_model_dir(str(tmp_path / "qwen3"), config, make_mlx_lm_model(config, seed=7))
+    assert _run(path, mode, tmp_path, "int4:16")["tokens"] == _run(path, "single", tmp_path, "int4:16")["tokens"]
 
 
 def test_generate_command_over_two_ranks(smollm2_gguf):

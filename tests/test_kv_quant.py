@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-from macinfer.kv.cache import KV_QUANT_BITS
+from macinfer.kv.cache import KV_QUANT_BITS, rotation
 from macinfer.sampling_params import SamplingParams
 from tests.helpers import generate, make_mlx_lm_model, save_model_dir, tiny_model_dir
 from tests.zoo import tiny_config
@@ -55,19 +55,23 @@ def test_quantized_kv_is_smaller_and_computes_what_mlx_lm_does(head64, dtype, gr
     assert quant.block_manager.num_free_blocks == quant.block_manager.num_blocks
 
 
-def _roundtrip_logits(model, tokens: list[int], chunks: list[int], bits: tuple[int, int], rot: mx.array) -> np.ndarray:
+def _roundtrip_logits(model, tokens: list[int], chunks: list[int], bits: tuple[int, int], rot: mx.array,
+                      start: int = 0) -> np.ndarray:
     """A float reference with the quantization: mlx-lm's forward whose caches keep each K/V
     row as dequantize(quantize(row @ R)) @ R^T (K and V at their own bits), attended in
-    full precision."""
+    full precision; the rows of the first `start` positions kept as they are."""
     from mlx_lm.models.cache import KVCache
 
-    def roundtrip(x: mx.array, b: int) -> mx.array:
+    def roundtrip(x: mx.array, b: int, offset: int) -> mx.array:
         q = mx.quantize((x @ rot).reshape(-1, x.shape[-1]), group_size=64, bits=b)
-        return (mx.dequantize(*q, group_size=64, bits=b) @ rot.T).reshape(x.shape).astype(x.dtype)
+        y = (mx.dequantize(*q, group_size=64, bits=b) @ rot.T).reshape(x.shape).astype(x.dtype)
+        keep = (mx.arange(x.shape[2]) + offset < start)[None, None, :, None]  # [B, kvh, n, d]: n positions
+        return mx.where(keep, x, y)
 
     class RotatedQuantCache(KVCache):
         def update_and_fetch(self, keys, values):
-            return super().update_and_fetch(roundtrip(keys, bits[0]), roundtrip(values, bits[1]))
+            at = self.offset
+            return super().update_and_fetch(roundtrip(keys, bits[0], at), roundtrip(values, bits[1], at))
 
     cache = [RotatedQuantCache() for _ in model.layers]
     out, pos = [], 0
@@ -165,6 +169,123 @@ def test_a_group_size_that_does_not_divide_the_head_is_refused(head64, tiny_llam
         LLMEngine(head64[0], EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int4", kv_group_size=48))
     for args, says in [(["--kv-bits", "4", "--kv-cache-dtype", "int8"], "disagree"),
                        (["--kv-group-size", "32"], "applies to a quantized KV cache"),
-                       (["--kv-bits", "4", "--kv-group-size", "128"], "divisible by 128")]:
+                       (["--kv-bits", "4", "--kv-group-size", "128"], "divisible by 128"),
+                       (["--kv-quant-start", "8"], "--kv-quant-start keeps")]:
         r = CliRunner().invoke(main, ["generate", head64[0], "-p", "hi", "-n", "2", "--kv-cache-gb", "0.01", *args])
         assert r.exit_code != 0 and says in r.output, r.output
+
+
+@pytest.mark.parametrize("dtype,start", [("int4", 20), ("int3r", 16), ("k8v4", 37)])
+def test_first_tokens_kept_full_precision_compute_their_float_reference(head64, dtype, start):
+    """`--kv-quant-start N`: the first N tokens of each sequence are kept at full precision
+    (a group of their own, `FirstTokens`), the rest quantized; the prompt chunks and the
+    decodes (plain, then speculating rows) read keys below N from there. Each equals the
+    float reference that round-trips only the rows from position N on; a prompt shorter
+    than N computes what the full-precision cache does."""
+    path, model = head64
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype=dtype, kv_quant_start=start))
+    kinds = [g["kind"] for g in engine.cache_groups()]
+    assert kinds == ["full attention", f"first {start} tokens at full precision"], kinds
+    rot = rotation(64, mx.float32) if dtype.endswith("r") else mx.eye(64)
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(3, 250, size=n).tolist() for n in (40, 30, 12)]
+    full = LLMEngine(engine.loaded, EngineConfig(kv_cache_gb=0.01))
+    for group, chunks in (([seqs[0], seqs[1]], [17, 8, 1, 1, 1, 1, 1]), ([seqs[2]], [7, 3, 1, 1])):
+        for s, got, plain in zip(group, engine.score(group, chunks), full.score(group, chunks)):
+            want = _roundtrip_logits(model, s, chunks, KV_QUANT_BITS[dtype], rot, start)
+            scale = np.abs(want).max()
+            assert np.abs(got - want).max() < 1e-4 * scale
+            if len(s) > start:  # (every row quantized differs)
+                every = _roundtrip_logits(model, s, chunks, KV_QUANT_BITS[dtype], rot)
+                assert np.abs(got - every).max() > 1e-4 * scale
+            else:
+                assert np.abs(got - plain).max() < 1e-5 * scale
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = generate(engine, seqs, params)
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_first_tokens_hold_through_speculation_prefix_hits_and_preemption(head64):
+    """The first tokens' group rides every path a sequence takes: speculating rows (prompt
+    lookup drafts read the first tokens as decodes do), a prefix hit of a finished request
+    (both groups' blocks), and preemption with too few blocks: the same greedy tokens as
+    one request at a time on a roomy cache."""
+    path, _ = head64
+    cfg = dict(kv_cache_dtype="int4", kv_quant_start=24)
+    rng = np.random.default_rng(9)
+    stem = rng.integers(3, 250, size=20).tolist()
+    prompts = [stem * 2 + rng.integers(3, 250, size=n).tolist() for n in (5, 13, 30)] + [stem[:9]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, enable_prefix_caching=False, **cfg))
+    want = [generate(alone, [p], params)[0].token_ids for p in prompts]
+    spec = LLMEngine(alone.loaded, EngineConfig(kv_cache_gb=0.01, num_speculative_tokens=3,
+                                                speculative_max_batch=8, **cfg))
+    assert [o.token_ids for o in generate(spec, prompts, params)] == want
+    assert spec.stats["spec_accepted_tokens"] > 0
+    again = generate(spec, prompts[:2], params)
+    assert [o.token_ids for o in again] == want[:2] and min(o.num_cached_tokens for o in again) >= 32
+    tight = LLMEngine(alone.loaded, EngineConfig(num_kv_blocks=9, max_num_batched_tokens=32, **cfg))
+    assert [o.token_ids for o in generate(tight, prompts, params)] == want
+    assert tight.scheduler.num_preemptions > 0
+
+
+def _roundtrip_model_logits(model, tokens: list[int], chunks: list[int], bits: int, group: int,
+                            start: int) -> np.ndarray:
+    """mlx-lm's forward with its own caches, every K/V row round-tripped through `bits`-bit
+    groups except, in the full-attention caches, those of the first `start` positions."""
+    from mlx_lm.models.cache import KVCache
+
+    def roundtrip(x: mx.array, offset: int, keep_below: int) -> mx.array:
+        q = mx.quantize(x.reshape(-1, x.shape[-1]), group_size=group, bits=bits)
+        y = mx.dequantize(*q, group_size=group, bits=bits).reshape(x.shape).astype(x.dtype)
+        return mx.where((mx.arange(x.shape[2]) + offset < keep_below)[None, None, :, None], x, y)
+
+    cache = model.make_cache()
+    for c in cache:
+        if hasattr(c, "update_and_fetch"):
+            keep = start if type(c) is KVCache else 0  # (a window's cache keeps none apart)
+
+            def update(k, v, c=c, keep=keep, update=c.update_and_fetch):
+                at = c.offset
+                return update(roundtrip(k, at, keep), roundtrip(v, at, keep))
+
+            c.update_and_fetch = update
+    out, pos = [], 0
+    for n in chunks:
+        out.append(np.array(model(mx.array([tokens[pos:pos + n]]), cache=cache)[0].astype(mx.float32)))
+        pos += n
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_next", "deepseek_v3"])
+def test_first_tokens_for_each_cache_kind(tmp_path_factory, model_type):
+    """Sliding windows + full attention (Gemma 3: only the full layers keep first tokens
+    apart), a hybrid's attention layers, and MLA latents (written as one row of latent
+    and rope key): each computes its float reference with the same quantization (MLA: a
+    start past the prompt computes what the full-precision cache does)."""
+    mla = model_type == "deepseek_v3"
+    config = tiny_config(model_type, **(dict(kv_lora_rank=48, qk_rope_head_dim=16) if mla else dict(head_dim=32)))
+    model = make_mlx_lm_model(config, seed=3)
+    path = save_model_dir(str(tmp_path_factory.mktemp(model_type)), config, model)
+    start = 64 if mla else 24
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int8", kv_quant_start=start))
+    first = [g for g in engine.cache_groups() if "first_tokens" in g]
+    assert len(first) == 1 and first[0]["layers"] == [g for g in engine.cache_groups()
+                                                       if g["kind"] == "full attention"][0]["layers"]
+    seq = np.random.default_rng(1).integers(3, 250, size=40).tolist()
+    chunks = [17, 8, 1, 1, 1, 1, 1]
+    got = engine.score([seq], chunks)[0]
+    if mla:
+        want = LLMEngine(engine.loaded, EngineConfig(kv_cache_gb=0.01)).score([seq], chunks)[0]
+    else:
+        want = _roundtrip_model_logits(model, seq, chunks, 8, 32, start)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a, b = (generate(engine, [seq], params)[0] for _ in range(2))
+    assert a.token_ids == b.token_ids and b.num_cached_tokens > 0
+
+
+def test_kv_quant_start_needs_a_quantized_cache(head64):
+    with pytest.raises(ValueError, match="--kv-quant-start.*--kv-cache-dtype"):
+        LLMEngine(head64[0], EngineConfig(kv_cache_gb=0.01, kv_quant_start=8))

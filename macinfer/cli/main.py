@@ -43,6 +43,11 @@ def _engine_options(f):
     f = click.option("--kv-group-size", type=click.Choice(["32", "64", "128"]), default=None,
                      help="Quantized KV: values sharing a scale and bias (default 64 where it divides the head "
                           "size, else 32).")(f)
+    f = click.option("--kv-quant-start", "--quantized-kv-start", "kv_quant_start", type=click.IntRange(min=0),
+                     default=0, show_default=True, metavar="N",
+                     help="Quantized KV: keep each sequence's first N tokens at full precision in its "
+                          "full-attention layers (attention sinks; mlx-lm's spelling accepted, though mlx-lm "
+                          "instead quantizes a whole cache once it reaches N tokens).")(f)
     f = click.option("--kv-bits", type=click.Choice(["3", "4", "8"]), default=None,
                      help="mlx-lm's spelling of --kv-cache-dtype int3/int4/int8.")(f)
     f = click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "int4", "int3", "int4r", "int3r", "k8v4",
@@ -135,7 +140,8 @@ def _sampling_options(f):
 
 
 def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
-                   kv_cache_dtype="auto", kv_bits=None, kv_group_size=None, max_num_batched_tokens=512,
+                   kv_cache_dtype="auto", kv_bits=None, kv_group_size=None, kv_quant_start=0,
+                   max_num_batched_tokens=512,
                    max_prefill_with_decodes=None,
                    num_speculative_tokens=0, draft_model=None, speculative_method=None, chat_template=None, rope_scaling=None, distributed=None,
                    distributed_timeout=60.0, pipeline_micro_batches=1, pipeline_depth=None, no_autotune=False,
@@ -149,6 +155,7 @@ def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pre
     return EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
                         kv_group_size=int(kv_group_size) if kv_group_size else None,
+                        kv_quant_start=kv_quant_start,
                         max_num_batched_tokens=max_num_batched_tokens,
                         max_prefill_with_decodes=max_prefill_with_decodes or None,  # 0: no separate cap
                         num_speculative_tokens=num_speculative_tokens, draft_model=draft_model,

@@ -150,7 +150,7 @@ class GroupBlocks:
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         table = seq.block_tables[self.group.index]
         start = max(len(table), self.first_block(seq.num_computed_tokens)) if self.kind.bounded else len(table)
-        return max(0, cdiv(num_tokens, self.block_size) - start)
+        return max(0, cdiv(self.kind.stored_keys(num_tokens), self.block_size) - start)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         table = seq.block_tables[self.group.index]
@@ -158,7 +158,7 @@ class GroupBlocks:
             first = self.first_block(seq.num_computed_tokens)
             while len(table) < first:  # positions already behind the floor: never stored
                 table.append(NULL_BLOCK)
-        while len(table) < cdiv(num_tokens, self.block_size):
+        while len(table) < cdiv(self.kind.stored_keys(num_tokens), self.block_size):
             table.append(self.pool.take())
 
     def longest_hit(self, hashes: list[bytes], limit: int, disk=None) -> int:
@@ -170,13 +170,14 @@ class GroupBlocks:
             n = n + 1 if h in cached or (disk is not None and disk.has_block(g, h)) else 0
             run.append(n)
         m = limit
-        while m and run[m - 1] < m - self.first_block(m * self.block_size):
+        while m and (span := self.hit_range(m)) and run[span.stop - 1] < len(span):
             m -= 1
         return m
 
     def hit_range(self, hits: int) -> range:
         """The block indices a hit of `hits` blocks takes in this group."""
-        return range(self.first_block(hits * self.block_size) if hits else 0, hits)
+        n = hits * self.block_size
+        return range(self.first_block(n) if hits else 0, cdiv(self.kind.stored_keys(n), self.block_size))
 
     def read_disk(self, hashes: list[bytes], hits: int, reads: dict, disk) -> int | None:
         """Read the hit's blocks memory lacks into `reads` ((group, index) -> arrays); None
@@ -225,7 +226,7 @@ class GroupBlocks:
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:
         table = seq.block_tables[self.group.index]
-        for i in range(start, end):
+        for i in range(start, min(end, len(table))):
             if table[i] != NULL_BLOCK or not self.kind.bounded:
                 self.pool.publish(table[i], seq.block_hashes[i])
 

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 from macinfer.engine.spec_batch import planned
 from macinfer.kernels.backend import Backend
 from macinfer.kv.cache import KVCache, layer_bytes_per_token, plan_blocks
-from macinfer.kv.spec import CacheGroup, LayerKV, StateSpec, group_caches
+from macinfer.kv.spec import CacheGroup, FirstTokens, LayerKV, StateSpec, group_caches, split_first_tokens
 from macinfer.kv.state import StatePool
 
 DEFAULT_TOKENS_PER_SEQ = 512  # default KV budget: max_num_seqs x this, or one full context
@@ -58,9 +58,12 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
                          "index keys at full precision; serve it with --kv-cache-dtype auto")
     layer_specs = list(model.layer_specs)
     groups, _ = group_caches(layer_specs, getattr(model, "layer_caches", None))
+    first_of: dict[int, int] = {}
+    if cfg.kv_quant_start:
+        layer_specs, groups, first_of = split_first_tokens(layer_specs, groups, cfg.kv_quant_start)
     for g in groups:
-        g.bytes_per_block = bs * sum(layer_bytes_per_token(layer_specs[i], kv_dtype, cfg.kv_cache_dtype,
-                                                            cfg.kv_group_size)
+        dtype = "auto" if isinstance(g.kind, FirstTokens) else cfg.kv_cache_dtype
+        g.bytes_per_block = bs * sum(layer_bytes_per_token(layer_specs[i], kv_dtype, dtype, cfg.kv_group_size)
                                      for i in g.caches)
     step_blocks = -(-cfg.max_num_batched_tokens // bs)
     # A bounded group's pool never needs more than every running sequence's live blocks plus a step's.
@@ -120,6 +123,6 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
         else:  # no K/V: the budget left after the running states buys snapshots
             snapshots = min(max(budget - fixed_state, 0) // slot_bytes, max_blocks * bs // interval)
         states = StatePool(state_specs, 2 * cfg.max_num_seqs + num_verify + snapshots)
-    kv_cache = KVCache(layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype, states, cfg.kv_group_size)
+    kv_cache = KVCache(layer_specs, groups, bs, kv_dtype, cfg.kv_cache_dtype, states, cfg.kv_group_size, first_of)
     backend.set_limits(sum(v.nbytes for _, v in tree_flatten(model.parameters())), kv_cache.nbytes)
     return CachePlan(layer_specs, state_specs, groups, num_blocks, interval, num_verify, kv_cache)

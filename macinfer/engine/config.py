@@ -23,6 +23,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8" | "int4" | "int3": N-bit affine
     kv_group_size: int | None = None  # quantized KV: values per scale and bias (None: 64, else 32)
+    # Quantized KV: each sequence's first this many tokens kept at full precision in the
+    # full-attention caches (0: none; `kv.spec.FirstTokens`).
+    kv_quant_start: int = 0
     model_impl: str = "auto"  # "mlx-lm": run even the Llama family through mlx-lm's classes
     # Speculative decoding (0: off): draft tokens per decode step, prompt lookup's
     # n-gram lengths looked up, and the decoding batch above which it pauses (None:
@@ -71,3 +74,30 @@ class EngineConfig:
     # (False: served text-only), with this much memory for encoded images kept by content.
     images: bool = True
     encoder_cache_mb: int = 256
+
+    def validate(self) -> None:
+        """A ValueError a user can act on for settings that cannot work together (the
+        model-dependent checks come at load)."""
+        if self.max_prefill_with_decodes is not None and self.max_prefill_with_decodes < 1:
+            # 0 would hold every prompt back while anything decodes
+            raise ValueError("max_prefill_with_decodes must be at least 1 (None: no separate cap)")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be 0 (off) or more")
+        if self.rope_scaling and not self.max_model_len:
+            raise ValueError("--rope-scaling needs --max-model-len: the context to stretch RoPE to")
+        if self.kv_quant_start < 0:
+            raise ValueError("--kv-quant-start must be 0 (off) or more")
+        if self.kv_quant_start and self.kv_cache_dtype == "auto":
+            raise ValueError("--kv-quant-start keeps a quantized KV cache's first tokens at full precision; "
+                             "give --kv-cache-dtype int8/int4/... with it")
+        if self.pipeline_micro_batches != 1 and self.distributed != "pipeline":
+            raise ValueError("--pipeline-micro-batches applies to --distributed pipeline only")
+        if self.pipeline_depth is not None:
+            if self.distributed != "pipeline":
+                raise ValueError("--pipeline-depth applies to --distributed pipeline only")
+            if self.pipeline_depth not in (1, 2):
+                raise ValueError(f"--pipeline-depth {self.pipeline_depth}: 1 (one step at a time) or 2 "
+                                 "(two in flight)")
+            if self.pipeline_depth == 2 and self.pipeline_micro_batches != 1:
+                raise ValueError("--pipeline-depth 2 and --pipeline-micro-batches are two ways to overlap the "
+                                 "stages; choose one")

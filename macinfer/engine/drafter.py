@@ -108,7 +108,7 @@ class DraftModel:
         # prefix hit of its target skips (an MTP head's, `engine/mtp_drafter.py`).
         cfg = dataclasses.replace(target_cfg, num_kv_blocks=target_blocks + target_cfg.max_num_seqs,
                                   enable_prefix_caching=prefix_caching, kv_cache_gb=None, kv_cache_dtype="auto",
-                                  kv_group_size=None, num_speculative_tokens=0, memory_limit_bytes=None)
+                                  kv_group_size=None, kv_quant_start=0, num_speculative_tokens=0, memory_limit_bytes=None)
         plan = plan_caches(model, cfg, model.kv_dtype(), max_model_len, backend)
         self.kv_cache = plan.kv_cache
         self.block_manager = BlockManager(plan.groups, cfg.block_size, enable_prefix_caching=prefix_caching,

@@ -48,7 +48,7 @@ def check_against_mlx_lm(engine: Any) -> None:
 def _float_probe(engine: Any) -> SimpleNamespace:
     """What `score` reads of an engine, on pools of two blocks a group in the model's own
     dtype (the quantized pools untouched)."""
-    cfg = dataclasses.replace(engine.config, kv_cache_dtype="auto", kv_group_size=None, num_kv_blocks=2,
+    cfg = dataclasses.replace(engine.config, kv_cache_dtype="auto", kv_group_size=None, kv_quant_start=0, num_kv_blocks=2,
                               kv_cache_gb=None,
                               max_num_seqs=1, num_speculative_tokens=0, memory_limit_bytes=None)
     plan = plan_caches(engine.model, cfg, engine.model.kv_dtype(), cfg.block_size * 2, engine.backend)

@@ -25,19 +25,20 @@ from macinfer.engine.embedding import EmbeddingJob
 from macinfer.engine.runner import ModelRunner
 from macinfer.engine.profile import maybe
 from macinfer.engine.outputs import RequestOutput, _RequestState
+from macinfer.engine.output_processor import OutputProcessor
 from macinfer.engine.layout_check import check_against_mlx_lm
 from macinfer.engine.scoring import score
 from macinfer.engine.scheduler import Scheduler
-from macinfer.engine.sequence import Sequence, TokenLogprob
-from macinfer.engine.speculative import SpeculativeConfig, record_verdict
+from macinfer.engine.sequence import Sequence
+from macinfer.engine.speculative import SpeculativeConfig
 from macinfer.engine.state_group import StateGroup
 from macinfer.engine.structured import StructuredOutputs
 from macinfer.engine.cache_plan import plan_caches
+from macinfer.kv.spec import FirstTokens
 from macinfer.engine import images as engine_images
 from macinfer.engine import multi_rank as dist_engine
 from macinfer.distributed import group as dist_group
 from macinfer.loading.loader import LoadedModel, load
-from macinfer.text.reasoning import track_thinking
 from macinfer.sampling_params import InvalidSamplingParamsError, SamplingParams
 from macinfer.text.tokenizer import IncrementalDetokenizer
 
@@ -54,29 +55,12 @@ class PromptTooLongError(ValueError):
 class LLMEngine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, progress=None):
         """`progress(done, total)` is called while weights load (files or tensors)."""
-        self.config = config or EngineConfig()
-        if self.config.max_prefill_with_decodes is not None and self.config.max_prefill_with_decodes < 1:
-            # 0 would hold every prompt back while anything decodes
-            raise ValueError("max_prefill_with_decodes must be at least 1 (None: no separate cap)")
-        cfg = self.config
-        if cfg.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be 0 (off) or more")
+        self.config = cfg = config or EngineConfig()
+        cfg.validate()
         method = speculative_method(cfg)
         speculative = SpeculativeConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                                         cfg.speculative_max_batch or 1) if cfg.num_speculative_tokens else None
-        if cfg.rope_scaling and not cfg.max_model_len:
-            raise ValueError("--rope-scaling needs --max-model-len: the context to stretch RoPE to")
         context = (cfg.max_model_len, cfg.rope_scaling) if cfg.rope_scaling and cfg.max_model_len else None
-        if cfg.pipeline_micro_batches != 1 and cfg.distributed != "pipeline":
-            raise ValueError("--pipeline-micro-batches applies to --distributed pipeline only")
-        if cfg.pipeline_depth is not None:
-            if cfg.distributed != "pipeline":
-                raise ValueError("--pipeline-depth applies to --distributed pipeline only")
-            if cfg.pipeline_depth not in (1, 2):
-                raise ValueError(f"--pipeline-depth {cfg.pipeline_depth}: 1 (one step at a time) or 2 (two in flight)")
-            if cfg.pipeline_depth == 2 and cfg.pipeline_micro_batches != 1:
-                raise ValueError("--pipeline-depth 2 and --pipeline-micro-batches are two ways to overlap the "
-                                 "stages; choose one")
         self.dist = None
         if cfg.distributed:
             if isinstance(model, LoadedModel):
@@ -153,20 +137,8 @@ class LLMEngine:
                                   decode_attention=self.paths.decode_attention)
         if self.drafter is not None and self.drafter.every_step:  # an MTP head reads the target's hidden rows
             self.runner.hidden_sink = self.drafter.capture
-        self.distributed_status = None
-        if self.dist is not None:
-            dist_engine.check_same_model(self.dist, {
-                "config": self.loaded.config, "engine": dataclasses.asdict(cfg), "blocks": plan.num_blocks,
-                "vocab": self.model.args.vocab_size, "mlx": mx.__version__})
-            self.distributed_status = dist_engine.rank_report(self.dist, self.model, self.kv_cache.nbytes)
-            self.runner.dist, self.runner.micro_batches = self.dist, max(1, cfg.pipeline_micro_batches)
-            if self.dist.mode == "pipeline" and cfg.pipeline_micro_batches == 1:
-                if states is not None and cfg.pipeline_depth == 2:  # a step's plan updates the state
-                    raise ValueError("--pipeline-depth 2: this model has recurrent state, which runs one "
-                                     "step at a time; use --pipeline-depth 1 (its default)")
-                self.scheduler.depth = cfg.pipeline_depth or (2 if states is None else 1)
-            self.distributed_status["steps_in_flight"] = self.scheduler.depth
-            log.info("%s: %d step(s) in flight", self.dist.describe(), self.scheduler.depth)
+        self.distributed_status = None if self.dist is None else dist_engine.join(self, plan.num_blocks,
+                                                                                  states is not None)
         if speculative is not None and cfg.speculative_max_batch is None:  # measured on this device
             from macinfer.engine.spec_batch import choose_speculative_batch
 
@@ -185,6 +157,7 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
                       "spec_verify_steps": 0, "spec_accepted_by_position": [0] * cfg.num_speculative_tokens,
                       "spec_drafted_by_position": [0] * cfg.num_speculative_tokens, "images": 0, "image_tokens": 0}
+        self.output = OutputProcessor(self.requests, self.scheduler, self.tokenizer, self.stats, self.max_model_len)
         log.info(
             "KV cache: %.2f GiB, %s%s, blocks of %d tokens: %s; max_model_len %d; decode attention: %s",
             self.kv_cache.nbytes / 2**30, self.kv_cache.dtype,
@@ -192,7 +165,8 @@ class LLMEngine:
             "; ".join(f"{g.kind.describe()}: {len(g.layers)} layers ({len(g.caches)} keep K/V), "
                       f"{g.num_blocks} blocks, {g.bytes_per_block // bs} bytes a token" for g in groups),
             self.max_model_len,
-            f"reference ({self.kv_cache.kv_cache_dtype} KV)" if self.kv_cache.quantized else self.paths.decode_attention,
+            self.paths.decode_attention + (" (reference in the layers keeping first tokens apart)"
+                                           if self.kv_cache.first_of else ""),
         )
 
     def prepare_images(self, prompt: list[int], images: list) -> tuple[list[int], "ImageInputs"]:
@@ -210,6 +184,8 @@ class LLMEngine:
         for st, g in zip(stats, self.kv_cache.groups):
             st["caches"] = list(g.caches)
             st["bytes_per_token"] = g.bytes_per_block // self.kv_cache.block_size
+            if isinstance(g.kind, FirstTokens):  # (only each sequence's first tokens cost it)
+                st["first_tokens"] = g.kind.count
             st["bytes"] = self.kv_cache.group_nbytes(g)
         return stats
 
@@ -413,7 +389,7 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         if not sched:
             return []
-        failed = engine_images.encode_step(self.vision.encoder, sched.scheduled, self._fail) \
+        failed = engine_images.encode_step(self.vision.encoder, sched.scheduled, self.output.fail) \
             if self.vision is not None else []
         if not sched.scheduled:
             return failed
@@ -424,11 +400,11 @@ class LLMEngine:
             if self.dist is not None:  # the ranks could no longer be in step
                 dist_group.fatal(f"forward pass failed on rank {self.dist.rank}: {type(e).__name__}: {e}")
             log.exception("forward pass failed; failing the %d scheduled requests", len(sched.scheduled))
-            outputs = [self._fail(seq, e) for seq, _ in sched.scheduled]
+            outputs = [self.output.fail(seq, e) for seq, _ in sched.scheduled]
             self._recover_after_failed_step()
             return outputs
         with maybe(prof, "outputs"):
-            outputs = failed + self._outputs(sched, results, errors)
+            outputs = failed + self.output.process(sched, results, errors)
         if not self.scheduler.running:  # the sequences a lookahead was for have all ended
             self.runner.ahead = None
         return outputs
@@ -439,51 +415,6 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.stats["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-
-    def _outputs(self, sched, results, errors) -> list[RequestOutput]:
-        """The step's sampled tokens appended, stops checked, outputs built."""
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted
-        now = time.perf_counter()
-        outputs = [self._fail(seq, err) for seq, err in errors]
-        for r in results:
-            seq = r.seq
-            try:
-                if seq.spec_token_ids:
-                    self._count_verdict(len(seq.spec_token_ids), len(r.token_ids) - 1)
-                    seq.num_computed_tokens += len(r.token_ids) - 1  # the accepted drafts' K/V are written
-                    record_verdict(seq, len(r.token_ids) - 1, len(seq.spec_token_ids))
-                    if r.recompute_from is not None:  # recurrent state rewound (`ModelRunner.step`)
-                        seq.num_computed_tokens = r.recompute_from
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                finished = False
-                for token, lp in zip(r.token_ids, r.logprobs):
-                    seq.output_token_ids.append(token)
-                    if seq.params.thinking_budget is not None and seq.thinking != "closed":
-                        track_thinking(seq, self.tokenizer)
-                    self.stats["generation_tokens"] += 1
-                    if lp is not None:
-                        seq.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
-                    if finished := self._add_token(seq, token):
-                        break
-                outputs.append((self.requests.pop(seq.request_id) if finished
-                                else self.requests[seq.request_id]).output(finished))
-            except Exception as e:
-                log.exception("request %s failed", seq.request_id)
-                outputs.append(self._fail(seq, e))
-        for seq, _ in sched.scheduled:
-            seq.spec_token_ids = []
-        return outputs
-
-    def _count_verdict(self, drafted: int, accepted: int) -> None:
-        st = self.stats
-        st["spec_draft_tokens"] += drafted
-        st["spec_accepted_tokens"] += accepted
-        st["spec_verify_steps"] += 1
-        for j in range(drafted):
-            st["spec_drafted_by_position"][j] += 1
-            st["spec_accepted_by_position"][j] += j < accepted
 
     def _lookahead(self) -> Callable[[Sequence, int], bool] | None:
         """How the runner takes a sequence's next block when it may build the next decode
@@ -516,24 +447,3 @@ class LLMEngine:
             self.scheduler.preempt(seq)
         log.warning("KV cache reset after a failed step; %d running requests will be recomputed",
                     len(self.scheduler.waiting))
-
-    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
-        state = self.requests.pop(seq.request_id, None)
-        if not seq.is_finished:
-            self.scheduler.finish(seq, "error")
-        seq.finish_time = time.perf_counter()
-        if state is None:
-            state = _RequestState(seq, IncrementalDetokenizer(self.tokenizer), None)
-        out = state.output(finished=True)
-        out.error = f"{type(error).__name__}: {error}"
-        return out
-
-    def _add_token(self, seq: Sequence, token: int) -> bool:
-        """One new output token through the output processor; True (and the sequence
-        finished) when it ends the request."""
-        reason = self.requests[seq.request_id].add_token(token, self.tokenizer.eos_token_ids, self.max_model_len)
-        if reason is None:
-            return False
-        seq.finish_time = time.perf_counter()
-        self.scheduler.finish(seq, reason)
-        return True

@@ -24,13 +24,19 @@ a dead or hung rank is found within `HEARTBEAT + timeout`, not at the next reque
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import time
 from typing import Any
 
+import mlx.core as mx
+
 from macinfer.distributed.group import DistContext, DistributedError
 from macinfer.engine.profile import maybe
+
+log = logging.getLogger("macinfer")
 
 HEARTBEAT = 2.0  # seconds between round trips (acks) while idle
 IDLE_FIRST, IDLE_MAX = 0.01, 0.25  # seconds between idle syncs: after the last work, doubling to the max
@@ -89,6 +95,25 @@ class StepInputs:
         return self.wait() == 0.0
 
 
+def join(engine: Any, num_blocks: int, recurrent: bool) -> dict:
+    """At load, once the engine's parts are built: check every rank loaded the same model
+    and settings, set the runner and the scheduler for the ranks, and return this rank's
+    status (`/status`)."""
+    ctx, cfg = engine.dist, engine.config
+    check_same_model(ctx, {"config": engine.loaded.config, "engine": dataclasses.asdict(cfg), "blocks": num_blocks,
+                           "vocab": engine.model.args.vocab_size, "mlx": mx.__version__})
+    status = rank_report(ctx, engine.model, engine.kv_cache.nbytes)
+    engine.runner.dist, engine.runner.micro_batches = ctx, max(1, cfg.pipeline_micro_batches)
+    if ctx.mode == "pipeline" and cfg.pipeline_micro_batches == 1:
+        if recurrent and cfg.pipeline_depth == 2:  # a step's plan updates the state
+            raise ValueError("--pipeline-depth 2: this model has recurrent state, which runs one "
+                             "step at a time; use --pipeline-depth 1 (its default)")
+        engine.scheduler.depth = cfg.pipeline_depth or (1 if recurrent else 2)
+    status["steps_in_flight"] = engine.scheduler.depth
+    log.info("%s: %d step(s) in flight", ctx.describe(), engine.scheduler.depth)
+    return status
+
+
 def run_worker(engine: Any) -> None:
     """A worker's life: replay the driver's inputs and run each step, until it shuts down.
     Idle, it sleeps until the driver's next sync is due before it receives (see above)."""
@@ -137,7 +162,7 @@ def pipelined_step(engine: Any) -> list:
     results = [r for r in results if not r.seq.is_finished]
     errors = [(seq, e) for seq, e in errors if not seq.is_finished]
     with maybe(runner.profile, "outputs"):
-        outputs = engine._outputs(prev, results, errors)  # (a step's outputs need its `scheduled` only)
+        outputs = engine.output.process(prev, results, errors)  # (a step's outputs need its `scheduled` only)
     if submitted is None:
         engine._in_flight = _submit(engine)
     return outputs
@@ -190,15 +215,12 @@ def share_samples(ctx: DistContext, token_ids: list, logprobs: list, failed: dic
 def rank_report(ctx: DistContext, model: Any, kv_bytes: int) -> dict:
     """What each rank holds (its plan, weights and KV pool bytes), gathered at start-up:
     logged by every rank for itself, and `/status` shows all of them."""
-    import logging
-
-    import mlx.core as mx
     from mlx.utils import tree_flatten
 
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     mine = {"rank": ctx.rank, "plan": getattr(model, "distributed_plan", ""), "weights_bytes": weights,
             "kv_bytes": kv_bytes, "active_memory_bytes": mx.get_active_memory(),
             "peak_memory_bytes": mx.get_peak_memory()}
-    logging.getLogger("macinfer").info("rank %d of %d: weights %.2f GiB, KV pool %.2f GiB", ctx.rank, ctx.size,
-                                       weights / 2**30, kv_bytes / 2**30)
+    log.info("rank %d of %d: weights %.2f GiB, KV pool %.2f GiB", ctx.rank, ctx.size, weights / 2**30,
+             kv_bytes / 2**30)
     return {"mode": ctx.mode, "ranks": ctx.gather(mine, "rank report")}

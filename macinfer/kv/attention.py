@@ -86,6 +86,13 @@ class AttentionMetadata:
     def for_layer(self, layer: int) -> "AttentionMetadata":
         return self.groups[self.kv_cache.group_of[layer]] if self.groups else self
 
+    def write(self, cache: int, k: mx.array, v: mx.array | None) -> None:
+        """Scatter this step's K/V ([T, kv_heads, d]; None: V is K's leading values) into
+        cache `cache`, and the first tokens' into its store of them where it keeps one."""
+        kv = self.kv_cache
+        for c in (cache,) if cache not in kv.first_of else (cache, kv.first_of[cache]):
+            kv.write(c, self.for_layer(c).kv_rows(k.shape[1]), k, v)
+
     def kv_rows(self, num_kv_heads: int) -> mx.array:
         """[T * kvh] pool rows of the new K/V, one per head (layers' head counts may differ)."""
         return self.memo(("kv_rows", num_kv_heads), lambda: mx.array(
@@ -101,8 +108,9 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
                       sinks: mx.array | None = None, softcap: float | None = None,
                       key_mask: mx.array | None = None) -> mx.array:
     pool = meta.kv_cache.pool(layer)
+    first = meta.kv_cache.first_of.get(layer)  # its first tokens kept apart at full precision
     backend = meta.decode_attention
-    if (backend != "reference" and sinks is None and softcap is None and key_mask is None
+    if (backend != "reference" and sinks is None and softcap is None and key_mask is None and first is None
             and (meta.kind is None or meta.window is not None or not meta.kind.bounded)
             and (pool.head_dim == pool.v_head_dim or pool.v_in_k)
             and paged_kernels.supported(q.shape[-1], q.shape[1] // pool.num_kv_heads, pool.v_head_dim)):
@@ -118,44 +126,61 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
         return launch(paged_kernels.decode_calls(q, k_blocks, v_blocks, *args, **opts), emulate=backend == "emulate")
     # The pools in place; a quantized one's packed blocks through `gather_qmm` (a dequantized
     # copy of the step's blocks was 1.5-3x slower on the CPU: 8 x 2k tokens, SmolLM2's heads).
-    k_blocks, v_blocks = pool.quantized_blocks() if pool.quantized else pool.blocks()
-    tables = meta.decode_block_tables
-    if pool.rot_k is not None:  # rotated rows: the queries turned alike, the output turned back
-        out = _decode_attention_blocks(q @ pool.rot_k, meta, pool.num_kv_heads, k_blocks, v_blocks, tables, scale,
-                                       sinks, softcap, key_mask)
-        return out @ pool.rot_v.T
-    return _decode_attention_blocks(q, meta, pool.num_kv_heads, k_blocks, v_blocks, tables, scale, sinks, softcap,
-                                    key_mask)
+    blocks = pool.quantized_blocks() if pool.quantized else pool.blocks()
+    rot = None if pool.rot_k is None else (pool.rot_k, pool.rot_v)
+    return _decode_attention_blocks(q, meta, pool.num_kv_heads, blocks, scale, sinks, softcap, key_mask, rot,
+                                    None if first is None else (meta.for_layer(first),
+                                                                meta.kv_cache.pool(first).blocks()))
 
 
-def _decode_attention_blocks(q: mx.array, meta: AttentionMetadata, kvh: int, k_blocks, v_blocks, tables: mx.array,
-                             scale: float, sinks: mx.array | None, softcap: float | None,
-                             key_mask: mx.array | None = None) -> mx.array:
-    """The reference decode over a pool's blocks, `kvh` heads a block (plain rows, then each
-    speculating group); `key_mask` [B, width]: the keys each row may read beyond its context
-    (a sparse attention's selection, `kv/sparse.py`)."""
+def _decode_attention_blocks(q: mx.array, meta: AttentionMetadata, kvh: int, blocks: tuple, scale: float,
+                             sinks: mx.array | None, softcap: float | None, key_mask: mx.array | None = None,
+                             rot: tuple[mx.array, mx.array] | None = None,
+                             first: tuple[AttentionMetadata, tuple] | None = None) -> mx.array:
+    """The reference decode over a pool's (K, V) `blocks`, `kvh` heads a block (plain rows,
+    then each speculating group); `key_mask` [B, width]: the keys each row may read beyond
+    its context (a sparse attention's selection, `kv/sparse.py`); `rot`: the pool's
+    rotations; `first`: (the step's view of the group holding the first tokens apart
+    (`FirstTokens`), the layer's blocks there): keys below its count are read from
+    there, the rest from `blocks`."""
     # Every layer's tables are the same, so these are built once a step.
+    tables = meta.decode_block_tables
     length, lens, floors = tables.shape[1] * meta.kv_cache.block_size, meta.decode_context_lens, meta.decode_floors
     groups = meta.decode_groups
     plain = groups[0][0] if groups else q.shape[0]
+    fm, lead_blocks = first if first is not None else (None, None)
+    count = 0 if fm is None else fm.kind.count
     outs = []
+
+    def lead(rows: slice, table_rows: slice, expand: bool) -> tuple[mx.array, mx.array] | None:
+        """The first tokens' (block, head) indices and mask for these rows."""
+        if fm is None:
+            return None
+        heads = meta.memo(("lead_heads", kvh, table_rows.start), lambda: block_heads(
+            fm.decode_block_tables[table_rows], kvh))
+        width = fm.decode_block_tables.shape[1] * meta.kv_cache.block_size
+        mask = meta.memo(("lead_mask", rows.start), lambda: decode_mask(fm.decode_context_lens[rows], width))
+        return heads, mask[None] if expand else mask
+
     if plain:
         heads = meta.memo(("block_heads", kvh), lambda: block_heads(tables[:plain], kvh))
-        mask = meta.memo("mask", lambda: decode_mask(lens[:plain], length, None if floors is None else floors[:plain]))
+        mask = meta.memo("mask", lambda: decode_mask(lens[:plain], length, None if floors is None else floors[:plain],
+                                                     count))
         if key_mask is not None:
             mask = mask & key_mask[:plain]
-        outs.append(reference_decode_attention(q[:plain], k_blocks, v_blocks, heads, mask, scale, sinks, softcap))
-    for start, count in groups:
+        outs.append(reference_decode_attention(q[:plain], *blocks, heads, mask, scale, sinks, softcap, rot,
+                                               lead(slice(0, plain), slice(0, plain), False), lead_blocks))
+    for start, count_ in groups:
         # A speculating sequence's rows share one table (the last row's is the longest):
         # its queries go through each (block, head) matrix together, read once.
-        end = start + count
+        end = start + count_
         heads = meta.memo(("block_heads", kvh, start), lambda: block_heads(tables[end - 1 : end], kvh))
         mask = meta.memo(("mask", start), lambda: decode_mask(
-            lens[start:end], length, None if floors is None else floors[start:end])[None])
+            lens[start:end], length, None if floors is None else floors[start:end], count)[None])
         if key_mask is not None:
             mask = mask & key_mask[None, start:end]
-        outs.append(reference_decode_attention(q[None, start:end], k_blocks, v_blocks, heads, mask, scale, sinks,
-                                               softcap)[0])
+        outs.append(reference_decode_attention(q[None, start:end], *blocks, heads, mask, scale, sinks, softcap, rot,
+                                               lead(slice(start, end), slice(end - 1, end), True), lead_blocks)[0])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
@@ -165,24 +190,31 @@ def block_heads(block_tables: mx.array, num_kv_heads: int) -> mx.array:
     return block_tables[:, :, None] * num_kv_heads + mx.arange(num_kv_heads, dtype=block_tables.dtype)
 
 
-def decode_mask(context_lens: mx.array, length: int, floors: mx.array | None = None) -> mx.array:
+def decode_mask(context_lens: mx.array, length: int, floors: mx.array | None = None, start: int = 0) -> mx.array:
     """[B, length]: the keys each decode row attends to: its context, from its floor
-    (a sliding window's or a local chunk's first key) when it has one."""
+    (a sliding window's or a local chunk's first key) when it has one; none below `start`
+    (keys held apart: `FirstTokens`)."""
     pos = mx.arange(length)[None, :]
     mask = pos < context_lens[:, None]
     if floors is not None:
         mask = mask & (pos >= floors[:, None])
+    if start:
+        mask = mask & (pos >= start)
     return mask
 
 
 def reference_decode_attention(
     q: mx.array, k_blocks: mx.array, v_blocks: mx.array, heads: mx.array, mask: mx.array, scale: float,
-    sinks: mx.array | None = None, softcap: float | None = None,
+    sinks: mx.array | None = None, softcap: float | None = None, rot: tuple[mx.array, mx.array] | None = None,
+    lead: tuple[mx.array, mx.array] | None = None, lead_blocks: tuple[mx.array, mx.array] | None = None,
 ) -> mx.array:
     """q [B, H, d] against the paged cache in place: k/v_blocks [num_blocks, kvh, bs, d],
     `heads` from `block_heads` ([B, nb, kvh]), `mask` from `decode_mask` ([B, nb * bs]).
     Or several queries per row sharing its table: q [B, Q, H, d], mask [B, Q, nb * bs]
     (a speculating sequence's token and drafts, each with its own context length).
+    `rot`: the pool's K and V rotations (its rows were stored turned: the queries turn
+    alike, the output turns back). `lead`: (heads, mask) of more keys, in `lead_blocks`
+    (the first tokens kept apart at full precision), joining the same softmax.
 
     Queries are grouped per KV head, and each group is multiplied with the
     (block, head) matrices its table names (`mx.gather_mm`): K/V are read once,
@@ -193,18 +225,24 @@ def reference_decode_attention(
     single = q.ndim == 3
     if single:
         q, mask = q[:, None], mask[:, None]
+        lead = None if lead is None else (lead[0], lead[1][:, None])
     B, Q, H, d = q.shape
     kvh = heads.shape[2]
-    bs = k_blocks.w.shape[1] if isinstance(k_blocks, QuantizedBlocks) else k_blocks.shape[2]
-    nb = heads.shape[1]
     g = H // kvh
     rows = Q * g  # the rows of one matmul per (block, head): every query of the group
-    exp2 = B * Q * H * nb * bs >= EXP2_MIN_SCORES
+    # (keys, values, heads, mask, rotation) of each part of the context, in key order
+    parts = ([] if lead is None else [(*lead_blocks, *lead, None)]) + [(k_blocks, v_blocks, heads, mask, rot)]
+    widths = [p[2].shape[1] * (p[0].w.shape[1] if isinstance(p[0], QuantizedBlocks) else p[0].shape[2])
+              for p in parts]
+    exp2 = B * Q * H * sum(widths) >= EXP2_MIN_SCORES
     units = LOG2E if exp2 else 1.0  # exp2_weights takes scores in log2 units
     qscale = scale if softcap is not None else scale * units
     qg = (q * qscale).reshape(B, Q, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(B, 1, kvh, rows, d)
-    scores = _block_matmul(qg, k_blocks, heads, keys=True)  # [B, nb, kvh, rows, bs]
-    scores = scores.transpose(0, 2, 3, 1, 4).reshape(B, kvh, Q, g, nb * bs)
+    scores = [_block_matmul(qg if r is None else qg @ r[0], kb, h, keys=True)  # [B, nb, kvh, rows, bs]
+              .transpose(0, 2, 3, 1, 4).reshape(B, kvh, Q, g, w) for (kb, _, h, _, r), w in zip(parts, widths)]
+    scores = scores[0] if len(parts) == 1 else mx.concatenate(scores, axis=-1)
+    mask = parts[0][3] if len(parts) == 1 else mx.concatenate([p[3] for p in parts], axis=-1)
+    width = sum(widths)
     if softcap is not None:
         scores = mx.tanh(scores / softcap) * (softcap * units)
     scores = mx.where(mask[:, None, :, None, :], scores, mx.array(-mx.inf, scores.dtype))
@@ -214,14 +252,20 @@ def reference_decode_attention(
         probs, total = exp2_weights(scores, sink)
     elif sinks is not None:  # one more logit per head that only joins the softmax denominator
         sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kvh, 1, g, 1), (B, kvh, Q, g, 1))
-        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., : nb * bs]
+        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :width]
     else:
         probs = mx.softmax(scores, axis=-1, precise=True)
-    probs = probs.reshape(B, kvh, rows, nb, bs).transpose(0, 3, 1, 2, 4)  # [B, nb, kvh, rows, bs]
-    dv = v_blocks.dim if isinstance(v_blocks, QuantizedBlocks) else v_blocks.shape[-1]  # (MLA: V narrower)
-    out = _block_matmul(probs, v_blocks, heads, keys=False).sum(axis=1)  # [B, kvh, rows, dv]
+    probs = probs.reshape(B, kvh, rows, width)
+    out, at = None, 0
+    for (_, vb, h, _, r), w in zip(parts, widths):
+        nb = h.shape[1]
+        p = probs[..., at : at + w].reshape(B, kvh, rows, nb, w // nb).transpose(0, 3, 1, 2, 4)  # [B, nb, kvh, rows, bs]
+        o = _block_matmul(p, vb, h, keys=False).sum(axis=1)  # [B, kvh, rows, dv] (MLA: V narrower)
+        o = o if r is None else o @ r[1].T
+        out, at = o if out is None else out + o, at + w
     if total is not None:
         out = out / total.reshape(B, kvh, rows, 1)
+    dv = out.shape[-1]
     out = out.reshape(B, kvh, Q, g, dv).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, dv)
     return out[:, 0] if single else out
 
@@ -238,10 +282,36 @@ def _block_matmul(x: mx.array, blocks: "mx.array | QuantizedBlocks", heads: mx.a
     return mx.gather_mm(x, mats.swapaxes(-1, -2) if keys else mats, None, heads)
 
 
+def gather_context(meta: AttentionMetadata, layer: int, spans: list[PrefillSpan],
+                   tables: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """K and V of cache `layer` over prompt chunks' block tables, dequantized: [kvh, L, d]
+    for one span, [n, kvh, L, d] for a batch's padded `tables`. Where the cache keeps its
+    first tokens apart at full precision (`FirstTokens`), those keys come from there."""
+    k, v = meta.kv_cache.pool(layer).gather(spans[0].block_table if tables is None else tables)
+    first = meta.kv_cache.first_of.get(layer)
+    if first is None:
+        return k, v
+    fm = meta.for_layer(first)
+
+    def first_tables() -> mx.array:  # the same chunks' tables in the first tokens' group
+        by_start = {s.start: s for s in fm.prefills}
+        ts = [np.array(by_start[s.start].block_table) for s in spans]
+        out = np.zeros((len(ts), max(len(t) for t in ts)), np.int32)
+        for i, t in enumerate(ts):
+            out[i, : len(t)] = t
+        return mx.array(out)
+
+    ft = meta.memo(("first_tables", tuple(s.start for s in spans)), first_tables)
+    fk, fv = meta.kv_cache.pool(first).gather(ft if tables is not None else ft[0])
+    n = min(fk.shape[-2], fm.kind.count, k.shape[-2])
+    k, v = (mx.concatenate([f[..., :n, :].astype(x.dtype), x[..., n:, :]], axis=-2) for f, x in ((fk, k), (fv, v)))
+    return k, v
+
+
 def _prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int, span: PrefillSpan, scale: float,
                        sinks: mx.array | None = None, softcap: float | None = None,
                        key_mask: mx.array | None = None) -> mx.array:
-    k, v = meta.kv_cache.pool(layer).gather(span.block_table)  # [kvh, L, d]
+    k, v = gather_context(meta, layer, [span])  # [kvh, L, d]
     k, v = (x[None, :, : span.context_len] for x in (k, v))  # [1, kvh, ctx, d]
     # "causal" in MLX aligns the last query with the last key, which is exactly
     # a chunk that continues a cached prefix.
@@ -273,7 +343,7 @@ def _batched_prefill_attention(q: mx.array, meta: AttentionMetadata, layer: int,
     """A group of spans in one padded call: [n * length, H, d] (padding rows included)."""
     n, H, d = len(b.spans), q.shape[1], q.shape[2]
     qb = q[b.q_rows].reshape(n, b.length, H, d).transpose(0, 2, 1, 3)
-    k, v = (x[:, :, : b.context] for x in meta.kv_cache.pool(layer).gather(b.tables))  # [n, kvh, context, d]
+    k, v = (x[:, :, : b.context] for x in gather_context(meta, layer, [meta.prefills[i] for i in b.spans], b.tables))
     mask = meta.memo(("batch_mask", id(b)), lambda: batch_mask(b, meta.kind))
     out = sdpa(qb, k, v, scale, mask, sinks, softcap, explicit=meta.explicit_ops)
     return out.transpose(0, 2, 1, 3).reshape(n * b.length, H, v.shape[-1])
@@ -330,6 +400,5 @@ def paged_attention(
     scale: float,
 ) -> mx.array:
     """q: [T, H, d]; k, v: [T, kv_heads, d] for the new tokens. Returns [T, H, d]."""
-    group = meta.for_layer(layer)
-    meta.kv_cache.write(layer, group.kv_rows(k.shape[1]), k, v)
+    meta.write(layer, k, v)
     return attend(q, meta, layer, scale)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from macinfer.kv.spec import CacheGroup, LayerKV
+from macinfer.kv.spec import CacheGroup, FirstTokens, LayerKV
 from macinfer.kv.state import StatePool
 
 DEFAULT_BLOCK_SIZE = 16
@@ -237,7 +237,8 @@ class KVCache:
     routed to that cache by the model."""
 
     def __init__(self, layers: list[LayerKV], groups: list[CacheGroup], block_size: int, dtype: mx.Dtype,
-                 kv_cache_dtype: str = "auto", states: StatePool | None = None, group: int | None = None):
+                 kv_cache_dtype: str = "auto", states: StatePool | None = None, group: int | None = None,
+                 first_of: dict[int, int] | None = None):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         if group is not None and kv_cache_dtype not in KV_QUANT_BITS:
@@ -254,9 +255,15 @@ class KVCache:
         for g in groups:
             for i in g.caches:
                 self.group_of[i] = g.index
-        self._pools: dict[int, LayerPool] = {
-            i: LayerPool(i, layers[i], g.num_blocks, block_size, dtype, self.bits, group, rotated)
-            for g in groups for i in g.caches}
+        # A full-attention cache's store of its first tokens (`FirstTokens`, `--kv-quant-start`),
+        # kept at full precision: cache -> that store's cache.
+        self.first_of = first_of or {}
+        self._pools: dict[int, LayerPool] = {}
+        for g in groups:
+            exact = isinstance(g.kind, FirstTokens)
+            for i in g.caches:
+                self._pools[i] = LayerPool(i, layers[i], g.num_blocks, block_size, dtype, None if exact else self.bits,
+                                           group, rotated and not exact)
         self.states = states  # recurrent layers' state pool (hybrid and recurrent models)
         # The disk tier's hooks (`engine/disk_cache.py`): evicted blocks are copied out
         # before the pools are next written; a reset drops what was queued.

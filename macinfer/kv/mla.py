@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from macinfer.kernels import autotune
-from macinfer.kv.attention import AttentionMetadata, attend, span_mask
+from macinfer.kv.attention import AttentionMetadata, attend, gather_context, span_mask
 from macinfer.kv.dense import dense_attention
 from macinfer.kv.prefill_plan import PrefillSpan
 
@@ -48,7 +48,7 @@ def _expanded_span(q_nope: mx.array, q_rope: mx.array, meta: AttentionMetadata, 
                    scale: float, embed_q: Any, unembed: Any) -> mx.array:
     """One chunk in the expanded form: [n, H, v]. q_nope [n, H, nope], q_rope [n, H, rope]."""
     pool = meta.kv_cache.pool(layer)
-    k, _ = pool.gather(span.block_table)  # [1, L, r + rope]: the latent and the rope key
+    k, _ = gather_context(meta, layer, [span])  # [1, L, r + rope]: the latent and the rope key
     r = pool.v_head_dim
     latent = k[None, :, : span.context_len, :r]  # [1, 1, c, r], mlx-lm's cache layout
     keys = embed_q(latent, transpose=False)  # [1, H, c, nope]

@@ -42,6 +42,10 @@ class FullAttention:
     def live_blocks(self, block_size: int) -> int | None:
         return None
 
+    def stored_keys(self, num_tokens: int) -> int:
+        """Positions of a sequence of `num_tokens` its block table covers (released ones included)."""
+        return num_tokens
+
     def describe(self) -> str:
         return "full attention"
 
@@ -59,6 +63,10 @@ class SlidingWindow:
         # W keys straddle at most cdiv(W - 1, bs) + 1 blocks; one more for the next token
         return cdiv(self.window - 1, block_size) + 2
 
+    def stored_keys(self, num_tokens: int) -> int:
+        """Positions of a sequence of `num_tokens` its block table covers (released ones included)."""
+        return num_tokens
+
     def describe(self) -> str:
         return f"sliding window {self.window}"
 
@@ -75,11 +83,38 @@ class ChunkedLocal:
     def live_blocks(self, block_size: int) -> int | None:
         return cdiv(self.chunk, block_size) + 2
 
+    def stored_keys(self, num_tokens: int) -> int:
+        """Positions of a sequence of `num_tokens` its block table covers (released ones included)."""
+        return num_tokens
+
     def describe(self) -> str:
         return f"chunked local attention {self.chunk}"
 
 
-AttentionKind = FullAttention | SlidingWindow | ChunkedLocal
+@dataclass(frozen=True)
+class FirstTokens:
+    """Not a visibility rule: a store of the first `count` positions of a full-attention
+    cache apart from it, at full precision while the cache itself is quantized
+    (`--kv-quant-start`). Its blocks end at `count` (`stored_keys`); nothing is released
+    before the sequence ends. The attention reads keys below `count` from here and the
+    rest from the layer's own cache (`kv/attention.py`)."""
+    count: int
+    bounded = True  # a sequence's blocks stop growing (and its pool keeps a null block: beyond-count rows)
+
+    def key_floor(self, qpos):
+        return qpos * 0
+
+    def live_blocks(self, block_size: int) -> int | None:
+        return cdiv(self.count, block_size)
+
+    def stored_keys(self, num_tokens: int) -> int:
+        return min(num_tokens, self.count)
+
+    def describe(self) -> str:
+        return f"first {self.count} tokens at full precision"
+
+
+AttentionKind = FullAttention | SlidingWindow | ChunkedLocal | FirstTokens
 
 
 @dataclass(frozen=True)
@@ -149,3 +184,21 @@ def group_caches(caches: list[LayerKV], layer_caches: list[int] | None = None) -
                          tuple(layer for layer, c in enumerate(readers) if group_of[c] == g))
               for g, kind in enumerate(kinds)]
     return groups, group_of
+
+
+def split_first_tokens(caches: list[LayerKV], groups: list[CacheGroup], count: int
+                       ) -> tuple[list[LayerKV], list[CacheGroup], dict[int, int]]:
+    """Caches and groups with the first `count` positions of every full-attention cache
+    stored apart (`FirstTokens`): one more cache per such cache, in one more group read
+    by the same layers. Returns them and each full-attention cache's store of its first
+    tokens (windows and chunks keep none: their queries soon stop reading those keys)."""
+    full = [g for g in groups if isinstance(g.kind, FullAttention)]
+    if not full:
+        return caches, groups, {}
+    kind = FirstTokens(count)
+    first_of = {c: len(caches) + k for k, c in enumerate(full[0].caches)}
+    caches = caches + [LayerKV(kind, caches[c].num_kv_heads, caches[c].head_dim, caches[c].v_head_dim,
+                               caches[c].v_in_k) for c in full[0].caches]
+    group = CacheGroup(len(groups), kind, tuple(first_of.values()), full[0].layers)
+    return caches, groups + [group], first_of
+

@@ -91,9 +91,7 @@ class PagedLayerCache:
         if values is keys:  # V is K itself (a sparse attention's index keys): stored once
             f.v_is_k.add(self.index)
         if f.meta is not None:
-            meta = f.meta.for_layer(self.index)
-            meta.kv_cache.write(self.index, meta.kv_rows(keys.shape[1]), keys[:, :, 0],
-                                None if values is keys else values[:, :, 0])
+            f.meta.write(self.index, keys[:, :, 0], None if values is keys else values[:, :, 0])
         f.fetched[id(keys)] = f.fetched[id(values)] = self.index
         f.handed[self.index] = (keys, values)
         self.keys, self.values = keys, values  # (what a model reads back off its cache: DeepSeek V3.2's)
@@ -108,8 +106,7 @@ class PagedLayerCache:
         k = mx.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
         f.writes.setdefault(self.index, []).append((tuple(k.shape), tuple(latent.shape), latent.dtype))
         if f.meta is not None:
-            meta = f.meta.for_layer(self.index)
-            meta.kv_cache.write(self.index, meta.kv_rows(1), k[:, :, 0], None)
+            f.meta.write(self.index, k[:, :, 0], None)
         eye = mx.broadcast_to(mx.eye(rope, dtype=k_rope.dtype), (T, 1, rope, rope))
         f.fetched[id(latent)] = self.index
         f.handed[self.index] = (latent, eye)

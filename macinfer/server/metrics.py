@@ -36,7 +36,8 @@ class _EngineCollector:
             add(g, "macinfer_kv_blocks_free", "KV cache blocks free", bm.num_free_blocks, model)
             add(g, "macinfer_kv_blocks_total", "KV cache blocks in the pool", bm.num_blocks, model)
             add(g, "macinfer_kv_bytes_per_token", "KV cache bytes one token takes, every cache group together "
-                "(its dtype's: --kv-cache-dtype)", sum(g_.get("bytes_per_token", 0) for g_ in e.cache_groups()), model)
+                "(its dtype's: --kv-cache-dtype; past the first tokens --kv-quant-start keeps)",
+                sum(g_.get("bytes_per_token", 0) for g_ in e.cache_groups() if "first_tokens" not in g_), model)
             add(g, "macinfer_prefix_cache_blocks", "KV blocks holding cached prefixes", bm.num_cached_blocks, model)
             add(c, "macinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", bm.prefix_queries, model)
             add(c, "macinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache", bm.prefix_hits, model)

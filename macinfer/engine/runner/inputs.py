@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from macinfer.engine.block_manager import GroupBlocks
+from macinfer.engine.block_manager import NULL_BLOCK, GroupBlocks
 from macinfer.engine.sequence import Sequence
 from macinfer.engine.speculative import DraftRow, verify_rows
 from macinfer.engine.state_group import StateGroup, StateStep
@@ -16,7 +16,7 @@ from macinfer.kernels.paged_attention import PARTITION_SIZE
 from macinfer.kv.attention import AttentionMetadata
 from macinfer.kv.cache import KVCache
 from macinfer.kv.prefill_plan import PrefillSpan
-from macinfer.kv.spec import cdiv
+from macinfer.kv.spec import FullAttention, cdiv
 from macinfer.kv.state import SeqChunk, plan_state
 
 
@@ -45,17 +45,23 @@ class GroupTables:
         first_block = self.group.first_block(int(pos[0])) if bounded else 0
         origin = first_block * bs
         t = np.asarray(table, dtype=np.int64)
-        self.slots.extend((t[pos // bs] * bs + pos % bs).tolist())
+        kind = self.kind or FullAttention()
+        if len(t) * bs > int(pos[-1]):
+            self.slots.extend((t[pos // bs] * bs + pos % bs).tolist())
+        else:  # positions its table does not cover (`FirstTokens`): written to the null block, never read
+            held = pos < len(t) * bs
+            self.slots.extend(np.where(held, t[np.minimum(pos // bs, max(len(t) - 1, 0))] * bs if len(t) else 0,
+                                       NULL_BLOCK * bs) + pos % bs)
         if len(pos) == 1 or as_decodes:
             if as_decodes:
                 self.decode_groups.append((len(self.decode_tables), len(pos)))
             for p in pos.tolist():
                 self.decode_tables.append(table[first_block : cdiv(p + 1, bs)])
-                self.decode_lens.append(p + 1 - origin)  # counted from the table's first block
+                self.decode_lens.append(kind.stored_keys(p + 1) - origin)  # counted from the table's first block
                 if bounded:
                     self.decode_floors.append(int(self.kind.key_floor(p)) - origin)
             return
-        context = int(pos[-1]) + 1
+        context = kind.stored_keys(int(pos[-1]) + 1)
         blocks = table[first_block : cdiv(context, bs)]
         self.prefills.append(PrefillSpan(row, len(pos), context - origin, mx.array(blocks, dtype=mx.int32), origin,
                                          ceilings))
