@@ -262,7 +262,7 @@ def refuse_trained_drafter(path: str) -> None:
         found = "speculator"
     if found is not None:
         raise ValueError(f"draft model {path}: a trained {found} drafter ({names.strip()}); of the trained heads "
-                         "macinfer runs EAGLE-3 only (DFlash drafts a block at once from masked positions, Medusa "
+                         "macinfer runs EAGLE-3 and Gemma 4's assistant (DFlash drafts a block at once from masked positions, Medusa "
                          "and EAGLE 1/2 have other layouts)")
 
 

@@ -1,12 +1,14 @@
 """Who drafts for speculative decoding: the method a config names, checked once at load
 (`speculative_method`), and its batched proposer built (`load_proposer`): none for prompt
-lookup (`engine/speculative.py`), a draft model (`engine/drafter.py`), or a head that reads
-the target's hidden states, an MTP head or an EAGLE-3 checkpoint (`engine/mtp_drafter.py`)."""
+lookup (`engine/speculative.py`), a draft model (`engine/drafter.py`), a head that reads
+the target's hidden states, an MTP head or an EAGLE-3 checkpoint (`engine/mtp_drafter.py`),
+or Gemma 4's assistant, which reads its hidden states and K/V (`engine/assistant_drafter.py`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from macinfer.engine.assistant_drafter import load_assistant_drafter
 from macinfer.engine.drafter import DraftModel, load_drafter
 from macinfer.engine.mtp_drafter import load_eagle3_drafter, load_mtp_drafter
 
@@ -43,9 +45,16 @@ def load_proposer(engine: Any, method: str | None, target_blocks: int, progress:
     if method in ("draft", "eagle3"):
         from macinfer.loading.loader import resolve
         from macinfer.models.eagle3 import is_eagle3
+        from macinfer.models.gemma4_assistant import is_assistant
 
-        if is_eagle3(resolve(engine.config.draft_model)):  # a trained head, whichever method was named
+        path = resolve(engine.config.draft_model)
+        if is_eagle3(path):  # a trained head, whichever method was named
             return load_eagle3_drafter(engine, target_blocks)
+        if is_assistant(path):  # Gemma 4's assistant: reads the target's K/V
+            if method == "eagle3":
+                raise ValueError(f"--speculative-method eagle3: {engine.config.draft_model} is a Gemma 4 "
+                                 "assistant drafter; use --speculative-method draft (or none)")
+            return load_assistant_drafter(engine)
         if method == "eagle3":
             raise ValueError(f"--speculative-method eagle3: {engine.config.draft_model} is not an EAGLE-3 "
                              "checkpoint (LlamaForCausalLMEagle3 or speculators' eagle3)")

@@ -371,6 +371,10 @@ class MlxLmModel(nn.Module):
             embed = inner.embeddings  # (Nemotron-H's name for it)
         return embed if isinstance(embed, nn.Module) and not self._inner_takes_mask else None
 
+    def embed_scale(self) -> float:
+        """What the decoder multiplies its token embeddings by (Gemma's sqrt(hidden); else 1)."""
+        return float(getattr(_resolve(self._text, ".".join(self._inner_path)), "embed_scale", 1.0))
+
     def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:
         with lora_rows(meta.lora_slots):
             return self._run(input_ids, Forward(meta=meta, state_plan=meta.state))[:, 0, :]

@@ -1,0 +1,151 @@
+"""Gemma 4's assistant drafter (`--draft-model` naming a `gemma4_assistant` checkpoint),
+loaded with mlx-vlm's own classes, drafting for a Gemma 4 target (mlx-lm's classes) over
+the target's paged K/V: tiny random models of both, written by the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.sampling_params import SamplingParams
+from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+from tests.zoo import tiny_config
+
+
+def make_assistant(path: str, target: dict, seed: int = 0, **overrides) -> None:
+    """A tiny assistant for `target` (its config): two layers, a sliding and a full one,
+    reading the target's K/V (so its head sizes are the target's)."""
+    from mlx_vlm.speculative.drafters.gemma4_assistant import Gemma4AssistantDraftModel, ModelConfig
+
+    text = dict(model_type="gemma4_text", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                num_attention_heads=4, head_dim=target["head_dim"], global_head_dim=target.get("global_head_dim"),
+                num_key_value_heads=target["num_key_value_heads"], vocab_size=target["vocab_size"],
+                sliding_window=target.get("sliding_window", 8),
+                layer_types=["sliding_attention", "full_attention"], rms_norm_eps=1e-5,
+                partial_rotary_factor=target.get("partial_rotary_factor", 1.0), hidden_size_per_layer_input=0,
+                vocab_size_per_layer_input=target["vocab_size"], use_double_wide_mlp=False,
+                max_position_embeddings=2048)
+    config = dict(model_type="gemma4_assistant", backbone_hidden_size=target["hidden_size"],
+                  tie_word_embeddings=True, use_ordered_embeddings=False, text_config=text)
+    config.update(overrides)
+    mx.random.seed(seed)
+    model = Gemma4AssistantDraftModel(ModelConfig.from_dict(config))
+    os.makedirs(path, exist_ok=True)
+    mx.save_safetensors(os.path.join(path, "model.safetensors"), dict(tree_flatten(model.parameters())))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny Gemma 4 (sliding window 8 and full layers, KV shared by the last two layers,
+    MoE, per-layer inputs) and an assistant for it."""
+    root = tmp_path_factory.mktemp("gemma4_assistant")
+    config = tiny_config("gemma4_text")
+    model = make_mlx_lm_model(config, seed=3)
+    target = save_model_dir(str(root / "target"), config, model)
+    make_assistant(str(root / "assistant"), config)
+    return target, str(root / "assistant"), model, config
+
+
+def _engine(target, assistant, **kw):
+    return LLMEngine(target, EngineConfig(kv_cache_gb=0.01, draft_model=assistant, num_speculative_tokens=3,
+                                          speculative_max_batch=16, **kw))
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 290, size=n).tolist() for n in (5, 7, 8, 12, 30, 41)]
+
+
+def test_outputs_are_those_of_decoding_without_speculation(pair):
+    """Greedy and seeded (top-p, a repetition penalty) requests over prompts shorter and
+    longer than the window: the same tokens as the target alone."""
+    target, assistant, _, _ = pair
+    plain = LLMEngine(target, EngineConfig(kv_cache_gb=0.01))
+    engine = _engine(plain.loaded, assistant)
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=i, max_tokens=14,
+                             ignore_eos=True) for i in range(len(prompts))]
+    want = [o.token_ids for o in generate(plain, prompts, params)]
+    assert [o.token_ids for o in generate(engine, prompts, params)] == want
+    assert engine.stats["spec_draft_tokens"] > 0 and engine.drafter.forwards > 0
+
+
+def _reference_drafts(model, config: dict, assistant, tokens: list[int], p: int, k: int) -> list[int]:
+    """transformers' assistant, densely: the target over tokens[:p + 1] (every key kept),
+    then k greedy drafts from [embed(tokens[p + 1]) * embed_scale, the target's normed
+    hidden at p], each at RoPE position p, reading the K/V of the target's last full
+    layer (keys 0..p) and last sliding layer (its last W - 1 keys: the window of the next
+    token, whose own K/V is not there yet), through mlx-vlm's layers with those masks."""
+    from mlx_lm.models.cache import KVCache
+
+    inner = model.model
+    cache = [KVCache() for _ in model.make_cache()]
+    hidden = inner(mx.array([tokens[: p + 1]]), cache=cache)
+    kv = {}
+    for j, layer in enumerate(inner.layers):  # the last layer of each type: the cache it reads
+        c = cache[inner.previous_kvs[j]]
+        kv[layer.layer_type] = (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+    assistant.bind(model)
+    window = config["sliding_window"]
+    h, tok, out = hidden[:, -1:, :], tokens[p + 1], []
+    for _ in range(k):
+        x = assistant.pre_projection(mx.concatenate(
+            [inner.embed_tokens(mx.array([[tok]])) * inner.embed_scale, h], axis=-1))
+        for layer in assistant.model.layers:
+            keys, values = kv[layer.layer_type]
+            floor = p - window + 2 if layer.layer_type == "sliding_attention" else 0
+            mask = (mx.arange(keys.shape[2]) >= floor)[None, None, None, :]
+            x, _, _ = layer(x, mask=mask, cache=None, per_layer_input=None, shared_kv=(keys, values), offset=p)
+        x = assistant.model.norm(x)
+        h = assistant.post_projection(x)
+        tok = int(mx.argmax(assistant._lm_head_fn(x)[0, -1]).item())
+        out.append(tok)
+    return out
+
+
+def test_drafts_follow_the_published_formula(pair):
+    """Every batched proposal the engine made (rows at different positions, below and past
+    the window, after rejections) equals the dense reference of transformers' formula."""
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    target, assistant_path, model, config = pair
+    engine = _engine(target, assistant_path)
+    records, propose = [], engine.drafter.propose
+
+    def recording(wants):
+        out = propose(wants)
+        records.extend((list(seq.token_ids), seq.num_computed_tokens - 1, d) for seq, d in out.items())
+        return out
+
+    engine.drafter.propose = recording
+    generate(engine, _prompts(), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assistant, _ = load_drafter(assistant_path, kind="mtp")
+    positions = {p for _, p, _ in records}
+    assert len(records) >= 10 and min(positions) < config["sliding_window"] - 1 < max(positions)
+    for tokens, p, drafts in records:
+        assert drafts == _reference_drafts(model, config, assistant, tokens, p, len(drafts)), (p, len(tokens))
+
+
+def test_refusals(pair, tmp_path):
+    target, _, _, config = pair
+    wrong = str(tmp_path / "wide")
+    make_assistant(wrong, {**config, "hidden_size": 128})
+    with pytest.raises(ValueError, match="hidden size 128; this target's is 64"):
+        _engine(target, wrong)
+    qwen_config = tiny_config("qwen3")  # full attention only
+    qwen = save_model_dir(str(tmp_path / "qwen3"), qwen_config, make_mlx_lm_model(qwen_config, seed=1))
+    for_qwen = str(tmp_path / "for_qwen3")
+    make_assistant(for_qwen, {**qwen_config, "global_head_dim": 16})
+    with pytest.raises(ValueError, match="reads the target's last sliding attention layer, which this target"):
+        _engine(qwen, for_qwen)
+    with pytest.raises(ValueError, match="is a Gemma 4 assistant drafter"):
+        _engine(target, pair[1], speculative_method="eagle3")
