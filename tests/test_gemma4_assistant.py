@@ -36,6 +36,9 @@ def make_assistant(path: str, target: dict, seed: int = 0, **overrides) -> None:
     config.update(overrides)
     mx.random.seed(seed)
     model = Gemma4AssistantDraftModel(ModelConfig.from_dict(config))
+    if model.masked_embedding is not None:  # each centroid's tokens: a shuffle of the vocabulary
+        order = np.random.default_rng(seed).permutation(target["vocab_size"]).astype(np.int32)
+        model.masked_embedding.token_ordering = mx.array(order)
     os.makedirs(path, exist_ok=True)
     mx.save_safetensors(os.path.join(path, "model.safetensors"), dict(tree_flatten(model.parameters())))
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -112,12 +115,18 @@ def _reference_drafts(model, config: dict, assistant, tokens: list[int], p: int,
     return out
 
 
-def test_drafts_follow_the_published_formula(pair):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_drafts_follow_the_published_formula(pair, tmp_path, ordered):
     """Every batched proposal the engine made (rows at different positions, below and past
-    the window, after rejections) equals the dense reference of transformers' formula."""
+    the window, after rejections) equals the dense reference of transformers' formula;
+    also with the centroid-routed head of the small Gemma 4s (`use_ordered_embeddings`)."""
     from mlx_vlm.speculative.drafters import load_drafter
 
     target, assistant_path, model, config = pair
+    if ordered:
+        assistant_path = str(tmp_path / "ordered")
+        make_assistant(assistant_path, config, seed=1, use_ordered_embeddings=True, num_centroids=30,
+                       centroid_intermediate_top_k=4)
     engine = _engine(target, assistant_path)
     records, propose = [], engine.drafter.propose
 
@@ -131,6 +140,7 @@ def test_drafts_follow_the_published_formula(pair):
     assistant, _ = load_drafter(assistant_path, kind="mtp")
     positions = {p for _, p, _ in records}
     assert len(records) >= 10 and min(positions) < config["sliding_window"] - 1 < max(positions)
+    assert len({t for *_, d in records for t in d}) > 5  # (not one token drawn every time)
     for tokens, p, drafts in records:
         assert drafts == _reference_drafts(model, config, assistant, tokens, p, len(drafts)), (p, len(tokens))
 
