@@ -230,3 +230,26 @@ def greedy_by_recompute(logits, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         out.append(int(mx.argmax(mx.array(logits(prompt + out))[-1]).item()))
     return out
+
+
+def drafting_engine(target, draft: str, **kw):
+    """An engine drafting 3 tokens a step with `draft` (anything --draft-model takes),
+    speculating for up to 16 sequences."""
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+
+    return LLMEngine(target, EngineConfig(kv_cache_gb=0.01, draft_model=draft, num_speculative_tokens=3,
+                                          speculative_max_batch=16, **kw))
+
+
+def record_proposals(engine) -> list[tuple[list[int], int, list[int]]]:
+    """Every proposal the engine's drafter makes from now on, as it makes it: (the
+    sequence's tokens, its computed count, the drafts)."""
+    records, propose = [], engine.drafter.propose
+
+    def recording(wants):
+        out = propose(wants)
+        records.extend((list(seq.token_ids), seq.num_computed_tokens, d) for seq, d in out.items())
+        return out
+
+    engine.drafter.propose = recording
+    return records

@@ -187,7 +187,7 @@ def test_bad_draft_settings_are_refused_with_the_reason(tmp_path_factory, draft)
     with pytest.raises(ValueError, match="EAGLE-3 checkpoint without its fc projection"):  # an EAGLE-3 head's layout
         _engine(target, num_speculative_tokens=4, draft_model=eagle)
     json.dump({**config, "architectures": ["DFlashDraftModel"]}, open(f"{eagle}/config.json", "w"))
-    with pytest.raises(ValueError, match="trained dflash drafter .*DFlashDraftModel.*EAGLE-3 and Gemma 4.s assistant"):
+    with pytest.raises(ValueError, match="trained dflash drafter .*DFlashDraftModel.*EAGLE-3, Gemma 4.s assistant and DFlash"):
         _engine(target, num_speculative_tokens=4, draft_model=eagle)
     # The CLI: one line and a non-zero exit.
     for args, says in [(["--num-speculative-tokens", "100"], "0<=x<=16"),

@@ -4,17 +4,13 @@ the target's paged K/V: tiny random models of both, written by the tests."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.sampling_params import SamplingParams
-from tests.helpers import generate, make_mlx_lm_model, save_model_dir
+from tests.helpers import drafting_engine, generate, make_mlx_lm_model, record_proposals, save_model_dir
 from tests.zoo import tiny_config
 
 
@@ -39,10 +35,7 @@ def make_assistant(path: str, target: dict, seed: int = 0, **overrides) -> None:
     if model.masked_embedding is not None:  # each centroid's tokens: a shuffle of the vocabulary
         order = np.random.default_rng(seed).permutation(target["vocab_size"]).astype(np.int32)
         model.masked_embedding.token_ordering = mx.array(order)
-    os.makedirs(path, exist_ok=True)
-    mx.save_safetensors(os.path.join(path, "model.safetensors"), dict(tree_flatten(model.parameters())))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+    save_model_dir(path, config, model)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +50,6 @@ def pair(tmp_path_factory):
     return target, str(root / "assistant"), model, config
 
 
-def _engine(target, assistant, **kw):
-    return LLMEngine(target, EngineConfig(kv_cache_gb=0.01, draft_model=assistant, num_speculative_tokens=3,
-                                          speculative_max_batch=16, **kw))
-
-
 def _prompts() -> list[list[int]]:
     rng = np.random.default_rng(0)
     return [rng.integers(3, 290, size=n).tolist() for n in (5, 7, 8, 12, 30, 41)]
@@ -72,7 +60,7 @@ def test_outputs_are_those_of_decoding_without_speculation(pair):
     longer than the window: the same tokens as the target alone."""
     target, assistant, _, _ = pair
     plain = LLMEngine(target, EngineConfig(kv_cache_gb=0.01))
-    engine = _engine(plain.loaded, assistant)
+    engine = drafting_engine(plain.loaded, assistant)
     prompts = _prompts()
     params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=i, max_tokens=14,
@@ -127,17 +115,11 @@ def test_drafts_follow_the_published_formula(pair, tmp_path, ordered):
         assistant_path = str(tmp_path / "ordered")
         make_assistant(assistant_path, config, seed=1, use_ordered_embeddings=True, num_centroids=30,
                        centroid_intermediate_top_k=4)
-    engine = _engine(target, assistant_path)
-    records, propose = [], engine.drafter.propose
-
-    def recording(wants):
-        out = propose(wants)
-        records.extend((list(seq.token_ids), seq.num_computed_tokens - 1, d) for seq, d in out.items())
-        return out
-
-    engine.drafter.propose = recording
+    engine = drafting_engine(target, assistant_path)
+    made = record_proposals(engine)
     generate(engine, _prompts(), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assistant, _ = load_drafter(assistant_path, kind="mtp")
+    records = [(tokens, n - 1, d) for tokens, n, d in made]  # p: the last position with K/V
     positions = {p for _, p, _ in records}
     assert len(records) >= 10 and min(positions) < config["sliding_window"] - 1 < max(positions)
     assert len({t for *_, d in records for t in d}) > 5  # (not one token drawn every time)
@@ -150,12 +132,12 @@ def test_refusals(pair, tmp_path):
     wrong = str(tmp_path / "wide")
     make_assistant(wrong, {**config, "hidden_size": 128})
     with pytest.raises(ValueError, match="hidden size 128; this target's is 64"):
-        _engine(target, wrong)
+        drafting_engine(target, wrong)
     qwen_config = tiny_config("qwen3")  # full attention only
     qwen = save_model_dir(str(tmp_path / "qwen3"), qwen_config, make_mlx_lm_model(qwen_config, seed=1))
     for_qwen = str(tmp_path / "for_qwen3")
     make_assistant(for_qwen, {**qwen_config, "global_head_dim": 16})
     with pytest.raises(ValueError, match="reads the target's last sliding attention layer, which this target"):
-        _engine(qwen, for_qwen)
+        drafting_engine(qwen, for_qwen)
     with pytest.raises(ValueError, match="is a Gemma 4 assistant drafter"):
-        _engine(target, pair[1], speculative_method="eagle3")
+        drafting_engine(target, pair[1], speculative_method="eagle3")

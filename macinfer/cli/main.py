@@ -107,7 +107,7 @@ def _engine_options(f):
     f = click.option("--draft-model", default=None, metavar="MODEL",
                      help="A small model of the same tokenizer that drafts the --num-speculative-tokens tokens "
                           "(any model macinfer runs, GGUF included), an EAGLE-3 head trained for the model, or "
-                          "Gemma 4's assistant drafter, "
+                          "Gemma 4's assistant drafter or a DFlash drafter, "
                           "instead of prompt lookup.")(f)
     f = click.option("--max-loras", type=click.IntRange(min=1), default=8, show_default=True,
                      help="LoRA adapters loaded at once; loading one more evicts the least recently used idle one.")(f)

@@ -262,8 +262,8 @@ def refuse_trained_drafter(path: str) -> None:
         found = "speculator"
     if found is not None:
         raise ValueError(f"draft model {path}: a trained {found} drafter ({names.strip()}); of the trained heads "
-                         "macinfer runs EAGLE-3 and Gemma 4's assistant (DFlash drafts a block at once from masked positions, Medusa "
-                         "and EAGLE 1/2 have other layouts)")
+                         "macinfer runs EAGLE-3, Gemma 4's assistant and DFlash checkpoints with a dflash_config "
+                         "(Medusa and EAGLE 1/2 have other layouts)")
 
 
 def load_drafter(engine: Any, target_blocks: int, progress: Any = None, context: Any = None) -> DraftModel:

@@ -54,10 +54,14 @@ class MTPDrafter(DraftModel):
         self.pending: dict[Sequence, list[tuple[int, mx.array]]] = {}
 
     # -- the shadows ----------------------------------------------------------------
+    def _new_shadow(self, seq: Sequence) -> Sequence:
+        """`seq`'s shadow: its token i is the target's token i + 1."""
+        return Sequence(seq.request_id, seq.prompt_token_ids[1:], SamplingParams(), 0, cache_salt=_salt(seq))
+
     def _shadow(self, seq: Sequence) -> Sequence:
         sh = self.shadows.get(seq)
         if sh is None:
-            sh = Sequence(seq.request_id, seq.prompt_token_ids[1:], SamplingParams(), 0, cache_salt=_salt(seq))
+            sh = self._new_shadow(seq)
             sh.status = SequenceStatus.RUNNING
             self.block_manager.free(sh)  # empty tables, one per group
             self.shadows[seq], self.targets[sh] = sh, seq

@@ -2,13 +2,15 @@
 (`speculative_method`), and its batched proposer built (`load_proposer`): none for prompt
 lookup (`engine/speculative.py`), a draft model (`engine/drafter.py`), a head that reads
 the target's hidden states, an MTP head or an EAGLE-3 checkpoint (`engine/mtp_drafter.py`),
-or Gemma 4's assistant, which reads its hidden states and K/V (`engine/assistant_drafter.py`)."""
+Gemma 4's assistant, which reads its hidden states and K/V (`engine/assistant_drafter.py`),
+or a DFlash block drafter (`engine/dflash_drafter.py`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from macinfer.engine.assistant_drafter import load_assistant_drafter
+from macinfer.engine.dflash_drafter import load_dflash_drafter
 from macinfer.engine.drafter import DraftModel, load_drafter
 from macinfer.engine.mtp_drafter import load_eagle3_drafter, load_mtp_drafter
 
@@ -45,11 +47,14 @@ def load_proposer(engine: Any, method: str | None, target_blocks: int, progress:
     if method in ("draft", "eagle3"):
         from macinfer.loading.loader import resolve
         from macinfer.models.eagle3 import is_eagle3
+        from macinfer.models.dflash import dflash_type
         from macinfer.models.gemma4_assistant import is_assistant
 
         path = resolve(engine.config.draft_model)
         if is_eagle3(path):  # a trained head, whichever method was named
             return load_eagle3_drafter(engine, target_blocks)
+        if dflash_type(path):  # a block drafter reading the target's layer outputs
+            return load_dflash_drafter(engine, target_blocks)
         if is_assistant(path):  # Gemma 4's assistant: reads the target's K/V
             if method == "eagle3":
                 raise ValueError(f"--speculative-method eagle3: {engine.config.draft_model} is a Gemma 4 "

@@ -1,0 +1,108 @@
+"""DFlash block drafters (`--draft-model` naming a checkpoint with a `dflash_config`, z-lab's
+Qwen3 layout), loaded with mlx-vlm's own classes, drafting k tokens in one forward on a
+paged pool of their own: tiny random models of both, written by the tests."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+from macinfer.sampling_params import SamplingParams
+from tests.helpers import drafting_engine, generate, make_mlx_lm_model, record_proposals, save_model_dir
+from tests.zoo import tiny_config
+
+IDS = [0, 2]  # the target layers whose outputs the drafter reads
+
+
+def make_dflash(path: str, target: dict, seed: int = 0, **overrides) -> None:
+    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
+    from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig
+
+    config = dict(model_type="qwen3", architectures=["DFlashDraftModel"], hidden_size=target["hidden_size"],
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, rms_norm_eps=1e-5, vocab_size=target["vocab_size"], rope_theta=10000.0,
+                  max_position_embeddings=2048, block_size=4, num_target_layers=target["num_hidden_layers"],
+                  dflash_config={"mask_token_id": target["vocab_size"] - 1, "target_layer_ids": IDS})
+    config.update(overrides)
+    mx.random.seed(seed)
+    model = DFlashDraftModel(DFlashConfig.from_dict(config))
+    save_model_dir(path, config, model)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash")
+    config = tiny_config("qwen3", num_hidden_layers=4)
+    model = make_mlx_lm_model(config, seed=4)
+    target = save_model_dir(str(root / "target"), config, model)
+    make_dflash(str(root / "dflash"), config)
+    return target, str(root / "dflash"), model, config
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, 290, size=n).tolist() for n in (3, 9, 17, 40)]
+
+
+def test_outputs_are_those_of_decoding_without_speculation(pair):
+    target, draft, _, _ = pair
+    plain = LLMEngine(target, EngineConfig(kv_cache_gb=0.01))
+    engine = drafting_engine(plain.loaded, draft)
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=14, ignore_eos=True)
+              for i in range(len(prompts))]
+    want = [o.token_ids for o in generate(plain, prompts, params)]
+    assert [o.token_ids for o in generate(engine, prompts, params)] == want
+    assert engine.stats["spec_draft_tokens"] > 0
+    again = generate(engine, prompts[-1:], params[-1:])[0]  # the drafter's own prefix cache holds the context
+    assert again.token_ids == want[-1] and again.num_cached_tokens > 0
+
+
+def _reference_drafts(model, draft, tokens: list[int], n: int, k: int) -> list[int]:
+    """The published formula, densely with mlx-vlm's own drafter: the target's layer outputs
+    at positions [0, n) as one context, the block [tokens[n], mask x k], greedy."""
+    from mlx_lm.models.base import create_attention_mask
+
+    inner = model.model
+    h = inner.embed_tokens(mx.array([tokens[:n]]))
+    mask = create_attention_mask(h, None)
+    outs = []
+    for layer in inner.layers:
+        h = layer(h, mask, None)
+        outs.append(h)
+    features = mx.concatenate([outs[i] for i in IDS], axis=-1)
+    draft.bind(model)
+    got = draft.draft_block(tokens[n], features, draft.make_cache(), k + 1, lambda x: mx.argmax(x, axis=-1))
+    return got[0].tolist()
+
+
+@pytest.mark.parametrize("impl", ["auto", "mlx-lm"])
+def test_drafts_follow_the_published_formula(pair, impl):
+    """Every batched proposal (shadows caught up in chunks, blocks at different positions,
+    after rejections) equals mlx-vlm's own drafter run densely over the whole context; the
+    target through macinfer's Llama file or mlx-lm's classes."""
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    target, draft_path, model, _ = pair
+    engine = drafting_engine(target, draft_path, max_num_batched_tokens=16, model_impl=impl)
+    records = record_proposals(engine)
+    generate(engine, _prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    draft, _ = load_drafter(draft_path, kind="dflash")
+    assert len(records) >= 8 and len({t for *_, d in records for t in d}) > 4
+    for tokens, n, drafts in records:
+        assert drafts == _reference_drafts(model, draft, tokens, n, len(drafts)), (n, len(tokens))
+
+
+def test_refusals(pair, tmp_path):
+    target, _, _, config = pair
+    causal = str(tmp_path / "causal")
+    make_dflash(causal, config, dflash_config={"mask_token_id": 299, "target_layer_ids": IDS, "causal": True})
+    with pytest.raises(ValueError, match="causal block attention"):
+        drafting_engine(target, causal)
+    other = str(tmp_path / "other")
+    make_dflash(other, {**config, "num_hidden_layers": 8})
+    with pytest.raises(ValueError, match="trained on a target of 8 layers"):
+        drafting_engine(target, other)
