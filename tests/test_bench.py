@@ -69,7 +69,7 @@ def test_step_mode_times_steps_host_and_graph_nodes(tiny_llama, tmp_path):
 
 def test_spec_mode_compares_speculation_on_chat_tasks(tiny_llama, tmp_path):
     out = _run(["bench", "spec", tiny_llama, "--vs", "mlx-lm", "-k", "3", "--max-tokens", "12", "--repeats", "1",
-                "--out", str(tmp_path)])
+                "--draft-model", tiny_llama, "--out", str(tmp_path)])
     assert "macinfer spec k=3" in out and "free writing" in out and "JSON schema" in out
     res = json.load(open(tmp_path / "bench_spec.json"))
     assert res["context"]["macinfer_flags"]["num_speculative_tokens"] == 3 and res["context"]["mlx_lm_weights"]
@@ -80,7 +80,7 @@ def test_spec_mode_compares_speculation_on_chat_tasks(tiny_llama, tmp_path):
     assert set(res["tasks"]) | set(res["skipped"]) == set(TASKS)
     for task, row in res["tasks"].items():
         engines = row["engines"]
-        both = {"macinfer", "macinfer spec k=3"}
+        both = {"macinfer", "macinfer spec k=3", "macinfer draft k=3", "macinfer lookup+draft k=3"}
         assert set(engines) == (both if task == "JSON schema" else both | {"mlx-lm"})  # mlx-lm has no grammars
         # greedy on the same weights: every engine produced the same tokens
         assert all(e["same_tokens"] and e["decode_tok_s"] > 0 for e in engines.values())

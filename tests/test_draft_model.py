@@ -207,3 +207,26 @@ def test_metrics_report_acceptance_per_position(tmp_path_factory):
     assert values["macinfer_spec_verify_steps"] == engine.stats["spec_verify_steps"] > 0
     assert [values[f"macinfer_spec_acceptance_position_{j}"] for j in (1, 2, 3)] == [1.0, 1.0, 1.0]
     assert values["macinfer_kv_bytes_per_token"] == engine.cache_groups()[0]["bytes_per_token"] > 0
+
+
+def test_prompt_lookup_goes_first_where_it_finds_a_continuation(tmp_path_factory, draft):
+    """--prompt-lookup-first: sequences whose prompt repeats (lookup finds a continuation)
+    take its drafts, the draft model drafts only the others; the output is still that of
+    decoding without speculation, with fewer rows drafted by the model."""
+    target = _target(tmp_path_factory, "llama", noise=0.05)
+    rng = np.random.default_rng(3)
+    loops = [(rng.integers(3, 250, 6).tolist() * 5) for _ in range(6)]  # repeats: lookup always finds one
+    prompts = loops + _prompts(6)
+    params = _params(len(prompts))
+    plain = _engine(target)
+    want = [o.token_ids for o in generate(plain, prompts, params)]
+    drafted = {}
+    for first in (False, True):
+        engine = _engine(plain.loaded, num_speculative_tokens=3, draft_model=draft, prompt_lookup_first=first)
+        rows, propose = [], engine.drafter.propose
+        engine.drafter.propose = lambda wants: rows.extend(wants) or propose(wants)
+        assert [o.token_ids for o in generate(engine, prompts, params)] == want
+        drafted[first] = (len(rows), engine.stats["spec_draft_tokens"])
+    assert drafted[True][0] < drafted[False][0] and drafted[True][1] > 0, drafted
+    with pytest.raises(ValueError, match="--prompt-lookup-first puts prompt lookup before a drafter"):
+        _engine(target, num_speculative_tokens=3, prompt_lookup_first=True)

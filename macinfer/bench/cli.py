@@ -183,13 +183,19 @@ def step(model, vs, out_dir, no_plots, points, host_points, repeats):
 @click.option("--num-speculative-tokens", "-k", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=2), default=160, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
-def spec(model, vs, out_dir, no_plots, num_speculative_tokens, max_tokens, repeats):
+@click.option("--draft-model", default=None, metavar="MODEL",
+              help="Also a draft model, alone and behind prompt lookup (--prompt-lookup-first).")
+@click.option("--draft-bits", type=click.Choice(["3", "4", "8"]), default=None,
+              help="As --draft-model: the target itself quantized to this many bits.")
+def spec(model, vs, out_dir, no_plots, num_speculative_tokens, max_tokens, repeats, draft_model, draft_bits):
     from macinfer.bench import spec as mod
 
     vs = _in_process(vs, no_plots, "spec")
-    with _progress(len(mod.TASKS) * (2 + len(vs)), "spec", "measurement") as bar:
+    drafts = 2 if draft_model or draft_bits else 0
+    with _progress(len(mod.TASKS) * (2 + drafts + len(vs)), "spec", "measurement") as bar:
         results = mod.run(model, vs, num_speculative_tokens, max_tokens, repeats,
-                          tick=lambda label: (bar.set_postfix_str(label), bar.update()))
+                          tick=lambda label: (bar.set_postfix_str(label), bar.update()), draft=draft_model,
+                          draft_bits=int(draft_bits) if draft_bits else None)
     _finish(results, out_dir, not no_plots, mod.table(results))
 
 

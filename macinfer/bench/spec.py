@@ -107,7 +107,7 @@ def _mlx_lm(model, prompt: list[int], max_tokens: int, eos: set[int]) -> tuple[l
 
 
 def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: int = 160, repeats: int = 3,
-        tick: Callable[[str], None] = lambda _: None) -> dict:
+        tick: Callable[[str], None] = lambda _: None, draft: str | None = None, draft_bits: int | None = None) -> dict:
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
     from macinfer.engine.structured import json_schema_grammar
     from macinfer.loading.loader import resolve
@@ -122,6 +122,18 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
         "macinfer": lambda p, g=None: _macinfer(plain, p, max_tokens, g),
         spec_name: lambda p, g=None: _macinfer(spec, p, max_tokens, g),
     }
+    draft_what = None
+    if draft or draft_bits:  # a draft model alone, and behind prompt lookup (--prompt-lookup-first)
+        from macinfer.bench.draft import quantized_draft
+
+        draft_dir = same_weights_dir(draft)[0] if draft else quantized_draft(same_weights_dir(model)[0], draft_bits)
+        draft_what = draft or f"the target quantized to {draft_bits} bits"
+        for first in (False, True):
+            eng = LLMEngine(plain.loaded, EngineConfig(**base, num_speculative_tokens=num_speculative_tokens,
+                                                       draft_model=draft_dir, prompt_lookup_first=first,
+                                                       speculative_max_batch=1))
+            name = f"macinfer {'lookup+' if first else ''}draft k={num_speculative_tokens}"
+            engines[name] = lambda p, g=None, e=eng: _macinfer(e, p, max_tokens, g)
     weights = None
     if "mlx-lm" in vs:
         model_dir, weights = same_weights_dir(model)
@@ -132,7 +144,8 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
         "model": os.path.basename(resolve(model).rstrip("/")), "model_type": plain.loaded.config.get("model_type"),
         "quantization": plain.loaded.config.get("quantization"), "mlx_lm_weights": weights, **versions(),
         "macinfer_flags": {"num_speculative_tokens": num_speculative_tokens, "prompt_lookup_min": sc.prompt_lookup_min,
-                           "prompt_lookup_max": sc.prompt_lookup_max, "prefix_caching": False},
+                           "prompt_lookup_max": sc.prompt_lookup_max, "prefix_caching": False,
+                           "draft_model": draft_what},
         "hardware": hardware(), "energy": energy(),
         "workload": {"tasks": TASKS, "json_schemas": SCHEMAS, "max_tokens": max_tokens, "repeats": repeats, "concurrency": 1,
                      "sampling": "greedy, stops at EOS", "prompts": "the model's chat template, one user turn"},

@@ -100,6 +100,9 @@ def _engine_options(f):
                           "(0: off). Same output. Drafts come from prompt lookup (faster when answers repeat "
                           "their input: edits, quotes, code), from --draft-model, or from the checkpoint's own "
                           "MTP head (--speculative-method mtp).")(f)
+    f = click.option("--prompt-lookup-first", is_flag=True, default=False,
+                     help="With a drafter (--draft-model, --speculative-method mtp): take prompt lookup's drafts "
+                          "where the answer repeats its input, the drafter's only where lookup finds nothing.")(f)
     f = click.option("--speculative-method", type=click.Choice(["ngram", "draft", "eagle3", "mtp"]), default=None,
                      help="Who drafts: ngram (prompt lookup), draft or eagle3 (--draft-model) or mtp (the multi-token "
                           "prediction head Qwen3.5/3.6, Qwen3-Next, DeepSeek V3 and GLM-4.5 checkpoints ship). "
@@ -144,7 +147,8 @@ def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pre
                    kv_cache_dtype="auto", kv_bits=None, kv_group_size=None, kv_quant_start=0,
                    max_num_batched_tokens=512,
                    max_prefill_with_decodes=None,
-                   num_speculative_tokens=0, draft_model=None, speculative_method=None, chat_template=None, rope_scaling=None, distributed=None,
+                   num_speculative_tokens=0, draft_model=None, speculative_method=None, prompt_lookup_first=False,
+                   chat_template=None, rope_scaling=None, distributed=None,
                    distributed_timeout=60.0, pipeline_micro_batches=1, pipeline_depth=None, no_autotune=False,
                    kv_disk_gb=None, kv_disk_dir=None, async_scheduling=True, max_loras=8):
     from macinfer.engine.llm_engine import EngineConfig
@@ -160,7 +164,7 @@ def _engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pre
                         max_num_batched_tokens=max_num_batched_tokens,
                         max_prefill_with_decodes=max_prefill_with_decodes or None,  # 0: no separate cap
                         num_speculative_tokens=num_speculative_tokens, draft_model=draft_model,
-                        speculative_method=speculative_method,
+                        speculative_method=speculative_method, prompt_lookup_first=prompt_lookup_first,
                         chat_template=chat_template, rope_scaling=rope_scaling,
                         distributed=distributed, distributed_timeout=distributed_timeout,
                         pipeline_micro_batches=pipeline_micro_batches, pipeline_depth=pipeline_depth,

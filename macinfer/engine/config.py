@@ -33,6 +33,8 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # With a drafter: prompt lookup first, the drafter only for the sequences it finds nothing for.
+    prompt_lookup_first: bool = False
     speculative_max_batch: int | None = None
     # Who drafts: "ngram" (prompt lookup), "draft" (a draft model of the same tokenizer,
     # `engine/drafter.py`) or "mtp" (the checkpoint's own MTP head, `engine/mtp_drafter.py`).

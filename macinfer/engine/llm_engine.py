@@ -59,7 +59,8 @@ class LLMEngine:
         cfg.validate()
         method = speculative_method(cfg)
         speculative = SpeculativeConfig(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
-                                        cfg.speculative_max_batch or 1) if cfg.num_speculative_tokens else None
+                                        cfg.speculative_max_batch or 1, cfg.prompt_lookup_first) \
+            if cfg.num_speculative_tokens else None
         context = (cfg.max_model_len, cfg.rope_scaling) if cfg.rope_scaling and cfg.max_model_len else None
         self.dist = None
         if cfg.distributed:

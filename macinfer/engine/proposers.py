@@ -35,6 +35,9 @@ def speculative_method(cfg: Any) -> str | None:
         raise ValueError(f"--speculative-method {method} needs --draft-model: the model (or EAGLE-3 head) that drafts")
     if method not in ("draft", "eagle3") and cfg.draft_model is not None:
         raise ValueError(f"--draft-model cannot combine with --speculative-method {method}: one drafter at a time")
+    if cfg.prompt_lookup_first and method == "ngram":
+        raise ValueError("--prompt-lookup-first puts prompt lookup before a drafter (--draft-model or "
+                         "--speculative-method mtp); without one, prompt lookup is all there is")
     if method != "ngram" and cfg.distributed:
         raise ValueError(f"--speculative-method {method} is not run over --distributed ranks yet; serve the target "
                          "alone or use prompt lookup")

@@ -105,12 +105,14 @@ class Scheduler:
         if self.drafter is not None and (self._speculate or self.drafter.every_step):
             # Every drafting sequence's proposal, in one batch (an MTP head catches up even when none drafts).
             wants = [(s, k) for s in self.running if (k := self._draft_room(s))] if self._speculate else []
+            found = self._lookup_first(wants)
             try:
-                self._proposals = self.drafter.propose(wants)
+                self._proposals = self.drafter.propose([(s, k) for s, k in wants if s not in found])
             except Exception:  # e.g. out of memory in the drafter's forward: decode on without drafts
                 log.exception("the drafter failed; the running requests decode without drafts")
                 self.drafter.reset()
                 self._proposals = {}
+            self._proposals.update(found)
         self._prefill_left = self.max_prefill_with_decodes if capped else self._budget
         # Two steps in flight take turns with about half the sequences each.
         active = min(self.max_num_seqs, len(self.running) + len(self.waiting))
@@ -185,6 +187,15 @@ class Scheduler:
         if remaining > 1:
             self._prefill_left -= n
         return True
+
+    def _lookup_first(self, wants: list[tuple[Sequence, int]]) -> dict[Sequence, list[int]]:
+        """Prompt lookup's drafts for the sequences it finds a continuation for, when it goes
+        before the drafter (`SpeculativeConfig.lookup_first`); the drafter drafts the rest."""
+        spec = self.speculative
+        if spec is None or not spec.lookup_first:
+            return {}
+        found = {s: propose(s, k, spec.min_n, spec.max_n) for s, k in wants}
+        return {s: d for s, d in found.items() if d}
 
     def _draft_room(self, seq: Sequence) -> int:
         """Draft tokens a running sequence may take this step (0: none): a decode not in

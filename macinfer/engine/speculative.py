@@ -43,6 +43,8 @@ class SpeculativeConfig:
     # Sequences decoding at once above which no step speculates: at large batches the
     # extra rows make a step compute-bound, and a rejected draft is pure cost.
     max_batch: int = 4
+    # With a batched drafter: prompt lookup first, the drafter for the sequences it misses.
+    lookup_first: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
