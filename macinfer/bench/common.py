@@ -176,3 +176,21 @@ def process_peak_rss_gb() -> float:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if platform.system() == "Linux" else rss / 2**30
+
+
+def quantized_draft(model_dir: str, bits: int) -> str:
+    """An MLX directory of the model in `model_dir` with its layers quantized to `bits`
+    (group size 64), as mlx-lm's convert writes it."""
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.utils import quantize_model, save_model
+
+    model, tokenizer = mlx_lm_load(model_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    model, config = quantize_model(model, config, group_size=64, bits=bits)
+    out = tempfile.mkdtemp(prefix=f"macinfer-draft-q{bits}-")
+    save_model(out, model)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    tokenizer.save_pretrained(out)
+    return out

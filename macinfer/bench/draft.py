@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Callable
 
-from macinfer.bench.common import energy, hardware, same_weights_dir, versions
+from macinfer.bench.common import energy, hardware, quantized_draft, same_weights_dir, versions
 from macinfer.bench.isolated import Isolated
 from macinfer.bench.spec import TASKS
 
@@ -48,24 +48,6 @@ def truncated_draft(model_dir: str, layers: int) -> str:
     keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.")
             or int(k.split(".")[2]) < layers}
     mx.save_safetensors(os.path.join(out, "model.safetensors"), keep)
-    return out
-
-
-def quantized_draft(model_dir: str, bits: int) -> str:
-    """An MLX directory of the model in `model_dir` with its layers quantized to `bits`
-    (group size 64), as mlx-lm's convert writes it."""
-    from mlx_lm import load as mlx_lm_load
-    from mlx_lm.utils import quantize_model, save_model
-
-    model, tokenizer = mlx_lm_load(model_dir)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    model, config = quantize_model(model, config, group_size=64, bits=bits)
-    out = tempfile.mkdtemp(prefix=f"macinfer-draft-q{bits}-")
-    save_model(out, model)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f)
-    tokenizer.save_pretrained(out)
     return out
 
 

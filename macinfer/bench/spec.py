@@ -17,7 +17,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from macinfer.bench.common import energy, hardware, process_peak_rss_gb, same_weights_dir, versions
+from macinfer.bench.common import energy, hardware, process_peak_rss_gb, quantized_draft, same_weights_dir, versions
 from macinfer.bench.isolated import Isolated
 
 _CODE = '''def mean(xs):
@@ -124,8 +124,6 @@ def run(model: str, vs: list[str], num_speculative_tokens: int = 4, max_tokens: 
     }
     draft_what = None
     if draft or draft_bits:  # a draft model alone, and behind prompt lookup (--prompt-lookup-first)
-        from macinfer.bench.draft import quantized_draft
-
         draft_dir = same_weights_dir(draft)[0] if draft else quantized_draft(same_weights_dir(model)[0], draft_bits)
         draft_what = draft or f"the target quantized to {draft_bits} bits"
         for first in (False, True):
