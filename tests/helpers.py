@@ -234,11 +234,11 @@ def greedy_by_recompute(logits, prompt: list[int], n: int) -> list[int]:
 
 def drafting_engine(target, draft: str, **kw):
     """An engine drafting 3 tokens a step with `draft` (anything --draft-model takes),
-    speculating for up to 16 sequences."""
+    speculating for up to 32 sequences."""
     from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 
-    return LLMEngine(target, EngineConfig(kv_cache_gb=0.01, draft_model=draft, num_speculative_tokens=3,
-                                          speculative_max_batch=16, **kw))
+    kw = {"kv_cache_gb": 0.02, "speculative_max_batch": 32, **kw}
+    return LLMEngine(target, EngineConfig(draft_model=draft, num_speculative_tokens=3, **kw))
 
 
 def record_proposals(engine) -> list[tuple[list[int], int, list[int]]]:

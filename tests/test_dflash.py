@@ -48,17 +48,20 @@ def _prompts() -> list[list[int]]:
 
 def test_outputs_are_those_of_decoding_without_speculation(pair):
     target, draft, _, _ = pair
-    plain = LLMEngine(target, EngineConfig(kv_cache_gb=0.01))
+    plain = LLMEngine(target, EngineConfig(kv_cache_gb=0.02))
     engine = drafting_engine(plain.loaded, draft)
-    prompts = _prompts()
+    rng = np.random.default_rng(7)  # 32 rows in one batch, of lengths around the window
+    prompts = _prompts() + [rng.integers(3, 290, size=int(rng.integers(3, 45))).tolist()
+                            for _ in range(32 - len(_prompts()))]
     params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=14, ignore_eos=True)
               for i in range(len(prompts))]
     want = [o.token_ids for o in generate(plain, prompts, params)]
     assert [o.token_ids for o in generate(engine, prompts, params)] == want
     assert engine.stats["spec_draft_tokens"] > 0
-    again = generate(engine, prompts[-1:], params[-1:])[0]  # the drafter's own prefix cache holds the context
-    assert again.token_ids == want[-1] and again.num_cached_tokens > 0
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))  # the drafter's own prefix cache holds it
+    again = generate(engine, [prompts[longest]], [params[longest]])[0]
+    assert again.token_ids == want[longest] and again.num_cached_tokens > 0
 
 
 def _reference_drafts(model, draft, tokens: list[int], n: int, k: int) -> list[int]:

@@ -59,9 +59,11 @@ def test_outputs_are_those_of_decoding_without_speculation(pair):
     """Greedy and seeded (top-p, a repetition penalty) requests over prompts shorter and
     longer than the window: the same tokens as the target alone."""
     target, assistant, _, _ = pair
-    plain = LLMEngine(target, EngineConfig(kv_cache_gb=0.01))
+    plain = LLMEngine(target, EngineConfig(kv_cache_gb=0.02))
     engine = drafting_engine(plain.loaded, assistant)
-    prompts = _prompts()
+    rng = np.random.default_rng(7)  # 32 rows in one batch, of lengths around the window
+    prompts = _prompts() + [rng.integers(3, 290, size=int(rng.integers(3, 45))).tolist()
+                            for _ in range(32 - len(_prompts()))]
     params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=i, max_tokens=14,
                              ignore_eos=True) for i in range(len(prompts))]

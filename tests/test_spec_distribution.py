@@ -61,13 +61,23 @@ def _pair(kind: str, root) -> tuple[str, dict]:
         from tests.test_mtp import mtp_target
 
         return mtp_target(root, "qwen3_5"), {"speculative_method": "mtp"}
+    if kind in ("assistant", "dflash"):  # Gemma 4's assistant over a tiny Gemma 4; DFlash over a Qwen3
+        from tests.helpers import make_mlx_lm_model, save_model_dir
+        from tests.test_dflash import make_dflash
+        from tests.test_gemma4_assistant import make_assistant
+        from tests.zoo import tiny_config
+
+        config = tiny_config("gemma4_text") if kind == "assistant" else tiny_config("qwen3", num_hidden_layers=4)
+        target = save_model_dir(str(root / "target"), config, make_mlx_lm_model(config, seed=3))
+        (make_assistant if kind == "assistant" else make_dflash)(str(root / kind), config)
+        return target, {"draft_model": str(root / kind)}
     from tests.test_eagle3 import eagle3_pair
 
     target, head = eagle3_pair(root)
     return target, {"draft_model": head}
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft", "mtp", "eagle3"])
+@pytest.mark.parametrize("kind", ["ngram", "draft", "mtp", "eagle3", "assistant", "dflash"])
 def test_the_second_token_follows_the_targets_marginal(tmp_path, kind):
     target, extra = _pair(kind, tmp_path)
     cfg = dict(num_kv_blocks=256, block_size=16, max_num_seqs=64, speculative_max_batch=64, model_impl="mlx-lm",
