@@ -301,6 +301,7 @@ def test_the_server_addresses_adapters_by_name_and_loads_them_at_run_time(llama)
             out["ollama"] = olla.json()["message"]["content"]
             out["collision"] = await c.post("/v1/load_lora_adapter", json={"lora_name": "m",
                                                                            "lora_path": adapters["b"]})
+            out["typo"] = await c.post("/v1/completions", json={"model": "aa", "prompt": PROMPT, "max_tokens": 2})
             return out
 
     try:
@@ -314,6 +315,8 @@ def test_the_server_addresses_adapters_by_name_and_loads_them_at_run_time(llama)
     assert out["after"] == ["m", "a"]
     assert out["chat"] == out["anthropic"] == out["responses"] == out["ollama"] == expected["chat"]
     assert out["collision"].status_code == 400 and "names a served model" in out["collision"].json()["error"]["message"]
+    # A mistyped adapter name: a 404, never the base model answering in its place.
+    assert out["typo"].status_code == 404 and out["typo"].json()["error"]["code"] == "model_not_found"
     open_app, _ = _app(base, {}, [])
     try:
         async def no_key():
@@ -321,6 +324,11 @@ def test_the_server_addresses_adapters_by_name_and_loads_them_at_run_time(llama)
                 return await c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": adapters["b"]})
         r = asyncio.run(no_key())
         assert r.status_code == 403 and "--api-key" in r.json()["error"]["message"]
+
+        async def any_name():  # one model without adapters takes any name (agents send their own)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_app), base_url="http://t") as c:
+                return await c.post("/v1/completions", json={"model": "gpt-4o", "prompt": PROMPT, "max_tokens": 2})
+        assert asyncio.run(any_name()).status_code == 200
     finally:
         open_app.state.pool.shutdown()
 

@@ -1,8 +1,10 @@
 """Many adapters in one batch (Punica / S-LoRA style, in plain MLX ops): an adapted linear
 layer holds every loaded adapter's factors stacked by slot (slot 0: the base, zeros), and
-each row of the step's flat batch adds its own adapter's low-rank update, two gathered
-matmuls over the batch. No fuse or unfuse per step, no batch per adapter; a step whose rows
-are all the base's runs the base layer alone."""
+each row of the step's flat batch adds its own adapter's low-rank update: the batch times
+every slot's A side by side, the other slots' columns masked out per row, times every
+slot's B (two matmuls over the batch; MoE experts: gathered matmuls by slot and expert).
+No fuse or unfuse per step, no batch per adapter; a step whose rows are all the base's runs
+the base layer alone."""
 
 from __future__ import annotations
 
@@ -37,6 +39,19 @@ def plain(layer: nn.Module) -> nn.Module:
     return layer.base if isinstance(layer, BatchedLoRA) and current() is None else layer
 
 
+_MASKS: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
+
+
+def _slot_mask(slots: mx.array, num_slots: int, rank: int, dtype: mx.Dtype) -> mx.array:
+    """[T, S * R]: 1 where a column of the stacked factors is the row's own slot's. Built once
+    a step per (slots, rank): every layer of that rank shares it."""
+    hit = _MASKS.get((num_slots, rank))
+    if hit is None or hit[0] is not slots:
+        cols = mx.arange(num_slots * rank, dtype=slots.dtype) // rank
+        hit = _MASKS[num_slots, rank] = (slots, (slots[:, None] == cols[None, :]).astype(dtype))
+    return hit[1]
+
+
 class BatchedLoRA(nn.Module):
     """`base` (a Linear, quantized or not) plus each row's adapter update: for slot s,
     x @ a[s] @ b[s] ([S, in, R] and [S, R, out]; a module's adapters padded to its largest
@@ -50,21 +65,39 @@ class BatchedLoRA(nn.Module):
         self.b: mx.array | None = None
         self.g: mx.array | None = None  # [S, out] DoRA's rescale, or None when no adapter is DoRA
 
+    def _stacked(self) -> tuple[mx.array, mx.array]:
+        """a ([S, in, R]) as [in, S * R] and b ([S, R, out]) as [S * R, out], made once a load."""
+        cached = getattr(self, "_mi_stacked", None)
+        if cached is None or cached[0] is not self.a or cached[1] is not self.b:
+            S, D, R = self.a.shape
+            cached = (self.a, self.b, self.a.transpose(1, 0, 2).reshape(D, S * R), self.b.reshape(S * R, -1))
+            object.__setattr__(self, "_mi_stacked", cached)  # (not a parameter: not counted, not saved)
+        return cached[2], cached[3]
+
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
         slots = current()
         if slots is None or self.a is None:
             return y
         shape = x.shape
-        # (no op that changes nothing: on MLX's CPU backend each op costs ~10-30 us at decode sizes)
-        flat = x if x.ndim == 3 and shape[1] == 1 else x.reshape(-1, 1, shape[-1])
+        flat = x if x.ndim == 2 else x.reshape(-1, shape[-1])
         if flat.shape[0] != slots.shape[0]:
             raise RuntimeError(f"an adapted layer saw {flat.shape[0]} rows for a step of {slots.shape[0]}")
-        if flat.dtype != self.a.dtype:
-            flat = flat.astype(self.a.dtype)
-        z = mx.gather_mm(mx.gather_mm(flat, self.a, rhs_indices=slots), self.b, rhs_indices=slots)
-        z = z if z.shape[:-1] == shape[:-1] else z.reshape(*shape[:-1], -1)
-        out = y + (z if z.dtype == y.dtype else z.astype(y.dtype))
+        a, b = self._stacked()
+        if flat.dtype != a.dtype:
+            flat = flat.astype(a.dtype)
+        # Every slot's factors side by side, the columns of the rows' other slots masked out:
+        # two matmuls over the batch, the second adding onto the base's output (`addmm`).
+        # On the CPU, 8 adapters: 0.89x of the base end to end, against 0.82x for one
+        # gathered matmul a row and factor (docs/lora.md).
+        h = (flat @ a) * _slot_mask(slots, self.a.shape[0], self.a.shape[2], a.dtype)
+        yf = y if y.ndim == 2 else y.reshape(-1, y.shape[-1])
+        if yf.dtype == h.dtype:
+            out = mx.addmm(yf, h, b)
+        else:
+            z = h @ b
+            out = yf + (z if z.dtype == y.dtype else z.astype(y.dtype))
+        out = out if out.shape == y.shape else out.reshape(y.shape)
         if self.g is not None:
             g = self.g[slots].reshape(*shape[:-1], -1).astype(y.dtype)
             bias = self.base.get("bias") if isinstance(self.base, nn.Module) else None

@@ -180,8 +180,10 @@ class ModelPool:
     def resolve(self, model: str | None, strict: bool = False) -> Entry:
         """The entry a `model` value names: a name or alias, with or without an Ollama
         `:tag`; none names the first model. Unknown names are a 404 listing the served ones,
-        except with one model (not `strict`): any name reaches it, as agents send their own."""
-        if (self.single and not strict) or model is None or model == "":
+        except with one model without LoRA adapters (not `strict`): any name reaches it, as
+        agents send their own. With adapters a name picks one, so a mistyped one is a 404,
+        never the base model answering in its place."""
+        if model is None or model == "" or (self.single and not strict and not self._adapters(self.default)):
             return self.default
         for e in self.entries.values():
             if model in e.source.names:
@@ -196,6 +198,11 @@ class ModelPool:
                 return e
         names = ", ".join(sorted(self.entries))
         raise PoolError(404, f"The model `{model}` does not exist; this server serves: {names}.", "model_not_found")
+
+    @staticmethod
+    def _adapters(entry: Entry) -> bool:
+        """Whether `entry`'s model serves LoRA adapters (given at start or loaded since)."""
+        return bool(entry.source.loras) or (entry.served is not None and bool(entry.served.engine.loras.names()))
 
     # -- use ---------------------------------------------------------------------
     @contextlib.asynccontextmanager
