@@ -69,6 +69,9 @@ def test_outputs_are_those_of_decoding_without_speculation(pair):
                              ignore_eos=True) for i in range(len(prompts))]
     want = [o.token_ids for o in generate(plain, prompts, params)]
     assert [o.token_ids for o in generate(engine, prompts, params)] == want
+    tight = drafting_engine(plain.loaded, assistant, kv_cache_gb=None, num_kv_blocks=24, max_num_batched_tokens=64)
+    assert [o.token_ids for o in generate(tight, prompts, params)] == want  # preempted and recomputed
+    assert tight.scheduler.num_preemptions > 0
     assert engine.stats["spec_draft_tokens"] > 0 and engine.drafter.forwards > 0
 
 

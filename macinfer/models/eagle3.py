@@ -148,13 +148,17 @@ class LayerInputs:
         self.seen: dict[int, mx.array] = {}
         for i in self.ids:
             layer = layers[i]
-            base = type(layer)
+            base = getattr(type(layer), "_mi_base", type(layer))  # (already recording for another drafter)
             rec = self._classes.get(base)
             if rec is None:
                 rec = self._classes[base] = type(f"Recording{base.__name__}", (base,), {"__call__": _noting_call,
                                                                                       "_mi_base": base})
             object.__setattr__(layer, "__class__", rec)
-            object.__setattr__(layer, "_mi_note", (self.seen, i))
+            notes = getattr(layer, "_mi_notes", None)
+            if notes is None:  # every recorder of this layer (engines sharing one loaded model) notes it
+                notes = []
+                object.__setattr__(layer, "_mi_notes", notes)
+            notes.append((self.seen, i))
 
     def take(self) -> list[mx.array]:
         """The last forward's inputs [T, D] of each recorded layer, in the configured order."""
@@ -162,8 +166,8 @@ class LayerInputs:
 
 
 def _noting_call(self: Any, x: mx.array, *args: Any, **kwargs: Any) -> Any:
-    seen, i = self._mi_note
-    seen[i] = x
+    for seen, i in self._mi_notes:
+        seen[i] = x
     return self._mi_base.__call__(self, x, *args, **kwargs)
 
 
