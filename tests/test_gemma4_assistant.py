@@ -75,16 +75,32 @@ def test_outputs_are_those_of_decoding_without_speculation(pair):
     assert engine.stats["spec_draft_tokens"] > 0 and engine.drafter.forwards > 0
 
 
-def _reference_drafts(model, config: dict, assistant, tokens: list[int], p: int, k: int) -> list[int]:
+def _reference_drafts(model, config: dict, assistant, tokens: list[int], p: int, k: int,
+                      int8_from: int | None = None) -> list[int]:
     """transformers' assistant, densely: the target over tokens[:p + 1] (every key kept),
     then k greedy drafts from [embed(tokens[p + 1]) * embed_scale, the target's normed
     hidden at p], each at RoPE position p, reading the K/V of the target's last full
     layer (keys 0..p) and last sliding layer (its last W - 1 keys: the window of the next
-    token, whose own K/V is not there yet), through mlx-vlm's layers with those masks."""
+    token, whose own K/V is not there yet), through mlx-vlm's layers with those masks.
+    `int8_from`: the target's K/V rows round-tripped through int8 (groups of 32), the full
+    layers' first `int8_from` positions kept exact (`--kv-quant-start`)."""
     from mlx_lm.models.cache import KVCache
 
     inner = model.model
     cache = [KVCache() for _ in model.make_cache()]
+    if int8_from is not None:
+        def roundtrip(x, at, keep):
+            q = mx.quantize(x.reshape(-1, x.shape[-1]), group_size=32, bits=8)
+            y = mx.dequantize(*q, group_size=32, bits=8).reshape(x.shape).astype(x.dtype)
+            return mx.where((mx.arange(x.shape[2]) + at < keep)[None, None, :, None], x, y)
+
+        for c, layer in zip(cache, inner.layers):
+            keep = int8_from if layer.layer_type == "full_attention" else 0
+
+            def update(keys, values, c=c, keep=keep, update=c.update_and_fetch):
+                return update(roundtrip(keys, c.offset, keep), roundtrip(values, c.offset, keep))
+
+            c.update_and_fetch = update
     hidden = inner(mx.array([tokens[: p + 1]]), cache=cache)
     kv = {}
     for j, layer in enumerate(inner.layers):  # the last layer of each type: the cache it reads
@@ -146,3 +162,23 @@ def test_refusals(pair, tmp_path):
         drafting_engine(qwen, for_qwen)
     with pytest.raises(ValueError, match="is a Gemma 4 assistant drafter"):
         drafting_engine(target, pair[1], speculative_method="eagle3")
+
+
+def test_drafts_read_a_quantized_target_cache(tmp_path):
+    """The target on int8 KV with its full layers' first 10 tokens kept apart
+    (`--kv-quant-start`): the assistant reads the dequantized rows and the first tokens'
+    store as the target does, proposals equal to the reference on the same quantization."""
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    config = tiny_config("gemma4_text", head_dim=32, global_head_dim=64)
+    model = make_mlx_lm_model(config, seed=3)
+    target = save_model_dir(str(tmp_path / "target"), config, model)
+    make_assistant(str(tmp_path / "assistant"), config)
+    engine = drafting_engine(target, str(tmp_path / "assistant"), kv_cache_dtype="int8", kv_quant_start=10)
+    made = record_proposals(engine)
+    generate(engine, _prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assistant, _ = load_drafter(str(tmp_path / "assistant"), kind="mtp")
+    assert len(made) >= 8 and min(n for _, n, _ in made) <= 10 < max(n for _, n, _ in made)
+    for tokens, n, drafts in made:
+        assert drafts == _reference_drafts(model, config, assistant, tokens, n - 1, len(drafts), int8_from=10), n
+

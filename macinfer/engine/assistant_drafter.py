@@ -94,14 +94,17 @@ class AssistantDrafter:
         p + 1 (its own K/V not there yet): the last W - 1 keys, as transformers' assistant
         reads the target's sliding cache; the row's RoPE position is p."""
         engine = self.engine
-        tables = [GroupTables(g, engine.kv_cache.block_size) for g in engine.block_manager.kv_groups]
+        groups = engine.block_manager.kv_groups
+        tables = [GroupTables(g, engine.kv_cache.block_size) for g in groups]
         for i, (seq, p) in enumerate(rows):
             for g, t in enumerate(tables):
                 t.add(seq.block_tables[g], np.array([p + 1]), i)
         positions = mx.array([p for _, p in rows], dtype=mx.int32)
         metas = [t.metadata(engine.kv_cache, positions, engine.runner.inputs) for t in tables]
-        for m in metas:  # keys up to p only
-            m.decode_context_lens, m.decode_max_context = m.decode_context_lens - 1, m.decode_max_context - 1
+        for g, m in zip(groups, metas):  # keys up to p only: less the key at p + 1 where the group stores it
+            stored = np.array([g.kind.stored_keys(p + 2) - g.kind.stored_keys(p + 1) for _, p in rows])
+            m.decode_context_lens = m.decode_context_lens - mx.array(stored, dtype=mx.int32)
+            m.decode_max_context = int(m.decode_context_lens.max().item())
         metas[0].groups = metas
         return metas[0], positions
 
