@@ -14,7 +14,8 @@ import mlx.core as mx
 import pytest
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
-from macinfer.server.model_pool import ModelPool, ModelSource, PoolError, Served, discover, disk_bytes, size_text, unique
+from macinfer.server.model_pool import ModelPool, PoolError, Served
+from macinfer.server.model_sources import ModelSource, discover, disk_bytes, size_text, unique
 from tests.helpers import tiny_model_dir
 
 GiB = 2**30

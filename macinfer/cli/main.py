@@ -324,7 +324,8 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
     from macinfer.engine.llm_engine import LLMEngine
     from macinfer.kernels.backend import Backend
     from macinfer.loading.loader import ModelNotFoundError, resolve
-    from macinfer.server.model_pool import ModelPool, ModelSource, discover, disk_bytes, unique
+    from macinfer.server.model_pool import ModelPool
+    from macinfer.server.model_sources import ModelSource, discover, disk_bytes, unique
 
     sources = []
     for i, ref in enumerate(given):

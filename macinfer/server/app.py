@@ -18,7 +18,8 @@ from macinfer.server import webui as chat_page
 from macinfer.server.async_engine import AsyncEngine
 from macinfer.server.metrics import ServerMetrics
 from macinfer.server.middleware import Guard
-from macinfer.server.model_pool import ModelPool, ModelSource, PoolError, Served
+from macinfer.server.model_pool import ModelPool, PoolError, Served
+from macinfer.server.model_sources import ModelSource
 from macinfer.server.protocol import describe_validation_error
 from macinfer.server.routing import Routing
 from macinfer.server.serving import DEFAULT_MAX_TOKENS, APIError, OpenAIServing
