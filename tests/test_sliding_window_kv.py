@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from macinfer.engine.block_manager import NULL_BLOCK, BlockManager
+from macinfer.engine.block_manager import BlockManager
+from macinfer.engine.kv_groups import NULL_BLOCK
 from macinfer.kv.spec import CacheGroup, ChunkedLocal, FullAttention, SlidingWindow, cdiv
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.engine.sequence import Sequence

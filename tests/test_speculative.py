@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from macinfer.engine.block_manager import block_hash
+from macinfer.engine.kv_groups import block_hash
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.engine.sampler import sample
 from macinfer.engine.sequence import Sequence

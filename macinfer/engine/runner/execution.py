@@ -12,7 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.engine.multi_rank import share_samples
-from macinfer.engine.block_manager import BlockManager, GroupBlocks
+from macinfer.engine.block_manager import BlockManager
+from macinfer.engine.kv_groups import GroupBlocks
 from macinfer.engine.lookahead import Lookahead, candidates
 from macinfer.engine.profile import maybe
 from macinfer.engine.runner.inputs import InputConfig, build_inputs, prompt_logprob_spans

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from macinfer.engine.block_manager import NULL_BLOCK, GroupBlocks
+from macinfer.engine.kv_groups import NULL_BLOCK, GroupBlocks
 from macinfer.engine.sequence import Sequence
 from macinfer.engine.speculative import DraftRow, verify_rows
 from macinfer.engine.state_group import StateGroup, StateStep
