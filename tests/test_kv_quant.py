@@ -286,6 +286,11 @@ def test_first_tokens_for_each_cache_kind(tmp_path_factory, model_type):
     assert a.token_ids == b.token_ids and b.num_cached_tokens > 0
 
 
-def test_kv_quant_start_needs_a_quantized_cache(head64):
+def test_kv_quant_start_needs_a_quantized_cache_and_full_attention(head64, tmp_path):
     with pytest.raises(ValueError, match="--kv-quant-start.*--kv-cache-dtype"):
         LLMEngine(head64[0], EngineConfig(kv_cache_gb=0.01, kv_quant_start=8))
+    # no full-attention cache to keep first tokens of (Mamba-2: recurrent state only): refused, not ignored
+    config = tiny_config("mamba2")
+    path = save_model_dir(str(tmp_path / "mamba2"), config, make_mlx_lm_model(config, seed=1))
+    with pytest.raises(ValueError, match="--kv-quant-start keeps the first tokens of full-attention caches"):
+        LLMEngine(path, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int8", kv_quant_start=8))
