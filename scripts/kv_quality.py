@@ -42,16 +42,17 @@ def nll(logits: np.ndarray, tokens: list[int]) -> float:
     return float(np.mean(lse - lg[np.arange(len(tokens) - 1), tokens[1:]]))
 
 
-def mlx_lm_logits(model, tokens: list[int], chunk: int, bits: int | None, start: int = 0) -> np.ndarray:
+def mlx_lm_logits(model, tokens: list[int], chunk: int, bits: int | None, start: int = 0,
+                  group: int = 64) -> np.ndarray:
     from mlx_lm.generate import maybe_quantize_kv_cache
     from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
-    cache = make_prompt_cache(model) if bits is None or start else [QuantizedKVCache(64, bits) for _ in model.layers]
+    cache = make_prompt_cache(model) if bits is None or start else [QuantizedKVCache(group, bits) for _ in model.layers]
     out = []
     for i in range(0, len(tokens), chunk):
         out.append(np.array(model(mx.array([tokens[i:i + chunk]]), cache=cache)[0].astype(mx.float32)))
         if bits is not None and start:
-            maybe_quantize_kv_cache(cache, start, 64, bits)
+            maybe_quantize_kv_cache(cache, start, group, bits)
     return np.concatenate(out)
 
 
@@ -68,6 +69,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--greedy", type=int, default=128)
     ap.add_argument("--quant-start", type=int, default=0)
+    ap.add_argument("--group-size", type=int, default=None, help="values per scale and bias (default 64)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated KV dtypes (auto is always run)")
     args = ap.parse_args()
 
     from mlx_lm import load as mlx_lm_load
@@ -84,15 +87,17 @@ def main() -> int:
     prompt = tokens[: args.tokens // 2]
     greedy = SamplingParams(temperature=0, max_tokens=args.greedy, ignore_eos=True)
     rows, reference = {}, None
-    runs = [(d, 0) for d in DTYPES] + ([(d, args.quant_start) for d in DTYPES[1:]] if args.quant_start else [])
+    dtypes = ["auto"] + [d for d in args.dtypes.split(",") if d and d != "auto"]
+    runs = [(d, 0) for d in dtypes] + ([(d, args.quant_start) for d in dtypes[1:]] if args.quant_start else [])
     for dtype, start in runs:
         engine = base if dtype == "auto" else LLMEngine(base.loaded, EngineConfig(
             kv_cache_gb=0.5, max_model_len=args.tokens + args.greedy + 16, kv_cache_dtype=dtype,
-            kv_quant_start=start))
+            kv_quant_start=start, kv_group_size=args.group_size))
         ours = nll(engine.score([tokens], chunks)[0], tokens)
         # mlx-lm has no rotated KV cache and one bit width for K and V: n/a for intNr and k8v4.
         theirs = None if dtype.endswith("r") or dtype.startswith("k") else \
-            nll(mlx_lm_logits(lm, tokens, args.chunk, None if dtype == "auto" else int(dtype[3:]), start), tokens)
+            nll(mlx_lm_logits(lm, tokens, args.chunk, None if dtype == "auto" else int(dtype[3:]), start,
+                            args.group_size or 64), tokens)
         rid = engine.add_request(prompt, greedy)
         done = {}
         while engine.has_unfinished_requests():

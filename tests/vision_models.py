@@ -167,6 +167,46 @@ def _qwen2_vl(path: str, model_type: str = "qwen2_vl") -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _tiny_dots_ids() -> None:
+    """mlx-vlm's dots.ocr processor fixes its placeholder ids to the published vocabulary's
+    (151665, 151656), which the 300-row tiny tokenizer cannot hold: for the test process they
+    are read from the tokenizer, as the published ids are its ids (as `_tiny_fastvit`)."""
+    from mlx_vlm.models.dots_ocr.processing_dots_ocr import DotsVLProcessor
+
+    init = DotsVLProcessor.__init__
+
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, **kwargs: Any) -> None:
+        init(self, image_processor, tokenizer, **kwargs)
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+
+    DotsVLProcessor.__init__ = __init__
+
+
+_tiny_dots_ids()
+
+
+def _dots_ocr(path: str) -> tuple[dict, Any]:
+    """dots.ocr: a NaViT-style tower (2D RoPE, RMSNorm, SwiGLU, one frame a patch), patches
+    merged 2x2, a Qwen2 decoder with its config at the root and plain positions; Qwen-VL's
+    image processor and placeholder expansion under its own tokens."""
+    from transformers import Qwen2VLImageProcessor
+
+    from mlx_vlm.models.dots_ocr.processing_dots_ocr import DotsVLProcessor
+
+    text = {k: v for k, v in TEXT.items() if k != "model_type"}
+    vision = {"model_type": "dots_vit", "embed_dim": 32, "hidden_size": 64, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
+              "temporal_patch_size": 1}
+    cfg = {"model_type": "dots_ocr", **text, "attention_bias": True, "vision_config": vision,
+           "image_token_id": 260, "video_token_id": 262, "eos_token_id": 2}
+    tok = _tokenizer(["<|img|>", "<|imgpad|>", "<|endofimg|>", "<|video_pad|>"], "<|img|><|imgpad|><|endofimg|>")
+    tok.image_token, tok.video_token = "<|imgpad|>", "<|video_pad|>"
+    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
+                                            temporal_patch_size=1, merge_size=2)
+    return cfg, DotsVLProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+
+
 def _qwen3_family(model_type: str, text: dict, deepstack: list[int]) -> tuple[dict, Any]:
     """Qwen3-VL and Qwen3.5: the same tower (DeepStack layers or none), tokens and processor."""
     from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor, Qwen3VLProcessor
@@ -807,7 +847,7 @@ TEXT_FIXED = {"gemma3n"}
 PROMPT_ONLY = {"paligemma"}
 TIED = {"gemma3", "gemma3n", "gemma4", "gemma4_unified", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "llava_bunny": _llava_bunny, "fastvlm": _fastvlm, "gemma4_unified": _gemma4_unified, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
+BUILDERS = {"llava": _llava, "dots_ocr": _dots_ocr, "llava_bunny": _llava_bunny, "fastvlm": _fastvlm, "gemma4_unified": _gemma4_unified, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "prism_hadamard_qwen35": _prism, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}

@@ -43,6 +43,7 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llava-qwen2": lambda t: {**t, "model_type": "qwen2"},
     "llava_qwen2": lambda t: {**t, "model_type": "qwen2"},  # FastVLM's Qwen2 decoder
     "bunny-llama": lambda t: {**t, "model_type": "llama"},
+    "dots_ocr": lambda t: {**t, "model_type": "qwen2"},  # dots.ocr's decoder (mlx-vlm: LLaVA-Bunny's Qwen2)
 }
 # Text model types mlx-lm runs only inside its wrapper, which takes the text config nested:
 # (the wrapper's type, where it wants the decoder's `model.*` weights, or None where its
