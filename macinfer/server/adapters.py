@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from macinfer.lora.adapter import LoraError
 from macinfer.server.routing import Routing
-from macinfer.server.serving import APIError
+from macinfer.server.errors import APIError
 
 
 class LoadLoraRequest(BaseModel):

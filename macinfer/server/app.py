@@ -22,7 +22,8 @@ from macinfer.server.model_pool import ModelPool, PoolError, Served
 from macinfer.server.model_sources import ModelSource
 from macinfer.server.protocol import describe_validation_error
 from macinfer.server.routing import Routing
-from macinfer.server.serving import DEFAULT_MAX_TOKENS, APIError, OpenAIServing
+from macinfer.server.errors import APIError
+from macinfer.server.serving import DEFAULT_MAX_TOKENS, OpenAIServing
 
 log = logging.getLogger("macinfer.server")
 

@@ -276,3 +276,14 @@ def message(p: ChatPlan, text: str, prompt_tail: str = "") -> tuple[dict[str, An
     elif msg["content"] is None:
         msg["content"] = ""
     return msg, proc
+
+
+@dataclass
+class ChatTurn:
+    """A chat request made ready: prompt ids, what the answer must look like, and the
+    prompt's last text (whether the template opened a think block)."""
+    ids: list[int]
+    plan: ChatPlan
+    prompt_tail: str = ""
+    ignored: list[str] = field(default_factory=list)  # fields this model cannot act on (a response header)
+    images: Any = None  # `vision.inputs.ImageInputs` when the messages hold images

@@ -18,7 +18,7 @@ from macinfer.server.async_engine import EngineDeadError
 from macinfer.server.model_pool import Served
 from macinfer.server.protocol import EmbeddingRequest
 from macinfer.server.routing import Routing
-from macinfer.server.serving import APIError
+from macinfer.server.errors import APIError
 
 log = logging.getLogger("macinfer.server")
 

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from macinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from macinfer.server.routing import Routing
-from macinfer.server.serving import APIError
+from macinfer.server.errors import APIError
 
 MAX_CHARS_PER_TOKEN = 64  # /tokenize's cap: longer prompts cannot fit the context anyway
 

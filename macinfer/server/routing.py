@@ -18,7 +18,7 @@ from starlette.background import BackgroundTask
 from macinfer.server.async_engine import EngineDeadError, QueueFullError
 from macinfer.server.model_pool import ModelPool, Served
 from macinfer.server.protocol import ChatCompletionRequest, describe_validation_error
-from macinfer.server.serving import APIError
+from macinfer.server.errors import APIError
 
 log = logging.getLogger("macinfer.server")
 
