@@ -47,7 +47,7 @@ def timeit(fn, repeats: int = 20) -> float:
 
 
 def check_attention(peak: float | None) -> bool:
-    from macinfer.kv.attention import block_heads, decode_mask, reference_decode_attention
+    from macinfer.kv.decode_attention import block_heads, decode_mask, reference_decode_attention
     from macinfer.kernels.call import launch
     from macinfer.kernels.paged_attention import decode_calls
 

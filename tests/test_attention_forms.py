@@ -7,9 +7,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from macinfer.kv import attention, prefill_plan
+from macinfer.kv import decode_attention, prefill_plan
 from macinfer.kv.dense import dense_attention, sdpa
-from macinfer.kv.attention import block_heads, decode_mask, reference_decode_attention
+from macinfer.kv.decode_attention import block_heads, decode_mask, reference_decode_attention
 from macinfer.models.llama import swiglu
 from macinfer.models.rope import FreqFactorRoPE, apply_rope_tables, make_rope, rope_tables
 from tests.helpers import PAGED_BS, float64_decode_attention, paged_case
@@ -24,7 +24,7 @@ def _paged_case(lens, seed=0):
 @pytest.mark.parametrize("exp2", [True, False])
 @pytest.mark.parametrize("extra", ["plain", "sinks", "softcap"])
 def test_reference_decode_attention_matches_float64(monkeypatch, exp2, extra):
-    monkeypatch.setattr(attention, "EXP2_MIN_SCORES", 0 if exp2 else 1 << 60)
+    monkeypatch.setattr(decode_attention, "EXP2_MIN_SCORES", 0 if exp2 else 1 << 60)
     q, kp, vp, tables, lens = _paged_case([5, 16, 40, 71])
     scale = q.shape[-1] ** -0.5
     sinks = np.linspace(-1.0, 2.0, q.shape[1]).astype(np.float32) if extra == "sinks" else None
@@ -46,7 +46,7 @@ def test_exp2_decode_with_several_queries_per_row(monkeypatch):
     mask = decode_mask(mx.array(lens), tables.shape[1] * BS)[None]
     outs = {}
     for exp2 in (True, False):
-        monkeypatch.setattr(attention, "EXP2_MIN_SCORES", 0 if exp2 else 1 << 60)
+        monkeypatch.setattr(decode_attention, "EXP2_MIN_SCORES", 0 if exp2 else 1 << 60)
         outs[exp2] = np.array(reference_decode_attention(mx.array(q)[None], mx.array(kp), mx.array(vp), heads,
                                                          mask, scale)[0])
     want = float64_decode_attention(q, kp, vp, np.repeat(tables[:1], 3, axis=0), lens, scale=scale)

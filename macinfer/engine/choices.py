@@ -1,7 +1,7 @@
 """The decisions with more than one correct path, taken at load by timing them on the
 model's own shapes (`autotune.choose`), after the kernels' self-check:
 
-- `decode_attention`: the paged decode Metal kernel, or MLX's ops (`kv/attention.py`'s
+- `decode_attention`: the paged decode Metal kernel, or MLX's ops (`kv/decode_attention.py`'s
   reference path). Only where the kernel runs for real (Metal, self-check passed): the CPU
   emulator is a correctness tool and is never timed.
 - `qmv`: the batched quantized-matmul Metal kernel for the MLP of quantized Llama-family
@@ -72,7 +72,7 @@ def choose_decode_attention(model: Any, layer_specs: list, mode: str, tuning: au
     shape = attention_shape(model, layer_specs)
     if mode != "metal" or shape is None:
         return mode
-    from macinfer.kv.attention import block_heads, decode_mask, reference_decode_attention
+    from macinfer.kv.decode_attention import block_heads, decode_mask, reference_decode_attention
 
     h, kvh, d, dv, dtype = shape
     if not paged_kernels.supported(d, h // kvh, dv):

@@ -22,7 +22,7 @@ TOLERANCE = 2e-3  # float32 inputs; a wrong kernel is off by O(1)
 
 
 def _check_decode_attention(emulate: bool) -> float:
-    from macinfer.kv.attention import block_heads, decode_mask, reference_decode_attention
+    from macinfer.kv.decode_attention import block_heads, decode_mask, reference_decode_attention
 
     rng = np.random.default_rng(0)
     kvh, gqa, d, lens = 2, 2, 64, [5, 37]
@@ -40,7 +40,7 @@ def _check_decode_attention(emulate: bool) -> float:
 
 def _check_latent_decode_attention(emulate: bool) -> float:
     """The same kernel in its MLA form: one latent + rope "head", V its leading columns."""
-    from macinfer.kv.attention import block_heads, decode_mask, reference_decode_attention
+    from macinfer.kv.decode_attention import block_heads, decode_mask, reference_decode_attention
 
     rng = np.random.default_rng(1)
     heads, latent, rope, lens = 8, 64, 32, [9, 40]
@@ -57,7 +57,7 @@ def _check_latent_decode_attention(emulate: bool) -> float:
 def _check_quantized_decode_attention(emulate: bool) -> float:
     """The same kernel over 4-bit packed pools (a quantized KV cache), against the reference
     path's quantized matmuls over the same blocks."""
-    from macinfer.kv.attention import block_heads, decode_mask, reference_decode_attention
+    from macinfer.kv.decode_attention import block_heads, decode_mask, reference_decode_attention
     from macinfer.kv.cache import QuantizedBlocks
 
     rng = np.random.default_rng(2)

@@ -2,7 +2,7 @@
 
 `paged_attention` is the one entry point the model calls. It writes the new
 K/V rows into their slots, then attends. The portable reference path works on
-every MLX backend: decodes multiply queries against each (block, KV head)
+every MLX backend: decodes (`decode_attention`) multiply queries against each (block, KV head)
 matrix of the pool in place through the block table (`mx.gather_mm`), so no
 layer copies its context; prefill chunks gather their blocks once and use
 `mx.fast.scaled_dot_product_attention`, or, where that is not a fused kernel
@@ -29,8 +29,9 @@ import numpy as np
 
 from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kernels.call import launch
-from macinfer.kv.cache import KVCache, QuantizedBlocks, kv_rows
-from macinfer.kv.dense import EXP2_MIN_SCORES, LOG2E, dense_attention, exp2_weights, sdpa
+from macinfer.kv.cache import KVCache, kv_rows
+from macinfer.kv.decode_attention import block_heads, decode_mask, reference_decode_attention
+from macinfer.kv.dense import dense_attention, sdpa
 from macinfer.kv.prefill_plan import PrefillSpan, SpanBatch, batch_mask, plan_prefills
 
 
@@ -182,104 +183,6 @@ def _decode_attention_blocks(q: mx.array, meta: AttentionMetadata, kvh: int, blo
         outs.append(reference_decode_attention(q[None, start:end], *blocks, heads, mask, scale, sinks, softcap, rot,
                                                lead(slice(start, end), slice(end - 1, end), True), lead_blocks)[0])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-
-
-def block_heads(block_tables: mx.array, num_kv_heads: int) -> mx.array:
-    """[B, nb, kvh]: the index of each (block, KV head) matrix in a pool viewed as
-    [num_blocks * kvh, bs, d]."""
-    return block_tables[:, :, None] * num_kv_heads + mx.arange(num_kv_heads, dtype=block_tables.dtype)
-
-
-def decode_mask(context_lens: mx.array, length: int, floors: mx.array | None = None, start: int = 0) -> mx.array:
-    """[B, length]: the keys each decode row attends to: its context, from its floor
-    (a sliding window's or a local chunk's first key) when it has one; none below `start`
-    (keys held apart: `FirstTokens`)."""
-    pos = mx.arange(length)[None, :]
-    mask = pos < context_lens[:, None]
-    if floors is not None:
-        mask = mask & (pos >= floors[:, None])
-    if start:
-        mask = mask & (pos >= start)
-    return mask
-
-
-def reference_decode_attention(
-    q: mx.array, k_blocks: mx.array, v_blocks: mx.array, heads: mx.array, mask: mx.array, scale: float,
-    sinks: mx.array | None = None, softcap: float | None = None, rot: tuple[mx.array, mx.array] | None = None,
-    lead: tuple[mx.array, mx.array] | None = None, lead_blocks: tuple[mx.array, mx.array] | None = None,
-) -> mx.array:
-    """q [B, H, d] against the paged cache in place: k/v_blocks [num_blocks, kvh, bs, d],
-    `heads` from `block_heads` ([B, nb, kvh]), `mask` from `decode_mask` ([B, nb * bs]).
-    Or several queries per row sharing its table: q [B, Q, H, d], mask [B, Q, nb * bs]
-    (a speculating sequence's token and drafts, each with its own context length).
-    `rot`: the pool's K and V rotations (its rows were stored turned: the queries turn
-    alike, the output turns back). `lead`: (heads, mask) of more keys, in `lead_blocks`
-    (the first tokens kept apart at full precision), joining the same softmax.
-
-    Queries are grouped per KV head, and each group is multiplied with the
-    (block, head) matrices its table names (`mx.gather_mm`): K/V are read once,
-    where they lie, with no copy of the context (a gather of every block per layer
-    per step tripled the KV memory traffic) and no copy per query head. Measured
-    on the CPU at 16 sequences x 1k context, SmolLM2 shapes: ~7.5 ms per layer
-    against ~20 ms for gather + matmul."""
-    single = q.ndim == 3
-    if single:
-        q, mask = q[:, None], mask[:, None]
-        lead = None if lead is None else (lead[0], lead[1][:, None])
-    B, Q, H, d = q.shape
-    kvh = heads.shape[2]
-    g = H // kvh
-    rows = Q * g  # the rows of one matmul per (block, head): every query of the group
-    # (keys, values, heads, mask, rotation) of each part of the context, in key order
-    parts = ([] if lead is None else [(*lead_blocks, *lead, None)]) + [(k_blocks, v_blocks, heads, mask, rot)]
-    widths = [p[2].shape[1] * (p[0].w.shape[1] if isinstance(p[0], QuantizedBlocks) else p[0].shape[2])
-              for p in parts]
-    exp2 = B * Q * H * sum(widths) >= EXP2_MIN_SCORES
-    units = LOG2E if exp2 else 1.0  # exp2_weights takes scores in log2 units
-    qscale = scale if softcap is not None else scale * units
-    qg = (q * qscale).reshape(B, Q, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(B, 1, kvh, rows, d)
-    scores = [_block_matmul(qg if r is None else qg @ r[0], kb, h, keys=True)  # [B, nb, kvh, rows, bs]
-              .transpose(0, 2, 3, 1, 4).reshape(B, kvh, Q, g, w) for (kb, _, h, _, r), w in zip(parts, widths)]
-    scores = scores[0] if len(parts) == 1 else mx.concatenate(scores, axis=-1)
-    mask = parts[0][3] if len(parts) == 1 else mx.concatenate([p[3] for p in parts], axis=-1)
-    width = sum(widths)
-    if softcap is not None:
-        scores = mx.tanh(scores / softcap) * (softcap * units)
-    scores = mx.where(mask[:, None, :, None, :], scores, mx.array(-mx.inf, scores.dtype))
-    total = None
-    if exp2:
-        sink = None if sinks is None else (sinks.astype(scores.dtype) * LOG2E).reshape(1, kvh, 1, g, 1)
-        probs, total = exp2_weights(scores, sink)
-    elif sinks is not None:  # one more logit per head that only joins the softmax denominator
-        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kvh, 1, g, 1), (B, kvh, Q, g, 1))
-        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :width]
-    else:
-        probs = mx.softmax(scores, axis=-1, precise=True)
-    probs = probs.reshape(B, kvh, rows, width)
-    out, at = None, 0
-    for (_, vb, h, _, r), w in zip(parts, widths):
-        nb = h.shape[1]
-        p = probs[..., at : at + w].reshape(B, kvh, rows, nb, w // nb).transpose(0, 3, 1, 2, 4)  # [B, nb, kvh, rows, bs]
-        o = _block_matmul(p, vb, h, keys=False).sum(axis=1)  # [B, kvh, rows, dv] (MLA: V narrower)
-        o = o if r is None else o @ r[1].T
-        out, at = o if out is None else out + o, at + w
-    if total is not None:
-        out = out / total.reshape(B, kvh, rows, 1)
-    dv = out.shape[-1]
-    out = out.reshape(B, kvh, Q, g, dv).transpose(0, 2, 1, 3, 4).reshape(B, Q, H, dv)
-    return out[:, 0] if single else out
-
-
-def _block_matmul(x: mx.array, blocks: "mx.array | QuantizedBlocks", heads: mx.array, keys: bool) -> mx.array:
-    """x times each (block, head) matrix `heads` names: K transposed (`keys`), else V; a
-    quantized pool's packed matrices through `gather_qmm`, in place."""
-    if isinstance(blocks, QuantizedBlocks):
-        b = blocks
-        return mx.gather_qmm(x, b.w, b.scales, b.biases, rhs_indices=heads, transpose=keys, group_size=b.group,
-                             bits=b.bits)
-    bs, d = blocks.shape[-2:]
-    mats = blocks.reshape(-1, bs, d)
-    return mx.gather_mm(x, mats.swapaxes(-1, -2) if keys else mats, None, heads)
 
 
 def gather_context(meta: AttentionMetadata, layer: int, spans: list[PrefillSpan],

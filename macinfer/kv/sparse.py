@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from macinfer.kv.attention import AttentionMetadata, decode_mask
+from macinfer.kv.attention import AttentionMetadata
+from macinfer.kv.decode_attention import decode_mask
 
 
 @dataclass
