@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.gguf import arch as gguf_arch, hybrid as gguf_hybrid
+from macinfer.gguf.hybrid_config import ARCHS as HYBRID_ARCHS, config_for as hybrid_config_for
 from macinfer.gguf.file import GGUFFile, ModelLoadError
 
 log = logging.getLogger("macinfer")
@@ -70,7 +71,7 @@ def _scalar(v: Any) -> Any:
     return v.item() if isinstance(v, mx.array) else v
 
 
-SUPPORTED_ARCHS = frozenset({*gguf_arch.ARCHS, *gguf_hybrid.ARCHS})  # llama.cpp's names this loader reads
+SUPPORTED_ARCHS = frozenset({*gguf_arch.ARCHS, *HYBRID_ARCHS})  # llama.cpp's names this loader reads
 
 
 def arch_of(meta: dict[str, Any]) -> str:
@@ -86,14 +87,14 @@ def arch_of(meta: dict[str, Any]) -> str:
 
 def gguf_config(meta: dict[str, Any], names: set[str] = frozenset()) -> dict[str, Any]:
     arch = arch_of(meta)
-    if arch in gguf_hybrid.ARCHS:
+    if arch in HYBRID_ARCHS:
         def need(key: str, default: Any = ...) -> Any:
             value = meta.get(f"{arch}.{key}", None if default is ... else default)
             if value is None and default is ...:
                 raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
             return value if hasattr(value, "tolist") and getattr(value, "size", 1) > 1 else _scalar(value)
 
-        config = gguf_hybrid.config_for(arch, need, meta, names)
+        config = hybrid_config_for(arch, need, meta, names)
     else:
         config = gguf_arch.config_for(arch, meta, _scalar)
 
@@ -245,7 +246,7 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
     else:
         raw = _requantize(f, progress)
     arch = arch_of(meta)
-    if arch in gguf_hybrid.ARCHS:  # named by the model class's own parameters (lazy: nothing allocated)
+    if arch in HYBRID_ARCHS:  # named by the model class's own parameters (lazy: nothing allocated)
         from macinfer.models.mlx_lm_classes import instantiate
 
         weights = gguf_hybrid.to_model_names(arch, instantiate(config), raw, config)
@@ -290,7 +291,7 @@ def read_block(path: str, first: int, names_for: Callable[[set[str]], Any], conf
     `model.layers.{first}.*`), converted as the model's are."""
     f = GGUFFile(path)
     arch = arch_of(f.metadata)
-    if arch not in gguf_hybrid.ARCHS:
+    if arch not in HYBRID_ARCHS:
         raise ModelLoadError(f"{os.path.basename(path)}: {arch} files keep no multi-token-prediction block here")
     model = names_for(set(f.tensors))
     raw = _requantize(f, keep=lambda n: n.startswith(f"blk.{first}."))

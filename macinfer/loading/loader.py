@@ -19,7 +19,7 @@ from macinfer.kernels.streams import work_streams
 from macinfer.kernels.dequantize import dequantize_f32
 from macinfer.models import UnsupportedArchitectureError, build_model
 from macinfer.models.bitlinear import expand, is_bitlinear
-from macinfer.models.mtp import declared_layers, mtp_keys
+from macinfer.models.mtp_checkpoint import declared_layers, mtp_keys
 from macinfer.models.rope import extend_context, uses_scaled_rope
 from macinfer.text.tokenizer import TokenizerWrapper
 

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.models.mlx_lm_adapter import MlxLmModel
-from macinfer.models.mtp import checkpoint_tensors
+from macinfer.models.mtp_checkpoint import checkpoint_tensors
 
 FORMATS = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
 

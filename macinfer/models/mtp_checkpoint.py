@@ -1,0 +1,109 @@
+"""The MTP layers' tensors in a checkpoint (which mlx-lm's loading drops): which names are
+theirs, reading only those, and renaming them from each published layout onto the head's
+modules (`models/mtp.py`): norms stored zero-centred shifted, experts stacked, and a
+DeepSeek- or Nemotron-style layer passed through the target's own sanitizer."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any
+
+import mlx.core as mx
+
+from macinfer.models.mlx_lm_adapter import MlxLmModel
+from macinfer.models.mlx_lm_classes import text_config
+
+
+def declared_layers(config: dict[str, Any]) -> int:
+    """How many MTP layers a config declares (0: none)."""
+    tcfg = text_config(config)
+    return int(tcfg.get("mtp_num_hidden_layers") or tcfg.get("num_nextn_predict_layers") or 0)
+
+
+NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+         "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
+
+
+def mtp_keys(config: dict[str, Any]) -> Any:
+    """A predicate for the checkpoint tensors of its MTP layers (which the target never loads)."""
+    n = text_config(config).get("num_hidden_layers")
+    deep = tuple(f"model.layers.{n + j}." for j in range(declared_layers(config))) if n else ()
+    return lambda k: k.startswith(("mtp.", "model.mtp.", "model.mtp_layers.")) or (bool(deep) and k.startswith(deep))
+
+
+def checkpoint_tensors(path: str, keep: Any) -> tuple[dict[str, mx.array], bool]:
+    """The checkpoint's tensors whose names `keep` accepts (mx.load reads lazily: only
+    these are ever read from disk), and whether they were written by MLX (already in
+    mlx-lm's layout: norms shifted, experts stacked, maybe quantized)."""
+    out: dict[str, mx.array] = {}
+    mlx_format = False
+    for fp in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        tensors, meta = mx.load(fp, return_metadata=True)
+        picked = {k: v for k, v in tensors.items() if keep(k)}
+        mlx_format |= bool(picked) and (meta or {}).get("format") == "mlx"
+        out.update(picked)
+    return out, mlx_format
+
+
+def qwen_weights(raw: dict[str, mx.array], depth: int, mlx_format: bool) -> dict[str, mx.array]:
+    """`mtp.*` in transformers' layout -> the stack's names: norms 1 + w, experts stacked
+    (written by MLX: already so)."""
+    out: dict[str, mx.array] = {}
+    for k, v in raw.items():
+        k = k[len("mtp."):]
+        if k.endswith(NORMS) and v.ndim == 1 and not mlx_format:
+            v = v + 1.0
+        out[k] = v
+    for i in range(depth):
+        p = f"layers.{i}.mlp"
+        if f"{p}.experts.gate_up_proj" in out:  # fused experts (Qwen3.5 MoE)
+            gate_up = out.pop(f"{p}.experts.gate_up_proj")
+            mid = gate_up.shape[-2] // 2
+            out[f"{p}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+            out[f"{p}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+            out[f"{p}.switch_mlp.down_proj.weight"] = out.pop(f"{p}.experts.down_proj")
+        experts = sorted({int(m.group(1)) for k in out if (m := re.match(rf"{p}\.experts\.(\d+)\.", k))})
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            if experts:
+                out[f"{p}.switch_mlp.{proj}.weight"] = mx.stack(
+                    [out.pop(f"{p}.experts.{e}.{proj}.weight") for e in experts])
+    return out
+
+
+def deepseek_weights(raw: dict[str, mx.array], first: int, target: MlxLmModel) -> dict[str, mx.array]:
+    """`model.layers.{first}.*` -> the stack's names, its decoder layer's through the
+    target's own sanitizer (experts stacked, FP8 expanded, MLA's kv_b split) under the
+    name of the target's last layer."""
+    own = {"enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"}
+    prefix, last = f"model.layers.{first}.", f"model.layers.{first - 1}."
+    layer, out = {}, {}
+    for k, v in raw.items():
+        name = k[len(prefix):]
+        if name.split(".")[0] in own:
+            out[name] = v
+        else:
+            layer[last + name] = v
+    for k, v in target.sanitize(layer).items():
+        if k.startswith(last):
+            out["layers.0." + k[len(last):]] = v
+    return out
+
+
+def nemotron_weights(raw: dict[str, mx.array], blocks: int, target: MlxLmModel) -> dict[str, mx.array]:
+    """`mtp.layers.{i}.*` -> the stack's names: the input projection and its norms off the
+    first block, the final norm off the last, the blocks' own through the target's sanitizer
+    (experts stacked) under the target's names."""
+    own = {"eh_proj", "enorm", "hnorm", "final_layernorm"}
+    out, layer = {}, {}
+    for k, v in raw.items():
+        i, name = k[len("mtp.layers."):].split(".", 1)
+        if name.split(".")[0] in own:
+            out[name] = v
+        else:
+            layer[f"backbone.layers.{i}.{name}"] = v
+    for k, v in target.sanitize(layer).items():
+        if k.startswith("backbone.layers.") and int(k.split(".")[2]) < blocks:
+            out["layers." + k[len("backbone.layers."):]] = v
+    return out
