@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from macinfer.vision.processor_fixes import mend
 from tests.helpers import randomize_packs
 from tests.vision_families import (ANYRES, BOTH_WAYS, BUILDERS, PROMPT_ONLY, TEXT_FIXED,  # noqa: F401 (the tests' names)
-                                   TIED)
+                                   TIED, WEIGHT_LAYOUTS)
 from tests.vision_families.gemma import PALIGEMMA_2  # noqa: F401
 from tests.vision_families.qwen import MINICPMV_MOE  # noqa: F401
 
@@ -50,6 +50,8 @@ def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None
     params = {k: (0.5 * mx.random.normal(v.shape) if k.endswith("gate.weight") and not mx.any(v).item() else v)
               for k, v in params.items()}
     randomize_packs(params)
+    if family in WEIGHT_LAYOUTS:
+        params = WEIGHT_LAYOUTS[family](params, seed)
     if family in TIED:  # as published: no lm_head (mlx-vlm copies the embedding, mlx-lm ties it)
         params.pop("language_model.lm_head.weight", None)
     mx.eval(params)

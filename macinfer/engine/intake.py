@@ -74,9 +74,15 @@ class RequestIntake:
         blocks keyed by the adapter's content: shared with no other adapter's)."""
         params = params or SamplingParams()
         ids = self.validate_request(prompt, params)
+        if lora is not None and lora not in self.loras:
+            raise LoraError(f"no LoRA adapter named {lora!r} is loaded")
+        own = getattr(self.vision, "lora", None)
+        if own is not None and images is not None and images.spans:  # (`vision/modality_lora.py`)
+            if lora is not None:
+                raise LoraError(f"this model runs prompts with images under its own vision LoRA; a request with "
+                                f"images takes no other adapter ({lora!r})")
+            lora = own.name
         if lora is not None:
-            if lora not in self.loras:
-                raise LoraError(f"no LoRA adapter named {lora!r} is loaded")
             cache_salt = f"{cache_salt or ''}\x00lora:{self.loras.adapters[lora].digest}"
         if images is not None and (self.vision is None or self.dist is not None):
             raise ValueError("this model takes no images")

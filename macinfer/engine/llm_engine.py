@@ -113,6 +113,8 @@ class LLMEngine(RequestIntake):
         self.drafter = load_proposer(self, method, plan.num_blocks, progress, context)
         self.scheduler.drafter = self.drafter
         self.loras = LoraRegistry(self.model, cfg.max_loras)
+        if self.vision is not None and self.vision.lora is not None:  # image prompts run under it
+            self.loras.add(self.vision.lora, own=True)
         self.scheduler.on_lora_done = self.loras.release
         self.structured = StructuredOutputs(self.tokenizer, args.vocab_size)
         # Where there is more than one correct path (Metal kernels or MLX's ops, explicit or

@@ -32,20 +32,26 @@ class LoraRegistry:
         self.users: dict[str, int] = {}
         self.last_used: dict[str, float] = {}
         self.retired: set[str] = set()  # unloaded, its slot held until its requests finish
+        # The model's own adapters (Phi-4 multimodal's vision LoRA, `vision/modality_lora.py`):
+        # never evicted, never a served name; the engine picks them for a request itself.
+        self.own: set[str] = set()
         self._targets: dict[str, dict[str, _Target]] = {}  # adapter -> its module -> target
         self._wrapped: dict[str, BatchedLoRA] = {}
         self._slots_stacked = 1  # slots every adapted layer's stacks hold (a row's slot must be one)
 
     # -- names ---------------------------------------------------------------------
     def names(self) -> list[str]:
-        return [n for n in self.adapters if n not in self.retired]
+        return [n for n in self.adapters if n not in self.retired and n not in self.own]
 
     def __contains__(self, name: str) -> bool:
-        return name in self.adapters and name not in self.retired
+        return name in self.adapters and name not in self.retired and name not in self.own
 
-    def add(self, adapter: LoraAdapter) -> None:
-        """Serve `adapter` under its name (replacing an idle one of that name). Raises
-        LoraError when it does not fit the model or no slot is free."""
+    def add(self, adapter: LoraAdapter, own: bool = False) -> None:
+        """Serve `adapter` under its name (replacing an idle one of that name); `own`: the
+        model's own (kept loaded, not a served name). Raises LoraError when it does not fit
+        the model or no slot is free."""
+        if adapter.name in self.own or (own and adapter.name in self.adapters):
+            raise LoraError(f"LoRA adapter name {adapter.name!r} is taken by the model's own adapter")
         if adapter.name in self.adapters:
             self.remove(adapter.name)
             if adapter.name in self.adapters:
@@ -53,7 +59,7 @@ class LoraRegistry:
         targets = {module: self._target(adapter, self._own_name(module), part)
                    for module, part in adapter.parts.items()}
         if len(self.adapters) >= self.max_loras:
-            idle = sorted((t, n) for n, t in self.last_used.items() if not self.users.get(n))
+            idle = sorted((t, n) for n, t in self.last_used.items() if not self.users.get(n) and n not in self.own)
             if not idle:
                 raise LoraError(f"{self.max_loras} LoRA adapters are loaded and in use (--max-loras)")
             self._free(idle[0][1])
@@ -62,11 +68,13 @@ class LoraRegistry:
         self.adapters[adapter.name], self.slots[adapter.name] = adapter, slot
         self.users[adapter.name], self.last_used[adapter.name] = 0, time.monotonic()
         self._targets[adapter.name] = targets
+        if own:
+            self.own.add(adapter.name)
         self._rebuild({t.path for t in targets.values()})
 
     def remove(self, name: str) -> None:
         """Stop serving `name`; its slot is freed now, or when its last request ends."""
-        if name not in self.adapters:
+        if name not in self.adapters or name in self.own:
             raise LoraError(f"no LoRA adapter named {name!r} is loaded")
         if self.users.get(name):
             self.retired.add(name)
@@ -76,7 +84,7 @@ class LoraRegistry:
     # -- requests --------------------------------------------------------------------
     def acquire(self, name: str) -> tuple[int, str]:
         """(slot, content digest) for a new request under `name`."""
-        if name not in self:
+        if name not in self and name not in self.own:
             raise LoraError(f"no LoRA adapter named {name!r} is loaded")
         self.users[name] += 1
         self.last_used[name] = time.monotonic()

@@ -161,8 +161,10 @@ class VisionEncoder:
         """The feature rows the merge grows an image's one sentinel id into (a shape only:
         the merge's graph is built, never evaluated past finding the sentinel)."""
         ids = np.asarray(inputs["input_ids"], dtype=np.int32)[None]
+        rest = {k: mx.array(np.asarray(v)) if isinstance(v, (np.ndarray, mx.array)) else v
+                for k, v in inputs.items() if k not in ("input_ids", "pixel_values")}  # (NaFlex: sizes, masks)
         merged = self.vlm.get_input_embeddings(mx.array(ids), mx.array(np.asarray(inputs["pixel_values"])),
-                                               mask=mx.ones(ids.shape, dtype=mx.int32)).inputs_embeds
+                                               mask=mx.ones(ids.shape, dtype=mx.int32), **rest).inputs_embeds
         return int(merged.shape[1] - ids.shape[1] + 1)
 
     def encode(self, span: ImageSpan) -> mx.array:

@@ -37,7 +37,10 @@ CROSS = "its language model cross-attends to the image (no image tokens in the p
 ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
 # Families whose prompt holds one sentinel id an image, grown into the image's rows at the merge:
 # the engine's prompt holds a placeholder a row instead (`VisionProcessor._grown`).
-SENTINEL_FAMILIES = {"llava_bunny", "fastvlm"}
+SENTINEL_FAMILIES = {"llava_bunny", "fastvlm", "phi4mm"}
+# Families whose language model runs image prompts under a LoRA the checkpoint keeps beside
+# its base weights (`vision/modality_lora.py`).
+MODALITY_LORA = {"phi4mm"}
 # model_type -> None (runs: same greedy tokens and first-token logprobs as mlx-vlm on tiny random
 # weights, tests/test_vision.py) or why images are refused (the text still runs where mlx-lm does).
 FAMILIES: dict[str, str | None] = {
@@ -48,10 +51,7 @@ FAMILIES: dict[str, str | None] = {
     "idefics2": None,
     "gemma3n": None,
     "llama4": None,
-    "phi4mm": ("its prompt holds one sentinel id (-200) an image, which the merge replaces by all of the image's "
-               "feature rows (the prompt grows at the merge; the engine splices a row per placeholder), and its "
-               "language model runs image prompts under a vision LoRA (which the engine's per-row adapters could "
-               "carry, docs/lora.md); not run yet"),
+    "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
     "fastvlm": None, "llava_bunny": None, "dots_ocr": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
@@ -158,6 +158,7 @@ class Vision:
     pad_image_ids: bool = False
     prefix_lm: bool = False  # the whole prompt attends both ways (PaliGemma)
     token_embed_scale: float = 1.0  # what given text rows are multiplied by (`SCALED_TEXT_ROWS`)
+    lora: Any = None  # the LoRA image prompts run under (`MODALITY_LORA`; a `LoraAdapter`)
 
 
 def both_ways_images(config: dict[str, Any]) -> bool:
@@ -205,10 +206,15 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
                                      deepstack=deepstack > 0)
         if family(config) in SENTINEL_FAMILIES:
             encoder.sentinel, processor.sentinel_rows = True, encoder.sentinel_rows
+        lora = None
+        if family(config) in MODALITY_LORA:
+            from macinfer.vision.modality_lora import vision_lora
+
+            lora = vision_lora(path, config)
     except (ValueError, OSError, KeyError, ImportError, AttributeError, TypeError) as e:  # the checkpoint's fault
         log.warning("%s: images are off: %s", config.get("model_type"), e)
         return None, f"its processor or vision tower could not be loaded ({str(e).splitlines()[0][:200]})"
     text = config.get("text_config") or config
     scale = text["hidden_size"] ** 0.5 if config.get("model_type") in SCALED_TEXT_ROWS else 1.0
     return Vision(processor, encoder, limits or ImageLimits(), mrope, both_ways_images(config), deepstack,
-                  bool(text.get("hidden_size_per_layer_input")), prefix_lm, scale), None
+                  bool(text.get("hidden_size_per_layer_input")), prefix_lm, scale, lora), None

@@ -44,6 +44,7 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llava_qwen2": lambda t: {**t, "model_type": "qwen2"},  # FastVLM's Qwen2 decoder
     "bunny-llama": lambda t: {**t, "model_type": "llama"},
     "dots_ocr": lambda t: {**t, "model_type": "qwen2"},  # dots.ocr's decoder (mlx-vlm: LLaVA-Bunny's Qwen2)
+    "phi4mm": lambda t: {**t, "model_type": "phi3"},  # Phi-4 multimodal's decoder is Phi-4-mini's (mlx-lm's phi3)
 }
 # Text model types mlx-lm runs only inside its wrapper, which takes the text config nested:
 # (the wrapper's type, where it wants the decoder's `model.*` weights, or None where its
@@ -89,6 +90,8 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     vlm = load_model(Path(path), lazy=True)
     lm = getattr(vlm, "language_model", None)
     args = getattr(lm, "args", None) or getattr(lm, "config", None) or getattr(vlm.config, "text_config", None)
+    if args is not None and not getattr(args, "hidden_size", None):  # a stub (Phi-4 multimodal's): the root's
+        args = vlm.config
     if lm is None or args is None or not dataclasses.is_dataclass(args):
         raise ValueError("mlx-vlm's model has no separate language model to run")
     # None is mlx-vlm's "unset" (mlx-lm's default then applies), unless the checkpoint's own
@@ -104,6 +107,12 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
         if key not in text and getattr(top, key, None) is not None:
             text[key] = getattr(top, key)
     weights = dict(tree_flatten(lm.parameters()))
+    # Layers whose checkpoint keeps a modality's LoRA beside them (Phi-4 multimodal): mlx-vlm
+    # merges the vision LoRA in at load; the engine runs the base weights and serves the LoRA
+    # per row, for the prompts with images (`vision/modality_lora.py`).
+    for k, v in (getattr(vlm, "_base_weights", None) or {}).items():
+        if k.startswith("language_model.") and k[len("language_model."):] in weights:
+            weights[k[len("language_model."):]] = v
     if "model.lm_head.weight" in weights:  # a head kept inside the decoder module (LLaVA-Bunny's): the model's
         weights["lm_head.weight"] = weights.pop("model.lm_head.weight")
     if not any(k.startswith("model.") for k in weights):  # the decoder at the top (Idefics3's): mlx-lm's names

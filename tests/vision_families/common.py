@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tests.helpers import byte_tokenizer
 
+
 # A chat template that renders image parts as the family's marker (real checkpoints ship their own).
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}"
             "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}MARKER{% else %}"

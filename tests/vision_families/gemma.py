@@ -9,6 +9,7 @@ from typing import Any
 from tests.helpers import byte_tokenizer
 from tests.vision_families.common import TEMPLATE, _tokenizer
 
+
 def _gemma3(path: str) -> tuple[dict, Any]:
     from transformers import Gemma3ImageProcessor
 

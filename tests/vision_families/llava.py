@@ -10,6 +10,7 @@ from typing import Any
 
 from tests.vision_families.common import TEXT, _tokenizer
 
+
 def _llava_bunny(path: str) -> tuple[dict, Any]:
     """nanoLLaVA's layout: a Qwen2 decoder's config at the root, a SigLIP tower (27 x 27
     patches: mlx-vlm's merge takes 729 rows), one sentinel id (-200) an image in the prompt,

@@ -10,6 +10,7 @@ from typing import Any
 
 from tests.vision_families.common import TEXT, _tokenizer
 
+
 def _qwen2_vl(path: str, model_type: str = "qwen2_vl") -> tuple[dict, Any]:
     from transformers import Qwen2VLImageProcessor
 

@@ -1,0 +1,54 @@
+"""A tiny Phi-4 multimodal checkpoint as Microsoft publishes it: a SigLIP2 NaFlex tower and a
+two-layer projector, an audio tower (tiny here; audio input is refused), one sentinel id
+(-200) an image, and the vision LoRA of its language model kept as PEFT factors beside the
+base weights (`base_layer`, `lora_A.vision`, `lora_B.vision`), which transformers switches
+on for prompts with images."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from tests.vision_families.common import TEXT, _tokenizer
+
+VISION_LORA = {"r": 4, "lora_alpha": 8}
+ADAPTED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _phi4mm(path: str) -> tuple[dict, Any]:
+    from mlx_vlm.models.phi4mm.processing_phi4mm import Phi4MMImageProcessor, Phi4MMProcessor
+
+    text = {k: v for k, v in TEXT.items() if k not in ("model_type", "tie_word_embeddings")}
+    vision = {"model_type": "siglip2_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_attention_heads": 2, "num_hidden_layers": 3, "patch_size": 14, "image_size": 56}
+    audio = {"attention_dim": 32, "attention_heads": 2, "num_blocks": 1, "linear_units": 64,
+             "ext_pw_out_channel": 32, "depthwise_seperable_out_channel": 32, "conv_channels": 32}
+    cfg = {"model_type": "phi4mm", **text, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 2048,
+           "tie_word_embeddings": True, "vision_config": vision, "mm_hidden_size": 32, "image_token_index": -200,
+           "audio_token_index": 299, "pad_token_id": 0, "eos_token_id": 2, "vision_lora": VISION_LORA,
+           "audio_processor": {"config": audio}, "min_num_patches": 4, "max_num_patches": 16}
+    tok = _tokenizer([], "<image>")
+    processor = Phi4MMProcessor(image_processor=Phi4MMImageProcessor(patch_size=14, min_num_patches=4,
+                                                                      max_num_patches=16),
+                                tokenizer=tok, chat_template=tok.chat_template)
+    return cfg, processor
+
+
+def phi4mm_lora_layout(params: dict[str, mx.array], seed: int) -> dict[str, mx.array]:
+    """The language model's adapted layers as the published checkpoint holds them: each
+    base weight under `model.layers.N.<layer>.base_layer.weight`, its vision LoRA factors
+    (random, so the LoRA shows in the logits) beside it in PEFT's layout."""
+    mx.random.seed(seed + 1)
+    out = {}
+    r = VISION_LORA["r"]
+    for k, v in params.items():
+        layer = k[len("language_model."):-len(".weight")] if k.startswith("language_model.model.layers.") else None
+        if layer is None or not layer.endswith(ADAPTED):
+            out[k] = v
+            continue
+        out[f"{layer}.base_layer.weight"] = v
+        out[f"{layer}.lora_A.vision.weight"] = 0.2 * mx.random.normal((r, v.shape[1]))
+        out[f"{layer}.lora_B.vision.weight"] = 0.2 * mx.random.normal((v.shape[0], r))
+    return out
+
