@@ -4,6 +4,7 @@ layouts (Qwen3.5/Qwen3-Next `mtp.*`, DeepSeek V3 / GLM-4.5 `model.layers.{N}.*`)
 head computing the published formula, and the tokens those of decoding without
 speculation, for hybrid, MoE and MLA targets."""
 
+import dataclasses
 import os
 
 import mlx.core as mx
@@ -68,6 +69,23 @@ def _hf_head(model, config: dict, style: str, agree: bool) -> dict:
                     continue
                 own[f"mtp.layers.{i}.{k}"] = v
         return own
+    elif style == "longcat":  # LongCat-Flash: `model.mtp.*`, one latent-attention block with a dense MLP
+        from mlx_lm.models.longcat_flash import LongcatFlashMLA, LongcatFlashMLP
+
+        attn, mlp = LongcatFlashMLA(args), LongcatFlashMLP(args)
+        own = {"model.mtp.layers.0.eh_proj.weight": proj, "model.mtp.embed_tokens.weight": text.model.embed_tokens.weight}
+        for name, key in (("enorm", "layers.0.enorm.m"), ("hnorm", "layers.0.hnorm.m"), ("final", "norm"),
+                          ("in", "layers.0.input_layernorm"), ("post", "layers.0.post_attention_layernorm")):
+            own[f"model.mtp.{key}.weight"] = 1 + 0.05 * mx.random.normal((dims,))
+        for k, v in tree_flatten(attn.parameters()):
+            own[f"model.mtp.layers.0.self_attn.{k}"] = v * 0.05 if agree and "o_proj" in k else v
+        for k, v in tree_flatten(mlp.parameters()):
+            own[f"model.mtp.layers.0.transformer_layer.mlp.{k}"] = v * 0.05 if agree and "down_proj" in k else v
+        wk, wv = own.pop("model.mtp.layers.0.self_attn.embed_q.weight"), own.pop(
+            "model.mtp.layers.0.self_attn.unembed_out.weight")
+        kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)  # the checkpoint's kv_b_proj
+        own["model.mtp.layers.0.self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+        return own
     elif style == "mimo":  # the hidden state first in its input projection
         layer = type(layers[-1])(args)
         prefix = "model.mtp_layers.0."
@@ -77,6 +95,8 @@ def _hf_head(model, config: dict, style: str, agree: bool) -> dict:
             own[f"{prefix}{name}.weight"] = 1 + 0.05 * mx.random.normal((dims,))
     else:
         n = args.num_hidden_layers
+        if isinstance(getattr(args, "layer_types", None), list) and len(args.layer_types) <= n:  # Step 3.5's
+            args = dataclasses.replace(args, layer_types=args.layer_types + ["sliding_attention"])  # (MTP: sliding)
         layer = type(layers[-1])(args, n)
         prefix = f"model.layers.{n}."
         head = text.lm_head.weight if "lm_head" in text else text.model.embed_tokens.weight
@@ -95,6 +115,9 @@ def _hf_head(model, config: dict, style: str, agree: bool) -> dict:
                 own[prefix + k.replace("switch_mlp", f"experts.{e}")] = v[e]
             continue
         own[prefix + k] = v
+    if config.get("model_type") == "step3p5":  # StepFun's layout: norms stored w - 1, the head's `output`
+        own = {k.replace("shared_head.head.", "shared_head.output."): v - 1.0 if "norm" in k else v
+               for k, v in own.items()}
     if "self_attn.embed_q.weight" in flat:  # MLA: the checkpoint's kv_b_proj, split by the target's sanitizer
         wk, wv = flat["self_attn.embed_q.weight"], flat["self_attn.unembed_out.weight"]
         kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)
@@ -112,8 +135,8 @@ def mtp_target(root, model_type: str, agree: bool = True, seed: int = 5, with_we
     if agree:
         flat = dict(tree_flatten(model.parameters()))
         model.load_weights([(k, v * 0.2 if any(d in k for d in DAMPED) else v) for k, v in flat.items()])
-    style = {"mimo": "mimo", "nemotron_h": "nemotron"}.get(model_type, "qwen" if model_type.startswith("qwen") else
-                                                            "deepseek")
+    style = {"mimo": "mimo", "nemotron_h": "nemotron", "longcat_flash": "longcat"}.get(
+        model_type, "qwen" if model_type.startswith("qwen") else "deepseek")
     path = save_model_dir(str(root / f"{model_type}-{int(agree)}-{int(with_weights)}"), config, model)
     if with_weights:
         head = _hf_head(model, config, style, agree)
@@ -144,7 +167,7 @@ def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
-                                        "glm_moe_dsa", "mimo", "nemotron_h"])
+                                        "glm_moe_dsa", "mimo", "nemotron_h", "step3p5", "longcat_flash"])
 def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
     """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
     experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),
@@ -427,3 +450,44 @@ def test_a_nemotron_head_holds_the_checkpoints_tensors(tmp_path_factory):
         np.testing.assert_array_equal(np.array(head[ours]), hf[theirs], err_msg=ours)
     experts = np.stack([hf[f"mtp.layers.1.mixer.experts.{e}.up_proj.weight"] for e in range(4)])
     np.testing.assert_array_equal(np.array(head["layers.1.mixer.switch_mlp.fc1.weight"]), experts)
+
+
+def test_a_step35_head_reads_its_zero_centred_norms_and_output_head(tmp_path_factory):
+    """Step 3.5's checkpoint stores every norm as w - 1 (its sanitizer shifts them when it
+    sees the whole model's tensors, not the MTP layer's alone) and names the shared head's
+    projection `output`: the head holds the norms shifted back (the test wrote 1 + noise,
+    stored minus one) and the projection under its own name."""
+    path = mtp_target(tmp_path_factory.mktemp("step3p5"), "step3p5")
+    engine = _engine(path, num_speculative_tokens=2, speculative_method="mtp")
+    head = engine.drafter.model.lm
+    stack = head.model
+    for norm in (stack.enorm.weight, stack.hnorm.weight, head.shared_head.norm.weight,
+                 stack.layers[0].input_layernorm.weight, stack.layers[0].post_attention_layernorm.weight):
+        assert float(mx.abs(norm - 1.0).max()) < 0.5, norm
+    stored = mx.load(os.path.join(path, "model-mtp.safetensors"))
+    n = engine.model.args.num_hidden_layers
+    assert mx.array_equal(head.shared_head.head.weight, stored[f"model.layers.{n}.shared_head.output.weight"])
+
+
+def test_a_longcat_head_holds_the_checkpoints_mtp_tensors(tmp_path_factory):
+    """LongCat-Flash keeps one MTP layer under `model.mtp.*` (its config declares none): the
+    stack's norms, projection and its own embedding, the block's dense MLP (the checkpoint's
+    `transformer_layer.mlp`) and its latent attention's kv_b_proj split as the target splits its own."""
+    path = mtp_target(tmp_path_factory.mktemp("longcat"), "longcat_flash", agree=False)
+    engine = _engine(path, num_speculative_tokens=2, speculative_method="mtp")
+    stack = engine.drafter.model.lm.model
+    stored = mx.load(os.path.join(path, "model-mtp.safetensors"))
+    m = "model.mtp."
+    pairs = [(stack.enorm.weight, m + "layers.0.enorm.m.weight"), (stack.hnorm.weight, m + "layers.0.hnorm.m.weight"),
+             (stack.final_layernorm.weight, m + "norm.weight"), (stack.eh_proj.weight, m + "layers.0.eh_proj.weight"),
+             (stack.embed_tokens.weight, m + "embed_tokens.weight"),
+             (stack.layers[0].mlp.gate_proj.weight, m + "layers.0.transformer_layer.mlp.gate_proj.weight"),
+             (stack.layers[0].input_layernorm.weight, m + "layers.0.input_layernorm.weight")]
+    for got, key in pairs:
+        assert mx.array_equal(got, stored[key]), key
+    attn = stack.layers[0].self_attn
+    kv_b = stored[m + "layers.0.self_attn.kv_b_proj.weight"]
+    heads, nope = attn.num_attention_heads, attn.qk_nope_head_dim
+    kv_b = kv_b.reshape(heads, nope + attn.v_head_dim, -1)
+    assert mx.allclose(attn.embed_q.weight, kv_b[:, :nope, :].swapaxes(-1, -2))
+    assert mx.allclose(attn.unembed_out.weight, kv_b[:, nope:, :])

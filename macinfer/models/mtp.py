@@ -18,6 +18,11 @@ Two layouts, the published ones (transformers / vLLM):
   token_layernorm(embed(t))]) (the hidden state first); the layer; out =
   final_layernorm(h); logits = the target's head(out). MiMo trained its head for one
   step; later drafts read out as the others do.
+- "longcat" (LongCat-Flash, `model.mtp.*`, one layer whatever the config says, as vLLM
+  reads it): h = eh_proj([enorm(embed(t)), hnorm(H)]); one DeepSeek-V2-style block (latent
+  attention, a dense MLP: mlx-lm's LongCat attention and MLP classes, where the model's own
+  layers are pairs); out = final norm(h); logits = the target's head(out). The head's own
+  copy of the embedding is used where the checkpoint keeps one.
 - "nemotron" (Nemotron-H, `mtp.layers.*`): h = eh_proj([enorm(embed(t)), hnorm(H)]) (kept
   on its first block); its blocks in `mtp_hybrid_override_pattern` (attention "*", MoE "E":
   the target's block class); out = final_layernorm(h) (on its last block); logits = the
@@ -36,8 +41,8 @@ import mlx.nn as nn
 
 from macinfer.models.mlx_lm_adapter import MlxLmModel
 from macinfer.models.mlx_lm_classes import text_config
-from macinfer.models.mtp_checkpoint import (checkpoint_tensors, declared_layers, deepseek_weights, nemotron_weights,
-                                            qwen_weights)
+from macinfer.models.mtp_checkpoint import (ZERO_CENTRED_NORMS, checkpoint_tensors, declared_layers, deepseek_weights,
+                                            longcat_weights, nemotron_weights, qwen_weights)
 
 
 @dataclass(frozen=True)
@@ -47,9 +52,10 @@ class MTPLayout:
 
 
 QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "step3p5")
 MIMO = ("mimo",)
 NEMOTRON = ("nemotron_h",)
+LONGCAT = ("longcat_flash",)
 
 
 def layout(config: dict[str, Any]) -> MTPLayout:
@@ -58,6 +64,8 @@ def layout(config: dict[str, Any]) -> MTPLayout:
     model_type = config.get("model_type")
     text_type = tcfg.get("model_type", model_type)
     depth = declared_layers(config)
+    if model_type in LONGCAT:  # its config declares none; its checkpoints keep one layer (`model.mtp.*`)
+        return MTPLayout("longcat", 1)
     if depth <= 0:
         raise ValueError(f"{model_type}: its config declares no multi-token-prediction layers "
                          "(mtp_num_hidden_layers / num_nextn_predict_layers): this model ships no MTP head; use "
@@ -71,7 +79,7 @@ def layout(config: dict[str, Any]) -> MTPLayout:
     if model_type in NEMOTRON:
         return MTPLayout("nemotron", depth)
     raise ValueError(f"{model_type}: its config declares {depth} MTP layer(s), but macinfer runs MTP heads of "
-                     f"{', '.join(QWEN + DEEPSEEK + MIMO + NEMOTRON)} only (this family's head layout is not "
+                     f"{', '.join(QWEN + DEEPSEEK + MIMO + NEMOTRON + LONGCAT)} only (this family's head layout is not "
                      "verified here)")
 
 
@@ -80,9 +88,12 @@ class MTPStack(nn.Module):
     reading the target's hidden rows for the same tokens from `given` (set per call by
     `hidden_rows`; zeros when unset, as in the load-time probe)."""
 
-    def __init__(self, style: str, layers: list[nn.Module], dims: int, eps: float, embed: nn.Module):
+    def __init__(self, style: str, layers: list[nn.Module], dims: int, eps: float, embed: nn.Module,
+                 own_embed: nn.Module | None = None):
         super().__init__()
         self.style = style
+        if own_embed is not None:  # the head's own copy (LongCat's `model.mtp.embed_tokens`)
+            self.embed_tokens = own_embed
         if style == "qwen":
             self.fc = nn.Linear(2 * dims, dims, bias=False)
             self.pre_fc_norm_embedding = nn.RMSNorm(dims, eps=eps)
@@ -97,14 +108,14 @@ class MTPStack(nn.Module):
             self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
             self.enorm = nn.RMSNorm(dims, eps=eps)
             self.hnorm = nn.RMSNorm(dims, eps=eps)
-            if style == "nemotron":
+            if style in ("nemotron", "longcat"):
                 self.final_layernorm = nn.RMSNorm(dims, eps=eps)
         self.layers = layers
         object.__setattr__(self, "_embed", embed)  # the target's: shared, not this module's weights
         object.__setattr__(self, "given", None)
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        e = self._embed(inputs)
+        e = self.embed_tokens(inputs) if "embed_tokens" in self else self._embed(inputs)
         h = self.given if self.given is not None else mx.zeros_like(e)
         h = h.astype(e.dtype)
         if self.style == "qwen":
@@ -120,7 +131,7 @@ class MTPStack(nn.Module):
             x = layer(x, None, next(caches, None) if takes else None)
         if self.style == "qwen":
             return self.norm(x)
-        return self.final_layernorm(x) if self.style in ("mimo", "nemotron") else x
+        return self.final_layernorm(x) if self.style in ("mimo", "nemotron", "longcat") else x
 
 
 class SharedHead(nn.Module):
@@ -129,6 +140,22 @@ class SharedHead(nn.Module):
         self.norm = nn.RMSNorm(dims, eps=eps)
         if vocab is not None:
             self.head = nn.Linear(dims, vocab, bias=False)
+
+
+class MLABlock(nn.Module):
+    """LongCat-Flash's MTP block: a DeepSeek-V2-style layer (one latent attention, one dense
+    MLP) made of the target's own module classes (mlx-lm's, whose layers are pairs of them)."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, dims: int, eps: float):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(dims, eps=eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = nn.RMSNorm(dims, eps=eps)
+        self.mlp = mlp
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask=mask, cache=cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class MTPHead(nn.Module):
@@ -206,11 +233,17 @@ def _gguf_block(path: str, config: dict[str, Any], target: MlxLmModel, first: in
 
 
 def _layer_like(layer: nn.Module, args: Any, index: int) -> nn.Module:
-    """A new decoder layer of `layer`'s class, built as layer `index` where the class takes one."""
+    """A new decoder layer of `layer`'s class, built as layer `index` where the class takes one.
+    Per-layer lists in the config that stop at the decoder's layers (Step 3.5's `layer_types`)
+    go on as the MTP layers are published: sliding-window attention."""
+    import dataclasses
     import inspect
 
     cls = type(layer)
     takes = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    types = getattr(args, "layer_types", None)
+    if len(takes) > 1 and isinstance(types, list) and index >= len(types) and dataclasses.is_dataclass(args):
+        args = dataclasses.replace(args, layer_types=types + ["sliding_attention"] * (index + 1 - len(types)))
     return cls(args, index) if len(takes) > 1 else cls(args)
 
 
@@ -253,7 +286,7 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
         raise ValueError(f"{target.name}: in GGUF, llama.cpp's tensor map names the MTP block (`nextn.*`) of "
                          "DeepSeek-style heads only (GLM-4.5/4.6/4.7, GLM-5); this file's is not read")
     tcfg = text_config(config)
-    n_layers = int(tcfg["num_hidden_layers"])
+    n_layers = int(tcfg.get("num_hidden_layers") or tcfg["num_layers"])  # (LongCat's name for it)
     if gguf_file:
         raw, mlx_format = _gguf_block(target.source, config, model, n_layers, read_block), True
     elif lay.style == "qwen":
@@ -262,6 +295,8 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("model.mtp_layers.0."))
     elif lay.style == "nemotron":
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("mtp."))
+    elif lay.style == "longcat":
+        raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("model.mtp."))
     else:
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith(f"model.layers.{n_layers}."))
     if not raw:
@@ -295,18 +330,32 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
         mtp_layers, copied = [type(layers[0])(args, t) for t in pattern], -1
         weights = nemotron_weights(raw, len(pattern), model)
         shared = None
+    elif lay.style == "longcat":
+        last = layers[-1]
+        mtp_layers, copied = [MLABlock(type(last.self_attn[0])(args), type(last.mlps[0])(args), dims, eps)], -1
+        weights = longcat_weights(raw, n_layers, model)
+        shared = None
     else:
-        mtp_layers, copied = [_layer_like(layers[-1], args, n_layers)], -1
-        weights = deepseek_weights(raw, n_layers, model)
+        try:
+            mtp_layers, copied = [_layer_like(layers[-1], args, n_layers)], -1
+        except (IndexError, KeyError, TypeError) as e:  # a per-layer config list that stops short
+            raise ValueError(f"{target.name}: its MTP layer cannot be built as layer {n_layers} ({e!r})") from None
+        weights = deepseek_weights(raw, n_layers, model, zero_centred=config.get("model_type") in ZERO_CENTRED_NORMS
+                                   and not mlx_format)
         has_head = any(k.startswith("shared_head.head.") for k in weights)
         shared = SharedHead(dims, eps, int(tcfg["vocab_size"]) if has_head else None)
-    weights = {k: v for k, v in weights.items() if not k.startswith("embed_tokens.")}  # the target's is the same
+    own_embed = None
+    if lay.style == "longcat" and "embed_tokens.weight" in weights:  # (a copy of its own, trained with it)
+        own_embed = nn.Embedding(*weights["embed_tokens.weight"].shape)
+    else:
+        weights = {k: v for k, v in weights.items() if not k.startswith("embed_tokens.")}  # the target's is the same
     embed = model.embed_module()
     if embed is None:
         raise ValueError(f"{config.get('model_type')}: the MTP head needs the target's token embedding")
-    stack = MTPStack(lay.style, mtp_layers, dims, eps, embed)
+    stack = MTPStack(lay.style, mtp_layers, dims, eps, embed, own_embed)
     owner = getattr(text, "make_cache", None)
-    head = MTPHead(stack, args, model.logits, shared, None if owner is None else lambda: owner()[copied])
+    pick = (lambda c: c[0]) if lay.style == "longcat" else (lambda c: c)  # (LongCat's layers: a cache a pair)
+    head = MTPHead(stack, args, model.logits, shared, None if owner is None else lambda: pick(owner()[copied]))
     names = {f"model.{k}" if not k.startswith("shared_head.") else k: v for k, v in weights.items()}
     _quantize_like(head, config, names)
     try:

@@ -72,15 +72,20 @@ def qwen_weights(raw: dict[str, mx.array], depth: int, mlx_format: bool) -> dict
     return out
 
 
-def deepseek_weights(raw: dict[str, mx.array], first: int, target: MlxLmModel) -> dict[str, mx.array]:
+def deepseek_weights(raw: dict[str, mx.array], first: int, target: MlxLmModel,
+                     zero_centred: bool = False) -> dict[str, mx.array]:
     """`model.layers.{first}.*` -> the stack's names, its decoder layer's through the
     target's own sanitizer (experts stacked, FP8 expanded, MLA's kv_b split) under the
-    name of the target's last layer."""
+    name of the target's last layer. `zero_centred`: the checkpoint stores every norm as
+    w - 1 (Step 3.5's), which the target's sanitizer shifts only when it sees the whole
+    model's tensors: shifted here. Step 3.5 names its shared head's projection `output`."""
     own = {"enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"}
     prefix, last = f"model.layers.{first}.", f"model.layers.{first - 1}."
     layer, out = {}, {}
     for k, v in raw.items():
-        name = k[len(prefix):]
+        name = k[len(prefix):].replace("shared_head.output.", "shared_head.head.")
+        if zero_centred and "norm" in name and name.endswith(".weight"):
+            v = v + 1.0
         if name.split(".")[0] in own:
             out[name] = v
         else:
@@ -89,6 +94,37 @@ def deepseek_weights(raw: dict[str, mx.array], first: int, target: MlxLmModel) -
         if k.startswith(last):
             out["layers.0." + k[len(last):]] = v
     return out
+
+
+def longcat_weights(raw: dict[str, mx.array], n_layers: int, target: MlxLmModel) -> dict[str, mx.array]:
+    """LongCat-Flash's `model.mtp.*` -> the stack's names (the names vLLM's reader maps):
+    `layers.0.{eh_proj, enorm.m, hnorm.m}` and `norm` are the stack's own, the block's
+    latent attention goes through the target's sanitizer (its `kv_b_proj` split) as the
+    first attention of the target's last layer, `transformer_layer.mlp` is the block's MLP."""
+    own = {"layers.0.eh_proj.": "eh_proj.", "layers.0.enorm.m.": "enorm.", "layers.0.hnorm.m.": "hnorm.",
+           "norm.": "final_layernorm.", "embed_tokens.": "embed_tokens."}
+    attn = f"model.layers.{n_layers - 1}.self_attn.0."
+    out, layer = {}, {}
+    for k, v in raw.items():
+        name = k[len("model.mtp."):]
+        mapped = next((new + name[len(old):] for old, new in own.items() if name.startswith(old)), None)
+        if mapped is not None:
+            out[mapped] = v
+        elif name.startswith("layers.0.self_attn."):
+            layer[attn + name[len("layers.0.self_attn."):]] = v
+        elif name.startswith("layers.0.transformer_layer.mlp."):
+            out["layers.0.mlp." + name[len("layers.0.transformer_layer.mlp."):]] = v
+        elif name.startswith("layers.0."):  # its norms
+            out[name] = v
+    for k, v in target.sanitize(layer).items():
+        if k.startswith(attn):
+            out["layers.0.self_attn." + k[len(attn):]] = v
+    return out
+
+
+# Families whose checkpoints store norms zero-centred (w - 1) and whose MTP layers are read
+# apart from the model (their sanitizer decides from the whole model's tensors).
+ZERO_CENTRED_NORMS = ("step3p5",)
 
 
 def nemotron_weights(raw: dict[str, mx.array], blocks: int, target: MlxLmModel) -> dict[str, mx.array]:
