@@ -453,6 +453,20 @@ def test_lfm2_vl_tiles_a_large_picture_as_mlx_vlm_does(vlm_dirs, tmp_path):
         llm.close()
 
 
+def test_step3p7_crops_a_large_picture_as_mlx_vlm_does(vlm_dirs):
+    """Step 3.7's processor cuts a picture past 728 px into 504 px crops (81 rows each, between
+    crop markers, newlines after each row of crops) before its whole view (169 rows): the
+    engine's tokens and first-token logprobs are mlx-vlm's on an 1100 x 1100 picture."""
+    big = picture(4, (1100, 1100))
+    llm = LLM(vlm_dirs["step3p7"], kv_cache_gb=0.02, max_model_len=1024)
+    try:
+        ids, images = llm._chat_prompt(_ask("what is it", big))
+        assert len(images.spans) == 1 and len(images.spans[0].rows) == 4 * 81 + 169  # 2 x 2 crops, the view
+        _as_mlx_vlm(llm, vlm_dirs["step3p7"], "<user><im_patch>what is it<assistant>", [big])
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("family", ["minicpmv4_6", "minicpmv4_7", "minicpmv4_7-moe"])
 def test_minicpmv_slices_a_large_picture_and_numbers_each_image_as_mlx_vlm_does(vlm_dirs, tmp_path, family):
     """MiniCPM-V cuts a large picture into slices after its whole view, and writes each image's

@@ -65,7 +65,11 @@ class VisionProcessor:
         processor = load_processor(path, add_detokenizer=False)
         mend(processor, model_type)
         image_processor = None
-        if not hasattr(processor, "image_processor"):  # a bare tokenizer: mlx-vlm's image processor, if any
+        from transformers import PreTrainedTokenizerBase
+
+        # A bare tokenizer: mlx-vlm's image processor, if any. (A processor that takes images
+        # itself, Step 3.7's, has no image processor but is no tokenizer.)
+        if not hasattr(processor, "image_processor") and isinstance(processor, PreTrainedTokenizerBase):
             from mlx_vlm.models.base import BaseImageProcessor
             from mlx_vlm.utils import load_image_processor
 

@@ -44,7 +44,10 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llava_qwen2": lambda t: {**t, "model_type": "qwen2"},  # FastVLM's Qwen2 decoder
     "bunny-llama": lambda t: {**t, "model_type": "llama"},
     "dots_ocr": lambda t: {**t, "model_type": "qwen2"},  # dots.ocr's decoder (mlx-vlm: LLaVA-Bunny's Qwen2)
-    "phi4mm": lambda t: {**t, "model_type": "phi3"},  # Phi-4 multimodal's decoder is Phi-4-mini's (mlx-lm's phi3)
+    "phi4mm": lambda t: {**t, "model_type": "phi3"},
+    # Step 3.7's decoder is Step 3.5's; mlx-vlm keeps its MoE layer list as numbers, mlx-lm as text.
+    "step3p5": lambda t: {**t, "moe_layers_enum": ",".join(map(str, t["moe_layers_enum"]))
+                          if isinstance(t.get("moe_layers_enum"), (list, tuple)) else t.get("moe_layers_enum")},  # Phi-4 multimodal's decoder is Phi-4-mini's (mlx-lm's phi3)
 }
 # Text model types mlx-lm runs only inside its wrapper, which takes the text config nested:
 # (the wrapper's type, where it wants the decoder's `model.*` weights, or None where its

@@ -348,3 +348,21 @@ def _minicpmv(path: str, model_type: str = "minicpmv4_6", moe: bool = False) -> 
                                   video_processor=MiniCPMVVideoProcessor(**kw), tokenizer=tok,
                                   chat_template=tok.chat_template)
     return cfg, processor
+
+
+def _step3p7(path: str) -> tuple[dict, Any]:
+    """Step 3.7: a Perception Encoder tower (2D RoPE, 728 px whole views and 504 px crops at
+    the sizes its processor fixes: 169 and 81 rows after its strided projector) over Step
+    3.5's decoder (mlx-lm's `step3p5`), each view between its own markers, plain positions."""
+    from mlx_vlm.models.step3p7.processing_step3p7 import Step3VLProcessor
+
+    from tests.zoo import tiny_config
+
+    text = {**tiny_config("step3p5"), "model_type": "step3p5"}
+    vision = {"model_type": "perception_encoder", "width": 32, "layers": 2, "heads": 2, "image_size": 728,
+              "patch_size": 14, "mlp_ratio": 2.0}
+    tok = _tokenizer(["<im_patch>", "<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>"],
+                     "<im_patch>")
+    cfg = {"model_type": "step3p7", "text_config": text, "vision_config": vision, "image_token_id": 259,
+           "eos_token_id": 2}
+    return cfg, Step3VLProcessor(tokenizer=tok, chat_template=tok.chat_template)
