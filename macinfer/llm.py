@@ -282,7 +282,8 @@ class LLM:
         from macinfer.vision.messages import split_images
 
         vision = self.engine.vision
-        messages, images = split_images(messages, vision.limits if vision else ImageLimits(), allow_paths=True)
+        messages, images = split_images(messages, vision.limits if vision else ImageLimits(), allow_paths=True,
+                                        inline=vision.processor.inline_marker if vision else None)
         ids = self.tokenizer.encode_chat(messages, **chat_options)
         return self.engine.prepare_images(ids, images) if images else ids
 

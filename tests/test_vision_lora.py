@@ -11,7 +11,7 @@ import pytest
 from macinfer import LLM
 from macinfer.lora.adapter import LoraError
 from macinfer.sampling_params import SamplingParams
-from tests.vision_models import mlx_vlm_greedy, picture, tiny_vlm_dir
+from tests.vision_models import mlx_vlm_greedy, mlx_vlm_prompt, picture, tiny_vlm_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -79,3 +79,32 @@ def test_the_vision_lora_is_the_models_own_not_a_served_adapter(phi4mm):
     text = llm.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
     with pytest.raises(LoraError):
         engine.add_request(text, GREEDY, lora=own)
+
+
+def test_a_template_that_reads_strings_only_gets_mlx_vlms_image_markers(phi4mm, tmp_path):
+    """Phi-4 multimodal's published chat template reads string content only (as nanoLLaVA's
+    and Step 3.7's do): image parts become the text mlx-vlm's prompt format writes for them
+    ("<|image_1|>" here) before the template runs, and the tokens are mlx-vlm's own on the
+    prompt its `apply_chat_template` builds."""
+    import shutil
+
+    path = str(tmp_path / "phi4mm-string-template")
+    shutil.copytree(phi4mm[0], path)
+    with open(f"{path}/chat_template.jinja", "w") as f:
+        f.write("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=512)
+    try:
+        assert llm.engine.vision.processor.inline_marker == "<|image_1|>"
+        rendered = mlx_vlm_prompt(path, "what is it", 1)
+        assert "<|image_1|>what is it" in rendered
+        two = [{"role": "user", "content": [{"type": "text", "text": "compare "}, {"type": "image", "image": picture(0)},
+                                            {"type": "text", "text": " and "}, {"type": "image", "image": picture(1)}]}]
+        ids, images = llm._chat_prompt(two)
+        first, second = images.spans
+        between = llm.tokenizer.decode(ids[first.end:second.offset], skip_special_tokens=False)
+        assert "compare " in llm.tokenizer.decode(ids[:first.offset]) and between == " and "  # in order
+        assert llm.chat(_ask("what is it", picture(0)), GREEDY).token_ids == mlx_vlm_greedy(path, rendered,
+                                                                                            [picture(0)], 6)[0]
+    finally:
+        llm.close()

@@ -168,7 +168,7 @@ class OpenAIServing(OpenAIOutput):
         limits = dataclasses.replace(engine.vision.limits if engine.vision else ImageLimits(),
                                      allow_urls=self.allow_image_urls)
         try:
-            return split_images(messages, limits)
+            return split_images(messages, limits, inline=engine.vision.processor.inline_marker)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
 

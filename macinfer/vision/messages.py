@@ -52,8 +52,9 @@ def image_source(part: dict[str, Any], where: str, allow_paths: bool, limits: Im
 
 
 def split_images(messages: list[dict[str, Any]], limits: ImageLimits = ImageLimits(),
-                 allow_paths: bool = False) -> tuple[list[dict[str, Any]], list[Any]]:
-    """(messages with bare image parts, the decoded images in order)."""
+                 allow_paths: bool = False, inline: str | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(messages with bare image parts, the decoded images in order); with `inline`, the
+    messages holding images as strings with that marker in each image's place."""
     out, images = [], []
     for i, m in enumerate(messages):
         content = m.get("content")
@@ -72,4 +73,18 @@ def split_images(messages: list[dict[str, Any]], limits: ImageLimits = ImageLimi
             else:
                 parts.append(p)
         out.append({**m, "content": parts})
-    return out, images
+    return (inline_images(out, inline) if inline and images else out), images
+
+
+def inline_images(messages: list[dict[str, Any]], marker: str) -> list[dict[str, Any]]:
+    """Each message's content parts as one string, an image part as `marker` (for a chat
+    template that reads string content only; `VisionProcessor.inline_marker`)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            text = "".join(marker if isinstance(p, dict) and p.get("type") == "image" else
+                           str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
+            m = {**m, "content": text}
+        out.append(m)
+    return out

@@ -30,6 +30,31 @@ def _find_marker(with_image: list[int], without: list[int]) -> list[int]:
     return with_image[head: len(with_image) - tail]
 
 
+def _reads_parts(tokenizer: Any, text: list[dict[str, Any]], plain: list[int]) -> bool:
+    """Whether the chat template reads a list of content parts (it renders a text part as it
+    renders the same string; a string-only template prints the list, or fails on it)."""
+    try:
+        return tokenizer.encode_chat([{"role": "user", "content": text}]) == plain
+    except ValueError:
+        return False
+
+
+def inline_marker(model_type: str | None) -> str | None:
+    """The text mlx-vlm's prompt format (`prompt_utils`) writes for one image in a message of
+    `model_type` when it writes images into the text ("<image>\n", "<|image_1|>", ...); None
+    when it hands the template image parts, or has no format for the family."""
+    from mlx_vlm.prompt_utils import get_message_json
+
+    try:
+        content = get_message_json(model_type or "", [{"type": "image"}, {"type": "text", "text": _PROBE_TEXT}])
+    except (ValueError, KeyError):
+        return None
+    content = content.get("content") if isinstance(content, dict) else content
+    if not isinstance(content, str) or not content.endswith(_PROBE_TEXT) or content == _PROBE_TEXT:
+        return None
+    return content[: -len(_PROBE_TEXT)]
+
+
 class VisionProcessor:
     """Turns (prompt ids with image markers, images) into the expanded prompt and an
     `ImageInputs` for the engine."""
@@ -53,6 +78,11 @@ class VisionProcessor:
         # Ids [lo, hi) the family's merge embeds itself (Gemma 3n's vision vocabulary): rows too.
         self.own_vocab = own_vocab
         self._marker_text = tokenizer.decode(marker, skip_special_tokens=False)
+        # A chat template that reads string content only (Phi-4 multimodal's, nanoLLaVA's): the
+        # text mlx-vlm's prompt format writes for an image in a message, which each image part
+        # becomes before the template runs (`vision/messages.py: inline_images`); None: the
+        # template renders image parts itself.
+        self.inline_marker: str | None = None
 
     @classmethod
     def load(cls, path: str, tokenizer: Any, image_token_id: int | None, placeholders_only: bool = False,
@@ -86,12 +116,18 @@ class VisionProcessor:
             hf.pad_token = hf.eos_token  # one prompt a call, never padded; some processors ask for padding
 
         text = [{"type": "text", "text": _PROBE_TEXT}]
-        with_image = tokenizer.encode_chat([{"role": "user", "content": [{"type": "image"}, *text]}])
-        without = tokenizer.encode_chat([{"role": "user", "content": text}])
+        without = tokenizer.encode_chat([{"role": "user", "content": _PROBE_TEXT}])
+        inline = None if _reads_parts(tokenizer, text, without) else inline_marker(model_type)
+        if inline is not None:
+            with_image = tokenizer.encode_chat([{"role": "user", "content": inline + _PROBE_TEXT}])
+        else:
+            with_image = tokenizer.encode_chat([{"role": "user", "content": [{"type": "image"}, *text]}])
         marker = _find_marker(with_image, without)
         if not marker:
             raise ValueError("its chat template renders no marker for an image part")
-        return cls(processor, tokenizer, image_token_id, marker, placeholders_only, own_vocab, image_processor)
+        out = cls(processor, tokenizer, image_token_id, marker, placeholders_only, own_vocab, image_processor)
+        out.inline_marker = inline
+        return out
 
     def _expand_one(self, image: Any, after: list[int]) -> tuple[list[int], dict[str, Any]]:
         """The marker expanded for `image` by the model's processor, and its encoder inputs.
