@@ -8,8 +8,9 @@ import pytest
 from macinfer import LLM
 from macinfer.sampling_params import SamplingParams
 from tests import vision_models as vm
+from tests.vision_families.llava import _mistral_large3
 
-BUILDERS = {"mistral_large3": vm._mistral_large3}
+BUILDERS = {"mistral_large3": _mistral_large3}
 
 
 def mlx_vlm_text_greedy(path: str, ids: list[int], max_tokens: int) -> list[int]:
