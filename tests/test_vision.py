@@ -12,7 +12,8 @@ from macinfer import LLM
 from macinfer.engine.block_manager import BlockManager
 from macinfer.sampling_params import SamplingParams
 from macinfer.vision.support import FAMILIES
-from tests.vision_models import (ANYRES, BOTH_WAYS, BUILDERS, MINICPMV_MOE, PALIGEMMA_2, PROMPT_ONLY, TEXT_FIXED, anyres_greedy, both_ways_greedy,
+from tests.vision_models import (ANYRES, BOTH_WAYS, BUILDERS, MINICPMV_MOE, PALIGEMMA_2, PROMPT_ONLY, REFERENCE_TEXT, TEXT_FIXED,
+                                 anyres_greedy, both_ways_greedy,
                                  gemma3n_greedy, mlx_vlm_greedy, mlx_vlm_prompt, picture, prompt_logprobs, tiny_vlm_dir)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -48,6 +49,7 @@ def test_family_gives_mlx_vlm_tokens_and_uses_the_image(vlm_dirs, family):
         rendered = mlx_vlm_prompt(vlm_dirs[family], "what is it", 1) if family in PROMPT_ONLY else \
             llm.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                             {"type": "text", "text": "what is it"}]}])
+        rendered = REFERENCE_TEXT.get(family, lambda r: r)(rendered)
         ours = llm.chat(messages, GREEDY).token_ids
         reference = both_ways_greedy if family in BOTH_WAYS else anyres_greedy if family in ANYRES else \
             gemma3n_greedy if family in TEXT_FIXED else mlx_vlm_greedy
@@ -463,6 +465,28 @@ def test_step3p7_crops_a_large_picture_as_mlx_vlm_does(vlm_dirs):
         ids, images = llm._chat_prompt(_ask("what is it", big))
         assert len(images.spans) == 1 and len(images.spans[0].rows) == 4 * 81 + 169  # 2 x 2 crops, the view
         _as_mlx_vlm(llm, vlm_dirs["step3p7"], "<user><im_patch>what is it<assistant>", [big])
+    finally:
+        llm.close()
+
+
+def test_phi3_v_tiles_a_large_picture_under_its_published_template(vlm_dirs, tmp_path):
+    """Phi-3.5 Vision's published chat template reads string content only: images go in as
+    mlx-vlm's numbered tags (`<|image_1|>`), and a 700 x 500 picture is cut into 336 px tiles
+    plus its global view (HD transform): tokens and first-token logprobs are mlx-vlm's."""
+    import shutil
+
+    path = str(tmp_path / "phi3_v-published-template")
+    shutil.copytree(vlm_dirs["phi3_v"], path)
+    with open(f"{path}/chat_template.jinja", "w") as f:
+        f.write("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    big = picture(5, (500, 700))
+    llm = LLM(path, kv_cache_gb=0.05, max_model_len=4096)
+    try:
+        assert llm.engine.vision.processor.inline_marker == "<|image_1|>"
+        ids, images = llm._chat_prompt(_ask("what is it", big))
+        assert len(images.spans[0].rows) > 2 * 144  # more than one tile and the global view
+        _as_mlx_vlm(llm, path, "<|user|><|image_1|> what is it<|end|><|assistant|>", [big])  # (REFERENCE_TEXT)
     finally:
         llm.close()
 

@@ -15,8 +15,8 @@ from mlx.utils import tree_flatten
 
 from macinfer.vision.processor_fixes import mend
 from tests.helpers import randomize_packs
-from tests.vision_families import (ANYRES, BOTH_WAYS, BUILDERS, PROMPT_ONLY, TEXT_FIXED,  # noqa: F401 (the tests' names)
-                                   TIED, WEIGHT_LAYOUTS)
+from tests.vision_families import (ANYRES, BOTH_WAYS, BUILDERS, PROMPT_ONLY, REFERENCE_TEXT,  # noqa: F401
+                                   TEXT_FIXED, TIED, WEIGHT_LAYOUTS)
 from tests.vision_families.gemma import PALIGEMMA_2  # noqa: F401
 from tests.vision_families.qwen import MINICPMV_MOE  # noqa: F401
 

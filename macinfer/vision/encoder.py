@@ -61,6 +61,18 @@ class _EmbedOnly(nn.Module):
         raise RuntimeError("this model's image merge runs its language model; the engine cannot split it")
 
 
+def _strip_inner_decoder(vlm: nn.Module, embed: nn.Module) -> None:
+    """A wrapper whose language model is itself (Phi-3 Vision: the tower inside the decoder's
+    module, `model.vision_embed_tokens`): its decoder layers, final norm and head dropped
+    (never read), its token embedding the engine's, the tower kept."""
+    inner = vlm.model
+    inner.layers = []
+    inner.embed_tokens = embed
+    for owner, name in ((inner, "norm"), (vlm, "lm_head")):
+        if name in owner:
+            del owner[name]
+
+
 class _ConfigOnly:
     """A class's methods (and properties) run on plain attributes instead of an instance: mlx-vlm's
     multimodal RoPE rule, and the helpers it calls, on the language model's config, no weights."""
@@ -134,10 +146,13 @@ class VisionEncoder:
             lm = vlm.language_model
             raw = _ConfigOnly(type(lm), config=lm.config, args=getattr(lm, "args", None)).get_rope_index
             rope_index = _qwen(raw)
-        inner = getattr(vlm.language_model, "model", None)
-        numbers = {k: v for k, v in vars(inner).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                   and not k.startswith("_")} if isinstance(inner, nn.Module) else {}
-        vlm.language_model = _EmbedOnly(embed, raw, numbers)  # (the merges call the rule as mlx-vlm has it)
+        if isinstance(getattr(type(vlm), "language_model", None), property):
+            _strip_inner_decoder(vlm, embed)
+        else:
+            inner = getattr(vlm.language_model, "model", None)
+            numbers = {k: v for k, v in vars(inner).items() if isinstance(v, (int, float))
+                       and not isinstance(v, bool) and not k.startswith("_")} if isinstance(inner, nn.Module) else {}
+            vlm.language_model = _EmbedOnly(embed, raw, numbers)  # (the merges call the rule as mlx-vlm has it)
         mx.eval(vlm.parameters())
         vlm.eval()
         encoder = cls(vlm, image_token_id, dtype, cache_bytes, rope_index, deepstack, _text_scale(vlm, embed))

@@ -218,6 +218,7 @@ class VisionProcessor:
             rows = [j for j, t in enumerate(shown) if t == self.image_token_id or lo <= t < hi]
             if self.sentinel_rows is not None and len(rows) == 1:
                 shown, rows = self._grown(shown, pixels, expanded)
+            shown = [0 if t < 0 else t for t in shown]  # (negative placeholders, Phi-3 Vision's: no token)
             if not rows:
                 raise ImageError("the model's processor gave the image no placeholder tokens")
             # (the encoder takes the image as expanded alone: its inputs' bounds count those ids)

@@ -53,7 +53,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -136,7 +136,14 @@ def verdict(config: dict[str, Any]) -> str | None:
     return FAMILIES.get(family(config), UNVERIFIED)
 
 
+# Families whose processor writes an image's placeholders as negative ids (-k for image k;
+# each image is expanded alone, as image 1): the engine's prompt holds a real id there.
+NEGATIVE_PLACEHOLDERS = {"phi3_v"}
+
+
 def image_token_id(config: dict[str, Any]) -> int | None:
+    if config.get("model_type") in NEGATIVE_PLACEHOLDERS:
+        return -1
     for key in ("image_token_index", "image_token_id", "image_token", "media_placeholder_token_id"):
         v = config.get(key)
         if isinstance(v, int):

@@ -45,6 +45,7 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "bunny-llama": lambda t: {**t, "model_type": "llama"},
     "dots_ocr": lambda t: {**t, "model_type": "qwen2"},  # dots.ocr's decoder (mlx-vlm: LLaVA-Bunny's Qwen2)
     "phi4mm": lambda t: {**t, "model_type": "phi3"},
+    "phi3_v": lambda t: {**t, "model_type": "phi3"},  # Phi-3 Vision's decoder is Phi-3's
     # Step 3.7's decoder is Step 3.5's; mlx-vlm keeps its MoE layer list as numbers, mlx-lm as text.
     "step3p5": lambda t: {**t, "moe_layers_enum": ",".join(map(str, t["moe_layers_enum"]))
                           if isinstance(t.get("moe_layers_enum"), (list, tuple)) else t.get("moe_layers_enum")},  # Phi-4 multimodal's decoder is Phi-4-mini's (mlx-lm's phi3)
@@ -109,7 +110,8 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     for key in ("vocab_size", "tie_word_embeddings", "eos_token_id"):  # set on the wrapper in some configs
         if key not in text and getattr(top, key, None) is not None:
             text[key] = getattr(top, key)
-    weights = dict(tree_flatten(lm.parameters()))
+    # (Phi-3 Vision keeps its tower inside the decoder's module: not the language model's)
+    weights = {k: v for k, v in tree_flatten(lm.parameters()) if ".vision_embed_tokens." not in f".{k}"}
     # Layers whose checkpoint keeps a modality's LoRA beside them (Phi-4 multimodal): mlx-vlm
     # merges the vision LoRA in at load; the engine runs the base weights and serves the LoRA
     # per row, for the prompts with images (`vision/modality_lora.py`).

@@ -6,6 +6,8 @@ on for prompts with images."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -52,3 +54,38 @@ def phi4mm_lora_layout(params: dict[str, mx.array], seed: int) -> dict[str, mx.a
         out[f"{layer}.lora_B.vision.weight"] = 0.2 * mx.random.normal((v.shape[0], r))
     return out
 
+
+
+def _tiny_clip336() -> None:
+    """mlx-vlm builds Phi-3 Vision's tower from a CLIP ViT-L/14-336 config fixed in its code
+    (24 layers, 300M parameters); its HD merge fixes the width (1024) and the 336 px tiles:
+    the tiny model keeps those and two narrow-MLP layers. Set for the test process, as the
+    FastViT block lists are."""
+    from types import SimpleNamespace
+
+    from mlx_vlm.models.phi3_v.vision import VisionModel
+
+    VisionModel.CLIP_VIT_LARGE_PATCH14_336_CONFIG = SimpleNamespace(
+        model_type="phi3_v", hidden_size=1024, image_size=336, intermediate_size=64, layer_norm_eps=1e-05,
+        num_attention_heads=16, num_channels=3, num_hidden_layers=2, patch_size=14)
+
+
+_tiny_clip336()
+
+
+def _phi3_v(path: str) -> tuple[dict, Any]:
+    """Phi-3.5 Vision: that tower's tiles (an HD transform to 336 px tiles and a global view,
+    2 x 2 merged, newline rows), a projector, Phi-3's decoder (mlx-lm's `phi3`) inside the
+    same module as the tower; each image's placeholders are negative ids (-k for image k)."""
+    from mlx_vlm.models.phi3_v.processing_phi3_v import Phi3VImageProcessor, Phi3VProcessor
+
+    text = {k: v for k, v in TEXT.items() if k != "model_type"}
+    cfg = {"model_type": "phi3_v", **text, "original_max_position_embeddings": 2048, "eos_token_id": 2,
+           "vision_config": {"model_type": "phi3_v", "image_dim_out": 1024, "num_img_tokens": 144},
+           "embd_layer": {"embedding_cls": "image", "hd_transform_order": "sub_glb", "projection_cls": "mlp",
+                          "use_hd_transform": True, "with_learnable_separator": True}}
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:  # what its processor reads back
+        json.dump({"num_crops": 4, "num_img_tokens": 144}, f)
+    tok = _tokenizer([], "<|image_1|>")
+    return cfg, Phi3VProcessor(image_processor=Phi3VImageProcessor(num_crops=4), tokenizer=tok,
+                               chat_template=tok.chat_template)
