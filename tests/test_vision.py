@@ -469,6 +469,26 @@ def test_step3p7_crops_a_large_picture_as_mlx_vlm_does(vlm_dirs):
         llm.close()
 
 
+@pytest.mark.parametrize("family,marker", [("llava_bunny", "<image>\n"), ("step3p7", "<im_patch>")])
+def test_a_string_only_template_takes_images_as_mlx_vlm_writes_them(vlm_dirs, tmp_path, family, marker):
+    """nanoLLaVA's and Step 3.7's published chat templates read string content only: each image
+    part becomes the text mlx-vlm's prompt format writes for the family, and the tokens are
+    mlx-vlm's own on the prompt its `apply_chat_template` builds."""
+    import shutil
+
+    path = str(tmp_path / f"{family}-string-template")
+    shutil.copytree(vlm_dirs[family], path)
+    with open(f"{path}/chat_template.jinja", "w") as f:
+        f.write("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    llm = LLM(path, kv_cache_gb=0.02, max_model_len=2048)
+    try:
+        assert llm.engine.vision.processor.inline_marker == marker
+        _as_mlx_vlm(llm, path, mlx_vlm_prompt(path, "what is it", 1), [picture(0)])
+    finally:
+        llm.close()
+
+
 def test_phi3_v_tiles_a_large_picture_under_its_published_template(vlm_dirs, tmp_path):
     """Phi-3.5 Vision's published chat template reads string content only: images go in as
     mlx-vlm's numbered tags (`<|image_1|>`), and a 700 x 500 picture is cut into 336 px tiles
