@@ -241,6 +241,29 @@ def drafting_engine(target, draft: str, **kw):
     return LLMEngine(target, EngineConfig(draft_model=draft, num_speculative_tokens=3, **kw))
 
 
+def same_tokens_as_plain(plain, draft: str, base: list[list[int]], sampled: dict):
+    """32 rows (`base` and random prompts around a window's length), greedy and seeded with
+    `sampled`'s settings, drafted by `draft` with the target `plain` runs: the tokens of
+    `plain` alone, also on a pool so small that rows are preempted and recomputed. Returns
+    (the drafting engine, the prompts, their params, the tokens)."""
+    import numpy as np
+
+    from macinfer.sampling_params import SamplingParams
+
+    engine = drafting_engine(plain.loaded, draft)
+    rng = np.random.default_rng(7)
+    prompts = base + [rng.integers(3, 290, size=int(rng.integers(3, 45))).tolist() for _ in range(32 - len(base))]
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) if i % 2 else
+              SamplingParams(**sampled, seed=i, max_tokens=14, ignore_eos=True) for i in range(len(prompts))]
+    want = [o.token_ids for o in generate(plain, prompts, params)]
+    assert [o.token_ids for o in generate(engine, prompts, params)] == want
+    tight = drafting_engine(plain.loaded, draft, kv_cache_gb=None, num_kv_blocks=24, max_num_batched_tokens=64)
+    assert [o.token_ids for o in generate(tight, prompts, params)] == want  # preempted and recomputed
+    assert tight.scheduler.num_preemptions > 0
+    assert engine.stats["spec_draft_tokens"] > 0
+    return engine, prompts, params, want
+
+
 def record_proposals(engine) -> list[tuple[list[int], int, list[int]]]:
     """Every proposal the engine's drafter makes from now on, as it makes it: (the
     sequence's tokens, its computed count, the drafts)."""

@@ -10,7 +10,8 @@ import pytest
 
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.sampling_params import SamplingParams
-from tests.helpers import drafting_engine, generate, make_mlx_lm_model, record_proposals, save_model_dir
+from tests.helpers import (drafting_engine, generate, make_mlx_lm_model, record_proposals, same_tokens_as_plain,
+                           save_model_dir)
 from tests.zoo import tiny_config
 
 IDS = [0, 2]  # the target layers whose outputs the drafter reads
@@ -49,19 +50,7 @@ def _prompts() -> list[list[int]]:
 def test_outputs_are_those_of_decoding_without_speculation(pair):
     target, draft, _, _ = pair
     plain = LLMEngine(target, EngineConfig(kv_cache_gb=0.02))
-    engine = drafting_engine(plain.loaded, draft)
-    rng = np.random.default_rng(7)  # 32 rows in one batch, of lengths around the window
-    prompts = _prompts() + [rng.integers(3, 290, size=int(rng.integers(3, 45))).tolist()
-                            for _ in range(32 - len(_prompts()))]
-    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) if i % 2 else
-              SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=14, ignore_eos=True)
-              for i in range(len(prompts))]
-    want = [o.token_ids for o in generate(plain, prompts, params)]
-    assert [o.token_ids for o in generate(engine, prompts, params)] == want
-    tight = drafting_engine(plain.loaded, draft, kv_cache_gb=None, num_kv_blocks=24, max_num_batched_tokens=64)
-    assert [o.token_ids for o in generate(tight, prompts, params)] == want  # preempted and recomputed
-    assert tight.scheduler.num_preemptions > 0
-    assert engine.stats["spec_draft_tokens"] > 0
+    engine, prompts, params, want = same_tokens_as_plain(plain, draft, _prompts(), dict(temperature=0.8, top_k=20))
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))  # the drafter's own prefix cache holds it
     again = generate(engine, [prompts[longest]], [params[longest]])[0]
     assert again.token_ids == want[longest] and again.num_cached_tokens > 0
