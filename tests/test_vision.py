@@ -140,6 +140,22 @@ def test_paligemma_2_gives_mlx_vlm_tokens(tmp_path):
         llm.close()
 
 
+def test_deepseek_vl_hybrid_tower_gives_mlx_vlm_tokens(tmp_path):
+    """DeepSeek-VL's hybrid tower (SAM at 1024 px beside SigLIP at 384 px, its NumPy resizes
+    between them) under the same model type as Janus; two images in one prompt, which
+    mlx-vlm's merge cannot take (it keeps one image's text), each grown alone."""
+    path = tiny_vlm_dir(tmp_path, "multi_modality", variant="deepseek_vl_hybrid")
+    llm = LLM(path, kv_cache_gb=0.02, max_model_len=1536)
+    try:
+        rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "what is it"}]}])
+        _as_mlx_vlm(llm, path, rendered, [picture(0)])
+        two = llm.chat(_ask("what is it", picture(0), picture(1)), FIRST)
+        assert len(two.prompt_token_ids) == 2 * 576 + len(llm.chat(_ask("what is it"), FIRST).prompt_token_ids)
+    finally:
+        llm.close()
+
+
 def test_llava_next_packs_an_image_as_transformers_does_not_as_mlx_vlm(vlm_dirs):
     """LLaVA-NeXT's tiles packed as transformers' `pack_image_features`: a wide picture whose
     padding rows are cut away (2 of 4 grid rows kept) gives the reference's tokens on the engine,

@@ -16,22 +16,23 @@ from mlx.utils import tree_flatten
 from macinfer.vision.processor_fixes import mend
 from tests.helpers import randomize_packs
 from tests.vision_families import (ANYRES, BOTH_WAYS, BUILDERS, PROMPT_ONLY, REFERENCE_TEXT,  # noqa: F401
-                                   TEXT_FIXED, TIED, WEIGHT_LAYOUTS)
+                                   TEXT_FIXED, TIED, VARIANTS, WEIGHT_LAYOUTS)
 from tests.vision_families.gemma import PALIGEMMA_2  # noqa: F401
 from tests.vision_families.qwen import MINICPMV_MOE  # noqa: F401
 
 
 def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None, vision: dict | None = None,
-                 max_pixels: int | None = None) -> str:
+                 max_pixels: int | None = None, variant: str | None = None) -> str:
     """A checkpoint folder as mlx-community publishes one: config, weights, tokenizer, processor.
-    `text`, `vision`: sizes over the tiny ones (benchmarks); `max_pixels`: the processor's cap."""
+    `text`, `vision`: sizes over the tiny ones (benchmarks); `max_pixels`: the processor's cap;
+    `variant`: a `VARIANTS` builder of the family's other layout."""
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
-    path = os.path.join(str(base), f"{family}-{seed}" + ("-sized" if text or vision or max_pixels else ""))
+    path = os.path.join(str(base), f"{variant or family}-{seed}" + ("-sized" if text or vision or max_pixels else ""))
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     os.makedirs(path, exist_ok=True)
-    cfg, processor = BUILDERS[family](path)
+    cfg, processor = (VARIANTS[variant] if variant else BUILDERS[family])(path)
     (cfg["text_config"] if "text_config" in cfg else cfg).update(text or {})
     cfg["vision_config"].update(vision or {})
     if max_pixels:
@@ -50,8 +51,8 @@ def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None
     params = {k: (0.5 * mx.random.normal(v.shape) if k.endswith("gate.weight") and not mx.any(v).item() else v)
               for k, v in params.items()}
     randomize_packs(params)
-    if family in WEIGHT_LAYOUTS:
-        params = WEIGHT_LAYOUTS[family](params, seed)
+    if (variant or family) in WEIGHT_LAYOUTS:
+        params = WEIGHT_LAYOUTS[variant or family](params, seed)
     if family in TIED:  # as published: no lm_head (mlx-vlm copies the embedding, mlx-lm ties it)
         params.pop("language_model.lm_head.weight", None)
     mx.eval(params)

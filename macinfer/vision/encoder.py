@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from macinfer.vision.inputs import ImageSpan
+from macinfer.vision.inputs import ImageSpan, content_digest
 from macinfer.vision.merges import Merge, merge_for
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,9 @@ class VisionEncoder:
         self.images_encoded = 0
         self.rope_index = rope_index  # multimodal RoPE families: (ids, spans) -> (positions, shift), mlx-vlm's rule
         self.sentinel = False  # a sentinel family's (`sentinel_rows`): its images encoded a call each
+        # `sentinel_rows` by the inputs' shapes and every input but the pixels: a family's
+        # tower may compute eagerly, in NumPy (DeepSeek-VL's SAM), so counting costs an encode.
+        self._rows: dict[bytes, int] = {}
 
     @classmethod
     def load(cls, path: str, embed: nn.Module, image_token_id: int, dtype: mx.Dtype,
@@ -173,14 +176,23 @@ class VisionEncoder:
         return sum(v.nbytes for v in own)
 
     def sentinel_rows(self, inputs: dict[str, Any]) -> int:
-        """The feature rows the merge grows an image's one sentinel id into (a shape only:
-        the merge's graph is built, never evaluated past finding the sentinel)."""
-        ids = np.asarray(inputs["input_ids"], dtype=np.int32)[None]
-        rest = {k: mx.array(np.asarray(v)) if isinstance(v, (np.ndarray, mx.array)) else v
-                for k, v in inputs.items() if k not in ("input_ids", "pixel_values")}  # (NaFlex: sizes, masks)
-        merged = self.vlm.get_input_embeddings(mx.array(ids), mx.array(np.asarray(inputs["pixel_values"])),
-                                               mask=mx.ones(ids.shape, dtype=mx.int32), **rest).inputs_embeds
-        return int(merged.shape[1] - ids.shape[1] + 1)
+        """The feature rows the merge grows an image's one sentinel id into: a shape, read from
+        the merge's graph unevaluated (where the tower does not compute eagerly), once for
+        inputs of the same shapes and extras."""
+        pixels = np.asarray(inputs["pixel_values"])
+        key = content_digest(inputs["input_ids"], {**{k: v for k, v in inputs.items()
+                                                      if k not in ("input_ids", "pixel_values")},
+                                                   "pixel_shape": np.asarray(pixels.shape)})
+        if key not in self._rows:
+            ids = np.asarray(inputs["input_ids"], dtype=np.int32)[None]
+            rest = {k: mx.array(np.asarray(v)) if isinstance(v, (np.ndarray, mx.array)) else v
+                    for k, v in inputs.items() if k not in ("input_ids", "pixel_values")}  # (NaFlex: sizes, masks)
+            merged = self.vlm.get_input_embeddings(mx.array(ids), mx.array(pixels),
+                                                   mask=mx.ones(ids.shape, dtype=mx.int32), **rest).inputs_embeds
+            if len(self._rows) > 1024:
+                self._rows.clear()
+            self._rows[key] = int(merged.shape[1] - ids.shape[1] + 1)
+        return self._rows[key]
 
     def encode(self, span: ImageSpan) -> mx.array:
         """The embedding rows of `span`'s placeholders [len(rows), hidden] (DeepStack:

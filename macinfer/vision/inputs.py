@@ -4,8 +4,11 @@ hash that keys the prefix cache and the encoder cache."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(eq=False)
@@ -41,10 +44,6 @@ class ImageInputs:
     prefix_digest: bytes = b""
 
     def set_prefix(self, ids: list[int]) -> None:
-        import hashlib
-
-        import numpy as np
-
         h = hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=16)
         for s in self.spans:
             h.update(s.digest)
@@ -60,7 +59,6 @@ class ImageInputs:
     def key_ceilings(self, positions: Any) -> Any:
         """The last key each of `positions` (numpy ints) may read: itself, or inside a both-ways
         block (`_blocks`), the block's last token. None when no position is in one."""
-        import numpy as np
 
         if not self.both_ways and not self.prefix:
             return None
@@ -81,7 +79,6 @@ class ImageInputs:
 
     def rope_rows(self, positions: Any) -> Any:
         """The three rotary positions [3, n] of prompt or output `positions` (numpy ints)."""
-        import numpy as np
 
         n = self.rope.shape[1]
         inside = positions < n
@@ -104,3 +101,14 @@ class ImageInputs:
     @property
     def num_tokens(self) -> int:
         return sum(s.length for s in self.spans)
+
+
+def content_digest(ids: list[int], pixels: dict[str, Any]) -> bytes:
+    """An image's key in the prefix and encoder caches: its expanded ids and every processor output."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(ids, dtype=np.int64).tobytes())
+    for k in sorted(pixels):
+        v = np.asarray(pixels[k])
+        h.update(k.encode() + str(v.dtype).encode() + str(v.shape).encode())
+        h.update(np.ascontiguousarray(v).tobytes())
+    return h.digest()

@@ -6,13 +6,12 @@ own content hash (prefix cache, encoder cache)."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
 
 from macinfer.vision.images import ImageError
-from macinfer.vision.inputs import ImageInputs, ImageSpan
+from macinfer.vision.inputs import ImageInputs, ImageSpan, content_digest
 from macinfer.vision.processor_fixes import mend
 
 _PROBE_TEXT = "x"
@@ -222,19 +221,9 @@ class VisionProcessor:
             if not rows:
                 raise ImageError("the model's processor gave the image no placeholder tokens")
             # (the encoder takes the image as expanded alone: its inputs' bounds count those ids)
-            spans.append(ImageSpan(len(ids), len(shown), rows, _digest(expanded, pixels),
+            spans.append(ImageSpan(len(ids), len(shown), rows, content_digest(expanded, pixels),
                                    {"input_ids": expanded, **pixels}))
             ids.extend(shown)
             prev = start + len(m)
         ids.extend(prompt[prev:])
         return ids, ImageInputs(spans)
-
-
-def _digest(ids: list[int], pixels: dict[str, Any]) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(np.asarray(ids, dtype=np.int64).tobytes())
-    for k in sorted(pixels):
-        v = np.asarray(pixels[k])
-        h.update(k.encode() + str(v.dtype).encode() + str(v.shape).encode())
-        h.update(np.ascontiguousarray(v).tobytes())
-    return h.digest()

@@ -37,7 +37,7 @@ CROSS = "its language model cross-attends to the image (no image tokens in the p
 ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
 # Families whose prompt holds one sentinel id an image, grown into the image's rows at the merge:
 # the engine's prompt holds a placeholder a row instead (`VisionProcessor._grown`).
-SENTINEL_FAMILIES = {"llava_bunny", "fastvlm", "phi4mm"}
+SENTINEL_FAMILIES = {"llava_bunny", "fastvlm", "phi4mm", "multi_modality"}
 # Families whose language model runs image prompts under a LoRA the checkpoint keeps beside
 # its base weights (`vision/modality_lora.py`).
 MODALITY_LORA = {"phi4mm"}
@@ -53,7 +53,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),

@@ -1,0 +1,65 @@
+"""Tiny checkpoints of DeepSeek's vision line: Janus / DeepSeek-VL (`multi_modality`: a
+SigLIP tower, an MLP aligner, a Llama decoder)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.vision_families.common import TEXT, _tokenizer
+
+
+def _tiny_sam() -> None:
+    """mlx-vlm builds DeepSeek-VL's SAM tower (the hybrid tower's 1024 px side) from its
+    constructor's defaults, not the config (ViT-B: 768 wide, 12 layers): the tiny model keeps
+    its shape (16 px patches, windows of 14, a global layer, the neck resized to 96 x 96 and
+    two stride-2 convolutions: 24 x 24 rows) at 32 wide, two layers. Set for the test process,
+    as FastVLM's block lists are (`_tiny_fastvit`)."""
+    from mlx_vlm.models.multi_modality.sam import SAMEncoder
+
+    d = list(SAMEncoder.__init__.__defaults__)
+    d[3:6], d[7], d[15], d[16] = [32, 2, 2], 32, (1,), (32, 64)  # width, depth, heads; neck; global; downsamples
+    SAMEncoder.__init__.__defaults__ = tuple(d)
+
+
+_tiny_sam()
+
+
+def _multi_modality(path: str, hybrid: bool = False) -> tuple[dict, Any]:
+    """Janus(-Pro)'s understanding path: a SigLIP ViT at 384 px (32 px patches here: 144
+    rows), a two-layer GELU aligner, a Llama decoder. Its checkpoints ship a tokenizer and
+    remote-code processor classes: mlx-vlm loads the tokenizer and its own image processor
+    (a pad to a square), puts the config's image id where the prompt says `<image>`, and its
+    merge grows that one id into the image's rows (a sentinel family). `hybrid`: DeepSeek-VL's
+    tower instead, SAM at 1024 px and SigLIP at 384 px (16 px patches: 576 rows), each half
+    of the aligner's first layer."""
+    if hybrid:
+        cfg_for = {"image_size": 384, "select_feature": "same", "select_layer": -1, "output_dim": 64}
+        vision = {"model_type": "vision", "cls": "HybridVisionTower", "hidden_size": 64, "num_hidden_layers": 1,
+                  "intermediate_size": 64, "num_attention_heads": 2, "image_size": 384, "patch_size": 16,
+                  "params": {"concat_type": "tuple",
+                             "high_res_cfg": {**cfg_for, "image_size": 1024, "model_name": "sam_b_downsample",
+                                              "pixel_mean": [0.48145466, 0.4578275, 0.40821073],
+                                              "pixel_std": [0.26862954, 0.26130258, 0.27577711]},
+                             "low_res_cfg": {**cfg_for, "model_name": "siglip_large_patch16_384",
+                                             "pixel_mean": [0.5] * 3, "pixel_std": [0.5] * 3}}}
+        projector, rows = "low_high_hybrid_split_mlp_gelu", 576
+    else:
+        vision = {"model_type": "vision", "cls": "CLIPVisionTower", "hidden_size": 32, "num_hidden_layers": 2,
+                  "intermediate_size": 64, "num_attention_heads": 2, "image_size": 384, "patch_size": 32,
+                  "params": {"image_size": 384, "model_name": "siglip_large_patch16_384", "select_feature": "same",
+                             "select_layer": -1}}
+        projector, rows = "mlp_gelu", 144
+    aligner = {"cls": "MlpProjector", "model_type": "aligner",
+               "params": {"depth": 2, "input_dim": vision["hidden_size"], "n_embed": TEXT["hidden_size"],
+                          "projector_type": projector}}
+    tok = _tokenizer(["<image_placeholder>"], "<image>")
+    cfg = {"model_type": "multi_modality", "text_config": dict(TEXT), "vision_config": vision,
+           "aligner_config": aligner, "image_token_index": tok.convert_tokens_to_ids("<image_placeholder>"),
+           "num_image_tokens": rows, "eos_token_id": 2}
+    return cfg, tok
+
+
+def deepseek_vl_hybrid_layout(params: dict, seed: int) -> dict:
+    """The SAM side's high-resolution neck joins by a learned factor initialised to zero: set
+    off zero so the branch shows in the features."""
+    return {k: (v + 0.5 if k.endswith("hd_alpha_downsamples") else v) for k, v in params.items()}
