@@ -94,6 +94,8 @@ def mlx_vlm_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tup
     else:
         inputs = processor(text=[prompt], images=images, return_tensors="np")
     # (arrays as MLX arrays; lists, MiniCPM-V's per-image pixels and bounds, as they are)
+    if "images" in inputs:  # (DeepSeek-OCR's: mlx-vlm's `prepare_inputs` renames it)
+        inputs["pixel_values"] = inputs.pop("images")
     extras = {k: _mx(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
     ids, mask = mx.array(inputs["input_ids"]), mx.array(inputs["attention_mask"])
     steps = generate_step(ids, model, _mx(inputs["pixel_values"]), mask, max_tokens=max_tokens,

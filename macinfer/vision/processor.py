@@ -6,13 +6,18 @@ own content hash (prefix cache, encoder cache)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 from typing import Any
 
 import numpy as np
 
 from macinfer.vision.images import ImageError
 from macinfer.vision.inputs import ImageInputs, ImageSpan, content_digest
-from macinfer.vision.processor_fixes import mend
+from macinfer.vision.processor_fixes import engine_outputs, mend
+
+log = logging.getLogger(__name__)
 
 _PROBE_TEXT = "x"
 _FOLLOW = 8  # prompt tokens after an image marker that its expansion is made with
@@ -91,8 +96,12 @@ class VisionProcessor:
         Raises ValueError with the reason when the template shows no image or no id is named."""
         from mlx_vlm.utils import load_processor
 
-        processor = load_processor(path, add_detokenizer=False)
+        with contextlib.redirect_stdout(io.StringIO()) as said:  # (DeepSeek-OCR's prints what it adds)
+            processor = load_processor(path, add_detokenizer=False)
+        if said.getvalue().strip():
+            log.debug("the processor says: %s", said.getvalue().strip())
         mend(processor, model_type)
+        engine_outputs(processor, model_type)
         image_processor = None
         from transformers import PreTrainedTokenizerBase
 

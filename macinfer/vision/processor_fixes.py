@@ -1,6 +1,7 @@
 """Where mlx-vlm's processor for a family departs from the published one so that its prompt
 and its pixels disagree, the engine mends it with the processor's own methods (decided
-once, at load): the prompt's placeholders and the encoder's features must match."""
+once, at load): the prompt's placeholders and the encoder's features must match. Where its
+outputs are in a form of its own, the engine's view of them (`engine_outputs`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,39 @@ from typing import Any
 def mend(processor: Any, model_type: str | None) -> None:
     if model_type == "llama4":
         _llama4_global_tile(processor.image_processor)
+
+
+def engine_outputs(processor: Any, model_type: str | None) -> None:
+    """The processor's outputs as the engine takes them: a transformers-style call giving the
+    prompt's ids and the encoder's inputs (NumPy or float MLX arrays)."""
+    if model_type == "deepseekocr":
+        _deepseek_ocr(processor)
+
+
+def _deepseek_ocr(processor: Any) -> None:
+    """DeepSeek-OCR's processor (mlx-vlm's own) drops a prompt's last token in its inference
+    mode (DeepSeek's code ends the formatted prompt with one to drop; mlx-vlm's template ends
+    with a space instead, which it loses), puts BOS first, and gives its views as a list of
+    bfloat16 arrays under `images`: the engine's call keeps every token of the text it is
+    given, no BOS (its prompt has one), and the views as float32 (bfloat16 values exactly) under
+    `pixel_values`, as mlx-vlm's `prepare_inputs` renames them."""
+    import mlx.core as mx
+    import numpy as np
+
+    cls = type(processor)
+
+    class EngineOutputs(cls):  # type: ignore[misc, valid-type]
+        def __call__(self, *, text: Any = None, images: Any = None, **kwargs: Any) -> dict[str, Any]:
+            out = self.process_one(prompt=text[0] if isinstance(text, list) else text, images=images,
+                                   inference_mode=False)
+            ids = np.asarray(out["input_ids"]).reshape(-1)
+            mask = np.asarray(out["images_seq_mask"]).reshape(-1)
+            if len(ids) and ids[0] == self.bos_id:
+                ids, mask = ids[1:], mask[1:]
+            return {"input_ids": ids[None], "pixel_values": tuple(v.astype(mx.float32) for v in out["images"]),
+                    "images_seq_mask": mask[None], "images_spatial_crop": np.asarray(out["images_spatial_crop"])}
+
+    processor.__class__ = EngineOutputs
 
 
 def _llama4_global_tile(image_processor: Any) -> None:

@@ -32,6 +32,10 @@ PREFIX_LM_TEMPLATE = (
     "{{ bos_token }}{{ m['content'] }}{% else %}{% for p in m['content'] if p['type'] == 'image' %}<image>"
     "{% endfor %}{{ bos_token }}{% for p in m['content'] if p['type'] == 'text' %}{{ p['text'] }}{% endfor %}"
     "{% endif %}{{ '\\n' }}")  # (Jinja drops a template's last newline)
+# Families whose processor puts BOS before every prompt whatever the template renders (DeepSeek's
+# code for DeepSeek-OCR; mlx-vlm's template for it writes the content alone): the engine's
+# template is made to write it.
+BOS_FIRST = {"deepseekocr"}
 NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
 CROSS = "its language model cross-attends to the image (no image tokens in the prompt), not run yet"
 ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
@@ -53,7 +57,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -173,6 +177,12 @@ def both_ways_images(config: dict[str, Any]) -> bool:
     return config.get("model_type") in BOTH_WAYS_IMAGES or text.get("use_bidirectional_attention") == "vision"
 
 
+def _bos_first(tokenizer: Any) -> None:
+    template, bos = tokenizer.chat_template, tokenizer.bos_token_id
+    if isinstance(template, str) and bos is not None and tokenizer.encode_chat([{"role": "user", "content": "x"}])[:1] != [bos]:
+        tokenizer.set_chat_template("{{ bos_token }}" + template)
+
+
 def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, dtype: mx.Dtype,
                 limits: ImageLimits | None = None, cache_bytes: int = 256 * 2**20) -> tuple[Vision | None, str | None]:
     """(the image path, None) for a checkpoint whose family runs, else (None, why not)."""
@@ -201,6 +211,8 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         prefix_lm = config.get("model_type") in PREFIX_LM
         if prefix_lm and not tokenizer.chat_template:
             tokenizer.set_chat_template(PREFIX_LM_TEMPLATE)
+        if config.get("model_type") in BOS_FIRST:
+            _bos_first(tokenizer)
         own = config["vision_config"] if config.get("model_type") in OWN_VOCAB else None
         processor = VisionProcessor.load(path, tokenizer, image_token_id(config), placeholders_only=prefix_lm,
                                          model_type=config.get("model_type"),

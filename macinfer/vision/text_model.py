@@ -22,6 +22,21 @@ def _flag(v: Any) -> bool:
     return bool(v)
 
 
+def _deepseek_v2(t: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-OCR's decoder is DeepSeek-V2's config without latent attention (no query or key
+    heads of its own width: plain multi-head attention), greedy softmax routing over routed and
+    shared experts: DeepSeek-MoE's, mlx-lm's `deepseek`. With latent attention it is mlx-lm's
+    `deepseek_v2`."""
+    if t.get("qk_nope_head_dim") or t.get("kv_lora_rank"):
+        return t
+    if t.get("topk_method", "greedy") != "greedy" or t.get("scoring_func", "softmax") != "softmax" \
+            or float(t.get("routed_scaling_factor") or 1.0) != 1.0:
+        raise ValueError("its DeepSeek-V2 decoder without latent attention routes by "
+                         f"{t.get('topk_method')}/{t.get('scoring_func')} x {t.get('routed_scaling_factor')}: "
+                         "only greedy softmax routing (DeepSeek-MoE's, mlx-lm's `deepseek`) runs")
+    return {**t, "model_type": "deepseek"}
+
+
 # Language models mlx-vlm names its own that are mlx-lm's classes under another name (the
 # same modules and weight names; the image side, multimodal RoPE included, is the engine's).
 TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -46,6 +61,7 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "dots_ocr": lambda t: {**t, "model_type": "qwen2"},  # dots.ocr's decoder (mlx-vlm: LLaVA-Bunny's Qwen2)
     "phi4mm": lambda t: {**t, "model_type": "phi3"},
     "phi3_v": lambda t: {**t, "model_type": "phi3"},  # Phi-3 Vision's decoder is Phi-3's
+    "deepseek_v2": _deepseek_v2,
     # Step 3.7's decoder is Step 3.5's; mlx-vlm keeps its MoE layer list as numbers, mlx-lm as text.
     "step3p5": lambda t: {**t, "moe_layers_enum": ",".join(map(str, t["moe_layers_enum"]))
                           if isinstance(t.get("moe_layers_enum"), (list, tuple)) else t.get("moe_layers_enum")},  # Phi-4 multimodal's decoder is Phi-4-mini's (mlx-lm's phi3)

@@ -63,3 +63,52 @@ def deepseek_vl_hybrid_layout(params: dict, seed: int) -> dict:
     """The SAM side's high-resolution neck joins by a learned factor initialised to zero: set
     off zero so the branch shows in the features."""
     return {k: (v + 0.5 if k.endswith("hd_alpha_downsamples") else v) for k, v in params.items()}
+
+
+def _tiny_deepseek_ocr_sam() -> None:
+    """DeepSeek-OCR's SAM tower is built from a config class and constructor defaults fixed in
+    mlx-vlm's code (ViT-B at 1024 px, 1024 channels out): the tiny model keeps its shape (16 px
+    patches, windows of 14, a global layer, the neck at 256 channels and its two stride-2
+    convolutions: 16 x 16 rows at 1024 px, 10 x 10 at 640) at 32 wide, two layers, 64 out."""
+    from mlx_vlm.models.deepseekocr import deepseekocr, sam
+
+    class TinySAM(deepseekocr.SAMViTConfig):
+        def __init__(self) -> None:
+            super().__init__(width=32, layers=2, heads=2, global_attn_indexes=(1,))
+
+    deepseekocr.SAMViTConfig = TinySAM
+    d = list(sam.SAMEncoder.__init__.__defaults__)
+    d[-1] = 64  # final_out_chans
+    sam.SAMEncoder.__init__.__defaults__ = tuple(d)
+
+
+_tiny_deepseek_ocr_sam()
+
+
+def _deepseekocr(path: str) -> tuple[dict, Any]:
+    """DeepSeek-OCR: SAM's features are a CLIP-L's patch embeddings; both concatenated, a linear
+    projector; a global 1024 px view and 640 px tiles for a large picture, each row closed by a
+    newline embedding, a view separator after; a DeepSeek-MoE decoder (plain attention, greedy
+    softmax routing over routed and shared experts: mlx-lm's `deepseek`). Its processor is
+    mlx-vlm's own: the prompt as text, `<image>` where an image goes (its default template
+    reads string content only; the tiny one renders image parts, as the other families')."""
+    from mlx_vlm.models.deepseekocr.processing_deepseekocr import DeepseekOCRProcessor
+
+    text = {"model_type": "deepseek_v2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+            "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "topk_method": "greedy",
+            "kv_lora_rank": None, "q_lora_rank": None, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0,
+            "v_head_dim": 0, "use_mla": False, "vocab_size": 300, "rms_norm_eps": 1e-6, "bos_token_id": 0,
+            "eos_token_id": 1}
+    vision = {"model_type": "vision", "layers": 1, "hidden_size": 64, "intermediate_size": 64,
+              "num_attention_heads": 2, "image_size": 224, "patch_size": 14}
+    # (the tokens its processor adds, within the tiny vocabulary)
+    tok = _tokenizer(["<image>", "<|ref|>", "<|/ref|>", "<|det|>", "<|/det|>", "<|grounding|>", "<|User|>",
+                      "<|Assistant|>", "<｜▁pad▁｜>"], "<image>")
+    tok.bos_token = "<unk>"  # (id 0: its processor puts id 0 first, DeepSeek's BOS)
+    proc = DeepseekOCRProcessor(tokenizer=tok, candidate_resolutions=[[1024, 1024]], patch_size=16,
+                                downsample_ratio=4, chat_template=tok.chat_template)
+    cfg = {"model_type": "deepseekocr", "text_config": text, "vision_config": vision,
+           "projector_config": {"projector_type": "linear", "input_dim": 128, "n_embed": 64},
+           "image_token_index": proc.image_token_id, "tile_tag": "2D", "global_view_pos": "head", "eos_token_id": 1}
+    return cfg, proc
