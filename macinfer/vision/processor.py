@@ -20,6 +20,9 @@ from macinfer.vision.processor_fixes import engine_outputs, mend
 log = logging.getLogger(__name__)
 
 _PROBE_TEXT = "x"
+# Families whose image placeholders are the tokenizer's unknown token, between the image's
+# markers (MiniCPM-o's), where neither the config nor the processor names an image id.
+UNK_PLACEHOLDERS = {"minicpmo"}
 _FOLLOW = 8  # prompt tokens after an image marker that its expansion is made with
 
 
@@ -117,6 +120,8 @@ class VisionProcessor:
             image_processor = found
         if image_token_id is None:
             image_token_id = getattr(processor, "image_token_id", None)
+            if image_token_id is None and model_type in UNK_PLACEHOLDERS:
+                image_token_id = getattr(getattr(processor, "tokenizer", None), "unk_token_id", None)
             if not isinstance(image_token_id, int):
                 raise ValueError("neither its config nor its processor names an image token id")
         hf = getattr(processor, "tokenizer", None)

@@ -62,6 +62,9 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "phi4mm": lambda t: {**t, "model_type": "phi3"},
     "phi3_v": lambda t: {**t, "model_type": "phi3"},  # Phi-3 Vision's decoder is Phi-3's
     "deepseek_v2": _deepseek_v2,
+    # MiniCPM-o 4.5's decoder (its config at the root) is Qwen3-8B's: mlx-vlm runs it by Qwen3-VL's
+    # language module with every position equal (plain RoPE), mlx-lm's `qwen3`.
+    "minicpmo": lambda t: {**t, "model_type": "qwen3"},
     # Step 3.7's decoder is Step 3.5's; mlx-vlm keeps its MoE layer list as numbers, mlx-lm as text.
     "step3p5": lambda t: {**t, "moe_layers_enum": ",".join(map(str, t["moe_layers_enum"]))
                           if isinstance(t.get("moe_layers_enum"), (list, tuple)) else t.get("moe_layers_enum")},  # Phi-4 multimodal's decoder is Phi-4-mini's (mlx-lm's phi3)

@@ -366,3 +366,24 @@ def _step3p7(path: str) -> tuple[dict, Any]:
     cfg = {"model_type": "step3p7", "text_config": text, "vision_config": vision, "image_token_id": 259,
            "eos_token_id": 2}
     return cfg, Step3VLProcessor(tokenizer=tok, chat_template=tok.chat_template)
+
+
+def _minicpmo(path: str) -> tuple[dict, Any]:
+    """MiniCPM-o 4.5's vision path: MiniCPM-V's SigLIP tower and resampler (a whole view and
+    slices, each `<image>`/`<slice>` around its placeholders), a Qwen3 decoder with its config
+    at the root; its audio tower and speech decoder are off here (their inputs are refused)."""
+    from mlx_vlm.models.minicpmo.processing_minicpmo import MiniCPMOImageProcessor, MiniCPMOProcessor
+    from transformers import WhisperFeatureExtractor
+
+    text = {k: v for k, v in TEXT.items() if k != "model_type"}
+    cfg = {"model_type": "minicpmo", **text, "head_dim": 16, "vision_config": {
+        "model_type": "siglip", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "image_size": 112, "patch_size": 14},
+        "query_num": 4, "image_size": 112, "patch_size": 14, "init_audio": False, "init_tts": False,
+        "slice_config": {"max_slice_nums": 4, "patch_size": 14, "scale_resolution": 112}, "eos_token_id": 2}
+    specials = ["<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>", "<|audio_start|>",
+                "<|audio_end|>", "<|spk_bos|>", "<|spk_eos|>", "<|tts_bos|>", "<|tts_eos|>", "<|listen|>"]
+    tok = _tokenizer(specials, "<image>./</image>")
+    kw = dict(patch_size=14, scale_resolution=112, image_feature_size=4, max_slice_nums=4)
+    return cfg, MiniCPMOProcessor(image_processor=MiniCPMOImageProcessor(**kw), tokenizer=tok,
+                                  audio_processor=WhisperFeatureExtractor(), chat_template=tok.chat_template)
