@@ -505,23 +505,25 @@ def test_a_string_only_template_takes_images_as_mlx_vlm_writes_them(vlm_dirs, tm
         llm.close()
 
 
-def test_deepseek_ocr_tiles_a_large_picture_under_its_string_template(vlm_dirs, tmp_path):
-    """DeepSeek-OCR under its processor's own chat template (string content only: images go in
-    as mlx-vlm's `<image>\n`): a 700 x 900 picture is a 1024 px global view and 640 px tiles,
-    each row of features closed by a newline row; tokens and first-token logprobs are mlx-vlm's
-    (whose processor drops the prompt's last token: its reference prompt has one more)."""
+@pytest.mark.parametrize("family,size", [("deepseekocr", (700, 900)), ("deepseekocr_2", (900, 1000))])
+def test_deepseek_ocr_tiles_a_large_picture_under_its_string_template(vlm_dirs, tmp_path, family, size):
+    """DeepSeek-OCR (1 and 2) under its processor's own chat template (string content only:
+    images go in as mlx-vlm's `<image>\n`): a large picture is a 1024 px global view and tiles
+    (640 px, each row of features closed by a newline row; 768 px for 2); tokens and first-token
+    logprobs are mlx-vlm's (whose processor drops the prompt's last token: its reference prompt
+    has one more)."""
     import shutil
 
     from mlx_vlm.models.deepseekocr.processing_deepseekocr import DeepseekOCRProcessor
 
-    path = str(tmp_path / "deepseekocr-own-template")
-    shutil.copytree(vlm_dirs["deepseekocr"], path)
+    path = str(tmp_path / f"{family}-own-template")
+    shutil.copytree(vlm_dirs[family], path)
     with open(f"{path}/chat_template.jinja", "w") as f:
         f.write(DeepseekOCRProcessor.default_chat_template.fget(None))
     llm = LLM(path, kv_cache_gb=0.05, max_model_len=2048)
     try:
         assert llm.engine.vision.processor.inline_marker == "<image>\n"
-        _as_mlx_vlm(llm, path, mlx_vlm_prompt(path, "what is it", 1) + " ", [picture(0, (700, 900))])
+        _as_mlx_vlm(llm, path, mlx_vlm_prompt(path, "what is it", 1) + " ", [picture(0, size)])
     finally:
         llm.close()
 

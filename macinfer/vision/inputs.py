@@ -108,7 +108,7 @@ def content_digest(ids: list[int], pixels: dict[str, Any]) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(np.asarray(ids, dtype=np.int64).tobytes())
     for k in sorted(pixels):
-        for v in pixels[k] if isinstance(pixels[k], tuple) else (pixels[k],):  # (DeepSeek-OCR's views)
+        for v in pixels[k] if isinstance(pixels[k], (list, tuple)) else (pixels[k],):  # (DeepSeek-OCR's views)
             v = np.asarray(v)
             h.update(k.encode() + str(v.dtype).encode() + str(v.shape).encode())
             h.update(np.ascontiguousarray(v).tobytes())

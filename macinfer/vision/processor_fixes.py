@@ -16,7 +16,7 @@ def mend(processor: Any, model_type: str | None) -> None:
 def engine_outputs(processor: Any, model_type: str | None) -> None:
     """The processor's outputs as the engine takes them: a transformers-style call giving the
     prompt's ids and the encoder's inputs (NumPy or float MLX arrays)."""
-    if model_type == "deepseekocr":
+    if model_type in ("deepseekocr", "deepseekocr_2"):
         _deepseek_ocr(processor)
 
 
@@ -40,7 +40,7 @@ def _deepseek_ocr(processor: Any) -> None:
             mask = np.asarray(out["images_seq_mask"]).reshape(-1)
             if len(ids) and ids[0] == self.bos_id:
                 ids, mask = ids[1:], mask[1:]
-            return {"input_ids": ids[None], "pixel_values": tuple(v.astype(mx.float32) for v in out["images"]),
+            return {"input_ids": ids[None], "pixel_values": [v.astype(mx.float32) for v in out["images"]],
                     "images_seq_mask": mask[None], "images_spatial_crop": np.asarray(out["images_spatial_crop"])}
 
     processor.__class__ = EngineOutputs

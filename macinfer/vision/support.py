@@ -35,7 +35,7 @@ PREFIX_LM_TEMPLATE = (
 # Families whose processor puts BOS before every prompt whatever the template renders (DeepSeek's
 # code for DeepSeek-OCR; mlx-vlm's template for it writes the content alone): the engine's
 # template is made to write it.
-BOS_FIRST = {"deepseekocr"}
+BOS_FIRST = {"deepseekocr", "deepseekocr_2"}
 NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
 CROSS = "its language model cross-attends to the image (no image tokens in the prompt), not run yet"
 ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
@@ -57,7 +57,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "minicpmo": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),

@@ -112,3 +112,41 @@ def _deepseekocr(path: str) -> tuple[dict, Any]:
            "projector_config": {"projector_type": "linear", "input_dim": 128, "n_embed": 64},
            "image_token_index": proc.image_token_id, "tile_tag": "2D", "global_view_pos": "head", "eos_token_id": 1}
     return cfg, proc
+
+
+def _tiny_deepseek_ocr_2() -> None:
+    """DeepSeek-OCR 2 takes SAM (896 channels out, fixed in mlx-vlm's code, as its Qwen2
+    encoder's width) into a Qwen2-0.5B encoder whose depth, heads and MLP mlx-vlm's config
+    fixes in code: the tiny model keeps its width and query grids, one layer, a narrow MLP."""
+    from mlx_vlm.models.deepseekocr_2 import config, deepseekocr_2
+
+    class TinySAM(deepseekocr_2.SAMViTConfig):
+        def __init__(self) -> None:
+            super().__init__(width=32, layers=2, heads=2, global_attn_indexes=(1,))
+
+    deepseekocr_2.SAMViTConfig = TinySAM
+    full = config.VisionConfig.from_dict.__func__
+
+    def tiny(cls: Any, params: dict) -> Any:
+        out = full(cls, params)
+        out.params["qwen2"].update(layers=1, intermediate_size=64)
+        return out
+
+    config.VisionConfig.from_dict = classmethod(tiny)
+
+
+_tiny_deepseek_ocr_2()
+
+
+def _deepseekocr_2(path: str) -> tuple[dict, Any]:
+    """DeepSeek-OCR 2: SAM into a Qwen2 encoder with learned queries (16 x 16 for the 1024 px
+    global view, 12 x 12 for each 768 px tile), a linear projector, a view separator; DeepSeek-
+    OCR's decoder and processor rules (mlx-vlm's own processor, `<image>` in the text)."""
+    from mlx_vlm.models.deepseekocr_2.processing_deepseekocr import DeepseekOCR2Processor
+
+    cfg, proc = _deepseekocr(path)
+    proc = DeepseekOCR2Processor(tokenizer=proc.tokenizer, candidate_resolutions=[[1024, 1024]], patch_size=16,
+                                 downsample_ratio=4, chat_template=proc.tokenizer.chat_template)
+    cfg.update(model_type="deepseekocr_2", vision_config={"model_type": "vision", "width": {"qwen2-0-5b": {"dim": 896}}},
+               projector_config={"projector_type": "linear", "input_dim": 896, "n_embed": 64})
+    return cfg, proc
