@@ -61,6 +61,12 @@ FAMILIES: dict[str, str | None] = {
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
+    "deepseek_vl_v2": ("built and checked against mlx-vlm on a tiny model, it gave mlx-vlm's tokens on most calls but "
+                       "not all: in a long test process its image merge (mlx-vlm's, which sets the image's rows into "
+                       "the embeddings in place) left the rows unset on some calls, in mlx-vlm's own generation too; "
+                       "refused until the cause is found"),
+    "unlimited_ocr": ("its decoder keeps the whole prompt and a 128-token window of its own output (a cache rule "
+                      "of its own), which no cache kind of the engine's holds yet"),
     "phi4_siglip": ("its image processor (mlx-vlm's choice: transformers' Siglip2ImageProcessor) imports torch, "
                     "which a Mac's MLX install does not have; mlx-vlm itself falls back to the checkpoint's remote "
                     "code there. Its sentinel image id is grown as LLaVA-Bunny's is; not run yet"),
