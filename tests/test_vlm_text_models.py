@@ -35,3 +35,19 @@ def test_the_language_model_gives_mlx_vlm_tokens(tmp_path, monkeypatch, family):
     finally:
         llm.close()
     assert ours == mlx_vlm_text_greedy(path, ids, 12)
+
+
+def test_a_deepseek_v2_decoder_runs_by_the_mlx_lm_class_whose_routing_it_has():
+    """DeepSeek-V2's config without latent attention is DeepSeek-MoE's (mlx-lm's `deepseek`) only
+    with greedy softmax routing; with latent attention, mlx-lm's `deepseek_v2` routes greedily
+    or by group-limited greedy; other routings are refused at load with the reason."""
+    from macinfer.vision.text_model import _deepseek_v2
+
+    plain = {"model_type": "deepseek_v2", "qk_nope_head_dim": 0, "kv_lora_rank": None, "topk_method": "greedy"}
+    assert _deepseek_v2(plain)["model_type"] == "deepseek"
+    latent = {**plain, "qk_nope_head_dim": 128, "kv_lora_rank": 512, "topk_method": "group_limited_greedy"}
+    assert _deepseek_v2(latent) == latent
+    for bad in ({**plain, "topk_method": "noaux_tc"}, {**plain, "scoring_func": "sigmoid"},
+                {**plain, "routed_scaling_factor": 2.5}, {**latent, "topk_method": "noaux_tc"}):
+        with pytest.raises(ValueError, match="routes by"):
+            _deepseek_v2(bad)

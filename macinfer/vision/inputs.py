@@ -59,7 +59,6 @@ class ImageInputs:
     def key_ceilings(self, positions: Any) -> Any:
         """The last key each of `positions` (numpy ints) may read: itself, or inside a both-ways
         block (`_blocks`), the block's last token. None when no position is in one."""
-
         if not self.both_ways and not self.prefix:
             return None
         out, hit = np.asarray(positions).copy(), False
@@ -79,7 +78,6 @@ class ImageInputs:
 
     def rope_rows(self, positions: Any) -> Any:
         """The three rotary positions [3, n] of prompt or output `positions` (numpy ints)."""
-
         n = self.rope.shape[1]
         inside = positions < n
         out = np.broadcast_to(positions + self.rope_delta, (3, len(positions))).copy()

@@ -184,8 +184,11 @@ def both_ways_images(config: dict[str, Any]) -> bool:
 
 
 def _bos_first(tokenizer: Any) -> None:
+    """The template made to write BOS first, where it does not already."""
     template, bos = tokenizer.chat_template, tokenizer.bos_token_id
-    if isinstance(template, str) and bos is not None and tokenizer.encode_chat([{"role": "user", "content": "x"}])[:1] != [bos]:
+    if not isinstance(template, str) or bos is None:
+        return
+    if tokenizer.encode_chat([{"role": "user", "content": "x"}])[:1] != [bos]:
         tokenizer.set_chat_template("{{ bos_token }}" + template)
 
 

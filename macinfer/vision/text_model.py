@@ -27,14 +27,14 @@ def _deepseek_v2(t: dict[str, Any]) -> dict[str, Any]:
     heads of its own width: plain multi-head attention), greedy softmax routing over routed and
     shared experts: DeepSeek-MoE's, mlx-lm's `deepseek`. With latent attention it is mlx-lm's
     `deepseek_v2`."""
-    if t.get("qk_nope_head_dim") or t.get("kv_lora_rank"):
-        return t
-    if t.get("topk_method", "greedy") != "greedy" or t.get("scoring_func", "softmax") != "softmax" \
-            or float(t.get("routed_scaling_factor") or 1.0) != 1.0:
-        raise ValueError("its DeepSeek-V2 decoder without latent attention routes by "
-                         f"{t.get('topk_method')}/{t.get('scoring_func')} x {t.get('routed_scaling_factor')}: "
-                         "only greedy softmax routing (DeepSeek-MoE's, mlx-lm's `deepseek`) runs")
-    return {**t, "model_type": "deepseek"}
+    latent = bool(t.get("qk_nope_head_dim") or t.get("kv_lora_rank"))
+    methods = ("greedy", "group_limited_greedy") if latent else ("greedy",)
+    if t.get("topk_method", "greedy") not in methods or t.get("scoring_func", "softmax") != "softmax" \
+            or (not latent and float(t.get("routed_scaling_factor") or 1.0) != 1.0):
+        raise ValueError(f"its DeepSeek-V2 decoder routes by {t.get('topk_method')}/{t.get('scoring_func')} x "
+                         f"{t.get('routed_scaling_factor')}, which mlx-lm's "
+                         f"{'deepseek_v2' if latent else 'deepseek'} class does not")
+    return t if latent else {**t, "model_type": "deepseek"}
 
 
 # Language models mlx-vlm names its own that are mlx-lm's classes under another name (the
