@@ -528,6 +528,24 @@ def test_deepseek_ocr_tiles_a_large_picture_under_its_string_template(vlm_dirs, 
         llm.close()
 
 
+def test_molmo2_crops_a_large_picture_and_takes_its_image_tokens_past_the_head(vlm_dirs):
+    """Molmo 2: a 500 x 800 picture is a whole view and overlapping 378 px crops (tokens and
+    first-token logprobs are mlx-vlm's); its image tokens are embedding rows past the output
+    head's, which a prompt may hold (up to the embedding's rows) and no logit bias may name."""
+    path = vlm_dirs["molmo2"]
+    llm = LLM(path, kv_cache_gb=0.05, max_model_len=4096)
+    try:
+        _as_mlx_vlm(llm, path, "<user><|image|>what is it<assistant>", [picture(3, (500, 800))])
+        assert (llm.engine.model.args.vocab_size, llm.engine.model.args.input_vocab_size) == (300, 316)
+        assert len(llm.generate([[5, 6, 310]], GREEDY)[0].token_ids) == 8
+        with pytest.raises(ValueError, match="in \\[0, 316\\)"):
+            llm.generate([[5, 6, 316]], GREEDY)
+        with pytest.raises(ValueError, match="logit_bias"):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={305: 1.0}))
+    finally:
+        llm.close()
+
+
 def test_phi3_v_tiles_a_large_picture_under_its_published_template(vlm_dirs, tmp_path):
     """Phi-3.5 Vision's published chat template reads string content only: images go in as
     mlx-vlm's numbered tags (`<|image_1|>`), and a 700 x 500 picture is cut into 336 px tiles

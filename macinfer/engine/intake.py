@@ -38,8 +38,9 @@ class RequestIntake:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model.args.vocab_size
-        if any(not isinstance(i, int) or not 0 <= i < vocab for i in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        rows = getattr(self.model.args, "input_vocab_size", None) or vocab
+        if any(not isinstance(i, int) or not 0 <= i < rows for i in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {rows})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidSamplingParamsError("logit_bias", f"logit_bias token ids must be below {vocab}")
         if len(ids) >= self.max_model_len:

@@ -55,8 +55,11 @@ class EngineArgs:
     """What the engine needs to validate requests (cache shapes: `layer_specs`)."""
     model_type: str
     num_hidden_layers: int
-    vocab_size: int
+    vocab_size: int  # the logits' width
     max_position_embeddings: int
+    # Token ids a prompt may hold, where the embedding has rows past the output head's (Molmo
+    # 2's image tokens): None when it is `vocab_size`.
+    input_vocab_size: int | None = None
 
 
 def _resolve(node: Any, path: str) -> Any:

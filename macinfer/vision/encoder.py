@@ -45,6 +45,7 @@ class _EmbedOnly(nn.Module):
         for k, v in (numbers or {}).items():
             setattr(self.model, k, 0 if k == "hidden_size_per_layer_input" else v)
         self.model.embed_tokens = embed
+        self.model.wte = embed  # (Molmo 2's name for it)
         self.model.get_per_layer_inputs = lambda ids: None  # (Gemma 3n's merge asks; the engine's model makes them)
         self.embed_tokens = embed
         object.__setattr__(self, "_rope_index", rope_index)  # a plain attribute: not a module child

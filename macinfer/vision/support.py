@@ -57,7 +57,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -154,7 +154,7 @@ NEGATIVE_PLACEHOLDERS = {"phi3_v"}
 def image_token_id(config: dict[str, Any]) -> int | None:
     if config.get("model_type") in NEGATIVE_PLACEHOLDERS:
         return -1
-    for key in ("image_token_index", "image_token_id", "image_token", "media_placeholder_token_id"):
+    for key in ("image_token_index", "image_token_id", "image_token", "media_placeholder_token_id", "image_patch_id"):
         v = config.get(key)
         if isinstance(v, int):
             return v

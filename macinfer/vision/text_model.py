@@ -37,6 +37,54 @@ def _deepseek_v2(t: dict[str, Any]) -> dict[str, Any]:
     return t if latent else {**t, "model_type": "deepseek"}
 
 
+def _molmo2(t: dict[str, Any]) -> dict[str, Any]:
+    """Molmo 2's decoder is Qwen3's (per-head RMS norms on queries and keys, no biases) under its
+    own weight names (`_molmo2_weights`); its embedding has rows past the output head's (the
+    image tokens, `additional_vocab_size`): built with the embedding's rows, the head narrowed
+    to `vocab_size` (`follow_published`)."""
+    if not t.get("use_qk_norm", True) or t.get("qk_norm_type", "qwen3") != "qwen3" or t.get("norm_after") \
+            or t.get("qkv_bias"):
+        raise ValueError("its Molmo 2 decoder is not Qwen3's (qk_norm_type/norm_after/qkv_bias), which is the one "
+                         "mlx-lm's class runs")
+    head = int(t["vocab_size"])
+    return {**t, "model_type": "qwen3", "rms_norm_eps": t.get("layer_norm_eps", 1e-6), "tie_word_embeddings": False,
+            "vocab_size": head + int(t.get("additional_vocab_size") or 0), "head_vocab_size": head}
+
+
+def _molmo2_weights(w: dict[str, mx.array], t: dict[str, Any]) -> dict[str, mx.array]:
+    """Molmo 2's decoder weights under mlx-lm's Qwen3 names: the fused query/key/value and
+    up/gate projections split, the two embedding tables joined."""
+    q, kv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
+    names = {"self_attn.q_norm": "self_attn.q_norm", "self_attn.k_norm": "self_attn.k_norm",
+             "self_attn.attn_out": "self_attn.o_proj", "attn_norm": "input_layernorm",
+             "ff_norm": "post_attention_layernorm", "mlp.ff_out": "mlp.down_proj"}
+    out = {"model.embed_tokens.weight": mx.concatenate([w.pop("model.wte.embedding"), w.pop("model.wte.new_embedding")]),
+           "model.norm.weight": w.pop("model.ln_f.weight")}
+    for k, v in w.items():
+        if not k.startswith("model.blocks."):
+            out[k] = v
+            continue
+        i, rest = k[len("model.blocks."):].split(".", 1)
+        at = f"model.layers.{i}."
+        if rest == "self_attn.att_proj.weight":
+            out[at + "self_attn.q_proj.weight"], out[at + "self_attn.k_proj.weight"], \
+                out[at + "self_attn.v_proj.weight"] = v[:q], v[q:q + kv], v[q + kv:]
+        elif rest == "mlp.ff_proj.weight":  # (its first half is multiplied by the gate's SiLU)
+            half = v.shape[0] // 2
+            out[at + "mlp.up_proj.weight"], out[at + "mlp.gate_proj.weight"] = v[:half], v[half:]
+        else:
+            module, leaf = rest.rsplit(".", 1)
+            if module not in names:
+                raise ValueError(f"Molmo 2 decoder weight {k}: not a Qwen3 layer's")
+            out[at + names[module] + "." + leaf] = v
+    return out
+
+
+# The language model's weights under mlx-lm's names, where mlx-vlm's module names them otherwise.
+TEXT_WEIGHTS: dict[str, Callable[[dict[str, mx.array], dict[str, Any]], dict[str, mx.array]]] = {
+    "molmo2": _molmo2_weights}
+
+
 # Language models mlx-vlm names its own that are mlx-lm's classes under another name (the
 # same modules and weight names; the image side, multimodal RoPE included, is the engine's).
 TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -59,15 +107,16 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llava_qwen2": lambda t: {**t, "model_type": "qwen2"},  # FastVLM's Qwen2 decoder
     "bunny-llama": lambda t: {**t, "model_type": "llama"},
     "dots_ocr": lambda t: {**t, "model_type": "qwen2"},  # dots.ocr's decoder (mlx-vlm: LLaVA-Bunny's Qwen2)
-    "phi4mm": lambda t: {**t, "model_type": "phi3"},
+    "phi4mm": lambda t: {**t, "model_type": "phi3"},  # Phi-4 multimodal's decoder is Phi-4-mini's
     "phi3_v": lambda t: {**t, "model_type": "phi3"},  # Phi-3 Vision's decoder is Phi-3's
     "deepseek_v2": _deepseek_v2,
+    "molmo2": _molmo2,
     # MiniCPM-o 4.5's decoder (its config at the root) is Qwen3-8B's: mlx-vlm runs it by Qwen3-VL's
     # language module with every position equal (plain RoPE), mlx-lm's `qwen3`.
     "minicpmo": lambda t: {**t, "model_type": "qwen3"},
     # Step 3.7's decoder is Step 3.5's; mlx-vlm keeps its MoE layer list as numbers, mlx-lm as text.
     "step3p5": lambda t: {**t, "moe_layers_enum": ",".join(map(str, t["moe_layers_enum"]))
-                          if isinstance(t.get("moe_layers_enum"), (list, tuple)) else t.get("moe_layers_enum")},  # Phi-4 multimodal's decoder is Phi-4-mini's (mlx-lm's phi3)
+                          if isinstance(t.get("moe_layers_enum"), (list, tuple)) else t.get("moe_layers_enum")},
 }
 # Text model types mlx-lm runs only inside its wrapper, which takes the text config nested:
 # (the wrapper's type, where it wants the decoder's `model.*` weights, or None where its
@@ -85,13 +134,21 @@ LANGUAGE_MODEL_ALONE = {"kimi_vl": "mlx-lm's wrapper leaves DeepSeek-V3's kv_b_p
 
 
 def follow_published(model: Any, text: dict[str, Any]) -> None:
-    """Where mlx-lm's class departs from the checkpoint's published semantics, the layers are
-    made to follow them (swapped once, at load, parameters untouched): mlx-lm's Gemma (1) MLP
-    runs the exact GELU; transformers' Gemma always runs the tanh approximation (its config's
-    legacy "gelu" included), which PaliGemma's config names and mlx-vlm follows."""
+    """Where mlx-lm's class departs from the checkpoint's published model, it is made to follow
+    it (once, at load, before the weights): an output head narrower than the embedding (Molmo
+    2's image tokens are input rows only: the logits are the head's rows, `args.vocab_size`);
+    mlx-lm's Gemma (1) MLP runs the exact GELU, where transformers' Gemma always runs the tanh
+    approximation (its config's legacy "gelu" included), which PaliGemma's config names and
+    mlx-vlm follows (the layers' classes swapped, parameters untouched)."""
+    import mlx.nn as nn
+
+    if text.get("head_vocab_size"):
+        lm, head = model.lm, int(text["head_vocab_size"])
+        rows, dims = lm.lm_head.weight.shape
+        lm.lm_head = nn.Linear(dims, head, bias=False)
+        model.args.vocab_size, model.args.input_vocab_size = head, rows
     if text.get("model_type") != "gemma":
         return
-    import mlx.nn as nn
     from mlx_lm.models import gemma
 
     class TanhGeluMLP(gemma.MLP):
@@ -121,7 +178,8 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     # config says null (DeepSeek-V3's `q_lora_rank: null`: no query compression).
     nulls = {k for k, v in _raw_text_config(path).items() if v is None}
     text = {k: v for k, v in dataclasses.asdict(args).items() if v is not None or k in nulls}
-    alias = TEXT_ALIASES.get(text.get("model_type"))
+    raw_type = text.get("model_type")
+    alias = TEXT_ALIASES.get(raw_type)
     text = alias(text) if alias is not None else text
     if "head_dim" not in text and text.get("hidden_size") and text.get("num_attention_heads"):
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]  # transformers' default
@@ -131,6 +189,8 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
             text[key] = getattr(top, key)
     # (Phi-3 Vision keeps its tower inside the decoder's module: not the language model's)
     weights = {k: v for k, v in tree_flatten(lm.parameters()) if ".vision_embed_tokens." not in f".{k}"}
+    if raw_type in TEXT_WEIGHTS:
+        weights = TEXT_WEIGHTS[raw_type](weights, dataclasses.asdict(args))
     # Layers whose checkpoint keeps a modality's LoRA beside them (Phi-4 multimodal): mlx-vlm
     # merges the vision LoRA in at load; the engine runs the base weights and serves the LoRA
     # per row, for the prompts with images (`vision/modality_lora.py`).
