@@ -48,6 +48,7 @@ class _EmbedOnly(nn.Module):
         self.model.wte = embed  # (Molmo 2's name for it)
         self.model.get_per_layer_inputs = lambda ids: None  # (Gemma 3n's merge asks; the engine's model makes them)
         self.embed_tokens = embed
+        self.embedding = embed  # (Jina-VLM's name for it, on the language model itself)
         object.__setattr__(self, "_rope_index", rope_index)  # a plain attribute: not a module child
 
     def get_rope_index(self, *args: Any, **kwargs: Any) -> Any:

@@ -23,6 +23,9 @@ _PROBE_TEXT = "x"
 # Families whose image placeholders are the tokenizer's unknown token, between the image's
 # markers (MiniCPM-o's), where neither the config nor the processor names an image id.
 UNK_PLACEHOLDERS = {"minicpmo"}
+# Families whose config's image id is the prompt's marker, its placeholders the patch token its
+# image processor writes (Jina-VLM's `<|image|>` and `<im_patch>`).
+PATCH_PLACEHOLDERS = {"jina_vlm", "jvlm"}
 _FOLLOW = 8  # prompt tokens after an image marker that its expansion is made with
 
 
@@ -122,6 +125,8 @@ class VisionProcessor:
             image_token_id = getattr(processor, "image_token_id", None)
             if image_token_id is None and model_type in UNK_PLACEHOLDERS:
                 image_token_id = getattr(getattr(processor, "tokenizer", None), "unk_token_id", None)
+        if model_type in PATCH_PLACEHOLDERS:  # (the config's image id is the prompt's marker there)
+            image_token_id = getattr(getattr(processor, "_image_proc", None), "patch_token_id", None)
             if not isinstance(image_token_id, int):
                 raise ValueError("neither its config nor its processor names an image token id")
         hf = getattr(processor, "tokenizer", None)

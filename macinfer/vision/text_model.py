@@ -37,52 +37,70 @@ def _deepseek_v2(t: dict[str, Any]) -> dict[str, Any]:
     return t if latent else {**t, "model_type": "deepseek"}
 
 
-def _molmo2(t: dict[str, Any]) -> dict[str, Any]:
-    """Molmo 2's decoder is Qwen3's (per-head RMS norms on queries and keys, no biases) under its
-    own weight names (`_molmo2_weights`); its embedding has rows past the output head's (the
-    image tokens, `additional_vocab_size`): built with the embedding's rows, the head narrowed
-    to `vocab_size` (`follow_published`)."""
+def _fused_qwen3(t: dict[str, Any]) -> dict[str, Any]:
+    """Molmo 2's and Jina-VLM's decoders are Qwen3's (per-head RMS norms on queries and keys, no
+    biases) under their own weight names (`_fused_qwen3_weights`); their embedding has rows past
+    the output head's (the image tokens, `additional_vocab_size`): built with the embedding's
+    rows, the head narrowed to `vocab_size` (`follow_published`)."""
     if not t.get("use_qk_norm", True) or t.get("qk_norm_type", "qwen3") != "qwen3" or t.get("norm_after") \
             or t.get("qkv_bias"):
-        raise ValueError("its Molmo 2 decoder is not Qwen3's (qk_norm_type/norm_after/qkv_bias), which is the one "
-                         "mlx-lm's class runs")
+        raise ValueError("its decoder is not Qwen3's (qk norms, qk_norm_type/norm_after/qkv_bias), which is the "
+                         "one mlx-lm's class runs")
     head = int(t["vocab_size"])
-    return {**t, "model_type": "qwen3", "rms_norm_eps": t.get("layer_norm_eps", 1e-6), "tie_word_embeddings": False,
-            "vocab_size": head + int(t.get("additional_vocab_size") or 0), "head_vocab_size": head}
+    return {**t, "model_type": "qwen3", "rms_norm_eps": t.get("rms_norm_eps") or t.get("layer_norm_eps", 1e-6),
+            "tie_word_embeddings": False, "vocab_size": head + int(t.get("additional_vocab_size") or 0),
+            "head_vocab_size": head}
 
 
-def _molmo2_weights(w: dict[str, mx.array], t: dict[str, Any]) -> dict[str, mx.array]:
-    """Molmo 2's decoder weights under mlx-lm's Qwen3 names: the fused query/key/value and
-    up/gate projections split, the two embedding tables joined."""
-    q, kv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
-    names = {"self_attn.q_norm": "self_attn.q_norm", "self_attn.k_norm": "self_attn.k_norm",
-             "self_attn.attn_out": "self_attn.o_proj", "attn_norm": "input_layernorm",
-             "ff_norm": "post_attention_layernorm", "mlp.ff_out": "mlp.down_proj"}
-    out = {"model.embed_tokens.weight": mx.concatenate([w.pop("model.wte.embedding"), w.pop("model.wte.new_embedding")]),
-           "model.norm.weight": w.pop("model.ln_f.weight")}
-    for k, v in w.items():
-        if not k.startswith("model.blocks."):
-            out[k] = v
-            continue
-        i, rest = k[len("model.blocks."):].split(".", 1)
-        at = f"model.layers.{i}."
-        if rest == "self_attn.att_proj.weight":
-            out[at + "self_attn.q_proj.weight"], out[at + "self_attn.k_proj.weight"], \
-                out[at + "self_attn.v_proj.weight"] = v[:q], v[q:q + kv], v[q + kv:]
-        elif rest == "mlp.ff_proj.weight":  # (its first half is multiplied by the gate's SiLU)
-            half = v.shape[0] // 2
-            out[at + "mlp.up_proj.weight"], out[at + "mlp.gate_proj.weight"] = v[:half], v[half:]
-        else:
-            module, leaf = rest.rsplit(".", 1)
-            if module not in names:
-                raise ValueError(f"Molmo 2 decoder weight {k}: not a Qwen3 layer's")
-            out[at + names[module] + "." + leaf] = v
-    return out
+# Each family's names for a Qwen3 decoder's weights: its layers' prefix, its two embedding
+# tables, its final norm, its fused query/key/value and up/gate projections (the up half first),
+# and its names for the other per-layer weights.
+_FUSED_NAMES = {
+    "molmo2": ("model.blocks.", ("model.wte.embedding", "model.wte.new_embedding"), "model.ln_f.weight",
+               "self_attn.att_proj", "mlp.ff_proj",
+               {"self_attn.q_norm": "self_attn.q_norm", "self_attn.k_norm": "self_attn.k_norm",
+                "self_attn.attn_out": "self_attn.o_proj", "attn_norm": "input_layernorm",
+                "ff_norm": "post_attention_layernorm", "mlp.ff_out": "mlp.down_proj"}),
+    "jina_vlm": ("layers.", ("embedding.embedding", "embedding.new_embedding"), "ln_f.weight", "attn.qkv", "ffn.gate_up",
+                 {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm", "attn.out": "self_attn.o_proj",
+                  "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn.down": "mlp.down_proj"}),
+}
+
+
+def _fused_qwen3_weights(family: str) -> Callable[[dict[str, mx.array], dict[str, Any]], dict[str, mx.array]]:
+    """The family's decoder weights under mlx-lm's Qwen3 names: the fused projections split,
+    the two embedding tables joined."""
+    blocks, tables, final, qkv, up_gate, names = _FUSED_NAMES[family]
+
+    def rename(w: dict[str, mx.array], t: dict[str, Any]) -> dict[str, mx.array]:
+        q, kv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
+        w = dict(w)
+        out = {"model.embed_tokens.weight": mx.concatenate([w.pop(tables[0]), w.pop(tables[1])]),
+               "model.norm.weight": w.pop(final)}
+        for k, v in w.items():
+            if not k.startswith(blocks):
+                out[k] = v
+                continue
+            i, rest = k[len(blocks):].split(".", 1)
+            at = f"model.layers.{i}."
+            if rest == qkv + ".weight":
+                out[at + "self_attn.q_proj.weight"], out[at + "self_attn.k_proj.weight"], \
+                    out[at + "self_attn.v_proj.weight"] = v[:q], v[q:q + kv], v[q + kv:]
+            elif rest == up_gate + ".weight":  # (its first half is multiplied by the gate's SiLU)
+                half = v.shape[0] // 2
+                out[at + "mlp.up_proj.weight"], out[at + "mlp.gate_proj.weight"] = v[:half], v[half:]
+            else:
+                module, leaf = rest.rsplit(".", 1)
+                if module not in names:
+                    raise ValueError(f"its decoder weight {k} is not a Qwen3 layer's")
+                out[at + names[module] + "." + leaf] = v
+        return out
+    return rename
 
 
 # The language model's weights under mlx-lm's names, where mlx-vlm's module names them otherwise.
 TEXT_WEIGHTS: dict[str, Callable[[dict[str, mx.array], dict[str, Any]], dict[str, mx.array]]] = {
-    "molmo2": _molmo2_weights}
+    family: _fused_qwen3_weights(family) for family in _FUSED_NAMES}
 
 
 # Language models mlx-vlm names its own that are mlx-lm's classes under another name (the
@@ -110,7 +128,8 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "phi4mm": lambda t: {**t, "model_type": "phi3"},  # Phi-4 multimodal's decoder is Phi-4-mini's
     "phi3_v": lambda t: {**t, "model_type": "phi3"},  # Phi-3 Vision's decoder is Phi-3's
     "deepseek_v2": _deepseek_v2,
-    "molmo2": _molmo2,
+    "molmo2": _fused_qwen3,
+    "jina_vlm": _fused_qwen3,
     # MiniCPM-o 4.5's decoder (its config at the root) is Qwen3-8B's: mlx-vlm runs it by Qwen3-VL's
     # language module with every position equal (plain RoPE), mlx-lm's `qwen3`.
     "minicpmo": lambda t: {**t, "model_type": "qwen3"},

@@ -46,11 +46,63 @@ def _molmo2(path: str) -> tuple[dict, Any]:
     return cfg, Molmo2Processor(image_processor=Molmo2ImageProcessor(), tokenizer=fast, chat_template=fast.chat_template)
 
 
-def molmo2_layout(params: dict, seed: int) -> dict:
-    """Molmo 2's embedding tables initialise to zeros in mlx-vlm's module (every text row would
-    be 0): random rows, so the text shows in the logits."""
+def random_tables(params: dict, seed: int) -> dict:
+    """Molmo 2's and Jina-VLM's embedding tables initialise to zeros in mlx-vlm's modules (every
+    text row would be 0): random rows, so the text shows in the logits."""
     import mlx.core as mx
 
     mx.random.seed(seed + 1)
-    return {k: (0.02 * mx.random.normal(v.shape) if k.startswith("language_model.model.wte.") else v)
+    tables = (".wte.embedding", ".wte.new_embedding", ".embedding.embedding", ".embedding.new_embedding")
+    return {k: (0.02 * mx.random.normal(v.shape) if k.startswith("language_model.") and k.endswith(tables) else v)
             for k, v in params.items()}
+
+
+JINA_TOKENS = ["<im_patch>", "<im_start>", "<im_end>", "<im_col>", "<|image|>"]
+
+
+def _tiny_jina_ids() -> None:
+    """Jina-VLM's processor builds its image processor with the published checkpoint's token ids
+    fixed in mlx-vlm's code (151665-151668): the tiny vocabulary's ids for them are set for the
+    test process (after the 300 tokens of the tiny vocabulary: 300-303)."""
+    from mlx_vlm.models.jina_vlm import image_processor
+
+    d = list(image_processor.ImageProcessor.__init__.__defaults__)
+    d[-4:] = [300, 301, 302, 303]  # patch, start, end, column
+    image_processor.ImageProcessor.__init__.__defaults__ = tuple(d)
+
+
+_tiny_jina_ids()
+
+
+def _jina_vlm(path: str) -> tuple[dict, Any]:
+    """Jina-VLM: a SigLIP2 tower over 378 px crops, features of two tower layers pooled 2 x 2 by
+    an attention connector, each row closed by `<im_col>`; a Qwen3 decoder under its own weight
+    names, its embedding 16 rows past the head's (`<|image|>` among them); mlx-vlm's own
+    processor (the image where the prompt says `<|image|>`). Its config is the published one
+    (model type `jvlm`, nested blocks)."""
+    from mlx_vlm.models.jina_vlm.processing_jinavlm import JinaVLMProcessor
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.vision_families.common import TEMPLATE
+
+    tok = byte_tokenizer()
+    tok.add_tokens([f"<unused_{i}>" for i in range(300 - tok.get_vocab_size())])
+    tok.add_special_tokens(JINA_TOKENS + [f"<extra_{i}>" for i in range(16 - len(JINA_TOKENS))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<unk>")
+    fast.chat_template = TEMPLATE.replace("MARKER", "<|image|>")
+    attn = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "q_lnorm": True}
+    text = {"hidden_size": 64, "n_layers": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 300,
+            "additional_vocab_size": 16, "rope_theta": 10000.0, "max_sequence_length": 8192,
+            "max_position_embeddings": 8192, "block_config": {"attn_config": attn, "ffn_config": {"size": 128},
+                                                              "lnorm_config": {"eps": 1e-6}}}
+    vision = {"hidden_size": 32, "n_layers": 2, "num_hidden_layers": 2, "patch_size": 14, "input_size": [378, 378],
+              "vit_layers": [-1, -2], "output_size": 64, "intermediate_size": 64, "num_attention_heads": 2,
+              "head_dim": 16, "block_config": {"attn_config": {"n_heads": 2, "head_dim": 16}, "ffn_config": {"size": 64}},
+              "vl_connector_config": {"pooling_h": 2, "pooling_w": 2, "mlp_projector_config": {"size": 64}}}
+    cfg = {"model_type": "jvlm", "text_config": text, "vision_config": vision, "vocab_size": 300,
+           "image_token_index": fast.convert_tokens_to_ids("<|image|>"),
+           "image_patch_token_id": fast.convert_tokens_to_ids("<im_patch>"), "bos_token_id": 1, "eos_token_id": 2,
+           "pad_token_id": 0}
+    return cfg, JinaVLMProcessor(tokenizer=fast, chat_template=fast.chat_template)
