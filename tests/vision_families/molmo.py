@@ -12,21 +12,29 @@ MOLMO2_TOKENS = ["<im_start>", "<im_end>", "<im_patch>", "<im_col>", "<low_res_i
                  "<frame_start>", "<frame_end>"]
 
 
-def _molmo2(path: str) -> tuple[dict, Any]:
-    """Molmo 2: 378 px crops of 14 px patches (a whole view and overlapping crops of a large
-    picture), pooled 2 x 2 by the adapter, each row closed by `<im_col>`; the decoder's vocabulary
-    is 300 tokens, its embedding 316 rows (the image tokens past the head, as published)."""
-    from mlx_vlm.models.molmo2.processing import Molmo2ImageProcessor, Molmo2Processor
+def _past_the_head(tokens: list[str]) -> Any:
+    """A 300-token vocabulary (the head's) and 16 tokens past it (the embedding's: the image
+    tokens, `tokens` first), with the test template writing `<|image|>` for an image part."""
     from transformers import PreTrainedTokenizerFast
 
     from tests.vision_families.common import TEMPLATE
 
     tok = byte_tokenizer()
     tok.add_tokens([f"<unused_{i}>" for i in range(300 - tok.get_vocab_size())])
-    tok.add_special_tokens(MOLMO2_TOKENS + [f"<extra_{i}>" for i in range(16 - len(MOLMO2_TOKENS))])
+    tok.add_special_tokens(tokens + [f"<extra_{i}>" for i in range(16 - len(tokens))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<unk>")
     fast.chat_template = TEMPLATE.replace("MARKER", "<|image|>")
+    return fast
+
+
+def _molmo2(path: str) -> tuple[dict, Any]:
+    """Molmo 2: 378 px crops of 14 px patches (a whole view and overlapping crops of a large
+    picture), pooled 2 x 2 by the adapter, each row closed by `<im_col>`; the decoder's vocabulary
+    is 300 tokens, its embedding 316 rows (the image tokens past the head, as published)."""
+    from mlx_vlm.models.molmo2.processing import Molmo2ImageProcessor, Molmo2Processor
+
+    fast = _past_the_head(MOLMO2_TOKENS)
     ids = {t: fast.convert_tokens_to_ids(t) for t in MOLMO2_TOKENS}
     text = {"model_type": "molmo2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300,
@@ -81,16 +89,8 @@ def _jina_vlm(path: str) -> tuple[dict, Any]:
     processor (the image where the prompt says `<|image|>`). Its config is the published one
     (model type `jvlm`, nested blocks)."""
     from mlx_vlm.models.jina_vlm.processing_jinavlm import JinaVLMProcessor
-    from transformers import PreTrainedTokenizerFast
 
-    from tests.vision_families.common import TEMPLATE
-
-    tok = byte_tokenizer()
-    tok.add_tokens([f"<unused_{i}>" for i in range(300 - tok.get_vocab_size())])
-    tok.add_special_tokens(JINA_TOKENS + [f"<extra_{i}>" for i in range(16 - len(JINA_TOKENS))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<unk>")
-    fast.chat_template = TEMPLATE.replace("MARKER", "<|image|>")
+    fast = _past_the_head(JINA_TOKENS)
     attn = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "q_lnorm": True}
     text = {"hidden_size": 64, "n_layers": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 300,
