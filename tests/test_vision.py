@@ -528,11 +528,13 @@ def test_deepseek_ocr_tiles_a_large_picture_under_its_string_template(vlm_dirs, 
         llm.close()
 
 
-def test_molmo2_crops_a_large_picture_and_takes_its_image_tokens_past_the_head(vlm_dirs):
-    """Molmo 2: a 500 x 800 picture is a whole view and overlapping 378 px crops (tokens and
-    first-token logprobs are mlx-vlm's); its image tokens are embedding rows past the output
-    head's, which a prompt may hold (up to the embedding's rows) and no logit bias may name."""
-    path = vlm_dirs["molmo2"]
+@pytest.mark.parametrize("family", ["molmo2", "jina_vlm"])
+def test_molmo2_crops_a_large_picture_and_takes_its_image_tokens_past_the_head(vlm_dirs, family):
+    """Molmo 2, Jina-VLM: a 500 x 800 picture is a whole view and overlapping 378 px crops
+    (tokens and first-token logprobs are mlx-vlm's); the image tokens are embedding rows past
+    the output head's, which a prompt may hold (up to the embedding's rows) and no logit bias
+    may name."""
+    path = vlm_dirs[family]
     llm = LLM(path, kv_cache_gb=0.05, max_model_len=4096)
     try:
         _as_mlx_vlm(llm, path, "<user><|image|>what is it<assistant>", [picture(3, (500, 800))])
