@@ -13,21 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import macinfer  # noqa: F401,E402  (OpenBLAS before MLX)
 import mlx.core as mx  # noqa: E402
 
+from macinfer.bench.step import median_ms as _median_ms  # noqa: E402
+
 
 def median_ms(f, n: int = 20) -> float:
-    mx.eval(f())
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        mx.eval(f())
-        times.append(time.perf_counter() - t)
-    return sorted(times)[n // 2] * 1e3
+    return _median_ms(lambda: mx.eval(f()), n)
 
 
 def main() -> int:

@@ -13,7 +13,6 @@ memory-bound as it should be.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
@@ -37,13 +36,10 @@ def chip_peak() -> tuple[str, float | None]:
 
 
 def timeit(fn, repeats: int = 20) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """The median seconds of evaluating `fn()`."""
+    from macinfer.bench.step import median_ms
+
+    return median_ms(lambda: mx.eval(fn()), repeats) / 1000
 
 
 def check_attention(peak: float | None) -> bool:

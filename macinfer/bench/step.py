@@ -37,7 +37,8 @@ def parse_point(text: str) -> tuple[int, int]:
     return int(b), int(l)
 
 
-def _median_ms(fn: Callable[[], None], repeats: int) -> float:
+def median_ms(fn: Callable[[], None], repeats: int) -> float:
+    """The median wall time of `fn` (which evaluates what it builds) in ms, after two warm-up calls."""
     fn()
     fn()
     times = []
@@ -97,7 +98,7 @@ class MacinferStep:
             mx.eval(*outputs)
 
         try:
-            ms = _median_ms(step, repeats)
+            ms = median_ms(step, repeats)
             return ms, 1000 * statistics.median(host[2:])  # not the two warm-up builds
         finally:
             for s in seqs:
@@ -150,7 +151,7 @@ class MlxLmStep:
                 if isinstance(getattr(c, "offset", None), int):
                     c.offset -= 1
 
-        return _median_ms(step, repeats)
+        return median_ms(step, repeats)
 
     def nodes(self, batch: int, context: int) -> Counter:
         cache = self._cache(batch, context)
