@@ -10,6 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from macinfer.models.mlx_lm_classes import SPARSE
 from macinfer.vision.encoder import VisionEncoder
 from macinfer.vision.images import ImageLimits
 from macinfer.vision.processor import VisionProcessor
@@ -57,7 +58,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -74,6 +75,9 @@ FAMILIES: dict[str, str | None] = {
              "not a generative chat model"),
     "d1": ("a decision model (LFM2-VL whose readout scores a question's options: choice, score, yes/no), "
            "not a generative chat model"),
+    "d1_omni": ("a decision model (LFM2-VL's tower and an audio encoder into a trunk whose head scores a "
+                "question's options: choice, score, yes/no), not a generative chat model"),
+    "minimax_m3_vl": "its language model does not run on the engine: " + SPARSE,
     "diffusion_gemma": ("a diffusion language model (it denoises blocks of the answer together, not token "
                         "after token), which the engine's autoregressive decoding does not run"),
     "prism_hadamard_qwen35": None, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,

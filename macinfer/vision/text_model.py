@@ -128,6 +128,11 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "phi4mm": lambda t: {**t, "model_type": "phi3"},  # Phi-4 multimodal's decoder is Phi-4-mini's
     "phi3_v": lambda t: {**t, "model_type": "phi3"},  # Phi-3 Vision's decoder is Phi-3's
     "deepseek_v2": _deepseek_v2,
+    # MiMo-V2's decoder is MiMo-V2-Flash's (mlx-vlm's class for it inherits that one; its
+    # checkpoint's fused qkv and MXFP4 experts are undone by mlx-vlm's sanitize). Its unset
+    # (None: no shared experts, no routing scale) optional fields are ones mlx-lm requires.
+    "mimo_v2": lambda t: {"n_shared_experts": None, "routed_scaling_factor": None, **t,
+                          "model_type": "mimo_v2_flash"},
     "molmo2": _fused_qwen3,
     "jina_vlm": _fused_qwen3,
     # MiniCPM-o 4.5's decoder (its config at the root) is Qwen3-8B's: mlx-vlm runs it by Qwen3-VL's

@@ -12,8 +12,6 @@ from tests.vision_families.common import TEXT, _tokenizer
 
 
 def _qwen2_vl(path: str, model_type: str = "qwen2_vl") -> tuple[dict, Any]:
-    from transformers import Qwen2VLImageProcessor
-
     from mlx_vlm.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 
     if model_type == "qwen2_vl":
@@ -27,13 +25,21 @@ def _qwen2_vl(path: str, model_type: str = "qwen2_vl") -> tuple[dict, Any]:
             "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}  # head_dim 16: 8 frequencies
     cfg = {**text, "vision_config": vision, "image_token_id": 260, "video_token_id": 262,
            "vision_start_token_id": 259, "eos_token_id": 2}
-    tok = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+    return cfg, qwen_vl_processor(Qwen2VLProcessor)
+
+
+def qwen_vl_processor(processor_class: type, specials: tuple[str, ...] = ()) -> Any:
+    """Qwen-VL's processing (its image processor at 56-112 px, ids 259-262 for its markers and
+    placeholders, then `specials`) under the family's processor class."""
+    from transformers import Qwen2VLImageProcessor
+
+    tok = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", *specials],
                      "<|vision_start|><|image_pad|><|vision_end|>")
     image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
                                             temporal_patch_size=2, merge_size=2)
-    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+    processor = processor_class(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
     processor.video_processor = image_processor  # (saved once; no video processor without torchvision)
-    return cfg, processor
+    return processor
 
 
 def _tiny_dots_ids() -> None:
