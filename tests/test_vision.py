@@ -201,7 +201,7 @@ def test_gemma4_both_ways_images_and_per_layer_ids_each_matter(vlm_dirs):
     assert gaps[0] < 1e-4 and min(gaps[1:]) > 1e-3, gaps
 
 
-@pytest.mark.parametrize("family", ["mistral3", "qwen3_vl", "minicpmv4_7"])
+@pytest.mark.parametrize("family", ["mistral3", "qwen3_vl", "minicpmv4_7", "granite4_vision"])
 def test_an_image_cut_across_prompt_chunks_gives_the_same_tokens(vlm_dirs, family):
     """A 5-token budget cuts the prompt (and each image's placeholders) into many chunks: the
     rows of a partial image, its positions and its DeepStack features follow."""
@@ -467,6 +467,22 @@ def test_lfm2_vl_tiles_a_large_picture_as_mlx_vlm_does(vlm_dirs, tmp_path):
         ids, images = llm._chat_prompt(_ask("what is it", big))
         assert len(images.spans) == 1 and len(images.spans[0].rows) > 16  # more than one view's rows
         _as_mlx_vlm(llm, path, "<user><image>what is it<assistant>", [big])
+    finally:
+        llm.close()
+
+
+def test_granite4_vision_packs_a_tall_picture_and_feeds_each_mapped_layer_as_mlx_vlm(vlm_dirs):
+    """Granite 4 Vision on a picture that takes two high-resolution tiles (anyres, unpadded, a
+    newline after each row): tokens and first-token logprobs are mlx-vlm's; its rows carry an
+    input row and one entry for each later layer its projectors feed (layers 1 and 2)."""
+    tall = picture(4, (100, 60))
+    llm = LLM(vlm_dirs["granite4_vision"], kv_cache_gb=0.01, max_model_len=1024)
+    try:
+        ids, images = llm._chat_prompt(_ask("what is it", tall))
+        (span,) = images.spans
+        assert len(span.rows) > 16  # the whole view's 16 and the tiles'
+        assert llm.engine.vision.deepstack == (0, 1)
+        _as_mlx_vlm(llm, vlm_dirs["granite4_vision"], "<user><image>what is it<assistant>", [tall])
     finally:
         llm.close()
 

@@ -43,7 +43,10 @@ def load(engine: Any) -> tuple[Any, str | None]:
     if vision.deepstack:
         from macinfer.models import deepstack
 
-        deepstack.install(model.decoder_layers, vision.deepstack)
+        try:
+            deepstack.install(model.decoder_layers, vision.deepstack)
+        except ValueError as e:
+            return None, str(e)
     if vision.pad_image_ids:  # (the merges of these families read placeholders as id 0)
         model.image_pad_id = 0
     model.token_embed_scale = vision.token_embed_scale

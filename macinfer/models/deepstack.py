@@ -1,6 +1,7 @@
-"""Qwen3-VL's DeepStack: after each of the first k decoder layers, the image rows' hidden
-states get that layer's visual features added (`AttentionMetadata.image_deepstack`, from the
-encoder). Those layers' classes are swapped once, at load, for subclasses that add them; the
+"""DeepStack: after some decoder layers, the image rows' hidden states get visual features
+added (`AttentionMetadata.image_deepstack`, from the encoder: entry k after layer `after[k]`).
+Qwen3-VL adds after each of its first layers; Granite 4 Vision before the layers its config
+maps (after the one before: the same hidden states). Those layers' classes are swapped once, at load, for subclasses that add them; the
 parameters and their names stay as they are. A step without images runs the layers as before."""
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ def _adding(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-def install(layers: list[nn.Module], count: int) -> None:
-    """The first `count` decoder layers add their DeepStack features."""
-    if count > len(layers):
-        raise ValueError(f"DeepStack feeds {count} layers; the model has {len(layers)}")
-    for i, layer in enumerate(layers[:count]):
-        object.__setattr__(layer, "_deepstack_index", i)
-        layer.__class__ = _adding(type(layer))
+def install(layers: list[nn.Module], after: tuple[int, ...]) -> None:
+    """Decoder layer `after[k]` adds the image rows' DeepStack entry k."""
+    if len(set(after)) != len(after) or any(not 0 <= i < len(layers) for i in after):
+        raise ValueError(f"DeepStack adds after layers {list(after)}; the model has {len(layers)}")
+    for k, i in enumerate(after):
+        object.__setattr__(layers[i], "_deepstack_index", k)
+        layers[i].__class__ = _adding(type(layers[i]))

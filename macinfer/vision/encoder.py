@@ -219,9 +219,9 @@ class VisionEncoder:
         if self.merge is not None:  # the engine's own merge (`vision/merges.py`), an image at a time
             features = []
             for s in spans:
-                f = self.merge(self.vlm, s.pixels or {})
-                if f.shape[0] != len(s.rows):
-                    raise RuntimeError(f"the image's merge gave {f.shape[0]} rows for {len(s.rows)} placeholders")
+                f = self.merge(self.vlm, s.pixels or {})  # [rows, hidden] or [1 + layers, rows, hidden]
+                if f.shape[-2] != len(s.rows):
+                    raise RuntimeError(f"the image's merge gave {f.shape[-2]} rows for {len(s.rows)} placeholders")
                 features.append(f.astype(self.dtype))
             return self._keep(spans, features)
         inputs = [dict(s.pixels or {}) for s in spans]

@@ -1,6 +1,7 @@
 """Image merges the engine runs itself, for families whose mlx-vlm merge departs from the
 published model: LLaVA-NeXT's "anyres" packing (transformers' `pack_image_features`), which
-Granite Vision shares (features of several tower layers side by side). The
+Granite Vision shares (features of several tower layers side by side); Granite 4 Vision's
+features for several decoder layers (mlx-vlm's merge, its rows taken per layer). The
 vision tower and projector stay mlx-vlm's classes; only how their outputs become the
 rows of an image's placeholders is written here."""
 
@@ -62,6 +63,31 @@ def llava_next(vlm: Any, pixels: dict[str, Any], pinpoints: list) -> mx.array:
     return mx.concatenate([base, grid], axis=0)
 
 
+def granite4_targets(config: dict[str, Any]) -> list[int]:
+    """The decoder layer each of Granite 4 Vision's projectors feeds (before it), in mlx-vlm's
+    order of its features: the DeepStack layer map's, then the spatial projectors'."""
+    layers = [int(llm) for _, llm in config.get("deepstack_layer_map") or []]
+    if config.get("use_spatial_sampling", True):
+        layers += [int(llm) for llm in config.get("spatial_target_layers") or []]
+    return layers
+
+
+def granite4_vision(vlm: Any, pixels: dict[str, Any], targets: list[int], scale: float) -> mx.array:
+    """One image's rows [1 + layers, n, hidden]: its input rows, then what is added before each
+    later layer its projectors target (in layer order; `support.deepstack_layers`). mlx-vlm's
+    merge (anyres packing, as transformers') zeroes the image's input rows and adds each
+    projector's features before its layer; the engine's model multiplies given rows by the
+    embedding multiplier (`scale`), so the first layer's features go in divided by it."""
+    ids = mx.array(np.asarray(pixels["input_ids"], dtype=np.int32))[None]
+    out = vlm.get_input_embeddings(ids, mx.array(np.asarray(pixels["pixel_values"])),
+                                   image_sizes=np.asarray(pixels["image_sizes"]))
+    rows = mx.array(np.nonzero(np.asarray(out.visual_pos_masks).reshape(-1))[0].astype(np.int32))
+    feats = out.deepstack_visual_embeds[:, rows]  # [projectors, n, hidden]
+    by_layer = {layer: sum(feats[k] for k, t in enumerate(targets) if t == layer) for layer in sorted(set(targets))}
+    first = by_layer.pop(0) / scale if 0 in by_layer else mx.zeros(feats.shape[1:], dtype=feats.dtype)
+    return mx.stack([first, *by_layer.values()])
+
+
 Merge = Callable[[Any, dict[str, Any]], mx.array]  # (mlx-vlm's model, one image's encoder inputs) -> rows
 
 
@@ -72,4 +98,10 @@ def merge_for(config: dict[str, Any]) -> Merge | None:
         if not pinpoints:
             raise ValueError("its config names no image_grid_pinpoints")
         return partial(llava_next, pinpoints=pinpoints)
+    if config.get("model_type") == "granite4_vision":
+        targets = granite4_targets(config)
+        if not targets:
+            raise ValueError("its config maps no projector to a decoder layer (deepstack_layer_map)")
+        text = config.get("text_config") or {}
+        return partial(granite4_vision, targets=targets, scale=float(text.get("embedding_multiplier", 1.0)))
     return None

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from macinfer.models.mlx_lm_classes import SPARSE
 from macinfer.vision.encoder import VisionEncoder
+from macinfer.vision.merges import granite4_targets
 from macinfer.vision.images import ImageLimits
 from macinfer.vision.processor import VisionProcessor
 
@@ -58,7 +59,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -99,6 +100,17 @@ MROPE_STYLE = {"glm4v": "chunked", "glm4v_moe": "chunked", "glm_ocr": "chunked",
                "qwen3_vl": "interleaved", "qwen3_vl_moe": "interleaved"}
 # Families whose vision tower also feeds the first decoder layers (Qwen3-VL's DeepStack).
 DEEPSTACK_FAMILIES = {"qwen3_vl", "qwen3_vl_moe"}
+
+
+def deepstack_layers(config: dict[str, Any]) -> tuple[int, ...]:
+    """The decoder layers after which an image's DeepStack entries are added: Qwen3-VL's first
+    layers (one a listed tower layer); Granite 4 Vision's, before each layer its projectors
+    target but the first (whose features are the image's input rows: `merges.granite4_vision`)."""
+    if config.get("model_type") in DEEPSTACK_FAMILIES:
+        return tuple(range(len(config["vision_config"].get("deepstack_visual_indexes") or [])))
+    if config.get("model_type") == "granite4_vision":
+        return tuple(layer - 1 for layer in sorted(set(granite4_targets(config))) if layer > 0)
+    return ()
 UNVERIFIED = ("its image path is not verified on the engine yet (no tiny model of it is built and checked "
               "against mlx-vlm; docs/vision.md)")
 
@@ -173,7 +185,7 @@ class Vision:
     limits: ImageLimits
     mrope: tuple[list[int], str] | None = None  # (mrope_section, style) of a multimodal RoPE family
     both_ways: bool = False  # an image's tokens attend to each other both ways
-    deepstack: int = 0  # decoder layers that add DeepStack features (Qwen3-VL)
+    deepstack: tuple[int, ...] = ()  # the decoder layers DeepStack entries are added after (`models/deepstack.py`)
     # The language model also reads the prompt's ids (Gemma 3n/4's per-layer inputs): an image
     # placeholder's id is read as the pad id there, as the family's own merge does.
     pad_image_ids: bool = False
@@ -232,10 +244,9 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
                                          own_vocab=(own["vocab_offset"], own["vocab_offset"] + own["vocab_size"])
                                          if own else None)
         token = processor.image_token_id
-        deepstack = len(config["vision_config"].get("deepstack_visual_indexes") or []) \
-            if config.get("model_type") in DEEPSTACK_FAMILIES else 0
+        deepstack = deepstack_layers(config)
         encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None,
-                                     deepstack=deepstack > 0)
+                                     deepstack=config.get("model_type") in DEEPSTACK_FAMILIES)
         if family(config) in SENTINEL_FAMILIES:
             encoder.sentinel, processor.sentinel_rows = True, encoder.sentinel_rows
         lora = None

@@ -128,6 +128,11 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "phi4mm": lambda t: {**t, "model_type": "phi3"},  # Phi-4 multimodal's decoder is Phi-4-mini's
     "phi3_v": lambda t: {**t, "model_type": "phi3"},  # Phi-3 Vision's decoder is Phi-3's
     "deepseek_v2": _deepseek_v2,
+    # Granite 4 Vision's decoder (mlx-vlm's module: attention layers only, a fused shared MLP)
+    # is mlx-lm's `granitemoehybrid` in its dense form, the MLP the shared one's width.
+    "granitemoehybrid": lambda t: {**t, "layer_types": ["attention"] * int(t["num_hidden_layers"]),
+                                   "num_local_experts": None,
+                                   "intermediate_size": t.get("shared_intermediate_size") or t["intermediate_size"]},
     # MiMo-V2's decoder is MiMo-V2-Flash's (mlx-vlm's class for it inherits that one; its
     # checkpoint's fused qkv and MXFP4 experts are undone by mlx-vlm's sanitize). Its unset
     # (None: no shared experts, no routing scale) optional fields are ones mlx-lm requires.

@@ -167,6 +167,38 @@ def _granite_vision(path: str) -> tuple[dict, Any]:
     return cfg, processor
 
 
+def _granite4_vision(path: str) -> tuple[dict, Any]:
+    """Granite 4 Vision: a SigLIP tower whose layers feed windowed Q-Former projectors, each
+    packed as LLaVA-NeXT's anyres and added to the image rows before the decoder layer its
+    config maps (DeepStack and spatial-offset projectors); a dense Granite 4 decoder
+    (`granitemoehybrid`, a fused shared MLP, muP multipliers). mlx-vlm's Q-Former is 64-wide
+    a head: the tiny tower is 64 wide."""
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    from mlx_vlm.models.granite4_vision.processing_granite4_vision import Granite4VisionProcessor
+
+    pinpoints = [[64, 64], [64, 128], [128, 64], [128, 128]]
+    text = {"model_type": "granitemoehybrid", "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 96,
+            "shared_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": 300, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+            "embedding_multiplier": 4.0, "attention_multiplier": 0.25, "residual_multiplier": 0.5,
+            "logits_scaling": 2.0, "tie_word_embeddings": True}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 64, "num_hidden_layers": 2,
+              "intermediate_size": 64, "num_attention_heads": 2, "image_size": 64, "patch_size": 8}
+    # layer 0 takes a projector's features as the image's input rows; layers 1 and 2 get more added
+    cfg = {"model_type": "granite4_vision", "text_config": text, "vision_config": vision, "image_token_index": 259,
+           "image_grid_pinpoints": pinpoints, "vision_feature_select_strategy": "full", "downsample_rate": "2/4",
+           "deepstack_layer_map": [[-1, 0], [1, 2]], "use_spatial_sampling": True, "spatial_vision_layer": -1,
+           "spatial_target_layers": [1, 2], "vocab_size": 300, "eos_token_id": 2}
+    tok = _tokenizer(["<image>"], "<image>")
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64},
+                                                 image_grid_pinpoints=pinpoints)
+    processor = Granite4VisionProcessor(image_processor=image_processor, tokenizer=tok, patch_size=8,
+                                        vision_feature_select_strategy="full", downsample_rate="2/4",
+                                        chat_template=tok.chat_template)
+    return cfg, processor
+
+
 def _llava_next(path: str) -> tuple[dict, Any]:
     """LLaVA-NeXT: a whole-image tile and high-resolution tiles ("anyres"), packed as transformers
     does (unpadded, a newline embedding after each row): the engine's own merge."""
