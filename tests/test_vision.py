@@ -12,9 +12,9 @@ from macinfer import LLM
 from macinfer.engine.block_manager import BlockManager
 from macinfer.sampling_params import SamplingParams
 from macinfer.vision.support import FAMILIES
-from tests.vision_models import (ANYRES, BOTH_WAYS, BUILDERS, MINICPMV_MOE, PALIGEMMA_2, PROMPT_ONLY, REFERENCE_TEXT, TEXT_FIXED,
-                                 anyres_greedy, both_ways_greedy,
-                                 gemma3n_greedy, mlx_vlm_greedy, mlx_vlm_prompt, picture, prompt_logprobs, tiny_vlm_dir)
+from tests.vision_models import (ANYRES, BOTH_WAYS, BUILDERS, LEAD_FIRST, MINICPMV_MOE, PALIGEMMA_2, PROMPT_ONLY, REFERENCE_TEXT,
+                                 TEXT_FIXED, anyres_greedy, both_ways_greedy, gemma3n_greedy, lead_first_greedy,
+                                 mlx_vlm_greedy, mlx_vlm_prompt, picture, prompt_logprobs, tiny_vlm_dir)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
@@ -52,7 +52,7 @@ def test_family_gives_mlx_vlm_tokens_and_uses_the_image(vlm_dirs, family):
         rendered = REFERENCE_TEXT.get(family, lambda r: r)(rendered)
         ours = llm.chat(messages, GREEDY).token_ids
         reference = both_ways_greedy if family in BOTH_WAYS else anyres_greedy if family in ANYRES else \
-            gemma3n_greedy if family in TEXT_FIXED else mlx_vlm_greedy
+            gemma3n_greedy if family in TEXT_FIXED else lead_first_greedy if family in LEAD_FIRST else mlx_vlm_greedy
         tokens, logprobs = reference(vlm_dirs[family], rendered, [picture(0)], 8)
         assert ours == tokens
         # the image is used: another picture moves the first token's distribution
@@ -483,6 +483,30 @@ def test_granite4_vision_packs_a_tall_picture_and_feeds_each_mapped_layer_as_mlx
         assert len(span.rows) > 16  # the whole view's 16 and the tiles'
         assert llm.engine.vision.deepstack == (0, 1)
         _as_mlx_vlm(llm, vlm_dirs["granite4_vision"], "<user><image>what is it<assistant>", [tall])
+    finally:
+        llm.close()
+
+
+def test_molmo_puts_images_first_after_its_lead_token_and_crops_a_large_picture(vlm_dirs):
+    """Molmo 1: the images go before the prompt's text, after BOS (its published processor's
+    rule; mlx-vlm's leaves BOS out), whatever the message's order, one after another; a large
+    picture in overlapping crops gives the published reference's tokens and first logprobs."""
+    path = vlm_dirs["molmo"]
+    big = picture(5, (200, 300))
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=1024)
+    try:
+        ids, images = llm._chat_prompt([{"role": "user", "content": [{"type": "text", "text": "what is it"},
+                                                                     {"type": "image", "image": picture(0)},
+                                                                     {"type": "image", "image": big}]}])
+        first, second = images.spans
+        assert ids[0] == llm.tokenizer.bos_token_id and first.offset == 1 and second.offset == first.end
+        assert second.length > first.length  # the crops' tokens besides the whole view's
+        rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "what is it"}])
+        ours = llm.chat(_ask("what is it", big), GREEDY).token_ids
+        top = llm.chat(_ask("what is it", big), FIRST).logprobs[0].top
+        tokens, logprobs = lead_first_greedy(path, rendered, [big], 8)
+        assert ours == tokens
+        assert max(abs(lp - logprobs[t]) for t, lp in top) < 1e-4
     finally:
         llm.close()
 

@@ -51,3 +51,20 @@ def test_a_deepseek_v2_decoder_runs_by_the_mlx_lm_class_whose_routing_it_has():
                 {**plain, "routed_scaling_factor": 2.5}, {**latent, "topk_method": "noaux_tc"}):
         with pytest.raises(ValueError, match="routes by"):
             _deepseek_v2(bad)
+
+
+def test_a_molmo_decoder_mlx_vlm_does_not_run_is_refused_at_load_with_the_reason(tmp_path):
+    """Molmo-7B-O's OLMo decoder (query/key norms, no query/key/value bias) is set by config
+    fields mlx-vlm's Molmo module ignores: refused, not run as Molmo-7B-D's."""
+    import json
+
+    from macinfer.models import UnsupportedArchitectureError
+
+    path = vm.tiny_vlm_dir(tmp_path, "molmo")
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config.update(attention_layer_norm=True, qkv_bias=False)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(UnsupportedArchitectureError, match="attention_layer_norm, qkv_bias"):
+        LLM(path, kv_cache_gb=0.01, max_model_len=512)

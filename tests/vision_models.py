@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from macinfer.vision.processor_fixes import mend
 from tests.helpers import randomize_packs
-from tests.vision_families import (ANYRES, BOTH_WAYS, BUILDERS, PROMPT_ONLY, REFERENCE_TEXT,  # noqa: F401
+from tests.vision_families import (ANYRES, BOTH_WAYS, BUILDERS, LEAD_FIRST, PROMPT_ONLY, REFERENCE_TEXT,  # noqa: F401
                                    TEXT_FIXED, TIED, VARIANTS, WEIGHT_LAYOUTS)
 from tests.vision_families.gemma import PALIGEMMA_2  # noqa: F401
 from tests.vision_families.qwen import MINICPMV_MOE  # noqa: F401
@@ -192,6 +192,28 @@ def gemma3n_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tup
         emb = model.get_input_embeddings(x, pixels).inputs_embeds
         emb = mx.where((x < first_own_id)[..., None], emb * scale, emb)
         return lm(x, cache=lm.make_cache(), input_embeddings=emb)
+
+    return _greedy_whole(forward, ids, max_tokens)
+
+
+def lead_first_greedy(path: str, prompt: str, images: list, max_tokens: int) -> tuple[list[int], np.ndarray]:
+    """Molmo 1 as its published processor prompts it: BOS (EOS where the tokenizer has none),
+    then the images' tokens, then the text (`prompt`, which starts with that token's text);
+    mlx-vlm's processor leaves the first token out. mlx-vlm's classes, float32, on its
+    processor's image tokens and indices shifted one on; recomputed whole for each token."""
+    from mlx_vlm import load
+
+    model, processor = load(path)
+    tok = processor.tokenizer
+    lead = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    inputs = processor(text=[prompt.removeprefix(tok.decode([lead]))], images=images)
+    ids = [lead] + np.asarray(inputs["input_ids"]).reshape(-1).tolist()
+    index = np.asarray(inputs["image_input_idx"])
+    extras = {"image_input_idx": mx.array(np.where(index < 0, index, index + 1)), "image_masks": inputs["image_masks"]}
+
+    def forward(x: mx.array, ids: list[int]):
+        emb = model.get_input_embeddings(x, inputs["pixel_values"], **extras).inputs_embeds
+        return model.language_model(x, inputs_embeds=emb)
 
     return _greedy_whole(forward, ids, max_tokens)
 

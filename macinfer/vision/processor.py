@@ -26,6 +26,9 @@ UNK_PLACEHOLDERS = {"minicpmo"}
 # Families whose config's image id is the prompt's marker, its placeholders the patch token its
 # image processor writes (Jina-VLM's `<|image|>` and `<im_patch>`).
 PATCH_PLACEHOLDERS = {"jina_vlm", "jvlm"}
+# Families whose images go before the prompt's text (after its lead token), not where a
+# message holds them: Molmo 1's processor prepends each image's tokens to the whole prompt.
+IMAGES_FIRST = {"molmo"}
 _FOLLOW = 8  # prompt tokens after an image marker that its expansion is made with
 
 
@@ -93,6 +96,9 @@ class VisionProcessor:
         # becomes before the template runs (`vision/messages.py: inline_images`); None: the
         # template renders image parts itself.
         self.inline_marker: str | None = None
+        # The images go first, after the prompt's lead token (`IMAGES_FIRST`): the template
+        # renders the text alone (each image part as nothing) and has no marker.
+        self.images_first = False
 
     @classmethod
     def load(cls, path: str, tokenizer: Any, image_token_id: int | None, placeholders_only: bool = False,
@@ -125,6 +131,8 @@ class VisionProcessor:
             image_token_id = getattr(processor, "image_token_id", None)
             if image_token_id is None and model_type in UNK_PLACEHOLDERS:
                 image_token_id = getattr(getattr(processor, "tokenizer", None), "unk_token_id", None)
+        if image_token_id is None and isinstance(getattr(processor, "image_patch_token", None), str):  # Molmo 1's
+            image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_patch_token)
         if model_type in PATCH_PLACEHOLDERS:  # (the config's image id is the prompt's marker there)
             image_token_id = getattr(getattr(processor, "_image_proc", None), "patch_token_id", None)
             if not isinstance(image_token_id, int):
@@ -133,6 +141,10 @@ class VisionProcessor:
         if hf is not None and getattr(hf, "pad_token", None) is None and getattr(hf, "eos_token", None):
             hf.pad_token = hf.eos_token  # one prompt a call, never padded; some processors ask for padding
 
+        if model_type in IMAGES_FIRST:
+            out = cls(processor, tokenizer, image_token_id, [], placeholders_only, own_vocab, image_processor)
+            out.inline_marker, out.images_first = "", True
+            return out
         text = [{"type": "text", "text": _PROBE_TEXT}]
         without = tokenizer.encode_chat([{"role": "user", "content": _PROBE_TEXT}])
         inline = None if _reads_parts(tokenizer, text, without) else inline_marker(model_type)
@@ -152,6 +164,8 @@ class VisionProcessor:
         The marker goes in with the prompt's next few tokens (`after`): a processor may write
         something that depends on them (Idefics2: a space before text that follows an image
         directly); when they come back unchanged, what stands before them is the expansion."""
+        if self.images_first:  # (the processor prepends the image's tokens to an empty text)
+            return self._run("", image)
         if self.placeholders_only:
             ids, pixels = self._run(self._marker_text, image)
             run = next((i for i, t in enumerate(ids) if t != self.image_token_id), len(ids))
@@ -177,7 +191,7 @@ class VisionProcessor:
                              "tokenizer only for this checkpoint)")
         ids = np.asarray(out["input_ids"]).reshape(-1).tolist()
         bos = getattr(self.tokenizer, "bos_token_id", None)
-        if ids and bos is not None and ids[0] == bos and self.marker[0] != bos:
+        if ids and bos is not None and ids[0] == bos and self.marker[:1] != [bos]:
             ids = ids[1:]
         pixels = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids",
                                                                  "mm_token_type_ids", "labels")}
@@ -216,12 +230,17 @@ class VisionProcessor:
     def expand(self, prompt: list[int], images: list[Any]) -> tuple[list[int], ImageInputs]:
         """Each of the prompt's image markers, in order, replaced by its image's expansion."""
         m = self.marker
-        at = [i for i in range(len(prompt) - len(m) + 1) if prompt[i: i + len(m)] == m]
-        starts, last = [], -len(m)
-        for i in at:  # non-overlapping occurrences
-            if i >= last + len(m):
-                starts.append(i)
-                last = i
+        if self.images_first:  # every image after the lead token, in order (no marker to replace)
+            lead = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else \
+                self.tokenizer.eos_token_id
+            starts = [1 if prompt[:1] == [lead] else 0] * len(images)
+        else:
+            at = [i for i in range(len(prompt) - len(m) + 1) if prompt[i: i + len(m)] == m]
+            starts, last = [], -len(m)
+            for i in at:  # non-overlapping occurrences
+                if i >= last + len(m):
+                    starts.append(i)
+                    last = i
         if len(starts) != len(images):
             raise ImageError(f"the prompt has {len(starts)} image markers and the request {len(images)} images")
         ids: list[int] = []

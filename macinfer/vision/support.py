@@ -14,7 +14,7 @@ from macinfer.models.mlx_lm_classes import SPARSE
 from macinfer.vision.encoder import VisionEncoder
 from macinfer.vision.merges import granite4_targets
 from macinfer.vision.images import ImageLimits
-from macinfer.vision.processor import VisionProcessor
+from macinfer.vision.processor import IMAGES_FIRST, VisionProcessor
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ PREFIX_LM_TEMPLATE = (
     "{% endfor %}{{ bos_token }}{% for p in m['content'] if p['type'] == 'text' %}{{ p['text'] }}{% endfor %}"
     "{% endif %}{{ '\\n' }}")  # (Jinja drops a template's last newline)
 # Families whose processor puts BOS before every prompt whatever the template renders (DeepSeek's
-# code for DeepSeek-OCR; mlx-vlm's template for it writes the content alone): the engine's
+# code for DeepSeek-OCR; mlx-vlm's template for it writes the content alone; Molmo 1's published
+# processor, BOS or else EOS, before its images, which mlx-vlm's leaves out): the engine's
 # template is made to write it.
 BOS_FIRST = {"deepseekocr", "deepseekocr_2"}
 NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
@@ -59,7 +60,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -199,13 +200,16 @@ def both_ways_images(config: dict[str, Any]) -> bool:
     return config.get("model_type") in BOTH_WAYS_IMAGES or text.get("use_bidirectional_attention") == "vision"
 
 
-def _bos_first(tokenizer: Any) -> None:
-    """The template made to write BOS first, where it does not already."""
-    template, bos = tokenizer.chat_template, tokenizer.bos_token_id
+def _bos_first(tokenizer: Any, or_eos: bool = False) -> None:
+    """The template made to write BOS first (`or_eos`: EOS where the tokenizer has no BOS,
+    Molmo's rule for Qwen2's tokenizer), where it does not already."""
+    template, bos, name = tokenizer.chat_template, tokenizer.bos_token_id, "bos_token"
+    if bos is None and or_eos:
+        bos, name = tokenizer.eos_token_id, "eos_token"
     if not isinstance(template, str) or bos is None:
         return
     if tokenizer.encode_chat([{"role": "user", "content": "x"}])[:1] != [bos]:
-        tokenizer.set_chat_template("{{ bos_token }}" + template)
+        tokenizer.set_chat_template("{{ " + name + " }}" + template)
 
 
 def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, dtype: mx.Dtype,
@@ -236,8 +240,8 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         prefix_lm = config.get("model_type") in PREFIX_LM
         if prefix_lm and not tokenizer.chat_template:
             tokenizer.set_chat_template(PREFIX_LM_TEMPLATE)
-        if config.get("model_type") in BOS_FIRST:
-            _bos_first(tokenizer)
+        if config.get("model_type") in BOS_FIRST | IMAGES_FIRST:
+            _bos_first(tokenizer, or_eos=config.get("model_type") in IMAGES_FIRST)
         own = config["vision_config"] if config.get("model_type") in OWN_VOCAB else None
         processor = VisionProcessor.load(path, tokenizer, image_token_id(config), placeholders_only=prefix_lm,
                                          model_type=config.get("model_type"),

@@ -39,7 +39,7 @@ def _deepseek_v2(t: dict[str, Any]) -> dict[str, Any]:
 
 def _fused_qwen3(t: dict[str, Any]) -> dict[str, Any]:
     """Molmo 2's and Jina-VLM's decoders are Qwen3's (per-head RMS norms on queries and keys, no
-    biases) under their own weight names (`_fused_qwen3_weights`); their embedding has rows past
+    biases) under their own weight names (`_fused_weights`); their embedding has rows past
     the output head's (the image tokens, `additional_vocab_size`): built with the embedding's
     rows, the head narrowed to `vocab_size` (`follow_published`)."""
     if not t.get("use_qk_norm", True) or t.get("qk_norm_type", "qwen3") != "qwen3" or t.get("norm_after") \
@@ -52,9 +52,27 @@ def _fused_qwen3(t: dict[str, Any]) -> dict[str, Any]:
             "head_vocab_size": head}
 
 
-# Each family's names for a Qwen3 decoder's weights: its layers' prefix, its two embedding
-# tables, its final norm, its fused query/key/value and up/gate projections (the up half first),
-# and its names for the other per-layer weights.
+def _molmo(t: dict[str, Any]) -> dict[str, Any]:
+    """Molmo 1's decoder (Molmo-7B-D's: Qwen2-7B's) under its own config names and weight names
+    (`_fused_weights`): Qwen2's attention (biased query/key/value), SwiGLU, RMS norms; its
+    embedding has rows past the head's (the image tokens), as Molmo 2's."""
+    if t.get("weight_tying"):
+        raise ValueError("its decoder ties the output head to the embedding, which mlx-vlm's Molmo module "
+                         "does not run")
+    head = int(t["vocab_size"])
+    return {"model_type": "qwen2", "hidden_size": t["d_model"], "num_attention_heads": t["n_heads"],
+            "num_key_value_heads": t["n_kv_heads"], "num_hidden_layers": t["n_layers"],
+            "head_dim": t["d_model"] // t["n_heads"],
+            "intermediate_size": int(t["mlp_hidden_size"] * t.get("act_output_multiplier", 0.5)),
+            "rms_norm_eps": t["layer_norm_eps"], "rope_theta": t["rope_theta"],
+            "max_position_embeddings": t["max_position_embeddings"], "tie_word_embeddings": False,
+            "vocab_size": int(t.get("embedding_size") or head) + int(t.get("additional_vocab_size") or 0),
+            "head_vocab_size": head}
+
+
+# Each family's names for its decoder's weights: its layers' prefix, its two embedding tables,
+# its final norm, its fused query/key/value and up/gate projections (the up half first), its
+# names for the other per-layer weights, and its output head's where it is not mlx-lm's.
 _FUSED_NAMES = {
     "molmo2": ("model.blocks.", ("model.wte.embedding", "model.wte.new_embedding"), "model.ln_f.weight",
                "self_attn.att_proj", "mlp.ff_proj",
@@ -64,35 +82,41 @@ _FUSED_NAMES = {
     "jina_vlm": ("layers.", ("embedding.embedding", "embedding.new_embedding"), "ln_f.weight", "attn.qkv", "ffn.gate_up",
                  {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm", "attn.out": "self_attn.o_proj",
                   "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn.down": "mlp.down_proj"}),
+    "molmo": ("model.blocks.", ("model.wte.embedding", "model.wte.new_embedding"), "model.ln_f.weight", "att_proj",
+              "ff_proj", {"attn_out": "self_attn.o_proj", "attn_norm": "input_layernorm",
+                          "ff_norm": "post_attention_layernorm", "ff_out": "mlp.down_proj"}, "model.ff_out.weight"),
 }
 
 
-def _fused_qwen3_weights(family: str) -> Callable[[dict[str, mx.array], dict[str, Any]], dict[str, mx.array]]:
-    """The family's decoder weights under mlx-lm's Qwen3 names: the fused projections split,
-    the two embedding tables joined."""
-    blocks, tables, final, qkv, up_gate, names = _FUSED_NAMES[family]
+def _fused_weights(family: str) -> Callable[[dict[str, mx.array], dict[str, Any]], dict[str, mx.array]]:
+    """The family's decoder weights under mlx-lm's names (its text config's: `t`): the fused
+    projections split, the two embedding tables joined."""
+    blocks, tables, final, qkv, up_gate, names, *head = _FUSED_NAMES[family]
 
     def rename(w: dict[str, mx.array], t: dict[str, Any]) -> dict[str, mx.array]:
         q, kv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
         w = dict(w)
         out = {"model.embed_tokens.weight": mx.concatenate([w.pop(tables[0]), w.pop(tables[1])]),
                "model.norm.weight": w.pop(final)}
+        if head:
+            out["lm_head.weight"] = w.pop(head[0])
         for k, v in w.items():
             if not k.startswith(blocks):
                 out[k] = v
                 continue
             i, rest = k[len(blocks):].split(".", 1)
             at = f"model.layers.{i}."
-            if rest == qkv + ".weight":
-                out[at + "self_attn.q_proj.weight"], out[at + "self_attn.k_proj.weight"], \
-                    out[at + "self_attn.v_proj.weight"] = v[:q], v[q:q + kv], v[q + kv:]
+            if rest in (qkv + ".weight", qkv + ".bias"):
+                leaf = rest.rsplit(".", 1)[1]
+                out[f"{at}self_attn.q_proj.{leaf}"], out[f"{at}self_attn.k_proj.{leaf}"], \
+                    out[f"{at}self_attn.v_proj.{leaf}"] = v[:q], v[q:q + kv], v[q + kv:]
             elif rest == up_gate + ".weight":  # (its first half is multiplied by the gate's SiLU)
                 half = v.shape[0] // 2
                 out[at + "mlp.up_proj.weight"], out[at + "mlp.gate_proj.weight"] = v[:half], v[half:]
             else:
                 module, leaf = rest.rsplit(".", 1)
                 if module not in names:
-                    raise ValueError(f"its decoder weight {k} is not a Qwen3 layer's")
+                    raise ValueError(f"its decoder weight {k} is not a {t['model_type']} layer's")
                 out[at + names[module] + "." + leaf] = v
         return out
     return rename
@@ -100,7 +124,7 @@ def _fused_qwen3_weights(family: str) -> Callable[[dict[str, mx.array], dict[str
 
 # The language model's weights under mlx-lm's names, where mlx-vlm's module names them otherwise.
 TEXT_WEIGHTS: dict[str, Callable[[dict[str, mx.array], dict[str, Any]], dict[str, mx.array]]] = {
-    family: _fused_qwen3_weights(family) for family in _FUSED_NAMES}
+    family: _fused_weights(family) for family in _FUSED_NAMES}
 
 
 # Language models mlx-vlm names its own that are mlx-lm's classes under another name (the
@@ -140,6 +164,7 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                           "model_type": "mimo_v2_flash"},
     "molmo2": _fused_qwen3,
     "jina_vlm": _fused_qwen3,
+    "molmo": _molmo,
     # MiniCPM-o 4.5's decoder (its config at the root) is Qwen3-8B's: mlx-vlm runs it by Qwen3-VL's
     # language module with every position equal (plain RoPE), mlx-lm's `qwen3`.
     "minicpmo": lambda t: {**t, "model_type": "qwen3"},
@@ -199,7 +224,8 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     vlm = load_model(Path(path), lazy=True)
     lm = getattr(vlm, "language_model", None)
     args = getattr(lm, "args", None) or getattr(lm, "config", None) or getattr(vlm.config, "text_config", None)
-    if args is not None and not getattr(args, "hidden_size", None):  # a stub (Phi-4 multimodal's): the root's
+    if args is not None and not (getattr(args, "hidden_size", None) or getattr(args, "d_model", None)):
+        # a stub (Phi-4 multimodal's): the root's (Molmo 1's names its width `d_model`)
         args = vlm.config
     if lm is None or args is None or not dataclasses.is_dataclass(args):
         raise ValueError("mlx-vlm's model has no separate language model to run")
@@ -208,6 +234,8 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     nulls = {k for k, v in _raw_text_config(path).items() if v is None}
     text = {k: v for k, v in dataclasses.asdict(args).items() if v is not None or k in nulls}
     raw_type = text.get("model_type")
+    if raw_type == "molmo":
+        _molmo_variant(path)
     alias = TEXT_ALIASES.get(raw_type)
     text = alias(text) if alias is not None else text
     if "head_dim" not in text and text.get("hidden_size") and text.get("num_attention_heads"):
@@ -219,7 +247,7 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     # (Phi-3 Vision keeps its tower inside the decoder's module: not the language model's)
     weights = {k: v for k, v in tree_flatten(lm.parameters()) if ".vision_embed_tokens." not in f".{k}"}
     if raw_type in TEXT_WEIGHTS:
-        weights = TEXT_WEIGHTS[raw_type](weights, dataclasses.asdict(args))
+        weights = TEXT_WEIGHTS[raw_type](weights, text)
     # Layers whose checkpoint keeps a modality's LoRA beside them (Phi-4 multimodal): mlx-vlm
     # merges the vision LoRA in at load; the engine runs the base weights and serves the LoRA
     # per row, for the prompts with images (`vision/modality_lora.py`).
@@ -244,10 +272,25 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     return text, weights
 
 
-def _raw_text_config(path: str) -> dict[str, Any]:
+def _raw_config(path: str) -> dict[str, Any]:
     import json
 
     with open(Path(path) / "config.json", encoding="utf-8") as f:
-        config = json.load(f)
-    text = config.get("text_config")
+        return json.load(f)
+
+
+def _raw_text_config(path: str) -> dict[str, Any]:
+    text = _raw_config(path).get("text_config")
     return text if isinstance(text, dict) else {}
+
+
+def _molmo_variant(path: str) -> None:
+    """Molmo 1's other decoders (Molmo-7B-O's OLMo: query/key norms, norms after; MolmoE's
+    experts; clipped query/key/value) are set by config fields mlx-vlm's module does not read:
+    refused by them rather than run without them."""
+    raw = {**_raw_config(path), **_raw_text_config(path)}
+    odd = [k for k, plain in (("attention_layer_norm", False), ("norm_after", False), ("clip_qkv", None),
+                              ("qkv_bias", True), ("moe_num_experts", 0)) if k in raw and raw[k] not in (plain, None)]
+    if odd:
+        raise ValueError(f"its decoder sets {', '.join(odd)}, which mlx-vlm's Molmo module does not run "
+                         "(it runs Molmo-7B-D's Qwen2 decoder)")

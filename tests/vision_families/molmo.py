@@ -1,9 +1,12 @@
-"""Tiny checkpoints of AllenAI's Molmo line: Molmo 2 (a SigLIP tower, an attention-pooling
-adapter over two tower layers, a Qwen3 decoder under its own weight names whose embedding has
-rows past the output head's for the image tokens)."""
+"""Tiny checkpoints of AllenAI's Molmo line: Molmo 1 and 2 (a ViT, an attention-pooling
+adapter over two tower layers, a Qwen2 or Qwen3 decoder under its own weight names whose
+embedding has rows past the output head's for the image tokens), and Jina-VLM (Molmo 2's
+layout)."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from tests.helpers import byte_tokenizer
@@ -52,6 +55,38 @@ def _molmo2(path: str) -> tuple[dict, Any]:
     # mlx-vlm's load replaces the checkpoint's image processor by its class's defaults (378 px crops
     # of 14 px patches, up to 8 crops and a whole view): the tiny tower takes those sizes.
     return cfg, Molmo2Processor(image_processor=Molmo2ImageProcessor(), tokenizer=fast, chat_template=fast.chat_template)
+
+
+MOLMO_TOKENS = ["<im_start>", "<im_end>", "<im_patch>", "<im_col>"]
+
+
+def _molmo(path: str) -> tuple[dict, Any]:
+    """Molmo 1 (Molmo-7B-D's layout): an OpenAI CLIP-style tower over 112 px crops of 14 px
+    patches (a whole view and overlapping crops), two tower layers pooled 2 x 2 by attention,
+    an MLP projector; a Qwen2 decoder under its own names, its embedding 16 rows past the head's.
+    Its processor puts the images' tokens before the whole prompt: the template renders an image
+    part as nothing."""
+    from mlx_vlm.models.molmo.processing_molmo import MolmoImageProcessor, MolmoProcessor
+
+    from tests.vision_families.common import TEMPLATE
+
+    fast = _past_the_head(MOLMO_TOKENS)
+    fast.chat_template = TEMPLATE.replace("MARKER", "")
+    text = {"model_type": "molmo", "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2,
+            "mlp_hidden_size": 256, "act_output_multiplier": 0.5, "vocab_size": 300, "embedding_size": 300,
+            "additional_vocab_size": 16, "layer_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "max_position_embeddings": 4096, "weight_tying": False}
+    vision = {"model_type": "molmo", "image_default_input_size": [112, 112], "image_patch_size": 14,
+              "image_pos_patch_size": 14, "hidden_size": 128, "image_emb_dim": 32, "image_num_heads": 2,
+              "image_num_key_value_heads": 2, "image_num_layers": 2, "image_head_dim": 16, "image_mlp_dim": 64,
+              "image_num_pos": 65, "d_model": 64, "vit_layers": [-1, -2]}
+    cfg = {"model_type": "molmo", "text_config": text, "vision_config": vision, "eos_token_id": 2}
+    sizes = {"max_crops": 4, "overlap_margins": [2, 2], "base_image_input_size": [112, 112],
+             "image_token_length_w": 4, "image_token_length_h": 4, "image_patch_size": 14}
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:  # what its processor reads back
+        json.dump(sizes, f)
+    return cfg, MolmoProcessor(image_processor=MolmoImageProcessor(**sizes), tokenizer=fast,
+                               chat_template=fast.chat_template)
 
 
 def random_tables(params: dict, seed: int) -> dict:
