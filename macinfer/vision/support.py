@@ -80,6 +80,15 @@ FAMILIES: dict[str, str | None] = {
     "d1_omni": ("a decision model (LFM2-VL's tower and an audio encoder into a trunk whose head scores a "
                 "question's options: choice, score, yes/no), not a generative chat model"),
     "minimax_m3_vl": "its language model does not run on the engine: " + SPARSE,
+    "ernie4_5_moe_vl": ("its decoder routes image tokens to multimodal experts of their own (a second router "
+                        "and expert set chosen by each token's type) and turns positions by a 3D RoPE of its "
+                        "own layout; the engine's decoder carries neither yet"),
+    "falcon_ocr": ("its decoder (mlx-vlm's own, no mlx-lm class) turns image patches by 2D positions of its own "
+                   "(`pos_hw`, golden-ratio frequencies) and lets them attend both ways by a mask its merge "
+                   "builds; not run yet"),
+    "hunyuan_vl": ("its decoder turns positions by XD-RoPE over four axes (sequence, time, height, width: "
+                   "`xdrope_section`), which the engine's multimodal RoPE (three axes) does not carry yet; "
+                   "mlx-vlm itself applies it to a prompt's first chunk only"),
     "diffusion_gemma": ("a diffusion language model (it denoises blocks of the answer together, not token "
                         "after token), which the engine's autoregressive decoding does not run"),
     "prism_hadamard_qwen35": None, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
