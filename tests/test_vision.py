@@ -201,7 +201,7 @@ def test_gemma4_both_ways_images_and_per_layer_ids_each_matter(vlm_dirs):
     assert gaps[0] < 1e-4 and min(gaps[1:]) > 1e-3, gaps
 
 
-@pytest.mark.parametrize("family", ["mistral3", "qwen3_vl", "minicpmv4_7", "granite4_vision"])
+@pytest.mark.parametrize("family", ["mistral3", "qwen3_vl", "minicpmv4_7", "granite4_vision", "nemotron_h_nano_omni"])
 def test_an_image_cut_across_prompt_chunks_gives_the_same_tokens(vlm_dirs, family):
     """A 5-token budget cuts the prompt (and each image's placeholders) into many chunks: the
     rows of a partial image, its positions and its DeepStack features follow."""

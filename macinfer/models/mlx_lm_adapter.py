@@ -218,13 +218,14 @@ class MlxLmModel(CacheProbe, nn.Module):
                     input_ids[meta.image_rows] = self.image_pad_id
                 if self._inner_takes_embeddings:
                     return inner(input_ids[:, None], cache=caches, input_embeddings=h[:, None, :])
-                # A model that takes no embeddings (mlx-lm's Cohere2): its embedding hands back
-                # these rows for this call (an instance attribute shadows the child).
-                object.__setattr__(inner, "embed_tokens", _GivenHidden(embed, h[:, None, :]))
+                # A model that takes no embeddings (mlx-lm's Cohere2, Nemotron-H): its embedding
+                # hands back these rows for this call (an instance attribute shadows the child).
+                name = "embed_tokens" if getattr(inner, "embed_tokens", None) is embed else "embeddings"
+                object.__setattr__(inner, name, _GivenHidden(embed, h[:, None, :]))
                 try:
                     return inner(input_ids[:, None], cache=caches)
                 finally:
-                    object.__delattr__(inner, "embed_tokens")
+                    object.__delattr__(inner, name)
             return inner(input_ids[:, None], cache=caches)
         finally:
             set_active(None)

@@ -256,7 +256,8 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
             weights[k[len("language_model."):]] = v
     if "model.lm_head.weight" in weights:  # a head kept inside the decoder module (LLaVA-Bunny's): the model's
         weights["lm_head.weight"] = weights.pop("model.lm_head.weight")
-    if not any(k.startswith("model.") for k in weights):  # the decoder at the top (Idefics3's): mlx-lm's names
+    # The decoder at the top (Idefics3's): mlx-lm's names (Nemotron-H's is `backbone.` in both)
+    if not any(k.startswith(("model.", "backbone.")) for k in weights):
         weights = {k if k.startswith("lm_head.") else f"model.{k}": v for k, v in weights.items()}
     # Tied or not is what the module holds (mlx-vlm's config classes may not carry the flag,
     # and mlx-lm's default, tied, is not transformers' for most families).
