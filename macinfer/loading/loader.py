@@ -333,16 +333,17 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
     extended = extend_context(config, *context) if context is not None else config
     # Over several ranks the model runs through mlx-lm's classes (their shard() and layers).
     try:
+        from macinfer.vision.support import is_vision_config
         from macinfer.vision.text_model import LANGUAGE_MODEL_ALONE, SAME_AS
 
-        vision = isinstance(config.get("vision_config"), dict)
+        vision = is_vision_config(config)
         if config.get("model_type") in LANGUAGE_MODEL_ALONE and vision:
             raise UnsupportedArchitectureError(f"{config['model_type']}: {LANGUAGE_MODEL_ALONE[config['model_type']]}")
         family = SAME_AS.get(config.get("model_type")) if vision else None
         model = build_model({**extended, "model_type": family} if family else extended,
                             "mlx-lm" if distributed is not None else impl)
     except UnsupportedArchitectureError as e:
-        if not isinstance(config.get("vision_config"), dict) or os.path.isfile(path):
+        if not vision or os.path.isfile(path):
             raise
         # A vision checkpoint whose wrapper mlx-lm lacks: its language model alone, by mlx-lm's
         # class for the text model type (`vision/text_model.py`); its config stays the checkpoint's.

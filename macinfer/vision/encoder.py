@@ -132,6 +132,7 @@ class VisionEncoder:
         self.images_encoded = 0
         self.rope_index = rope_index  # multimodal RoPE families: (ids, spans) -> (positions, shift), mlx-vlm's rule
         self.sentinel = False  # a sentinel family's (`sentinel_rows`): its images encoded a call each
+        self.alone = False  # a family whose merge takes one image a prompt (GOT-OCR's): a call each too
         # `sentinel_rows` by the inputs' shapes and every input but the pixels: a family's
         # tower may compute eagerly, in NumPy (DeepSeek-VL's SAM), so counting costs an encode.
         self._rows: dict[bytes, int] = {}
@@ -209,7 +210,8 @@ class VisionEncoder:
         groups: dict[Any, list[int]] = {}
         for i, s in enumerate(spans):
             if out[i] is None:  # (a sentinel family's merge grows the first sentinel only: a call an image)
-                groups.setdefault(object() if self.sentinel else _stack_key(s.pixels or {}), []).append(i)
+                groups.setdefault(object() if self.sentinel or self.alone else _stack_key(s.pixels or {}),
+                                  []).append(i)
         for members in groups.values():
             for i, features in zip(members, self._encode_group([spans[i] for i in members])):
                 out[i] = features

@@ -18,6 +18,36 @@ def engine_outputs(processor: Any, model_type: str | None) -> None:
     prompt's ids and the encoder's inputs (NumPy or float MLX arrays)."""
     if model_type in ("deepseekocr", "deepseekocr_2"):
         _deepseek_ocr(processor)
+    if model_type == "got":
+        _got(processor)
+
+
+def got_conversation() -> tuple[str, str, str, str]:
+    """GOT-OCR's conversation pieces, as mlx-vlm's processor writes them (MPT's, from its
+    published code): its system turn, the turn separator, the user's and the assistant's heads."""
+    from mlx_vlm.models.got import processing_got as g
+
+    return g.GOT_SYSTEM, g.GOT_SEP, g.GOT_USER_ROLE, g.GOT_ASSISTANT_ROLE
+
+
+def _got(processor: Any) -> None:
+    """GOT-OCR's processor (mlx-vlm's own) wraps any text without a turn separator in its whole
+    conversation, and expands `<image>` only then: the engine's template writes the
+    conversation, so the engine's call expands each `<image>` as the processor would (its own
+    rule on the marker alone, the conversation around it cut off) and leaves the rest."""
+    from mlx_vlm.models.got import processing_got as g
+
+    system, sep, user, assistant = got_conversation()
+    wrapped = g.build_got_prompt(g.IMAGE_PLACEHOLDER, has_image=True)
+    image = wrapped.removeprefix(system + sep + user).removesuffix(sep + assistant)
+    cls = type(processor)
+
+    class EngineOutputs(cls):  # type: ignore[misc, valid-type]
+        def __call__(self, *, text: Any = None, images: Any = None, **kwargs: Any) -> dict[str, Any]:
+            texts = [t.replace(g.IMAGE_PLACEHOLDER, image) for t in (text if isinstance(text, list) else [text])]
+            return {**self.image_processor(images), **self.tokenizer(texts, return_tensors="np")}
+
+    processor.__class__ = EngineOutputs
 
 
 def _deepseek_ocr(processor: Any) -> None:

@@ -39,12 +39,34 @@ PREFIX_LM_TEMPLATE = (
 # processor, BOS or else EOS, before its images, which mlx-vlm's leaves out): the engine's
 # template is made to write it.
 BOS_FIRST = {"deepseekocr", "deepseekocr_2"}
+# GOT-OCR ships no chat template: its processor writes MPT's conversation (mlx-vlm's pieces of
+# it, `processor_fixes.got_conversation`) around the user's text, an image where it says `<image>`.
+def _got_template() -> str:
+    from macinfer.vision.processor_fixes import got_conversation
+
+    system, sep, user, assistant = got_conversation()
+    turn = user.removesuffix("user\n")  # "<|im_start|>": a role's head is it, the role, a newline
+    return ("{% if messages[0]['role'] == 'system' %}" + turn + "system\n{{ messages[0]['content'] }}"
+            "{% else %}" + system + "{% endif %}" + sep +
+            "{% for m in messages if m['role'] != 'system' %}" + turn + "{{ m['role'] }}\n"
+            "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+            "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+            + sep + "{% endfor %}{% if add_generation_prompt %}" + assistant + "{% endif %}")
+
+
+# Families with no chat template of their own: the engine's, written once at load.
+OWN_TEMPLATES = {"got": _got_template}
+# Families whose published config keeps its tower's settings in code (no `vision_config`).
+TOWER_IN_CODE = {"got"}
 NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
 CROSS = "its language model cross-attends to the image (no image tokens in the prompt), not run yet"
 ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
 # Families whose prompt holds one sentinel id an image, grown into the image's rows at the merge:
 # the engine's prompt holds a placeholder a row instead (`VisionProcessor._grown`).
 SENTINEL_FAMILIES = {"llava_bunny", "fastvlm", "phi4mm", "multi_modality"}
+# Families whose merge takes one image a prompt (GOT-OCR's: a batch row's features are one
+# image's): their images are encoded a call each.
+ONE_IMAGE_MERGES = {"got"}
 # Families whose language model runs image prompts under a LoRA the checkpoint keeps beside
 # its base weights (`vision/modality_lora.py`).
 MODALITY_LORA = {"phi4mm"}
@@ -60,7 +82,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -153,7 +175,7 @@ def vision_table() -> dict[str, str]:
 
 
 def is_vision_config(config: dict[str, Any]) -> bool:
-    return isinstance(config.get("vision_config"), dict)
+    return isinstance(config.get("vision_config"), dict) or config.get("model_type") in TOWER_IN_CODE
 
 
 def family(config: dict[str, Any]) -> str | None:
@@ -180,7 +202,8 @@ NEGATIVE_PLACEHOLDERS = {"phi3_v"}
 def image_token_id(config: dict[str, Any]) -> int | None:
     if config.get("model_type") in NEGATIVE_PLACEHOLDERS:
         return -1
-    for key in ("image_token_index", "image_token_id", "image_token", "media_placeholder_token_id", "image_patch_id"):
+    for key in ("image_token_index", "image_token_id", "image_token", "media_placeholder_token_id", "image_patch_id",
+                "im_patch_token"):  # (GOT-OCR's name for it)
         v = config.get(key)
         if isinstance(v, int):
             return v
@@ -249,6 +272,8 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         prefix_lm = config.get("model_type") in PREFIX_LM
         if prefix_lm and not tokenizer.chat_template:
             tokenizer.set_chat_template(PREFIX_LM_TEMPLATE)
+        if config.get("model_type") in OWN_TEMPLATES and not tokenizer.chat_template:
+            tokenizer.set_chat_template(OWN_TEMPLATES[config["model_type"]]())
         if config.get("model_type") in BOS_FIRST | IMAGES_FIRST:
             _bos_first(tokenizer, or_eos=config.get("model_type") in IMAGES_FIRST)
         own = config["vision_config"] if config.get("model_type") in OWN_VOCAB else None
@@ -262,6 +287,7 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
                                      deepstack=config.get("model_type") in DEEPSTACK_FAMILIES)
         if family(config) in SENTINEL_FAMILIES:
             encoder.sentinel, processor.sentinel_rows = True, encoder.sentinel_rows
+        encoder.alone = family(config) in ONE_IMAGE_MERGES
         lora = None
         if family(config) in MODALITY_LORA:
             from macinfer.vision.modality_lora import vision_lora
