@@ -108,6 +108,9 @@ FAMILIES: dict[str, str | None] = {
     "falcon_ocr": ("its decoder (mlx-vlm's own, no mlx-lm class) turns image patches by 2D positions of its own "
                    "(`pos_hw`, golden-ratio frequencies) and lets them attend both ways by a mask its merge "
                    "builds; not run yet"),
+    "molmo_point": ("its output vocabulary grows with each image: a pointing head scores the image's patches, "
+                    "sub-patches and locations as tokens past the text's (keys from the image's features), under "
+                    "a logit processor that orders the points; the engine samples the text vocabulary only"),
     "hunyuan_vl": ("its decoder turns positions by XD-RoPE over four axes (sequence, time, height, width: "
                    "`xdrope_section`), which the engine's multimodal RoPE (three axes) does not carry yet; "
                    "mlx-vlm itself applies it to a prompt's first chunk only"),
