@@ -1,6 +1,7 @@
 """Speculative decoding with the checkpoint's own MTP head (`models/mtp.py`,
 `engine/mtp_drafter.py`): tiny random targets written with MTP tensors in the published
-layouts (Qwen3.5/Qwen3-Next `mtp.*`, DeepSeek V3 / GLM-4.5 `model.layers.{N}.*`), the
+layouts (Qwen3.5/Qwen3-Next `mtp.*`, DeepSeek V3 / GLM-4.5 `model.layers.{N}.*`, ERNIE 4.5
+`model.mtp_*.0.*`), the
 head computing the published formula, and the tokens those of decoding without
 speculation, for hybrid, MoE and MLA targets."""
 
@@ -86,6 +87,12 @@ def _hf_head(model, config: dict, style: str, agree: bool) -> dict:
         kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)  # the checkpoint's kv_b_proj
         own["model.mtp.layers.0.self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
         return own
+    elif style == "ernie":  # ERNIE 4.5: `model.mtp_{part}.0`, its block as layer 0, the model's final norm after it
+        layer = type(layers[0])(args, 0)
+        prefix = "model.mtp_block.0."
+        own = {"model.mtp_linear_proj.0.weight": proj}
+        for name in ("mtp_emb_norm", "mtp_hidden_norm"):
+            own[f"model.{name}.0.weight"] = 1 + 0.05 * mx.random.normal((dims,))
     elif style == "mimo":  # the hidden state first in its input projection
         layer = type(layers[-1])(args)
         prefix = "model.mtp_layers.0."
@@ -135,7 +142,7 @@ def mtp_target(root, model_type: str, agree: bool = True, seed: int = 5, with_we
     if agree:
         flat = dict(tree_flatten(model.parameters()))
         model.load_weights([(k, v * 0.2 if any(d in k for d in DAMPED) else v) for k, v in flat.items()])
-    style = {"mimo": "mimo", "nemotron_h": "nemotron", "longcat_flash": "longcat"}.get(
+    style = {"mimo": "mimo", "nemotron_h": "nemotron", "longcat_flash": "longcat", "ernie4_5_moe": "ernie"}.get(
         model_type, "qwen" if model_type.startswith("qwen") else "deepseek")
     path = save_model_dir(str(root / f"{model_type}-{int(agree)}-{int(with_weights)}"), config, model)
     if with_weights:
@@ -167,7 +174,8 @@ def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
-                                        "glm_moe_dsa", "mimo", "nemotron_h", "step3p5", "longcat_flash"])
+                                        "glm_moe_dsa", "mimo", "nemotron_h", "step3p5", "longcat_flash",
+                                        "ernie4_5_moe"])
 def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
     """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
     experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),
@@ -213,33 +221,42 @@ def _reference_drafts(engine, prompt: list[int], first: int, k: int) -> list[int
     embed = engine.model.embed_module()
     caches = [KVCache() for _ in stack.layers]
 
-    eps = stack.norm.eps
+    qwen = stack.style == "qwen"
+    eps = (stack.norm if qwen else stack.enorm).eps
 
     def rms(x, w):
         return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
     def step(token: int, h: mx.array) -> mx.array:
         e = embed(mx.array([[token]]))[0, 0]
-        x = stack.fc(mx.concatenate([rms(e, stack.pre_fc_norm_embedding.weight),
-                                     rms(h, stack.pre_fc_norm_hidden.weight)]))[None, None]
+        if qwen:  # fc([norm_e(e), norm_h(h)]); its layers; its own final norm
+            x = stack.fc(mx.concatenate([rms(e, stack.pre_fc_norm_embedding.weight),
+                                         rms(h, stack.pre_fc_norm_hidden.weight)]))[None, None]
+        else:  # ERNIE's: eh_proj([enorm(e), hnorm(h)]); its block; the model's final norm before the head
+            x = stack.eh_proj(mx.concatenate([rms(e, stack.enorm.weight), rms(h, stack.hnorm.weight)]))[None, None]
         for layer, c in zip(stack.layers, caches):
             x = layer(x, None, c)
-        return rms(x[0, 0], stack.norm.weight)
+        return rms(x[0, 0], stack.norm.weight) if qwen else x[0, 0]
+
+    def logits(out: mx.array) -> mx.array:
+        return engine.model.logits((out if qwen else rms(out, head.shared_head.norm.weight))[None])[0]
 
     tokens = prompt[1:] + [first]
     for i, t in enumerate(tokens):
         out = step(t, hidden[i])
     drafts = []
     for _ in range(k):
-        drafts.append(int(mx.argmax(engine.model.logits(out[None])[0]).item()))
+        drafts.append(int(mx.argmax(logits(out)).item()))
         out = step(drafts[-1], out)
     return drafts
 
 
-def test_the_heads_drafts_follow_the_published_formula(tmp_path_factory):
+@pytest.mark.parametrize("model_type", ["qwen3_5", "ernie4_5_moe"])
+def test_the_heads_drafts_follow_the_published_formula(tmp_path_factory, model_type):
     """A head that mostly disagrees (random projection): after a long prompt (caught up in
-    chunks), the batched paged drafts equal the dense reference's, position by position."""
-    path = mtp_target(tmp_path_factory.mktemp("formula"), "qwen3_5", agree=False)
+    chunks), the batched paged drafts equal the dense reference's, position by position
+    (Qwen3.5's layout, and ERNIE 4.5's: the model's final norm before the head)."""
+    path = mtp_target(tmp_path_factory.mktemp("formula"), model_type, agree=False)
     engine = _engine(path, num_speculative_tokens=3, speculative_method="mtp", max_num_batched_tokens=32,
                      enable_prefix_caching=False)
     prompts = [_prompts(1, seed=3)[0] * 3, [1, 5, 9], *_prompts(6, seed=5)]
@@ -431,25 +448,46 @@ def test_a_gguf_files_nextn_block_is_the_same_head(tmp_path_factory, model_type,
     assert engine.stats["spec_accepted_tokens"] > 0
 
 
-def test_a_nemotron_head_holds_the_checkpoints_tensors(tmp_path_factory):
-    """Nemotron-H's head (`mtp.layers.*`, blocks by `mtp_hybrid_override_pattern`): its input
-    projection and norms come off the first block, its final norm off the last, its experts
-    stacked from transformers' one-by-one tensors."""
+def _loaded_head(path: str):
+    """The target's MTP head as loaded (its inner model) and the checkpoint's tensors as written."""
     from safetensors.numpy import load_file
 
     from macinfer.loading.loader import load
     from macinfer.models.mtp import load_mtp
 
-    path = mtp_target(tmp_path_factory.mktemp("nemotron"), "nemotron_h", agree=False)
-    hf = load_file(os.path.join(path, "model-mtp.safetensors"))
-    head = dict(tree_flatten(load_mtp(load(path)).lm.model.parameters()))
-    for ours, theirs in (("eh_proj.weight", "mtp.layers.0.eh_proj.weight"), ("enorm.weight", "mtp.layers.0.enorm.weight"),
-                         ("hnorm.weight", "mtp.layers.0.hnorm.weight"),
-                         ("final_layernorm.weight", "mtp.layers.1.final_layernorm.weight"),
-                         ("layers.0.mixer.q_proj.weight", "mtp.layers.0.mixer.q_proj.weight")):
+    hf = {k: v for f in ("model.safetensors", "model-mtp.safetensors") for k, v in load_file(os.path.join(path, f)).items()}
+    return load_mtp(load(path)).lm, hf
+
+
+# Each layout's head as loaded -> the checkpoint's tensor it holds as written, and its stacked
+# experts (the head's name, the checkpoint's one-by-one pattern).
+HELD = {
+    # Nemotron-H (`mtp.layers.*`, blocks by `mtp_hybrid_override_pattern`): the input projection and
+    # norms off the first block, the final norm off the last
+    "nemotron_h": ({"model.eh_proj.weight": "mtp.layers.0.eh_proj.weight", "model.enorm.weight": "mtp.layers.0.enorm.weight",
+                    "model.hnorm.weight": "mtp.layers.0.hnorm.weight",
+                    "model.final_layernorm.weight": "mtp.layers.1.final_layernorm.weight",
+                    "model.layers.0.mixer.q_proj.weight": "mtp.layers.0.mixer.q_proj.weight"},
+                   ("model.layers.1.mixer.switch_mlp.fc1.weight", "mtp.layers.1.mixer.experts.{}.up_proj.weight")),
+    # ERNIE 4.5 (`model.mtp_{block,emb_norm,hidden_norm,linear_proj}.0`): the model's final norm as its post-norm
+    "ernie4_5_moe": ({"model.eh_proj.weight": "model.mtp_linear_proj.0.weight",
+                      "model.enorm.weight": "model.mtp_emb_norm.0.weight",
+                      "model.hnorm.weight": "model.mtp_hidden_norm.0.weight", "shared_head.norm.weight": "model.norm.weight",
+                      "model.layers.0.self_attn.q_proj.weight": "model.mtp_block.0.self_attn.q_proj.weight"},
+                     ("model.layers.0.mlp.switch_mlp.up_proj.weight", "model.mtp_block.0.mlp.experts.{}.up_proj.weight")),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(HELD))
+def test_a_head_holds_the_checkpoints_tensors(tmp_path_factory, model_type):
+    """The head's tensors are the checkpoint's, by the family's published names; its experts
+    stacked from transformers' one-by-one tensors."""
+    lm, hf = _loaded_head(mtp_target(tmp_path_factory.mktemp(model_type), model_type, agree=False))
+    head = dict(tree_flatten(lm.parameters()))
+    pairs, (stacked, one_by_one) = HELD[model_type]
+    for ours, theirs in pairs.items():
         np.testing.assert_array_equal(np.array(head[ours]), hf[theirs], err_msg=ours)
-    experts = np.stack([hf[f"mtp.layers.1.mixer.experts.{e}.up_proj.weight"] for e in range(4)])
-    np.testing.assert_array_equal(np.array(head["layers.1.mixer.switch_mlp.fc1.weight"]), experts)
+    np.testing.assert_array_equal(np.array(head[stacked]), np.stack([hf[one_by_one.format(e)] for e in range(4)]))
 
 
 def test_a_step35_head_reads_its_zero_centred_norms_and_output_head(tmp_path_factory):

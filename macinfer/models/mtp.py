@@ -23,6 +23,10 @@ Two layouts, the published ones (transformers / vLLM):
   attention, a dense MLP: mlx-lm's LongCat attention and MLP classes, where the model's own
   layers are pairs); out = final norm(h); logits = the target's head(out). The head's own
   copy of the embedding is used where the checkpoint keeps one.
+- "ernie" (ERNIE 4.5 MoE, `model.mtp_{block,emb_norm,hidden_norm,linear_proj}.0.*`, the names
+  transformers' MTP conversion reads): as "deepseek", its block built as the model's layer 0
+  (dense or MoE by the model's rule, as transformers builds it), its post-norm the model's
+  final norm, logits the target's head; the next draft reads out.
 - "nemotron" (Nemotron-H, `mtp.layers.*`): h = eh_proj([enorm(embed(t)), hnorm(H)]) (kept
   on its first block); its blocks in `mtp_hybrid_override_pattern` (attention "*", MoE "E":
   the target's block class); out = final_layernorm(h) (on its last block); logits = the
@@ -41,13 +45,14 @@ import mlx.nn as nn
 
 from macinfer.models.mlx_lm_adapter import MlxLmModel
 from macinfer.models.mlx_lm_classes import text_config
-from macinfer.models.mtp_checkpoint import (ZERO_CENTRED_NORMS, checkpoint_tensors, declared_layers, deepseek_weights,
-                                            longcat_weights, nemotron_weights, qwen_weights)
+from macinfer.models.mtp_checkpoint import (ERNIE_PARTS, ZERO_CENTRED_NORMS, checkpoint_tensors, declared_layers,
+                                            deepseek_weights, ernie_weights, longcat_weights, nemotron_weights,
+                                            qwen_weights)
 
 
 @dataclass(frozen=True)
 class MTPLayout:
-    style: str  # "qwen" | "deepseek" | "mimo" | "nemotron"
+    style: str  # "qwen" | "deepseek" | "mimo" | "nemotron" | "ernie" | "longcat"
     depth: int  # layers the checkpoint declares
 
 
@@ -55,6 +60,7 @@ QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "step3p5")
 MIMO = ("mimo",)
 NEMOTRON = ("nemotron_h",)
+ERNIE = ("ernie4_5_moe",)
 LONGCAT = ("longcat_flash",)
 
 
@@ -78,8 +84,10 @@ def layout(config: dict[str, Any]) -> MTPLayout:
         return MTPLayout("mimo", depth)
     if model_type in NEMOTRON:
         return MTPLayout("nemotron", depth)
+    if model_type in ERNIE:
+        return MTPLayout("ernie", depth)
     raise ValueError(f"{model_type}: its config declares {depth} MTP layer(s), but macinfer runs MTP heads of "
-                     f"{', '.join(QWEN + DEEPSEEK + MIMO + NEMOTRON + LONGCAT)} only (this family's head layout is not "
+                     f"{', '.join(QWEN + DEEPSEEK + MIMO + NEMOTRON + ERNIE + LONGCAT)} only (this family's head layout is not "
                      "verified here)")
 
 
@@ -297,6 +305,11 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("mtp."))
     elif lay.style == "longcat":
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("model.mtp."))
+    elif lay.style == "ernie":
+        raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith(tuple(ERNIE_PARTS)) or
+                                             k.startswith("model.mtp_block.0."))
+        if not any(k.startswith("model.mtp_") for k in raw):
+            raw = {}  # (the model's final norm alone: no head)
     else:
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith(f"model.layers.{n_layers}."))
     if not raw:
@@ -330,6 +343,10 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
         mtp_layers, copied = [type(layers[0])(args, t) for t in pattern], -1
         weights = nemotron_weights(raw, len(pattern), model)
         shared = None
+    elif lay.style == "ernie":
+        mtp_layers, copied = [_layer_like(layers[0], args, 0)], 0
+        weights = ernie_weights(raw, model)
+        shared = SharedHead(dims, eps, None)
     elif lay.style == "longcat":
         last = layers[-1]
         mtp_layers, copied = [MLABlock(type(last.self_attn[0])(args), type(last.mlps[0])(args), dims, eps)], -1

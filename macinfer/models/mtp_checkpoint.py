@@ -122,6 +122,30 @@ def longcat_weights(raw: dict[str, mx.array], n_layers: int, target: MlxLmModel)
     return out
 
 
+# ERNIE 4.5's MTP tensors (`model.mtp_{part}.{depth}`, as transformers' MTP conversion reads
+# them): each part's name in the stack; its post-norm is the model's final norm.
+ERNIE_PARTS = {"model.mtp_emb_norm.0.": "enorm.", "model.mtp_hidden_norm.0.": "hnorm.",
+               "model.mtp_linear_proj.0.": "eh_proj.", "model.norm.": "shared_head.norm."}
+
+
+def ernie_weights(raw: dict[str, mx.array], target: MlxLmModel) -> dict[str, mx.array]:
+    """ERNIE 4.5's first MTP layer -> the stack's names: its norms and projection, the model's
+    final norm as the head's, its decoder block (`model.mtp_block.0.*`) through the target's
+    own sanitizer (experts stacked) under the name of the target's last layer."""
+    last = f"model.layers.{len(target.decoder_layers) - 1}."
+    out, layer = {}, {}
+    for k, v in raw.items():
+        part = next((p for p in ERNIE_PARTS if k.startswith(p)), None)
+        if part is not None:
+            out[ERNIE_PARTS[part] + k[len(part):]] = v
+        elif k.startswith("model.mtp_block.0."):
+            layer[last + k[len("model.mtp_block.0."):]] = v
+    for k, v in target.sanitize(layer).items():
+        if k.startswith(last):
+            out["layers.0." + k[len(last):]] = v
+    return out
+
+
 # Families whose checkpoints store norms zero-centred (w - 1) and whose MTP layers are read
 # apart from the model (their sanitizer decides from the whole model's tensors).
 ZERO_CENTRED_NORMS = ("step3p5",)
