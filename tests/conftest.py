@@ -76,3 +76,12 @@ def tiny_llama(tmp_path_factory) -> str:
 
 def pytest_report_header(config):
     return f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}"
+
+
+@pytest.fixture(scope="session")
+def vlm_dirs(tmp_path_factory) -> dict[str, str]:
+    """Every vision family's tiny checkpoint (`tests/vision_families/`), built once."""
+    from tests.vision_models import BUILDERS, tiny_vlm_dir
+
+    base = tmp_path_factory.mktemp("vlm")
+    return {family: tiny_vlm_dir(base, family) for family in BUILDERS}

@@ -58,7 +58,7 @@ def _pair(kind: str, root) -> tuple[str, dict]:
 
         return _target(Factory(), "llama"), {"draft_model": _target(Factory(), "llama", noise=0.3)}
     if kind == "mtp":
-        from tests.test_mtp import mtp_target
+        from tests.mtp_heads import mtp_target
 
         return mtp_target(root, "qwen3_5"), {"speculative_method": "mtp"}
     if kind in ("assistant", "dflash"):  # Gemma 4's assistant over a tiny Gemma 4; DFlash over a Qwen3

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from macinfer.sampling_params import SamplingParams
 from macinfer.vision.processor_fixes import mend
 from tests.helpers import randomize_packs
 from tests.vision_families import (ANYRES, BOTH_WAYS, BUILDERS, LEAD_FIRST, PROMPT_ONLY, REFERENCE_TEXT,  # noqa: F401
@@ -61,6 +62,27 @@ def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None
     mx.save_safetensors(os.path.join(path, "model.safetensors"), params)
     processor.save_pretrained(path)
     return path
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+
+def ask(text: str, *images) -> list[dict]:
+    """One user message: the images, then the text."""
+    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                         {"type": "text", "text": text}]}]
+
+
+def as_mlx_vlm(llm: Any, path: str, rendered: str, pictures: list) -> None:
+    """The engine's greedy tokens are mlx-vlm's for `pictures` (the prompt as `rendered` for
+    mlx-vlm's processor), and its first-token logprobs to float32 rounding."""
+    conv = ask("what is it", *pictures)
+    ours = llm.chat(conv, GREEDY).token_ids
+    first = llm.chat(conv, FIRST).logprobs[0].top
+    tokens, logprobs = mlx_vlm_greedy(path, rendered, pictures, 8)
+    assert ours == tokens
+    assert max(abs(lp - logprobs[t]) for t, lp in first) < 1e-4
 
 
 def picture(seed: int, size: tuple[int, int] = (40, 50)):
