@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 import numpy as np
 
 from macinfer.vision.inputs import ImageSpan, content_digest
@@ -37,11 +38,12 @@ class _EmbedOnly(nn.Module):
     """Stands in for mlx-vlm's language model inside its wrapper: the engine's own token
     embedding, under the names mlx-vlm's merges call it by, and nothing else."""
 
-    def __init__(self, embed: nn.Module, rope_index: Any = None, numbers: dict[str, float] | None = None):
+    def __init__(self, embed: nn.Module, rope_index: Any = None, numbers: dict[str, Any] | None = None):
         super().__init__()
         self.model = nn.Module()
-        # The language model's plain numbers a merge reads (Gemma 4's `embed_scale`); no
-        # per-layer inputs: the engine's model computes those from the prompt's ids.
+        # The language model's plain numbers and weightless modules a merge reads (Gemma 4's
+        # `embed_scale`, Muse Glimmer's embedding norm); no per-layer inputs: the engine's
+        # model computes those from the prompt's ids.
         for k, v in (numbers or {}).items():
             setattr(self.model, k, 0 if k == "hidden_size_per_layer_input" else v)
         self.model.embed_tokens = embed
@@ -139,7 +141,8 @@ class VisionEncoder:
 
     @classmethod
     def load(cls, path: str, embed: nn.Module, image_token_id: int, dtype: mx.Dtype,
-             cache_bytes: int = 256 * 2**20, mrope: bool = False, deepstack: bool = False) -> "VisionEncoder":
+             cache_bytes: int = 256 * 2**20, mrope: bool = False, deepstack: bool = False,
+             normed_rows: bool = False) -> "VisionEncoder":
         from mlx_vlm.utils import load_model
 
         vlm = load_model(Path(path), lazy=True)  # lazy: the language model's weights are never read
@@ -158,10 +161,15 @@ class VisionEncoder:
             inner = getattr(vlm.language_model, "model", None)
             numbers = {k: v for k, v in vars(inner).items() if isinstance(v, (int, float))
                        and not isinstance(v, bool) and not k.startswith("_")} if isinstance(inner, nn.Module) else {}
+            # (its weightless modules a merge calls too: Muse Glimmer's embedding norm)
+            numbers.update({k: m for k, m in inner.children().items() if isinstance(m, nn.Module)
+                            and not tree_flatten(m.parameters()) and k != "embed_tokens"}
+                           if isinstance(inner, nn.Module) else {})
             vlm.language_model = _EmbedOnly(embed, raw, numbers)  # (the merges call the rule as mlx-vlm has it)
         mx.eval(vlm.parameters())
         vlm.eval()
-        encoder = cls(vlm, image_token_id, dtype, cache_bytes, rope_index, deepstack, _text_scale(vlm, embed))
+        encoder = cls(vlm, image_token_id, dtype, cache_bytes, rope_index, deepstack,
+                      _text_scale(vlm, embed, normed_rows))
         with open(Path(path) / "config.json", encoding="utf-8") as f:
             encoder.merge = merge_for(json.load(f))
         return encoder
@@ -173,8 +181,6 @@ class VisionEncoder:
 
     @property
     def nbytes(self) -> int:
-        from mlx.utils import tree_flatten
-
         own = [v for k, v in tree_flatten(self.vlm.parameters()) if not k.startswith("language_model.")]
         return sum(v.nbytes for v in own)
 
@@ -285,15 +291,20 @@ def _canvas(rule: Any, image_token_id: int) -> Any:
     return positions
 
 
-def _text_scale(vlm: nn.Module, embed: nn.Module) -> float:
+def _text_scale(vlm: nn.Module, embed: nn.Module, normed_rows: bool = False) -> float:
     """The factor the family's merge puts on a text token's embedding (a prompt with no image);
-    refused when the merge does more to it than a scale."""
+    refused when the merge does more to it than a scale. `normed_rows`: the family's merge
+    RMS-norms every row (no scale) and the engine's decoder norms every row it is given, so a
+    normed text row is its own (Muse Glimmer)."""
     ids = mx.array([[1, 2, 3]], dtype=mx.int32)
     try:
         merged = vlm.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, dtype=mx.int32)).inputs_embeds
     except Exception as e:  # noqa: BLE001 - whatever the family's merge raises is why images are off
         raise ValueError(f"its image merge does not run on a text-only prompt ({type(e).__name__}: {e})") from None
-    merged, plain = np.array(merged.astype(mx.float32)).reshape(-1), np.array(embed(ids).astype(mx.float32)).reshape(-1)
+    plain = embed(ids).astype(mx.float32)
+    if normed_rows:
+        plain = mx.fast.rms_norm(plain, None, 1e-6)
+    merged, plain = np.array(merged.astype(mx.float32)).reshape(-1), np.array(plain).reshape(-1)
     scale = float(merged @ plain / max(float(plain @ plain), 1e-30))
     if not np.allclose(merged, scale * plain, rtol=1e-2, atol=1e-3 * float(np.abs(merged).max() + 1e-30)):
         raise ValueError("its image merge transforms the text embeddings beyond a scale")

@@ -64,6 +64,9 @@ ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
 # Families whose prompt holds one sentinel id an image, grown into the image's rows at the merge:
 # the engine's prompt holds a placeholder a row instead (`VisionProcessor._grown`).
 SENTINEL_FAMILIES = {"llava_bunny", "fastvlm", "phi4mm", "multi_modality"}
+# Families whose merge RMS-norms every row (no scale) and whose decoder (mlx-lm's) norms every
+# row it is given, its own included: the merge's normed text rows are the decoder's own.
+NORMED_ROWS = {"muse_glimmer"}
 # Families whose merge takes one image a prompt (GOT-OCR's: a batch row's features are one
 # image's): their images are encoded a call each.
 ONE_IMAGE_MERGES = {"got"}
@@ -82,7 +85,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -287,7 +290,8 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         token = processor.image_token_id
         deepstack = deepstack_layers(config)
         encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None,
-                                     deepstack=config.get("model_type") in DEEPSTACK_FAMILIES)
+                                     deepstack=config.get("model_type") in DEEPSTACK_FAMILIES,
+                                     normed_rows=family(config) in NORMED_ROWS)
         if family(config) in SENTINEL_FAMILIES:
             encoder.sentinel, processor.sentinel_rows = True, encoder.sentinel_rows
         encoder.alone = family(config) in ONE_IMAGE_MERGES
