@@ -114,6 +114,11 @@ FAMILIES: dict[str, str | None] = {
     "molmo_point": ("its output vocabulary grows with each image: a pointing head scores the image's patches, "
                     "sub-patches and locations as tokens past the text's (keys from the image's features), under "
                     "a logit processor that orders the points; the engine samples the text vocabulary only"),
+    "zaya1_vl": ("its decoder (ZAYA1's, which mlx-lm lacks) runs a vision LoRA on the image tokens' rows only "
+                 "(a per-token adapter chosen by an image mask), which the engine's rows do not carry"),
+    "qwen4_exp": ("its decoder's Qwen Sparse Attention picks each query's keys by an index of its own (an index "
+                  "cache beside the KV cache); the engine's paged attention runs DeepSeek Sparse Attention's "
+                  "indexer only, and dense attention would not be this model past the selection's budget"),
     "hunyuan_vl": ("its decoder turns positions by XD-RoPE over four axes (sequence, time, height, width: "
                    "`xdrope_section`), which the engine's multimodal RoPE (three axes) does not carry yet; "
                    "mlx-vlm itself applies it to a prompt's first chunk only"),
