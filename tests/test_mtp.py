@@ -45,7 +45,7 @@ def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
                                         "glm_moe_dsa", "mimo", "nemotron_h", "step3p5", "longcat_flash",
-                                        "ernie4_5_moe"])
+                                        "ernie4_5_moe", "mellum"])
 def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
     """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
     experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),
@@ -81,15 +81,13 @@ def _reference_drafts(engine, prompt: list[int], first: int, k: int) -> list[int
     """The head's greedy drafts after `prompt` + [first], computed densely, one position at
     a time, from the published formula: the target's hidden rows from mlx-lm's own forward,
     the head's input projection written out, its layer run with mlx-lm's cache."""
-    from mlx_lm.models.cache import KVCache
-
     target = engine.model.text_model
     ids = mx.array([prompt])
     hidden = target.model(ids)[0]  # [T, D], after the final norm
     head = engine.drafter.model.lm
     stack = head.model
     embed = engine.model.embed_module()
-    caches = [KVCache() for _ in stack.layers]
+    caches = head.make_cache()  # (the kind of the head's layer: Mellum's slides)
 
     qwen = stack.style == "qwen"
     eps = (stack.norm if qwen else stack.enorm).eps
@@ -121,7 +119,7 @@ def _reference_drafts(engine, prompt: list[int], first: int, k: int) -> list[int
     return drafts
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "ernie4_5_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "ernie4_5_moe", "mellum"])
 def test_the_heads_drafts_follow_the_published_formula(tmp_path_factory, model_type):
     """A head that mostly disagrees (random projection): after a long prompt (caught up in
     chunks), the batched paged drafts equal the dense reference's, position by position

@@ -7,9 +7,11 @@ here they are read from the checkpoint's own files and built with the target's o
 decoder-layer class (mlx-lm's), so the head runs on the paged engine like any model
 (`MlxLmModel`): `engine/mtp_drafter.py` feeds it the target's hidden rows.
 
-Two layouts, the published ones (transformers / vLLM):
+The layouts, the published ones (transformers / vLLM):
 - "qwen": h = fc([norm_e(embed(t)), norm_h(H)]); the layers; out = norm(h); logits =
   the target's head(out); the next draft reads out. Norms are stored zero-centred (1 + w).
+  Mellum (JetBrains, `mtp.*` as transformers' MTP conversion reads it) has this layout with
+  plain norms (w, not 1 + w) and its layer of `mtp_layer_types` (sliding by default).
 - "deepseek": h = eh_proj([enorm(embed(t)), hnorm(H)]); the layer; out = h; logits =
   shared_head.head(shared_head.norm(out)) (the target's head where the checkpoint has
   none); the next draft reads out. A checkpoint with several such layers (one per
@@ -38,6 +40,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Iterator
 
 import mlx.core as mx
@@ -47,7 +50,7 @@ from macinfer.models.mlx_lm_adapter import MlxLmModel
 from macinfer.models.mlx_lm_classes import text_config
 from macinfer.models.mtp_checkpoint import (ERNIE_PARTS, ZERO_CENTRED_NORMS, checkpoint_tensors, declared_layers,
                                             deepseek_weights, ernie_weights, longcat_weights, nemotron_weights,
-                                            qwen_weights)
+                                            quantize_like, qwen_weights)
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ class MTPLayout:
     depth: int  # layers the checkpoint declares
 
 
-QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "mellum")
+MELLUM = ("mellum",)  # Qwen's layout (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`), plain norms
 DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "step3p5")
 MIMO = ("mimo",)
 NEMOTRON = ("nemotron_h",)
@@ -240,10 +244,16 @@ def _gguf_block(path: str, config: dict[str, Any], target: MlxLmModel, first: in
         raise ValueError(f"the GGUF file's MTP block {first} cannot be read ({e})") from None
 
 
-def _layer_like(layer: nn.Module, args: Any, index: int) -> nn.Module:
+def _cache_of(owner: Any, index: int, pick: Any) -> Any:
+    """A fresh cache of the kind the target keeps for layer `index` (`pick`: the part a layer uses)."""
+    return pick(owner()[index])
+
+
+def _layer_like(layer: nn.Module, args: Any, index: int, mtp_type: str = "sliding_attention") -> nn.Module:
     """A new decoder layer of `layer`'s class, built as layer `index` where the class takes one.
     Per-layer lists in the config that stop at the decoder's layers (Step 3.5's `layer_types`)
-    go on as the MTP layers are published: sliding-window attention."""
+    go on as the MTP layers are published: `mtp_type`, sliding-window attention unless the
+    config says (Mellum's `mtp_layer_types`)."""
     import dataclasses
     import inspect
 
@@ -251,31 +261,8 @@ def _layer_like(layer: nn.Module, args: Any, index: int) -> nn.Module:
     takes = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     types = getattr(args, "layer_types", None)
     if len(takes) > 1 and isinstance(types, list) and index >= len(types) and dataclasses.is_dataclass(args):
-        args = dataclasses.replace(args, layer_types=types + ["sliding_attention"] * (index + 1 - len(types)))
+        args = dataclasses.replace(args, layer_types=types + [mtp_type] * (index + 1 - len(types)))
     return cls(args, index) if len(takes) > 1 else cls(args)
-
-
-def _quantize_like(head: nn.Module, config: dict[str, Any], names: dict[str, mx.array]) -> None:
-    """Quantize the head's layers whose weights come quantized (an MLX conversion that
-    kept them), with the checkpoint's settings (per-layer overrides included)."""
-    if not any(k.endswith(".scales") for k in names):
-        return
-    quant = config.get("quantization") or config.get("quantization_config") or {}
-    if "bits" not in quant:
-        raise ValueError("the MTP weights are quantized but the config names no quantization settings")
-
-    def predicate(path: str, module: nn.Module) -> Any:
-        if f"{path}.scales" not in names:
-            return False
-        override = quant.get(path) or quant.get(path.replace("model.", "mtp.", 1))
-        group = override["group_size"] if isinstance(override, dict) else quant.get("group_size", 64)
-        # The width tells the bits (packed uint32 columns over the groups): a GGUF block's layers
-        # may mix them, and their names are not the ones the config's overrides use.
-        packed, groups = names[f"{path}.weight"].shape[-1], names[f"{path}.scales"].shape[-1]
-        return {"group_size": group, "bits": packed * 32 // (groups * group)}
-
-    nn.quantize(head, group_size=quant.get("group_size", 64), bits=quant["bits"], mode=quant.get("mode", "affine"),
-                class_predicate=predicate)
 
 
 def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmModel:
@@ -319,7 +306,21 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
     args = text.args
     layers = model.decoder_layers
     dims, eps = int(tcfg["hidden_size"]), float(tcfg.get("rms_norm_eps", 1e-6))
-    if lay.style == "qwen":
+    target_caches = None
+    if lay.style == "qwen" and config.get("model_type") in MELLUM:
+        # Mellum's layer is of `mtp_layer_types` (sliding by default), its norms plain; its cache is
+        # a target layer's of that type, or a sliding one of the config's window.
+        kind = (tcfg.get("mtp_layer_types") or ["sliding_attention"])[0]
+        mtp_layers = [_layer_like(layers[-1], args, n_layers, kind)]
+        same = [i for i, t in enumerate(tcfg.get("layer_types") or []) if t == kind]
+        copied = same[0] if same else None
+        if copied is None and kind == "sliding_attention":
+            from mlx_lm.models.cache import RotatingKVCache
+
+            target_caches = partial(RotatingKVCache, max_size=int(tcfg["sliding_window"]))
+        weights = qwen_weights(raw, lay.depth, mlx_format=True)
+        shared = None
+    elif lay.style == "qwen":
         # A full-attention layer of the target's class (Gated DeltaNet layers have none).
         full = max(i for i, layer in enumerate(layers) if not getattr(layer, "is_linear", False))
         mtp_layers = [type(layers[full])(args, full) for _ in range(lay.depth)]
@@ -372,9 +373,11 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
     stack = MTPStack(lay.style, mtp_layers, dims, eps, embed, own_embed)
     owner = getattr(text, "make_cache", None)
     pick = (lambda c: c[0]) if lay.style == "longcat" else (lambda c: c)  # (LongCat's layers: a cache a pair)
-    head = MTPHead(stack, args, model.logits, shared, None if owner is None else lambda: pick(owner()[copied]))
+    if target_caches is None and owner is not None and copied is not None:
+        target_caches = partial(_cache_of, owner, copied, pick)
+    head = MTPHead(stack, args, model.logits, shared, target_caches)
     names = {f"model.{k}" if not k.startswith("shared_head.") else k: v for k, v in weights.items()}
-    _quantize_like(head, config, names)
+    quantize_like(head, config, names)
     try:
         head.load_weights(list(names.items()), strict=True)
     except ValueError as e:

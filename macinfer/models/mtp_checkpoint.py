@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from macinfer.models.mlx_lm_adapter import MlxLmModel
 from macinfer.models.mlx_lm_classes import text_config
@@ -167,3 +168,26 @@ def nemotron_weights(raw: dict[str, mx.array], blocks: int, target: MlxLmModel) 
         if k.startswith("backbone.layers.") and int(k.split(".")[2]) < blocks:
             out["layers." + k[len("backbone.layers."):]] = v
     return out
+
+
+def quantize_like(head: nn.Module, config: dict[str, Any], names: dict[str, mx.array]) -> None:
+    """Quantize the head's layers whose weights come quantized (an MLX conversion that
+    kept them), with the checkpoint's settings (per-layer overrides included)."""
+    if not any(k.endswith(".scales") for k in names):
+        return
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    if "bits" not in quant:
+        raise ValueError("the MTP weights are quantized but the config names no quantization settings")
+
+    def predicate(path: str, module: nn.Module) -> Any:
+        if f"{path}.scales" not in names:
+            return False
+        override = quant.get(path) or quant.get(path.replace("model.", "mtp.", 1))
+        group = override["group_size"] if isinstance(override, dict) else quant.get("group_size", 64)
+        # The width tells the bits (packed uint32 columns over the groups): a GGUF block's layers
+        # may mix them, and their names are not the ones the config's overrides use.
+        packed, groups = names[f"{path}.weight"].shape[-1], names[f"{path}.scales"].shape[-1]
+        return {"group_size": group, "bits": packed * 32 // (groups * group)}
+
+    nn.quantize(head, group_size=quant.get("group_size", 64), bits=quant["bits"], mode=quant.get("mode", "affine"),
+                class_predicate=predicate)
