@@ -116,6 +116,9 @@ FAMILIES: dict[str, str | None] = {
                     "a logit processor that orders the points; the engine samples the text vocabulary only"),
     "zaya1_vl": ("its decoder (ZAYA1's, which mlx-lm lacks) runs a vision LoRA on the image tokens' rows only "
                  "(a per-token adapter chosen by an image mask), which the engine's rows do not carry"),
+    "glm5_next": ("its decoder (GLM-5-Next's, which mlx-lm lacks) selects each query's keys by DeepSeek Sparse "
+                  "Attention over pooled index keys (`index_kpool`) beside linear-attention layers; the engine's "
+                  "paged path runs the indexer as mlx-lm's GLM-5 has it only"),
     "qwen4_exp": ("its decoder's Qwen Sparse Attention picks each query's keys by an index of its own (an index "
                   "cache beside the KV cache); the engine's paged attention runs DeepSeek Sparse Attention's "
                   "indexer only, and dense attention would not be this model past the selection's budget"),
