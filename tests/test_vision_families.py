@@ -35,6 +35,33 @@ def test_gemma3_image_tokens_attend_each_other_both_ways(vlm_dirs, budget):
     assert np.abs(both - causal).max() > 1e-2  # the rule matters on this model
 
 
+@pytest.mark.parametrize("budget", [1024, 64])
+def test_moondream2_prefix_of_bos_and_its_image_attends_both_ways(vlm_dirs, budget):
+    """Moondream 2's published rule: BOS and the image's 729 rows attend to each other both ways
+    (mlx-vlm's generation drops that mask: the reference is its classes with it), under a chunk
+    budget smaller than the prefix too (the prefix goes in one chunk); a prompt holds one image
+    (a second is refused), and a prompt without one starts with BOS."""
+    from macinfer.vision.images import ImageError
+
+    path = vlm_dirs["moondream2"]
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=1024, max_num_batched_tokens=budget)
+    try:
+        ids, images = llm._chat_prompt(ask("what is it", picture(0)))
+        (span,) = images.spans
+        assert (span.offset, len(span.rows)) == (0, 730) and ids[0] == llm.tokenizer.bos_token_id == 0
+        out = llm.generate([(ids, images)], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+        with pytest.raises(ImageError, match="more than 1 images"):
+            llm._chat_prompt(ask("which differs", picture(0), picture(1)))
+        text_only = llm._chat_prompt([{"role": "user", "content": "what is it"}])
+        assert text_only[0] == 0 and text_only[1:] == ids[730:]
+    finally:
+        llm.close()
+    ours = np.array([p.logprob for p in out.prompt_logprobs[1:]])
+    both, causal = (prompt_logprobs(path, "what is it", [picture(0)], b) for b in (True, False))
+    assert np.abs(ours - both).max() < 1e-4
+    assert np.abs(both - causal).max() > 1e-2  # the rule matters on this model
+
+
 @pytest.mark.parametrize("budget", [512, 5])
 def test_paligemma_prompt_attends_both_ways_whole(vlm_dirs, budget):
     """PaliGemma is a prefix LM (transformers' token types, mlx-vlm's prefill mask): every

@@ -139,6 +139,15 @@ def mlx_vlm_prompt(path: str, text: str, num_images: int) -> str:
     return apply_chat_template(processor, load_config(path), text, num_images=num_images)
 
 
+def _image_id(path: str) -> int:
+    """The checkpoint's image placeholder id, as the engine reads it (Moondream's 0, which its
+    config does not name)."""
+    from macinfer.vision.support import image_token_id
+
+    with open(os.path.join(path, "config.json")) as f:
+        return image_token_id(json.load(f))
+
+
 def _allowed(ids: list[int], image_id: int, both_ways: bool) -> np.ndarray:
     """Causal, and (`both_ways`) each image's run of placeholders attending to itself whole."""
     n = len(ids)
@@ -160,9 +169,10 @@ def prompt_logprobs(path: str, prompt: str, images: list, both_ways: bool, prefi
     inputs = processor(text=[prompt], images=images, return_tensors="np")
     ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
     x = mx.array(ids)[None]
-    emb = model.get_input_embeddings(x, mx.array(inputs["pixel_values"]), mask=mx.ones(x.shape, dtype=mx.int32))
-    allowed = np.ones((len(ids), len(ids)), dtype=bool) if prefix else _allowed(ids, model.config.image_token_index,
-                                                                                  both_ways)
+    extras = {k: _mx(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
+    emb = model.get_input_embeddings(x, mx.array(inputs["pixel_values"]), mask=mx.ones(x.shape, dtype=mx.int32),
+                                     **extras)
+    allowed = np.ones((len(ids), len(ids)), dtype=bool) if prefix else _allowed(ids, _image_id(path), both_ways)
     mask = mx.array(allowed)[None, None]
     out = model.language_model(x, inputs_embeds=emb.inputs_embeds, mask=mask)
     logits = (out.logits if hasattr(out, "logits") else out)[0].astype(mx.float32)
@@ -179,12 +189,15 @@ def both_ways_greedy(path: str, prompt: str, images: list, max_tokens: int) -> t
     model, processor = load(path)
     inputs = processor(text=[prompt], images=images, return_tensors="np")
     ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
-    image_id = model.config.image_token_index
+    image_id = _image_id(path)
+    prompt_ids = np.asarray(ids)  # (a generated token with the image's id is text: the mask is the prompt's)
     pixels = mx.array(inputs["pixel_values"])
+    extras = {k: _mx(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
 
     def forward(x: mx.array, ids: list[int]):
-        emb = model.get_input_embeddings(x, pixels, mask=mx.ones(x.shape, dtype=mx.int32)).inputs_embeds
-        return model.language_model(x, inputs_embeds=emb, mask=mx.array(_allowed(ids, image_id, True))[None, None])
+        emb = model.get_input_embeddings(x, pixels, mask=mx.ones(x.shape, dtype=mx.int32), **extras).inputs_embeds
+        shown = np.concatenate([prompt_ids, np.full(len(ids) - len(prompt_ids), -1)])
+        return model.language_model(x, inputs_embeds=emb, mask=mx.array(_allowed(shown, image_id, True))[None, None])
 
     return _greedy_whole(forward, ids, max_tokens)
 

@@ -232,7 +232,9 @@ def _load_mlx_dir(path: str, progress=None) -> tuple[dict[str, Any], dict[str, m
             raise ModelLoadError(f"{fp}: truncated or corrupt safetensors file ({e})") from None
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
         raise ModelNotFoundError(f"no tokenizer.json in {path}")
-    return config, weights, TokenizerWrapper.from_dir(path, config)
+    from macinfer.vision.support import tokenizer_source
+
+    return config, weights, TokenizerWrapper.from_dir(tokenizer_source(path, config), config)
 
 
 def _dequantize_modules(module: nn.Module, turn: list[int] | None = None) -> int:

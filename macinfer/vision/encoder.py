@@ -155,17 +155,22 @@ class VisionEncoder:
             lm = vlm.language_model
             raw = _ConfigOnly(type(lm), config=lm.config, args=getattr(lm, "args", None)).get_rope_index
             rope_index = _qwen(raw)
+        # The language model's own child (`language_model`; Moondream's `text`, under a property)
+        held = "language_model"
         if isinstance(getattr(type(vlm), "language_model", None), property):
+            lm = vlm.language_model
+            held = next((k for k, m in vlm.children().items() if m is lm), None)
+        if held is None:  # a wrapper whose language model is itself (Phi-3 Vision)
             _strip_inner_decoder(vlm, embed)
         else:
-            inner = getattr(vlm.language_model, "model", None)
+            inner = getattr(getattr(vlm, held), "model", None)
             numbers = {k: v for k, v in vars(inner).items() if isinstance(v, (int, float))
                        and not isinstance(v, bool) and not k.startswith("_")} if isinstance(inner, nn.Module) else {}
             # (its weightless modules a merge calls too: Muse Glimmer's embedding norm)
             numbers.update({k: m for k, m in inner.children().items() if isinstance(m, nn.Module)
                             and not tree_flatten(m.parameters()) and k != "embed_tokens"}
                            if isinstance(inner, nn.Module) else {})
-            vlm.language_model = _EmbedOnly(embed, raw, numbers)  # (the merges call the rule as mlx-vlm has it)
+            setattr(vlm, held, _EmbedOnly(embed, raw, numbers))  # (the merges call the rule as mlx-vlm has it)
         mx.eval(vlm.parameters())
         vlm.eval()
         encoder = cls(vlm, image_token_id, dtype, cache_bytes, rope_index, deepstack,

@@ -191,7 +191,9 @@ class VisionProcessor:
                              "tokenizer only for this checkpoint)")
         ids = np.asarray(out["input_ids"]).reshape(-1).tolist()
         bos = getattr(self.tokenizer, "bos_token_id", None)
-        if ids and bos is not None and ids[0] == bos and self.marker[:1] != [bos]:
+        # (BOS the processor writes is the template's, unless BOS's id is the image's placeholder:
+        # Moondream's prefix is BOS and its image, one run)
+        if ids and bos is not None and ids[0] == bos and self.marker[:1] != [bos] and bos != self.image_token_id:
             ids = ids[1:]
         pixels = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids",
                                                                  "mm_token_type_ids", "labels")}

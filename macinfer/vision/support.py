@@ -4,6 +4,7 @@ for a checkpoint that runs, its processor and encoder (`Vision`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 # Families whose image tokens attend to each other both ways (transformers' Gemma 3; mlx-vlm
 # runs them causally: the tests check against mlx-vlm's own classes with that mask). Gemma 4
 # says so in its config (`use_bidirectional_attention: "vision"`), and mlx-vlm follows it.
-BOTH_WAYS_IMAGES = {"gemma3"}
+BOTH_WAYS_IMAGES = {"gemma3", "moondream2"}  # (Moondream's rows are BOS and its image: the prompt's prefix)
 # Prefix LMs (PaliGemma): the whole prompt attends both ways (transformers' token types: the
 # prompt is all prefix), the output causally. They ship no chat template: their processor
 # writes the prompt (the images' placeholders, BOS, the text, a newline), and so does this
@@ -54,8 +55,27 @@ def _got_template() -> str:
             + sep + "{% endfor %}{% if add_generation_prompt %}" + assistant + "{% endif %}")
 
 
+def _moondream_template(tokenizer: Any) -> str:
+    """Moondream 2's query format, as its processor writes it around a question: the image (with
+    BOS: its placeholder id is BOS's, the processor writes BOS and 729 of them), the question,
+    its answer token. One user message; a prompt with no image starts with BOS instead."""
+    from mlx_vlm.models.moondream3.processing_moondream3 import ANSWER_ID
+
+    return ("{% if messages | length != 1 or messages[0]['role'] != 'user' %}{{ raise_exception('this model answers "
+            "one question about one picture: one user message') }}{% endif %}{% set m = messages[0] %}"
+            "{% if m['content'] is string %}{{ bos_token }}{% set text = m['content'] %}{% else %}"
+            "{% if m['content'] | selectattr('type', 'equalto', 'image') | list %}<image>{% else %}{{ bos_token }}"
+            "{% endif %}{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') "
+            "| join('') %}{% endif %}{{ '\\n\\nQuestion: ' + text + '\\n\\nAnswer: ' }}" + tokenizer.decode([ANSWER_ID]))
+
+
 # Families with no chat template of their own: the engine's, written once at load.
-OWN_TEMPLATES = {"got": _got_template}
+OWN_TEMPLATES = {"got": lambda tokenizer: _got_template(), "moondream2": _moondream_template}
+# Families whose processor writes the whole prompt around any text (its placeholders at the front):
+# an image's expansion is its run of placeholders alone.
+PROMPT_WRITERS = {"moondream2"}
+# Families whose prompt holds one image at most (Moondream's: the image is the prompt's prefix).
+ONE_IMAGE = {"moondream2"}
 # Families whose published config keeps its tower's settings in code (no `vision_config`).
 TOWER_IN_CODE = {"got"}
 NOT_CHAT = "not a generative chat model (detection, segmentation, depth or embeddings): out of this engine's scope"
@@ -85,7 +105,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None, "moondream2": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -188,6 +208,17 @@ def vision_table() -> dict[str, str]:
             for t in vision_model_types()}
 
 
+def tokenizer_source(path: str, config: dict[str, Any]) -> str:
+    """Where a checkpoint's text tokenizer is: its folder, or, for Moondream 2, the repository its
+    own code loads (its checkpoints bundle a stale GPT-2 tokenizer the model does not use; mlx-vlm's
+    processor loads that repository too)."""
+    if config.get("model_type") == "moondream2":
+        from mlx_vlm.models.moondream2 import processing_moondream2
+
+        return processing_moondream2.TOKENIZER_REPO
+    return path
+
+
 def is_vision_config(config: dict[str, Any]) -> bool:
     return isinstance(config.get("vision_config"), dict) or config.get("model_type") in TOWER_IN_CODE
 
@@ -213,9 +244,16 @@ def verdict(config: dict[str, Any]) -> str | None:
 NEGATIVE_PLACEHOLDERS = {"phi3_v"}
 
 
+# Families whose processor writes a fixed placeholder id its config does not name (Moondream's 0,
+# which is BOS's too: the image's run is BOS and its 729 rows).
+FIXED_PLACEHOLDERS = {"moondream2": 0}
+
+
 def image_token_id(config: dict[str, Any]) -> int | None:
     if config.get("model_type") in NEGATIVE_PLACEHOLDERS:
         return -1
+    if config.get("model_type") in FIXED_PLACEHOLDERS:
+        return FIXED_PLACEHOLDERS[config["model_type"]]
     for key in ("image_token_index", "image_token_id", "image_token", "media_placeholder_token_id", "image_patch_id",
                 "im_patch_token"):  # (GOT-OCR's name for it)
         v = config.get(key)
@@ -287,11 +325,12 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         if prefix_lm and not tokenizer.chat_template:
             tokenizer.set_chat_template(PREFIX_LM_TEMPLATE)
         if config.get("model_type") in OWN_TEMPLATES and not tokenizer.chat_template:
-            tokenizer.set_chat_template(OWN_TEMPLATES[config["model_type"]]())
+            tokenizer.set_chat_template(OWN_TEMPLATES[config["model_type"]](tokenizer))
         if config.get("model_type") in BOS_FIRST | IMAGES_FIRST:
             _bos_first(tokenizer, or_eos=config.get("model_type") in IMAGES_FIRST)
         own = config["vision_config"] if config.get("model_type") in OWN_VOCAB else None
-        processor = VisionProcessor.load(path, tokenizer, image_token_id(config), placeholders_only=prefix_lm,
+        processor = VisionProcessor.load(path, tokenizer, image_token_id(config),
+                                         placeholders_only=prefix_lm or config.get("model_type") in PROMPT_WRITERS,
                                          model_type=config.get("model_type"),
                                          own_vocab=(own["vocab_offset"], own["vocab_offset"] + own["vocab_size"])
                                          if own else None)
@@ -313,5 +352,8 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         return None, f"its processor or vision tower could not be loaded ({str(e).splitlines()[0][:200]})"
     text = config.get("text_config") or config
     scale = text["hidden_size"] ** 0.5 if config.get("model_type") in SCALED_TEXT_ROWS else 1.0
-    return Vision(processor, encoder, limits or ImageLimits(), mrope, both_ways_images(config), deepstack,
+    limits = limits or ImageLimits()
+    if family(config) in ONE_IMAGE:
+        limits = dataclasses.replace(limits, max_images=1)
+    return Vision(processor, encoder, limits, mrope, both_ways_images(config), deepstack,
                   bool(text.get("hidden_size_per_layer_input")), prefix_lm, scale, lora), None

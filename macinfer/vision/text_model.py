@@ -122,9 +122,45 @@ def _fused_weights(family: str) -> Callable[[dict[str, mx.array], dict[str, Any]
     return rename
 
 
+def _moondream(t: dict[str, Any]) -> dict[str, Any]:
+    """Moondream 2's decoder is Phi-1.5's (parallel attention and MLP after one LayerNorm, partial
+    rotary, biased projections, a biased head): mlx-lm's `phi`, under its own weight names
+    (`_moondream_weights`)."""
+    return {"model_type": "phi", "hidden_size": t["hidden_size"], "intermediate_size": t["intermediate_size"],
+            "num_hidden_layers": t["num_hidden_layers"], "num_attention_heads": t["num_attention_heads"],
+            "num_key_value_heads": t["num_key_value_heads"], "partial_rotary_factor": t["partial_rotary_factor"],
+            "rope_theta": t["rope_theta"], "layer_norm_eps": t["rms_norm_eps"], "vocab_size": t["vocab_size"],
+            "max_position_embeddings": t["max_position_embeddings"]}
+
+
+def _moondream_weights(w: dict[str, mx.array], t: dict[str, Any]) -> dict[str, mx.array]:
+    """Moondream 2's names -> mlx-lm's Phi's: the fused query/key/value split (biases too)."""
+    hd = t["hidden_size"] // t["num_attention_heads"]
+    q, kv = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
+    names = {"ln": "input_layernorm", "attn.proj": "self_attn.dense", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+    out = {}
+    for k, v in w.items():
+        if k.startswith("model.post_ln."):
+            out["model.final_layernorm." + k[len("model.post_ln."):]] = v
+        elif not k.startswith("model.layers."):
+            out[k] = v  # (the embedding, the head)
+        else:
+            i, rest = k[len("model.layers."):].split(".", 1)
+            module, leaf = rest.rsplit(".", 1)
+            at = f"model.layers.{i}."
+            if module == "attn.qkv":
+                for name, part in zip(("q_proj", "k_proj", "v_proj"), (v[:q], v[q:q + kv], v[q + kv:])):
+                    out[f"{at}self_attn.{name}.{leaf}"] = part
+            elif module in names:
+                out[f"{at}{names[module]}.{leaf}"] = v
+            else:
+                raise ValueError(f"its decoder weight {k} is not a Phi layer's")
+    return out
+
+
 # The language model's weights under mlx-lm's names, where mlx-vlm's module names them otherwise.
 TEXT_WEIGHTS: dict[str, Callable[[dict[str, mx.array], dict[str, Any]], dict[str, mx.array]]] = {
-    family: _fused_weights(family) for family in _FUSED_NAMES}
+    **{family: _fused_weights(family) for family in _FUSED_NAMES}, "moondream2": _moondream_weights}
 
 
 # Language models mlx-vlm names its own that are mlx-lm's classes under another name (the
@@ -166,6 +202,7 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "molmo2": _fused_qwen3,
     "jina_vlm": _fused_qwen3,
     "molmo": _molmo,
+    "moondream2": _moondream,
     # MiniCPM-o 4.5's decoder (its config at the root) is Qwen3-8B's: mlx-vlm runs it by Qwen3-VL's
     # language module with every position equal (plain RoPE), mlx-lm's `qwen3`.
     "minicpmo": lambda t: {**t, "model_type": "qwen3"},
