@@ -11,7 +11,7 @@ import pytest
 from macinfer import LLM
 from macinfer.engine.block_manager import BlockManager
 from macinfer.sampling_params import SamplingParams
-from macinfer.vision.support import FAMILIES
+from macinfer.vision.families import FAMILIES
 from tests.vision_models import (ANYRES, BOTH_WAYS, BUILDERS, FIRST, GREEDY, LEAD_FIRST, PROMPT_ONLY, REFERENCE_TEXT,
                                  TEXT_FIXED, anyres_greedy, ask, both_ways_greedy, gemma3n_greedy, lead_first_greedy,
                                  mlx_vlm_greedy, mlx_vlm_prompt, picture, tiny_vlm_dir)
@@ -141,7 +141,7 @@ def test_every_vision_family_runs_or_says_why():
     from click.testing import CliRunner
 
     from macinfer.cli.main import main
-    from macinfer.vision.support import vision_model_types, vision_table
+    from macinfer.vision.families import vision_model_types, vision_table
 
     table = vision_table()
     assert set(table) == set(vision_model_types()) and len(table) > 50

@@ -142,7 +142,7 @@ def mlx_vlm_prompt(path: str, text: str, num_images: int) -> str:
 def _image_id(path: str) -> int:
     """The checkpoint's image placeholder id, as the engine reads it (Moondream's 0, which its
     config does not name)."""
-    from macinfer.vision.support import image_token_id
+    from macinfer.vision.families import image_token_id
 
     with open(os.path.join(path, "config.json")) as f:
         return image_token_id(json.load(f))

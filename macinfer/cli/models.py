@@ -48,7 +48,7 @@ def models_architectures(as_json, vision):
 
     if vision:
         try:
-            from macinfer.vision.support import vision_table
+            from macinfer.vision.families import vision_table
         except ImportError:
             raise click.ClickException("mlx-vlm is not installed (pip install 'macinfer[vision]')") from None
         tables = {"mlx-vlm vision families": vision_table()}

@@ -12,9 +12,10 @@ log = logging.getLogger("macinfer")
 
 def load(engine: Any) -> tuple[Any, str | None]:
     """(the image path, None), or (None, why images are refused) for a vision checkpoint;
-    (None, None) for a text model (`vision/support.py`). Multimodal RoPE and DeepStack are
-    installed in the language model's layers here, once."""
-    from macinfer.vision.support import is_vision_config, load_vision
+    (None, None) for a text model (`vision/families.py`, `vision/support.py`). Multimodal RoPE
+    and DeepStack are installed in the language model's layers here, once."""
+    from macinfer.vision.families import is_vision_config
+    from macinfer.vision.support import load_vision
 
     config = engine.loaded.config
     if not is_vision_config(config):

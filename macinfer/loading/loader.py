@@ -232,7 +232,7 @@ def _load_mlx_dir(path: str, progress=None) -> tuple[dict[str, Any], dict[str, m
             raise ModelLoadError(f"{fp}: truncated or corrupt safetensors file ({e})") from None
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
         raise ModelNotFoundError(f"no tokenizer.json in {path}")
-    from macinfer.vision.support import tokenizer_source
+    from macinfer.vision.families import tokenizer_source
 
     return config, weights, TokenizerWrapper.from_dir(tokenizer_source(path, config), config)
 
@@ -335,7 +335,7 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
     extended = extend_context(config, *context) if context is not None else config
     # Over several ranks the model runs through mlx-lm's classes (their shard() and layers).
     try:
-        from macinfer.vision.support import is_vision_config
+        from macinfer.vision.families import is_vision_config
         from macinfer.vision.text_model import LANGUAGE_MODEL_ALONE, SAME_AS
 
         vision = is_vision_config(config)

@@ -74,7 +74,7 @@ def granite4_targets(config: dict[str, Any]) -> list[int]:
 
 def granite4_vision(vlm: Any, pixels: dict[str, Any], targets: list[int], scale: float) -> mx.array:
     """One image's rows [1 + layers, n, hidden]: its input rows, then what is added before each
-    later layer its projectors target (in layer order; `support.deepstack_layers`). mlx-vlm's
+    later layer its projectors target (in layer order; `families.deepstack_layers`). mlx-vlm's
     merge (anyres packing, as transformers') zeroes the image's input rows and adds each
     projector's features before its layer; the engine's model multiplies given rows by the
     embedding multiplier (`scale`), so the first layer's features go in divided by it."""
