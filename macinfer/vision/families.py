@@ -116,6 +116,15 @@ FAMILIES: dict[str, str | None] = {
                     "a logit processor that orders the points; the engine samples the text vocabulary only"),
     "zaya1_vl": ("its decoder (ZAYA1's, which mlx-lm lacks) runs a vision LoRA on the image tokens' rows only "
                  "(a per-token adapter chosen by an image mask), which the engine's rows do not carry"),
+    "moondream3": ("its decoder, which mlx-lm lacks (query temperatures learned from the projections and the "
+                   "position, `Tau`; MoE layers), runs only inside mlx-vlm's module, which the engine does not run "
+                   "for a vision family's language model"),
+    "inkling": ("its decoder, which mlx-lm lacks (attention over short convolutions with learned relative-position "
+                "biases), runs only inside mlx-vlm's module, which the engine does not run for a vision family's "
+                "language model"),
+    "muse_spark": ("mlx-lm's class for it holds its own vision tower under Meta's checkpoint names (fused "
+                   "projections), so an mlx-vlm conversion's weights do not load into it (checked on a tiny one), "
+                   "and its language model alone is not mapped onto mlx-lm's names yet"),
     "glm5_next": ("its decoder (GLM-5-Next's, which mlx-lm lacks) selects each query's keys by DeepSeek Sparse "
                   "Attention over pooled index keys (`index_kpool`) beside linear-attention layers; the engine's "
                   "paged path runs the indexer as mlx-lm's GLM-5 has it only"),
