@@ -238,6 +238,15 @@ def verdict(config: dict[str, Any]) -> str | None:
     return FAMILIES.get(family(config), UNVERIFIED)
 
 
+# Families whose image placeholders are the tokenizer's unknown token, between the image's
+# markers (MiniCPM-o's), where neither the config nor the processor names an image id.
+UNK_PLACEHOLDERS = {"minicpmo"}
+# Families whose config's image id is the prompt's marker, its placeholders the patch token its
+# image processor writes (Jina-VLM's `<|image|>` and `<im_patch>`).
+PATCH_PLACEHOLDERS = {"jina_vlm", "jvlm"}
+# Families whose images go before the prompt's text (after its lead token), not where a
+# message holds them: Molmo 1's processor prepends each image's tokens to the whole prompt.
+IMAGES_FIRST = {"molmo"}
 # Families whose processor writes an image's placeholders as negative ids (-k for image k;
 # each image is expanded alone, as image 1): the engine's prompt holds a real id there.
 NEGATIVE_PLACEHOLDERS = {"phi3_v"}

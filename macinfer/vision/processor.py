@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from macinfer.vision.families import IMAGES_FIRST, PATCH_PLACEHOLDERS, UNK_PLACEHOLDERS
 from macinfer.vision.images import ImageError
 from macinfer.vision.inputs import ImageInputs, ImageSpan, content_digest
 from macinfer.vision.processor_fixes import engine_outputs, mend
@@ -20,15 +21,6 @@ from macinfer.vision.processor_fixes import engine_outputs, mend
 log = logging.getLogger(__name__)
 
 _PROBE_TEXT = "x"
-# Families whose image placeholders are the tokenizer's unknown token, between the image's
-# markers (MiniCPM-o's), where neither the config nor the processor names an image id.
-UNK_PLACEHOLDERS = {"minicpmo"}
-# Families whose config's image id is the prompt's marker, its placeholders the patch token its
-# image processor writes (Jina-VLM's `<|image|>` and `<im_patch>`).
-PATCH_PLACEHOLDERS = {"jina_vlm", "jvlm"}
-# Families whose images go before the prompt's text (after its lead token), not where a
-# message holds them: Molmo 1's processor prepends each image's tokens to the whole prompt.
-IMAGES_FIRST = {"molmo"}
 _FOLLOW = 8  # prompt tokens after an image marker that its expansion is made with
 
 

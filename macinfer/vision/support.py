@@ -12,12 +12,12 @@ from typing import Any
 import mlx.core as mx
 
 from macinfer.vision.encoder import VisionEncoder
-from macinfer.vision.families import (BOS_FIRST, DEEPSTACK_FAMILIES, MODALITY_LORA, MROPE_STYLE, NORMED_ROWS,
-                                      ONE_IMAGE, ONE_IMAGE_MERGES, OWN_VOCAB, PREFIX_LM, PROMPT_WRITERS,
+from macinfer.vision.families import (BOS_FIRST, DEEPSTACK_FAMILIES, IMAGES_FIRST, MODALITY_LORA, MROPE_STYLE,
+                                      NORMED_ROWS, ONE_IMAGE, ONE_IMAGE_MERGES, OWN_VOCAB, PREFIX_LM, PROMPT_WRITERS,
                                       SCALED_TEXT_ROWS, SENTINEL_FAMILIES, both_ways_images, deepstack_layers, family,
                                       image_token_id, is_vision_config, verdict)
 from macinfer.vision.images import ImageLimits
-from macinfer.vision.processor import IMAGES_FIRST, VisionProcessor
+from macinfer.vision.processor import VisionProcessor
 from macinfer.vision.templates import OWN_TEMPLATES, PREFIX_LM_TEMPLATE, bos_first
 
 log = logging.getLogger(__name__)
