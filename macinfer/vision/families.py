@@ -116,6 +116,9 @@ FAMILIES: dict[str, str | None] = {
                     "a logit processor that orders the points; the engine samples the text vocabulary only"),
     "zaya1_vl": ("its decoder (ZAYA1's, which mlx-lm lacks) runs a vision LoRA on the image tokens' rows only "
                  "(a per-token adapter chosen by an image mask), which the engine's rows do not carry"),
+    "plamo2vl": ("its tokenizer is PLaMo's own Python tokenizer (an Aho-Corasick match over `tokenizer.jsonl`, "
+                 "mlx-vlm's `Plamo2Tokenizer`), with no fast `tokenizer.json` for the engine's tokenizer to read; its "
+                 "processor also writes the whole prompt in its own instruction format"),
     "moondream3": ("its decoder, which mlx-lm lacks (query temperatures learned from the projections and the "
                    "position, `Tau`; MoE layers), runs only inside mlx-vlm's module, which the engine does not run "
                    "for a vision family's language model"),
