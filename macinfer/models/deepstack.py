@@ -1,8 +1,8 @@
 """DeepStack: after some decoder layers, the image rows' hidden states get visual features
 added (`AttentionMetadata.image_deepstack`, from the encoder: entry k after layer `after[k]`).
 Qwen3-VL adds after each of its first layers; Granite 4 Vision before the layers its config
-maps (after the one before: the same hidden states). Those layers' classes are swapped once, at load, for subclasses that add them; the
-parameters and their names stay as they are. A step without images runs the layers as before."""
+maps (after the one before: the same hidden states). Those layers' classes are swapped once,
+at load, for subclasses that add them; the parameters and their names stay as they are. A step without images runs the layers as before."""
 
 from __future__ import annotations
 

@@ -90,8 +90,9 @@ def layout(config: dict[str, Any]) -> MTPLayout:
         return MTPLayout("nemotron", depth)
     if model_type in ERNIE:
         return MTPLayout("ernie", depth)
+    known = ", ".join(QWEN + DEEPSEEK + MIMO + NEMOTRON + ERNIE + LONGCAT)
     raise ValueError(f"{model_type}: its config declares {depth} MTP layer(s), but macinfer runs MTP heads of "
-                     f"{', '.join(QWEN + DEEPSEEK + MIMO + NEMOTRON + ERNIE + LONGCAT)} only (this family's head layout is not "
+                     f"{known} only (this family's head layout is not "
                      "verified here)")
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 import numpy as np
+from mlx.utils import tree_flatten
 
 from macinfer.vision.inputs import ImageSpan, content_digest
 from macinfer.vision.merges import Merge, merge_for

@@ -43,7 +43,8 @@ def _moondream_template(tokenizer: Any) -> str:
             "{% if m['content'] is string %}{{ bos_token }}{% set text = m['content'] %}{% else %}"
             "{% if m['content'] | selectattr('type', 'equalto', 'image') | list %}<image>{% else %}{{ bos_token }}"
             "{% endif %}{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') "
-            "| join('') %}{% endif %}{{ '\\n\\nQuestion: ' + text + '\\n\\nAnswer: ' }}" + tokenizer.decode([ANSWER_ID]))
+            "| join('') %}{% endif %}{{ '\\n\\nQuestion: ' + text + '\\n\\nAnswer: ' }}"
+            + tokenizer.decode([ANSWER_ID]))
 
 
 # Families with no chat template of their own: the engine's, written once at load.

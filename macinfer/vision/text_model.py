@@ -184,8 +184,8 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llava-qwen2": lambda t: {**t, "model_type": "qwen2"},
     "llava_qwen2": lambda t: {**t, "model_type": "qwen2"},  # FastVLM's Qwen2 decoder
     "bunny-llama": lambda t: {**t, "model_type": "llama"},
-    "dots_ocr": lambda t: {**t, "model_type": "qwen2"},
-    "got": lambda t: {**t, "model_type": "qwen2"},  # GOT-OCR's decoder (its config at the root) is Qwen2's  # dots.ocr's decoder (mlx-vlm: LLaVA-Bunny's Qwen2)
+    "dots_ocr": lambda t: {**t, "model_type": "qwen2"},  # dots.ocr's decoder (mlx-vlm: LLaVA-Bunny's Qwen2)
+    "got": lambda t: {**t, "model_type": "qwen2"},  # GOT-OCR's decoder (its config at the root) is Qwen2's
     "phi4mm": lambda t: {**t, "model_type": "phi3"},  # Phi-4 multimodal's decoder is Phi-4-mini's
     "phi3_v": lambda t: {**t, "model_type": "phi3"},  # Phi-3 Vision's decoder is Phi-3's
     "deepseek_v2": _deepseek_v2,
