@@ -27,27 +27,32 @@ def _project(attn: nn.Module, x: mx.array) -> tuple[mx.array, mx.array, mx.array
         (attn.q_proj, attn.n_heads), (attn.k_proj, attn.n_kv_heads), (attn.v_proj, attn.n_kv_heads)))
 
 
-def _patch_softcapped_attention(mod: Any) -> None:
-    """Gemma 2's attention computes soft-capped scores itself instead of calling
-    SDPA: inside our forward, run its projections and RoPE, then the paged
-    attention with the cap."""
+def _route_attention(mod: Any, tag: str, paged: Any) -> None:
+    """`mod.Attention.__call__` runs `paged(self, x, mask, cache)` inside our forward (its
+    cache a `PagedLayerCache`) and the family's own code outside it; once per module."""
     cls = getattr(mod, "Attention", None)
-    if mod.__name__ + ":softcap" in _patched or cls is None:
+    if f"{mod.__name__}:{tag}" in _patched or cls is None:
         return
     original = cls.__call__
 
     def __call__(self, x, mask=None, cache=None):
         if not isinstance(cache, PagedLayerCache):
             return original(self, x, mask, cache)
-        T, L, _ = x.shape
-        q, k, v = _project(self, x)
-        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        out = paged_call(q, k, v, cache, self.scale, mask, softcap=self.attn_logit_softcapping)
-        return self.o_proj(out[:, :, 0, :].reshape(T, L, -1))
+        return paged(self, x, mask, cache)
 
     cls.__call__ = __call__
-    _patched.add(mod.__name__ + ":softcap")
+    _patched.add(f"{mod.__name__}:{tag}")
+
+
+def _softcapped(self: nn.Module, x: mx.array, mask: Any, cache: PagedLayerCache) -> mx.array:
+    """Gemma 2's attention computes soft-capped scores itself instead of calling SDPA: its
+    projections and RoPE, then the paged attention with the cap."""
+    T, L, _ = x.shape
+    q, k, v = _project(self, x)
+    q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    out = paged_call(q, k, v, cache, self.scale, mask, softcap=self.attn_logit_softcapping)
+    return self.o_proj(out[:, :, 0, :].reshape(T, L, -1))
 
 
 def _patch_llama4(mod: Any) -> None:
@@ -239,8 +244,25 @@ def _patch_plamo2(mod: Any) -> None:
     _patched.add(mod.__name__ + ":sdpa")
 
 
+def _moondream3(self: nn.Module, x: mx.array, mask: Any, cache: PagedLayerCache) -> mx.array:
+    """Moondream 3's attention (mlx-vlm's) scales queries and values by temperatures of the
+    position, rotates a batch's rows one by one and calls MLX's SDPA itself: here the
+    temperatures and RoPE take each row's position (`cache.offset`), then the paged attention."""
+    T, L, _ = x.shape
+    qkv = self.qkv(x)
+    tau_q, tau_v = self.tau(qkv, cache.offset[:, None] + mx.arange(L))
+    q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+    q, k, v = (p.reshape(T, L, n, self.head_dim).transpose(0, 2, 1, 3) for p, n in zip(
+        mx.split(qkv, [q_dim, q_dim + kv_dim], axis=-1), (self.n_heads, self.n_kv_heads, self.n_kv_heads)))
+    q, v = q * tau_q, v * tau_v
+    q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    out = paged_call(q, k, v, cache, self.scale, mask)
+    return self.proj(out[:, :, 0, :].reshape(T, L, -1))
+
+
 # model modules whose attention does not (only) go through SDPA, and how to route it
-_ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
+_ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [lambda mod: _route_attention(mod, "softcap", _softcapped)],
                       "mlx_lm.models.llama4": [_patch_sdpa, _patch_llama4],
                       "mlx_lm.models.gpt_bigcode": [_patch_sdpa, _patch_gpt_bigcode],
                       "mlx_lm.models.afm7": [_patch_sdpa, _patch_afm7],
@@ -250,7 +272,8 @@ _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [_patch_softcapped_attention],
                       "mlx_lm.models.plamo2": [_patch_sdpa, _patch_plamo2],
                       "mlx_lm.models.mla": [_patch_multilinear],
                       "mlx_lm.models.deepseek_v32": [_patch_sdpa, patch_indexer],
-                      "mlx_lm.models.bitlinear_layers": [patch_bitlinear]}  # (not attention: a portable path)
+                      "mlx_lm.models.bitlinear_layers": [patch_bitlinear],  # (not attention: a portable path)
+                      "mlx_vlm.models.moondream3.language": [lambda mod: _route_attention(mod, "tau", _moondream3)]}
 
 
 def patch_modules() -> None:
@@ -261,6 +284,9 @@ def patch_modules() -> None:
             for patch in _ATTENTION_PATCHES.get(name, [_patch_sdpa]):
                 patch(mod)
             patch_kernels(mod)  # mlx-lm's fused Metal kernels: portable forms where Metal is absent
+        elif name in _ATTENTION_PATCHES and mod is not None:
+            for patch in _ATTENTION_PATCHES[name]:
+                patch(mod)
         elif name.startswith("mlx_vlm.models.") and mod is not None and name != "mlx_vlm.models.base":
             # Only modules that call mlx-vlm's own SDPA (its towers keep functions of their own).
             base = sys.modules.get("mlx_vlm.models.base")

@@ -114,7 +114,8 @@ class MlxLmModel(CacheProbe, nn.Module):
         object.__setattr__(self, "_inner_path", inner.split("."))
         params = inspect.signature(_resolve(text, inner).__call__).parameters
         self._inner_takes_mask = "mask" in params and params["mask"].default is inspect.Parameter.empty
-        self._inner_takes_embeddings = "input_embeddings" in params  # what images are spliced into
+        # What images are spliced into (mlx-lm's keyword; mlx-vlm's language models': inputs_embeds)
+        self._embeddings_keyword = next((k for k in ("input_embeddings", "inputs_embeds") if k in params), None)
         self.image_pad_id: int | None = None  # set with the image path (`engine/images.py`)
         self.token_embed_scale = 1.0  # likewise
         from mlx_lm.models.cache import make_prompt_cache
@@ -216,8 +217,8 @@ class MlxLmModel(CacheProbe, nn.Module):
                 if self.image_pad_id is not None:  # ids read beside the embeddings (per-layer inputs)
                     input_ids = mx.array(input_ids)
                     input_ids[meta.image_rows] = self.image_pad_id
-                if self._inner_takes_embeddings:
-                    return inner(input_ids[:, None], cache=caches, input_embeddings=h[:, None, :])
+                if self._embeddings_keyword:
+                    return inner(input_ids[:, None], cache=caches, **{self._embeddings_keyword: h[:, None, :]})
                 # A model that takes no embeddings (mlx-lm's Cohere2, Nemotron-H): its embedding
                 # hands back these rows for this call (an instance attribute shadows the child).
                 name = "embed_tokens" if getattr(inner, "embed_tokens", None) is embed else "embeddings"

@@ -81,6 +81,8 @@ def instantiate(config: dict[str, Any]) -> nn.Module:
     implements: `mlx_vlm_text.py`); its arrays stay lazy until evaluated."""
     from mlx_lm.utils import _get_classes
 
+    if config.get("mlx_vlm_language"):  # a vision family's decoder that only mlx-vlm implements
+        return mlx_vlm_text.instantiate(config)
     try:
         with availability_probes_met():
             model_class, args_class = _get_classes(config)

@@ -57,9 +57,40 @@ def mlx_vlm_only_model_types(mlx_lm_types: list[str]) -> list[str]:
                   and not d.startswith("_") and _norm(d) not in lm)
 
 
+class LanguageOnly(nn.Module):
+    """A vision family's language model alone, by mlx-vlm's own class for it (its decoder has
+    no mlx-lm class: `vision/text_model.OWN_LANGUAGE`), held as mlx-vlm's wrappers hold it."""
+
+    def __init__(self, language_model: nn.Module):
+        super().__init__()
+        self.language_model = language_model
+
+    def __call__(self, inputs: Any, cache: Any = None) -> Any:
+        return self.language_model(inputs, cache=cache)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.language_model.layers
+
+    def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
+        """The language model's own names (`vision/text_model.language_model`) under the wrapper's."""
+        return {f"language_model.{k}": v for k, v in weights.items()}
+
+
+def _language_only(family: str, config: dict[str, Any]) -> nn.Module:
+    module = _module(family)
+    language = _language_class(module) if module is not None else None
+    if language is None or not hasattr(module, "TextConfig"):
+        raise UnsupportedModelError(f"mlx-vlm has no language model class for {family}")
+    return LanguageOnly(language(module.TextConfig.from_dict(config)))
+
+
 def instantiate(config: dict[str, Any]) -> nn.Module | None:
-    """mlx-vlm's model object for a text-only `config`; None when mlx-vlm has no such model
-    type. Raises UnsupportedModelError for one it has that is not a text model here."""
+    """mlx-vlm's model object for a text-only `config` (or, marked `mlx_vlm_language`, a vision
+    family's language model alone); None when mlx-vlm has no such model type. Raises
+    UnsupportedModelError for one it has that is not a text model here."""
+    if config.get("mlx_vlm_language"):
+        return _language_only(config["mlx_vlm_language"], config)
     model_type = config.get("model_type", "")
     module = _module(model_type)
     if module is None:

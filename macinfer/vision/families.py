@@ -11,10 +11,15 @@ from macinfer.models.mlx_lm_classes import SPARSE
 from macinfer.vision.merges import granite4_targets
 
 
+# Moondream 2 and 3: one processor (BOS, 729 placeholders of BOS's id, the question around them),
+# the image with its BOS a prefix that attends both ways; one image a prompt.
+MOONDREAM = {"moondream2", "moondream3"}
+
+
 # Families whose image tokens attend to each other both ways (transformers' Gemma 3; mlx-vlm
 # runs them causally: the tests check against mlx-vlm's own classes with that mask). Gemma 4
 # says so in its config (`use_bidirectional_attention: "vision"`), and mlx-vlm follows it.
-BOTH_WAYS_IMAGES = {"gemma3", "moondream2"}  # (Moondream's rows are BOS and its image: the prompt's prefix)
+BOTH_WAYS_IMAGES = {"gemma3", *MOONDREAM}  # (Moondream's rows are BOS and its image: the prompt's prefix)
 
 
 # Prefix LMs (PaliGemma): the whole prompt attends both ways (transformers' token types: the
@@ -33,11 +38,11 @@ BOS_FIRST = {"deepseekocr", "deepseekocr_2"}
 
 # Families whose processor writes the whole prompt around any text (its placeholders at the front):
 # an image's expansion is its run of placeholders alone.
-PROMPT_WRITERS = {"moondream2"}
+PROMPT_WRITERS = MOONDREAM
 
 
 # Families whose prompt holds one image at most (Moondream's: the image is the prompt's prefix).
-ONE_IMAGE = {"moondream2"}
+ONE_IMAGE = MOONDREAM
 
 
 # Families whose published config keeps its tower's settings in code (no `vision_config`).
@@ -85,7 +90,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None, "moondream2": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None, "moondream2": None, "moondream3": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -119,12 +124,9 @@ FAMILIES: dict[str, str | None] = {
     "plamo2vl": ("its tokenizer is PLaMo's own Python tokenizer (an Aho-Corasick match over `tokenizer.jsonl`, "
                  "mlx-vlm's `Plamo2Tokenizer`), with no fast `tokenizer.json` for the engine's tokenizer to read; its "
                  "processor also writes the whole prompt in its own instruction format"),
-    "moondream3": ("its decoder, which mlx-lm lacks (query temperatures learned from the projections and the "
-                   "position, `Tau`; MoE layers), runs only inside mlx-vlm's module, which the engine does not run "
-                   "for a vision family's language model"),
-    "inkling": ("its decoder, which mlx-lm lacks (attention over short convolutions with learned relative-position "
-                "biases), runs only inside mlx-vlm's module, which the engine does not run for a vision family's "
-                "language model"),
+    "inkling": ("its decoder (mlx-vlm's own) attends over short convolutions of K and V with a learned "
+                "relative-position bias added to every score (`banded_additive_mask`), which the paged attention "
+                "does not take"),
     "muse_spark": ("mlx-lm's class for it holds its own vision tower under Meta's checkpoint names (fused "
                    "projections), so an mlx-vlm conversion's weights do not load into it (checked on a tiny one), "
                    "and its language model alone is not mapped onto mlx-lm's names yet"),
@@ -137,6 +139,13 @@ FAMILIES: dict[str, str | None] = {
     "hunyuan_vl": ("its decoder turns positions by XD-RoPE over four axes (sequence, time, height, width: "
                    "`xdrope_section`), which the engine's multimodal RoPE (three axes) does not carry yet; "
                    "mlx-vlm itself applies it to a prompt's first chunk only"),
+    **dict.fromkeys(("youtu_vl", "llmjpvl"), (
+        "mlx-vlm ships no processor for it and transformers has none: its images are prepared by the "
+        "checkpoint's own remote code, which the engine does not execute (nor can a test get it offline to "
+        "build a faithful tiny model); its image path is not verified")),
+    "qwen3_omni_moe": ("an omni model whose config nests a thinker (a Qwen3-VL-MoE-style tower with DeepStack, "
+                       "an audio encoder, multimodal RoPE whose positions count audio) beside a talker and a "
+                       "code-to-wave speech decoder; the engine loads neither that nesting nor the thinker alone yet"),
     "diffusion_gemma": ("a diffusion language model (it denoises blocks of the answer together, not token "
                         "after token), which the engine's autoregressive decoding does not run"),
     "prism_hadamard_qwen35": None, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
@@ -257,7 +266,7 @@ NEGATIVE_PLACEHOLDERS = {"phi3_v"}
 
 # Families whose processor writes a fixed placeholder id its config does not name (Moondream's 0,
 # which is BOS's too: the image's run is BOS and its 729 rows).
-FIXED_PLACEHOLDERS = {"moondream2": 0}
+FIXED_PLACEHOLDERS = dict.fromkeys(MOONDREAM, 0)
 
 
 def image_token_id(config: dict[str, Any]) -> int | None:

@@ -33,7 +33,7 @@ def _got_template() -> str:
 
 
 def _moondream_template(tokenizer: Any) -> str:
-    """Moondream 2's query format, as its processor writes it around a question: the image (with
+    """Moondream's (2 and 3) query format, as its processor writes it around a question: the image (with
     BOS: its placeholder id is BOS's, the processor writes BOS and 729 of them), the question,
     its answer token. One user message; a prompt with no image starts with BOS instead."""
     from mlx_vlm.models.moondream3.processing_moondream3 import ANSWER_ID
@@ -48,7 +48,8 @@ def _moondream_template(tokenizer: Any) -> str:
 
 
 # Families with no chat template of their own: the engine's, written once at load.
-OWN_TEMPLATES = {"got": lambda tokenizer: _got_template(), "moondream2": _moondream_template}
+OWN_TEMPLATES = {"got": lambda tokenizer: _got_template(), "moondream2": _moondream_template,
+                 "moondream3": _moondream_template}
 
 
 def bos_first(tokenizer: Any, or_eos: bool = False) -> None:

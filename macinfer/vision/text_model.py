@@ -215,6 +215,11 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 # sanitize moves them itself). MiniCPM-V 4.6/4.7's Qwen3.5 decoders, Gemma 3n's.
 WRAPPED = {"qwen3_5_text": ("qwen3_5", None), "qwen3_5_moe_text": ("qwen3_5_moe", None),
            "gemma3n_text": ("gemma3n", "model.language_model.")}
+# Vision families whose decoder mlx-lm has no class for, run by mlx-vlm's own language class
+# on the engine (as mlx-vlm's text-only models are: `models/mlx_vlm_text.py`), its weights under
+# mlx-vlm's names. Moondream 3's (query and value temperatures from the projections and the
+# position, `Tau`; MoE layers after the first few).
+OWN_LANGUAGE = {"moondream3"}
 # Vision model types that are another family's checkpoint under a name of their own (mlx-vlm's
 # class is that family's, its weights named alike): the language model is built as that family's.
 SAME_AS = {"indic_ocr": "qwen3_5"}
@@ -272,9 +277,11 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
     nulls = {k for k, v in _raw_text_config(path).items() if v is None}
     text = {k: v for k, v in dataclasses.asdict(args).items() if v is not None or k in nulls}
     raw_type = text.get("model_type")
-    if raw_type == "molmo":
+    if vlm.config.model_type in OWN_LANGUAGE:
+        text["mlx_vlm_language"] = vlm.config.model_type
+    elif raw_type == "molmo":
         _molmo_variant(path)
-    alias = TEXT_ALIASES.get(raw_type)
+    alias = None if text.get("mlx_vlm_language") else TEXT_ALIASES.get(raw_type)
     text = alias(text) if alias is not None else text
     if "head_dim" not in text and text.get("hidden_size") and text.get("num_attention_heads"):
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]  # transformers' default
