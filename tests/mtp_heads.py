@@ -1,6 +1,6 @@
 """Tiny random targets with an MTP head in each published layout (Qwen3.5/Qwen3-Next `mtp.*`,
 DeepSeek V3 / GLM-4.5 `model.layers.{N}.*`, MiMo, Nemotron-H, LongCat-Flash, Step 3.5, ERNIE
-4.5 `model.mtp_*.0.*`, Mellum), written as the checkpoints hold them, for `test_mtp.py` and the
+4.5 `model.mtp_*.0.*`, Mellum, K-EXAONE), written as the checkpoints hold them, for `test_mtp.py` and the
 speculation tests."""
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ def hf_head(model, config: dict, style: str, agree: bool) -> dict:
         prefix, own = "mtp.layers.0.", {"mtp.fc.weight": proj}
         for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
             own[f"mtp.{name}.weight"] = 0.05 * mx.random.normal((dims,))  # zero-centred: 1 + w
-    elif style == "mellum":  # Mellum: Qwen's names with plain norms, its layer a sliding-attention one
+    elif style == "mellum":  # Mellum, K-EXAONE: Qwen's names, plain norms, a layer of `mtp_layer_types`
         n = args.num_hidden_layers
-        layer = type(layers[-1])(dataclasses.replace(args, layer_types=args.layer_types + ["sliding_attention"]), n)
+        kind = (config.get("mtp_layer_types") or ["sliding_attention"])[0]
+        dense = {"is_moe_layer": args.is_moe_layer + [False]} if hasattr(args, "is_moe_layer") else {}
+        layer = type(layers[-1])(dataclasses.replace(args, layer_types=args.layer_types + [kind], **dense), n)
         prefix, own = "mtp.layers.0.", {"mtp.fc.weight": proj}
         for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
             own[f"mtp.{name}.weight"] = 1 + 0.05 * mx.random.normal((dims,))
@@ -137,12 +139,14 @@ def mtp_target(root, model_type: str, agree: bool = True, seed: int = 5, with_we
     config = declare(tiny_config(model_type))
     if model_type == "nemotron_h":
         config["mtp_hybrid_override_pattern"] = "*E"
+    if model_type == "exaone_moe":  # (as vLLM reads K-EXAONE's: its layer's kind, dense)
+        config["mtp_layer_types"] = ["sliding_attention"]
     model = make_mlx_lm_model(config, seed=seed)
     if agree:
         flat = dict(tree_flatten(model.parameters()))
         model.load_weights([(k, v * 0.2 if any(d in k for d in DAMPED) else v) for k, v in flat.items()])
     style = {"mimo": "mimo", "nemotron_h": "nemotron", "longcat_flash": "longcat", "ernie4_5_moe": "ernie",
-             "mellum": "mellum"}.get(
+             "mellum": "mellum", "exaone_moe": "mellum"}.get(
         model_type, "qwen" if model_type.startswith("qwen") else "deepseek")
     path = save_model_dir(str(root / f"{model_type}-{int(agree)}-{int(with_weights)}"), config, model)
     if with_weights:

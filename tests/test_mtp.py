@@ -3,6 +3,7 @@
 layouts (`tests/mtp_heads.py`), the head computing the published formula, and the tokens
 those of decoding without speculation, for hybrid, MoE and MLA targets."""
 
+import json
 import os
 
 import mlx.core as mx
@@ -45,7 +46,7 @@ def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
                                         "glm_moe_dsa", "mimo", "nemotron_h", "step3p5", "longcat_flash",
-                                        "ernie4_5_moe", "mellum"])
+                                        "ernie4_5_moe", "mellum", "exaone_moe"])
 def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
     """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
     experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),
@@ -119,7 +120,7 @@ def _reference_drafts(engine, prompt: list[int], first: int, k: int) -> list[int
     return drafts
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "ernie4_5_moe", "mellum"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "ernie4_5_moe", "mellum", "exaone_moe"])
 def test_the_heads_drafts_follow_the_published_formula(tmp_path_factory, model_type):
     """A head that mostly disagrees (random projection): after a long prompt (caught up in
     chunks), the batched paged drafts equal the dense reference's, position by position
@@ -172,6 +173,13 @@ def test_mtp_refusals(tmp_path_factory, qwen35):
     with pytest.raises(ValueError, match="hold no MTP weights"):
         _engine(stripped, num_speculative_tokens=2, speculative_method="mtp")
     assert generate(_engine(stripped), [[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids  # serves without
+    exaone = mtp_target(root, "exaone_moe")  # K-EXAONE's layer kind is the config's to say
+    with open(os.path.join(exaone, "config.json")) as f:
+        cfg = {k: v for k, v in json.load(f).items() if k != "mtp_layer_types"}
+    with open(os.path.join(exaone, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="mtp_layer_types"):
+        _engine(exaone, num_speculative_tokens=2, speculative_method="mtp")
     with pytest.raises(ValueError, match="cannot combine"):
         _engine(qwen35, num_speculative_tokens=2, speculative_method="mtp", draft_model=plain)
     with pytest.raises(ValueError, match="needs --num-speculative-tokens"):

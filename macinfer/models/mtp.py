@@ -10,8 +10,10 @@ decoder-layer class (mlx-lm's), so the head runs on the paged engine like any mo
 The layouts, the published ones (transformers / vLLM):
 - "qwen": h = fc([norm_e(embed(t)), norm_h(H)]); the layers; out = norm(h); logits =
   the target's head(out); the next draft reads out. Norms are stored zero-centred (1 + w).
-  Mellum (JetBrains, `mtp.*` as transformers' MTP conversion reads it) has this layout with
-  plain norms (w, not 1 + w) and its layer of `mtp_layer_types` (sliding by default).
+  Mellum (JetBrains, `mtp.*` as transformers' MTP conversion reads it) and K-EXAONE
+  (EXAONE-MoE, as vLLM reads it) have this layout with plain norms (w, not 1 + w) and their
+  layer of `mtp_layer_types` (Mellum's sliding by default); K-EXAONE's layer is dense (its
+  MLP the model's dense one, whatever the model's last layer is).
 - "deepseek": h = eh_proj([enorm(embed(t)), hnorm(H)]); the layer; out = h; logits =
   shared_head.head(shared_head.norm(out)) (the target's head where the checkpoint has
   none); the next draft reads out. A checkpoint with several such layers (one per
@@ -59,8 +61,10 @@ class MTPLayout:
     depth: int  # layers the checkpoint declares
 
 
-QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "mellum")
-MELLUM = ("mellum",)  # Qwen's layout (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`), plain norms
+QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "mellum", "exaone_moe")
+# Qwen's layout (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`) with plain norms and a layer of
+# `mtp_layer_types`: its default kind (None: the config must say), and whether it is dense.
+PLAIN_QWEN = {"mellum": ("sliding_attention", False), "exaone_moe": (None, True)}
 DEEPSEEK = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "step3p5")
 MIMO = ("mimo",)
 NEMOTRON = ("nemotron_h",)
@@ -250,19 +254,22 @@ def _cache_of(owner: Any, index: int, pick: Any) -> Any:
     return pick(owner()[index])
 
 
-def _layer_like(layer: nn.Module, args: Any, index: int, mtp_type: str = "sliding_attention") -> nn.Module:
+def _layer_like(layer: nn.Module, args: Any, index: int, mtp_type: str = "sliding_attention",
+                dense: bool = False) -> nn.Module:
     """A new decoder layer of `layer`'s class, built as layer `index` where the class takes one.
     Per-layer lists in the config that stop at the decoder's layers (Step 3.5's `layer_types`)
     go on as the MTP layers are published: `mtp_type`, sliding-window attention unless the
-    config says (Mellum's `mtp_layer_types`)."""
+    config says (Mellum's `mtp_layer_types`); `dense`: not an MoE layer (K-EXAONE's `is_moe_layer`)."""
     import dataclasses
     import inspect
 
     cls = type(layer)
     takes = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    types = getattr(args, "layer_types", None)
-    if len(takes) > 1 and isinstance(types, list) and index >= len(types) and dataclasses.is_dataclass(args):
-        args = dataclasses.replace(args, layer_types=types + [mtp_type] * (index + 1 - len(types)))
+    if len(takes) > 1 and dataclasses.is_dataclass(args):
+        for name, value in (("layer_types", mtp_type), ("is_moe_layer", False if dense else None)):
+            have = getattr(args, name, None)
+            if value is not None and isinstance(have, list) and index >= len(have):
+                args = dataclasses.replace(args, **{name: have + [value] * (index + 1 - len(have))})
     return cls(args, index) if len(takes) > 1 else cls(args)
 
 
@@ -308,11 +315,16 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
     layers = model.decoder_layers
     dims, eps = int(tcfg["hidden_size"]), float(tcfg.get("rms_norm_eps", 1e-6))
     target_caches = None
-    if lay.style == "qwen" and config.get("model_type") in MELLUM:
-        # Mellum's layer is of `mtp_layer_types` (sliding by default), its norms plain; its cache is
-        # a target layer's of that type, or a sliding one of the config's window.
-        kind = (tcfg.get("mtp_layer_types") or ["sliding_attention"])[0]
-        mtp_layers = [_layer_like(layers[-1], args, n_layers, kind)]
+    if lay.style == "qwen" and config.get("model_type") in PLAIN_QWEN:
+        # Its layer is of `mtp_layer_types`, its norms plain; its cache is a target layer's of
+        # that type, or a sliding one of the config's window.
+        default, dense = PLAIN_QWEN[config["model_type"]]
+        kind = (tcfg.get("mtp_layer_types") or [default])[0]
+        if kind not in ("sliding_attention", "full_attention") or lay.depth != 1:
+            raise ValueError(f"{target.name}: its MTP head runs one layer of sliding or full attention as "
+                             f"`mtp_layer_types` says (this config: {tcfg.get('mtp_layer_types')}, "
+                             f"{lay.depth} layer(s))")
+        mtp_layers = [_layer_like(layers[-1], args, n_layers, kind, dense)]
         same = [i for i, t in enumerate(tcfg.get("layer_types") or []) if t == kind]
         copied = same[0] if same else None
         if copied is None and kind == "sliding_attention":
