@@ -46,7 +46,7 @@ def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
                                         "glm_moe_dsa", "mimo", "nemotron_h", "step3p5", "longcat_flash",
-                                        "ernie4_5_moe", "mellum", "exaone_moe"])
+                                        "ernie4_5_moe", "mellum", "exaone_moe", "bailing_hybrid"])
 def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
     """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
     experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),
@@ -96,8 +96,10 @@ def _reference_drafts(engine, prompt: list[int], first: int, k: int) -> list[int
     def rms(x, w):
         return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
-    def step(token: int, h: mx.array) -> mx.array:
+    def step(token: int, h: mx.array, pos: int) -> mx.array:
         e = embed(mx.array([[token]]))[0, 0]
+        if stack.style == "bailing" and pos == 0:  # (Bailing's first position reads no token)
+            e = mx.zeros_like(e)
         if qwen:  # fc([norm_e(e), norm_h(h)]); its layers; its own final norm
             x = stack.fc(mx.concatenate([rms(e, stack.pre_fc_norm_embedding.weight),
                                          rms(h, stack.pre_fc_norm_hidden.weight)]))[None, None]
@@ -105,22 +107,24 @@ def _reference_drafts(engine, prompt: list[int], first: int, k: int) -> list[int
             x = stack.eh_proj(mx.concatenate([rms(e, stack.enorm.weight), rms(h, stack.hnorm.weight)]))[None, None]
         for layer, c in zip(stack.layers, caches):
             x = layer(x, None, c)
-        return rms(x[0, 0], stack.norm.weight) if qwen else x[0, 0]
+        final = stack.norm if qwen else getattr(stack, "final_layernorm", None)  # (Bailing's)
+        return rms(x[0, 0], final.weight) if final is not None else x[0, 0]
 
     def logits(out: mx.array) -> mx.array:
-        return engine.model.logits((out if qwen else rms(out, head.shared_head.norm.weight))[None])[0]
+        normed = out if "shared_head" not in head else rms(out, head.shared_head.norm.weight)
+        return engine.model.logits(normed[None])[0]
 
     tokens = prompt[1:] + [first]
     for i, t in enumerate(tokens):
-        out = step(t, hidden[i])
+        out = step(t, hidden[i], i)
     drafts = []
-    for _ in range(k):
+    for j in range(k):
         drafts.append(int(mx.argmax(logits(out)).item()))
-        out = step(drafts[-1], out)
+        out = step(drafts[-1], out, len(tokens) + j)
     return drafts
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "ernie4_5_moe", "mellum", "exaone_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "ernie4_5_moe", "mellum", "exaone_moe", "bailing_hybrid"])
 def test_the_heads_drafts_follow_the_published_formula(tmp_path_factory, model_type):
     """A head that mostly disagrees (random projection): after a long prompt (caught up in
     chunks), the batched paged drafts equal the dense reference's, position by position
@@ -405,3 +409,26 @@ def test_a_longcat_head_holds_the_checkpoints_mtp_tensors(tmp_path_factory):
     kv_b = kv_b.reshape(heads, nope + attn.v_head_dim, -1)
     assert mx.allclose(attn.embed_q.weight, kv_b[:, :nope, :].swapaxes(-1, -2))
     assert mx.allclose(attn.unembed_out.weight, kv_b[:, nope:, :])
+
+
+def test_a_bailing_head_reads_no_token_at_the_first_position(tmp_path_factory):
+    """Bailing v2.5's head zeroes the token's embedding at position 0 (vLLM's reader): what
+    token sits there changes nothing the head computes; its final norm and projection are
+    the checkpoint's `model.layers.{N}` tensors."""
+    path = mtp_target(tmp_path_factory.mktemp("bailing"), "bailing_hybrid", agree=False)
+    engine = _engine(path, num_speculative_tokens=2, speculative_method="mtp")
+    head = engine.drafter.model.lm
+    stack = head.model
+    n = tiny_config("bailing_hybrid")["num_hidden_layers"]
+    stored = mx.load(os.path.join(path, "model-mtp.safetensors"))
+    assert mx.array_equal(stack.final_layernorm.weight, stored[f"model.layers.{n}.final_layernorm.weight"])
+    assert mx.array_equal(stack.eh_proj.weight, stored[f"model.layers.{n}.eh_proj.weight"])
+    mx.random.seed(0)
+    object.__setattr__(stack, "given", mx.random.normal((1, 3, stack.eh_proj.weight.shape[0])))
+    try:
+        outs = [stack(mx.array([[first, 9, 11]]), head.make_cache()) for first in (5, 77)]
+    finally:
+        object.__setattr__(stack, "given", None)
+    assert mx.array_equal(outs[0], outs[1])
+    assert not mx.array_equal(stack(mx.array([[9, 5, 11]]), head.make_cache()),
+                              stack(mx.array([[9, 77, 11]]), head.make_cache()))  # (later positions read theirs)

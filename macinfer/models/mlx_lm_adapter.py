@@ -221,7 +221,7 @@ class MlxLmModel(CacheProbe, nn.Module):
                     return inner(input_ids[:, None], cache=caches, **{self._embeddings_keyword: h[:, None, :]})
                 # A model that takes no embeddings (mlx-lm's Cohere2, Nemotron-H): its embedding
                 # hands back these rows for this call (an instance attribute shadows the child).
-                name = "embed_tokens" if getattr(inner, "embed_tokens", None) is embed else "embeddings"
+                name = next(n for n in ("embed_tokens", "embeddings", "word_embeddings") if getattr(inner, n, None) is embed)
                 object.__setattr__(inner, name, _GivenHidden(embed, h[:, None, :]))
                 try:
                     return inner(input_ids[:, None], cache=caches)
@@ -239,8 +239,9 @@ class MlxLmModel(CacheProbe, nn.Module):
         # (its own, or its decoder's under a wrapper that passes embeddings on: Gemma 3n's)
         embed = getattr(inner, "embed_tokens", None) or getattr(getattr(inner, "language_model", None),
                                                                  "embed_tokens", None)
-        if embed is None and isinstance(getattr(inner, "embeddings", None), nn.Embedding):
-            embed = inner.embeddings  # (Nemotron-H's name for it)
+        for name in ("embeddings", "word_embeddings"):  # (Nemotron-H's, Bailing's names for it)
+            if embed is None and isinstance(getattr(inner, name, None), nn.Embedding):
+                embed = getattr(inner, name)
         return embed if isinstance(embed, nn.Module) and not self._inner_takes_mask else None
 
     def embed_scale(self) -> float:

@@ -31,6 +31,10 @@ The layouts, the published ones (transformers / vLLM):
   transformers' MTP conversion reads): as "deepseek", its block built as the model's layer 0
   (dense or MoE by the model's rule, as transformers builds it), its post-norm the model's
   final norm, logits the target's head; the next draft reads out.
+- "bailing" (Bailing MoE v2.5 / Ling 2.5, mlx-lm's `bailing_hybrid`, `model.layers.{N}.*` as vLLM
+  reads it): h = eh_proj([enorm(embed(t)), hnorm(H)]), the token's embedding zeroed at
+  position 0; the layer (the target's class as layer N: latent attention, MoE); out =
+  final_layernorm(h); logits = the target's head(out).
 - "nemotron" (Nemotron-H, `mtp.layers.*`): h = eh_proj([enorm(embed(t)), hnorm(H)]) (kept
   on its first block); its blocks in `mtp_hybrid_override_pattern` (attention "*", MoE "E":
   the target's block class); out = final_layernorm(h) (on its last block); logits = the
@@ -50,6 +54,7 @@ import mlx.nn as nn
 
 from macinfer.models.mlx_lm_adapter import MlxLmModel
 from macinfer.models.mlx_lm_classes import text_config
+from macinfer.models.paged_layers import _active
 from macinfer.models.mtp_checkpoint import (ERNIE_PARTS, ZERO_CENTRED_NORMS, checkpoint_tensors, declared_layers,
                                             deepseek_weights, ernie_weights, longcat_weights, nemotron_weights,
                                             quantize_like, qwen_weights)
@@ -57,7 +62,7 @@ from macinfer.models.mtp_checkpoint import (ERNIE_PARTS, ZERO_CENTRED_NORMS, che
 
 @dataclass(frozen=True)
 class MTPLayout:
-    style: str  # "qwen" | "deepseek" | "mimo" | "nemotron" | "ernie" | "longcat"
+    style: str  # "qwen" | "deepseek" | "mimo" | "nemotron" | "ernie" | "longcat" | "bailing"
     depth: int  # layers the checkpoint declares
 
 
@@ -70,6 +75,7 @@ MIMO = ("mimo",)
 NEMOTRON = ("nemotron_h",)
 ERNIE = ("ernie4_5_moe",)
 LONGCAT = ("longcat_flash",)
+BAILING = ("bailing_hybrid",)
 
 
 def layout(config: dict[str, Any]) -> MTPLayout:
@@ -94,7 +100,9 @@ def layout(config: dict[str, Any]) -> MTPLayout:
         return MTPLayout("nemotron", depth)
     if model_type in ERNIE:
         return MTPLayout("ernie", depth)
-    known = ", ".join(QWEN + DEEPSEEK + MIMO + NEMOTRON + ERNIE + LONGCAT)
+    if model_type in BAILING:
+        return MTPLayout("bailing", depth)
+    known = ", ".join(QWEN + DEEPSEEK + MIMO + NEMOTRON + ERNIE + LONGCAT + BAILING)
     raise ValueError(f"{model_type}: its config declares {depth} MTP layer(s), but macinfer runs MTP heads of "
                      f"{known} only (this family's head layout is not "
                      "verified here)")
@@ -125,7 +133,7 @@ class MTPStack(nn.Module):
             self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
             self.enorm = nn.RMSNorm(dims, eps=eps)
             self.hnorm = nn.RMSNorm(dims, eps=eps)
-            if style in ("nemotron", "longcat"):
+            if style in ("nemotron", "longcat", "bailing"):
                 self.final_layernorm = nn.RMSNorm(dims, eps=eps)
         self.layers = layers
         object.__setattr__(self, "_embed", embed)  # the target's: shared, not this module's weights
@@ -133,6 +141,8 @@ class MTPStack(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         e = self.embed_tokens(inputs) if "embed_tokens" in self else self._embed(inputs)
+        if self.style == "bailing":  # (its first position reads no token: vLLM's reader zeroes it)
+            e = mx.where((_positions(inputs, cache) == 0).reshape(*e.shape[:2], 1), 0, e)
         h = self.given if self.given is not None else mx.zeros_like(e)
         h = h.astype(e.dtype)
         if self.style == "qwen":
@@ -148,7 +158,16 @@ class MTPStack(nn.Module):
             x = layer(x, None, next(caches, None) if takes else None)
         if self.style == "qwen":
             return self.norm(x)
-        return self.final_layernorm(x) if self.style in ("mimo", "nemotron", "longcat") else x
+        return self.final_layernorm(x) if self.style in ("mimo", "nemotron", "longcat", "bailing") else x
+
+
+def _positions(inputs: mx.array, cache: Any) -> mx.array:
+    """The rows' positions: the engine's forward's (a row a token), else one sequence's from its cache."""
+    forward = _active()
+    if forward is not None:
+        return forward.positions
+    offset = getattr(cache[0], "offset", 0) if cache else 0
+    return offset + mx.arange(inputs.shape[1])
 
 
 class SharedHead(nn.Module):
@@ -373,8 +392,12 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
             raise ValueError(f"{target.name}: its MTP layer cannot be built as layer {n_layers} ({e!r})") from None
         weights = deepseek_weights(raw, n_layers, model, zero_centred=config.get("model_type") in ZERO_CENTRED_NORMS
                                    and not mlx_format)
-        has_head = any(k.startswith("shared_head.head.") for k in weights)
-        shared = SharedHead(dims, eps, int(tcfg["vocab_size"]) if has_head else None)
+        if lay.style == "bailing":  # its final norm, then the target's head (vLLM loads lm_head into its own)
+            weights = {k: v for k, v in weights.items() if not k.startswith("shared_head.")}
+            shared = None
+        else:
+            has_head = any(k.startswith("shared_head.head.") for k in weights)
+            shared = SharedHead(dims, eps, int(tcfg["vocab_size"]) if has_head else None)
     own_embed = None
     if lay.style == "longcat" and "embed_tokens.weight" in weights:  # (a copy of its own, trained with it)
         own_embed = nn.Embedding(*weights["embed_tokens.weight"].shape)

@@ -80,7 +80,7 @@ def deepseek_weights(raw: dict[str, mx.array], first: int, target: MlxLmModel,
     name of the target's last layer. `zero_centred`: the checkpoint stores every norm as
     w - 1 (Step 3.5's), which the target's sanitizer shifts only when it sees the whole
     model's tensors: shifted here. Step 3.5 names its shared head's projection `output`."""
-    own = {"enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"}
+    own = {"enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens", "final_layernorm"}
     prefix, last = f"model.layers.{first}.", f"model.layers.{first - 1}."
     layer, out = {}, {}
     for k, v in raw.items():
