@@ -1,6 +1,7 @@
 """Tiny random targets with an MTP head in each published layout (Qwen3.5/Qwen3-Next `mtp.*`,
 DeepSeek V3 / GLM-4.5 `model.layers.{N}.*`, MiMo, Nemotron-H, LongCat-Flash, Step 3.5, ERNIE
-4.5 `model.mtp_*.0.*`, Mellum, K-EXAONE, Bailing v2.5), written as the checkpoints hold them, for `test_mtp.py` and the
+4.5 `model.mtp_*.0.*`, Mellum, K-EXAONE, Bailing v2.5,
+MiMo-V2-Flash `model.mtp.layers.*`), written as the checkpoints hold them, for `test_mtp.py` and the
 speculation tests."""
 
 from __future__ import annotations
@@ -101,6 +102,12 @@ def hf_head(model, config: dict, style: str, agree: bool) -> dict:
         own = {f"{prefix}input_proj.weight": swap}
         for name in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
             own[f"{prefix}{name}.weight"] = 1 + 0.05 * mx.random.normal((dims,))
+    elif style == "mimo_v2":  # MiMo-V2-Flash: `model.mtp.layers.0`, a sliding layer with a dense MLP, a final norm
+        layer = type(layers[0])(args, False, True)
+        prefix = "model.mtp.layers.0."
+        own = {f"{prefix}eh_proj.weight": proj}
+        for name in ("enorm", "hnorm", "final_layernorm"):
+            own[f"{prefix}{name}.weight"] = 1 + 0.05 * mx.random.normal((dims,))
     elif style == "bailing":  # Bailing v2.5: `model.layers.{N}`, a final norm, no head of its own; the gate as published
         n = args.num_hidden_layers
         layer = type(layers[-1])(args, n)
@@ -129,7 +136,11 @@ def hf_head(model, config: dict, style: str, agree: bool) -> dict:
             for e in range(v.shape[0]):
                 own[prefix + k.replace("switch_mlp", f"experts.{e}")] = v[e]
             continue
-        own[prefix + k.replace("mlp.gate.gate_proj.", "mlp.gate.") if style == "bailing" else prefix + k] = v
+        if style == "bailing":  # (the gate as published)
+            k = k.replace("mlp.gate.gate_proj.", "mlp.gate.")
+        if style == "mimo_v2":  # (its norm before the MLP, by its name)
+            k = k.replace("post_attention_layernorm.", "pre_mlp_layernorm.")
+        own[prefix + k] = v
     if config.get("model_type") == "step3p5":  # StepFun's layout: norms stored w - 1, the head's `output`
         own = {k.replace("shared_head.head.", "shared_head.output."): v - 1.0 if "norm" in k else v
                for k, v in own.items()}
@@ -153,7 +164,8 @@ def mtp_target(root, model_type: str, agree: bool = True, seed: int = 5, with_we
         flat = dict(tree_flatten(model.parameters()))
         model.load_weights([(k, v * 0.2 if any(d in k for d in DAMPED) else v) for k, v in flat.items()])
     style = {"mimo": "mimo", "nemotron_h": "nemotron", "longcat_flash": "longcat", "ernie4_5_moe": "ernie",
-             "mellum": "mellum", "exaone_moe": "mellum", "bailing_hybrid": "bailing"}.get(
+             "mellum": "mellum", "exaone_moe": "mellum", "bailing_hybrid": "bailing",
+             "mimo_v2_flash": "mimo_v2"}.get(
         model_type, "qwen" if model_type.startswith("qwen") else "deepseek")
     path = save_model_dir(str(root / f"{model_type}-{int(agree)}-{int(with_weights)}"), config, model)
     if with_weights:

@@ -46,7 +46,8 @@ def _params(n: int, max_tokens: int = 16) -> list[SamplingParams]:
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
                                         "glm_moe_dsa", "mimo", "nemotron_h", "step3p5", "longcat_flash",
-                                        "ernie4_5_moe", "mellum", "exaone_moe", "bailing_hybrid"])
+                                        "ernie4_5_moe", "mellum", "exaone_moe", "bailing_hybrid",
+                                        "mimo_v2_flash"])
 def test_32_rows_give_the_tokens_of_decoding_without_speculation(tmp_path_factory, qwen35, model_type):
     """Hybrid (Gated DeltaNet + attention, its state rolled back after a rejection), MoE
     experts (written one by one), MLA latents (kv_b_proj split by the target's sanitizer),
@@ -124,7 +125,8 @@ def _reference_drafts(engine, prompt: list[int], first: int, k: int) -> list[int
     return drafts
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "ernie4_5_moe", "mellum", "exaone_moe", "bailing_hybrid"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "ernie4_5_moe", "mellum", "exaone_moe", "bailing_hybrid",
+                                        "mimo_v2_flash"])
 def test_the_heads_drafts_follow_the_published_formula(tmp_path_factory, model_type):
     """A head that mostly disagrees (random projection): after a long prompt (caught up in
     chunks), the batched paged drafts equal the dense reference's, position by position
@@ -184,6 +186,13 @@ def test_mtp_refusals(tmp_path_factory, qwen35):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="mtp_layer_types"):
         _engine(exaone, num_speculative_tokens=2, speculative_method="mtp")
+    pro = mtp_target(root, "mimo_v2_flash")  # MiMo-V2-Pro's fused qkv_proj (chunked by K/V head) is not read
+    head = mx.load(os.path.join(pro, "model-mtp.safetensors"))
+    head["model.mtp.layers.0.self_attn.qkv_proj.weight"] = mx.concatenate(
+        [head.pop(f"model.mtp.layers.0.self_attn.{p}_proj.weight") for p in "qkv"])
+    mx.save_safetensors(os.path.join(pro, "model-mtp.safetensors"), head)
+    with pytest.raises(ValueError, match="fused qkv_proj"):
+        _engine(pro, num_speculative_tokens=2, speculative_method="mtp")
     with pytest.raises(ValueError, match="cannot combine"):
         _engine(qwen35, num_speculative_tokens=2, speculative_method="mtp", draft_model=plain)
     with pytest.raises(ValueError, match="needs --num-speculative-tokens"):

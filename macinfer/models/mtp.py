@@ -35,6 +35,10 @@ The layouts, the published ones (transformers / vLLM):
   reads it): h = eh_proj([enorm(embed(t)), hnorm(H)]), the token's embedding zeroed at
   position 0; the layer (the target's class as layer N: latent attention, MoE); out =
   final_layernorm(h); logits = the target's head(out).
+- "mimo_v2" (MiMo-V2-Flash, `model.mtp.layers.{k}.*` as vLLM reads it, its first layer for
+  every draft): h = eh_proj([enorm(embed(t)), hnorm(H)]); one sliding-window layer of the
+  target's class with a dense MLP (its norm before the MLP named `pre_mlp_layernorm`); out =
+  final_layernorm(h); logits = the target's head(out). MiMo-V2-Pro's fused `qkv_proj` is refused.
 - "nemotron" (Nemotron-H, `mtp.layers.*`): h = eh_proj([enorm(embed(t)), hnorm(H)]) (kept
   on its first block); its blocks in `mtp_hybrid_override_pattern` (attention "*", MoE "E":
   the target's block class); out = final_layernorm(h) (on its last block); logits = the
@@ -56,13 +60,14 @@ from macinfer.models.mlx_lm_adapter import MlxLmModel
 from macinfer.models.mlx_lm_classes import text_config
 from macinfer.models.paged_layers import _active
 from macinfer.models.mtp_checkpoint import (ERNIE_PARTS, ZERO_CENTRED_NORMS, checkpoint_tensors, declared_layers,
-                                            deepseek_weights, ernie_weights, longcat_weights, nemotron_weights,
+                                            deepseek_weights, ernie_weights, longcat_weights, mimo_v2_weights,
+                                            nemotron_weights,
                                             quantize_like, qwen_weights)
 
 
 @dataclass(frozen=True)
 class MTPLayout:
-    style: str  # "qwen" | "deepseek" | "mimo" | "nemotron" | "ernie" | "longcat" | "bailing"
+    style: str  # "qwen" | "deepseek" | "mimo" | "nemotron" | "ernie" | "longcat" | "bailing" | "mimo_v2"
     depth: int  # layers the checkpoint declares
 
 
@@ -76,6 +81,7 @@ NEMOTRON = ("nemotron_h",)
 ERNIE = ("ernie4_5_moe",)
 LONGCAT = ("longcat_flash",)
 BAILING = ("bailing_hybrid",)
+MIMO_V2 = ("mimo_v2_flash",)
 
 
 def layout(config: dict[str, Any]) -> MTPLayout:
@@ -86,6 +92,8 @@ def layout(config: dict[str, Any]) -> MTPLayout:
     depth = declared_layers(config)
     if model_type in LONGCAT:  # its config declares none; its checkpoints keep one layer (`model.mtp.*`)
         return MTPLayout("longcat", 1)
+    if model_type in MIMO_V2:  # its checkpoints keep several (`model.mtp.layers.{k}`); the first drafts, as vLLM's
+        return MTPLayout("mimo_v2", 1)
     if depth <= 0:
         raise ValueError(f"{model_type}: its config declares no multi-token-prediction layers "
                          "(mtp_num_hidden_layers / num_nextn_predict_layers): this model ships no MTP head; use "
@@ -102,10 +110,14 @@ def layout(config: dict[str, Any]) -> MTPLayout:
         return MTPLayout("ernie", depth)
     if model_type in BAILING:
         return MTPLayout("bailing", depth)
-    known = ", ".join(QWEN + DEEPSEEK + MIMO + NEMOTRON + ERNIE + LONGCAT + BAILING)
+    known = ", ".join(QWEN + DEEPSEEK + MIMO + NEMOTRON + ERNIE + LONGCAT + BAILING + MIMO_V2)
     raise ValueError(f"{model_type}: its config declares {depth} MTP layer(s), but macinfer runs MTP heads of "
                      f"{known} only (this family's head layout is not "
                      "verified here)")
+
+
+# The eh_proj-style heads whose output is normed by a final norm of their own before the target's head.
+FINAL_NORMED = ("nemotron", "longcat", "bailing", "mimo_v2")
 
 
 class MTPStack(nn.Module):
@@ -133,7 +145,7 @@ class MTPStack(nn.Module):
             self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
             self.enorm = nn.RMSNorm(dims, eps=eps)
             self.hnorm = nn.RMSNorm(dims, eps=eps)
-            if style in ("nemotron", "longcat", "bailing"):
+            if style in FINAL_NORMED:
                 self.final_layernorm = nn.RMSNorm(dims, eps=eps)
         self.layers = layers
         object.__setattr__(self, "_embed", embed)  # the target's: shared, not this module's weights
@@ -158,7 +170,7 @@ class MTPStack(nn.Module):
             x = layer(x, None, next(caches, None) if takes else None)
         if self.style == "qwen":
             return self.norm(x)
-        return self.final_layernorm(x) if self.style in ("mimo", "nemotron", "longcat", "bailing") else x
+        return self.final_layernorm(x) if self.style == "mimo" or self.style in FINAL_NORMED else x
 
 
 def _positions(inputs: mx.array, cache: Any) -> mx.array:
@@ -249,7 +261,7 @@ def _gguf_block(path: str, config: dict[str, Any], target: MlxLmModel, first: in
     (`model.layers.{first}.*`, the layer's already in mlx-lm's form), read by the GGUF
     loader's `read_block`."""
     tcfg = text_config(config)
-    dims, eps = int(tcfg["hidden_size"]), float(tcfg.get("rms_norm_eps", 1e-6))
+    dims, eps = int(tcfg["hidden_size"]), float(tcfg.get("rms_norm_eps") or tcfg.get("layernorm_epsilon") or 1e-6)
 
     def names_for(in_file: set[str]) -> nn.Module:
         block = _layer_like(target.decoder_layers[-1], target.text_model.args, first)
@@ -319,6 +331,8 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("mtp."))
     elif lay.style == "longcat":
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("model.mtp."))
+    elif lay.style == "mimo_v2":
+        raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("model.mtp.layers.0."))
     elif lay.style == "ernie":
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith(tuple(ERNIE_PARTS)) or
                                              k.startswith("model.mtp_block.0."))
@@ -332,7 +346,7 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
     text = model.text_model
     args = text.args
     layers = model.decoder_layers
-    dims, eps = int(tcfg["hidden_size"]), float(tcfg.get("rms_norm_eps", 1e-6))
+    dims, eps = int(tcfg["hidden_size"]), float(tcfg.get("rms_norm_eps") or tcfg.get("layernorm_epsilon") or 1e-6)
     target_caches = None
     if lay.style == "qwen" and config.get("model_type") in PLAIN_QWEN:
         # Its layer is of `mtp_layer_types`, its norms plain; its cache is a target layer's of
@@ -380,6 +394,11 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
         mtp_layers, copied = [_layer_like(layers[0], args, 0)], 0
         weights = ernie_weights(raw, model)
         shared = SharedHead(dims, eps, None)
+    elif lay.style == "mimo_v2":  # a sliding-window layer (the target's first such), its MLP dense
+        copied = next(i for i, layer in enumerate(layers) if layer.is_sliding_window)
+        mtp_layers = [type(layers[copied])(args, False, True)]
+        weights = mimo_v2_weights(raw, model)
+        shared = None
     elif lay.style == "longcat":
         last = layers[-1]
         mtp_layers, copied = [MLABlock(type(last.self_attn[0])(args), type(last.mlps[0])(args), dims, eps)], -1

@@ -81,12 +81,22 @@ def deepseek_weights(raw: dict[str, mx.array], first: int, target: MlxLmModel,
     w - 1 (Step 3.5's), which the target's sanitizer shifts only when it sees the whole
     model's tensors: shifted here. Step 3.5 names its shared head's projection `output`."""
     own = {"enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens", "final_layernorm"}
-    prefix, last = f"model.layers.{first}.", f"model.layers.{first - 1}."
-    layer, out = {}, {}
-    for k, v in raw.items():
-        name = k[len(prefix):].replace("shared_head.output.", "shared_head.head.")
-        if zero_centred and "norm" in name and name.endswith(".weight"):
-            v = v + 1.0
+    prefix = f"model.layers.{first}."
+
+    def named():
+        for k, v in raw.items():
+            name = k[len(prefix):].replace("shared_head.output.", "shared_head.head.")
+            if zero_centred and "norm" in name and name.endswith(".weight"):
+                v = v + 1.0
+            yield name, v
+    return _own_and_layer(named(), own, target, f"model.layers.{first - 1}.")
+
+
+def _own_and_layer(named: Any, own: set[str], target: MlxLmModel, last: str) -> dict[str, mx.array]:
+    """The head's own tensors (those whose first name part is in `own`) as named, and its decoder
+    layer's through the target's sanitizer under the target layer prefix `last`, as `layers.0.*`."""
+    out, layer = {}, {}
+    for name, v in named:
         if name.split(".")[0] in own:
             out[name] = v
         else:
@@ -121,6 +131,19 @@ def longcat_weights(raw: dict[str, mx.array], n_layers: int, target: MlxLmModel)
         if k.startswith(attn):
             out["layers.0.self_attn." + k[len(attn):]] = v
     return out
+
+
+def mimo_v2_weights(raw: dict[str, mx.array], target: MlxLmModel) -> dict[str, mx.array]:
+    """MiMo-V2-Flash's first MTP layer (`model.mtp.layers.0.*`) -> the stack's names: its
+    norms and projection, its block (`pre_mlp_layernorm` is mlx-lm's `post_attention_layernorm`)
+    through the target's own sanitizer (FP8 expanded) under the name of the target's last layer.
+    MiMo-V2-Pro's fused `qkv_proj` (chunked by key/value head) is refused."""
+    if any(".qkv_proj." in k for k in raw):
+        raise ValueError("its MTP layer keeps a fused qkv_proj (MiMo-V2-Pro's layout), which is not read here")
+    named = ((k[len("model.mtp.layers.0."):].replace("pre_mlp_layernorm.", "post_attention_layernorm."), v)
+             for k, v in raw.items())
+    return _own_and_layer(named, {"enorm", "hnorm", "eh_proj", "final_layernorm"}, target,
+                          f"model.layers.{len(target.decoder_layers) - 1}.")
 
 
 # ERNIE 4.5's MTP tensors (`model.mtp_{part}.{depth}`, as transformers' MTP conversion reads
