@@ -1,5 +1,6 @@
 """Multimodal RoPE (Qwen2-VL's): each rotary frequency turns by one of three positions
-(time, height, width), chosen by the config's `mrope_section`. Text tokens have the same
+(time, height, width), chosen by the config's `mrope_section` (HunyuanOCR's XD-RoPE: one of
+four, sequence, width, height, image). Text tokens have the same
 position on all three, so a text-only step is plain RoPE: at the rows' own positions, or at
 `AttentionMetadata.rope_offsets` for rows after an image (shifted by its `rope_delta`: a
 decode). A step with an image's rows carries the three position rows in
@@ -17,9 +18,9 @@ from macinfer.models.paged_layers import _active
 
 
 def section_axes(section: list[int], half: int, style: str) -> mx.array:
-    """Which of the three positions each of the `half` frequencies turns by: "chunked"
+    """Which of the positions each of the `half` frequencies turns by: "chunked"
     (Qwen2/2.5-VL: the first section[0] from time, the next section[1] from height, the
-    rest from width) or "interleaved" (Qwen3-VL, Qwen3.5: t, h, w, t, h, w, ... while each
+    rest from width; as many axes as sections) or "interleaved" (Qwen3-VL, Qwen3.5: t, h, w, t, h, w, ... while each
     axis has frequencies left in its section, then time)."""
     if sum(section) != half or style not in ("chunked", "interleaved"):
         raise ValueError(f"multimodal RoPE {style!r} with sections {section} over {half} frequencies is not supported")
@@ -36,14 +37,17 @@ class MRoPE(nn.Module):
 
     def __init__(self, rope: nn.Module, section: list[int], style: str = "chunked"):
         super().__init__()
-        if not all(hasattr(rope, a) for a in ("dims", "base")) or getattr(rope, "scale", 1.0) != 1.0:
+        freqs = getattr(rope, "_freqs", None)  # (a module given its frequencies: Hunyuan's NTK-alpha RoPE)
+        if not hasattr(rope, "dims") or (freqs is None and not hasattr(rope, "base")) \
+                or getattr(rope, "scale", 1.0) != 1.0:
             raise ValueError("multimodal RoPE over this model's rotary module is not supported")
         self._rope = rope
         self._traditional = bool(getattr(rope, "traditional", False))
-        dims, base = rope.dims, rope.base
+        dims = rope.dims
         self._half = dims // 2
         self._axes = section_axes(section, self._half, style)
-        self._inv_freq = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        self._inv_freq = 1.0 / freqs.astype(mx.float32) if freqs is not None else \
+            rope.base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
         # Now, in the loading thread: left lazy, they would be computed in the engine's
         # thread against this thread's stream (MLX refuses that).
         mx.eval(self._axes, self._inv_freq)
@@ -55,7 +59,7 @@ class MRoPE(nn.Module):
         if positions is None:  # text only: plain RoPE at the rows' positions (shifted past images)
             shifted = getattr(meta, "rope_offsets", None)
             return self._rope(x, offset=offset if shifted is None else shifted)
-        # x: [T, H, 1, D] (one row per token); positions [3, T]
+        # x: [T, H, 1, D] (one row per token); positions [axes, T]
         angles = positions[self._axes].T.astype(mx.float32) * self._inv_freq  # [T, D/2]
         cos, sin = mx.cos(angles)[:, None, None, :], mx.sin(angles)[:, None, None, :]
         h = self._half

@@ -147,7 +147,10 @@ class VisionEncoder:
 
         vlm = load_model(Path(path), lazy=True)  # lazy: the language model's weights are never read
         raw = rope_index = None
-        if mrope and getattr(vlm.config, "mrope_mode", None) == "canvas":  # MiniCPM-V 4.7's rule
+        if mrope and vlm.config.model_type == "hunyuan_vl":  # HunyuanOCR's XD-RoPE (transformers' rule)
+            text = vlm.config.text_config
+            rope_index = _xdrope(len(text.rope_scaling["xdrope_section"]), vlm.config.vision_config.spatial_merge_size)
+        elif mrope and getattr(vlm.config, "mrope_mode", None) == "canvas":  # MiniCPM-V 4.7's rule
             from mlx_vlm.models.minicpmv4_7.rope import CanvasRoPE
 
             rope_index = _canvas(CanvasRoPE(vlm.config), image_token_id)
@@ -180,9 +183,10 @@ class VisionEncoder:
         return encoder
 
     def positions(self, ids: list[int], spans: list[ImageSpan]) -> tuple[np.ndarray, int]:
-        """A prompt's multimodal RoPE positions [3, len(ids)] and the shift after it."""
+        """A prompt's multimodal RoPE positions [axes, len(ids)] and the shift after it."""
         pos, delta = self.rope_index(ids, spans)
-        return np.array(pos).reshape(3, -1).astype(np.int64), int(np.array(delta).reshape(-1)[0])
+        pos = np.array(pos)
+        return pos.reshape(pos.shape[0], -1).astype(np.int64), int(np.array(delta).reshape(-1)[0])
 
     @property
     def nbytes(self) -> int:
@@ -282,6 +286,26 @@ def _qwen(rope_index: Any) -> Any:
         prompt = mx.array(np.asarray(ids, dtype=np.int32))[None]
         return rope_index(prompt, mx.array(np.concatenate(grids).astype(np.int32)), None,
                           mx.ones(prompt.shape, dtype=mx.int32))
+    return positions
+
+
+def _xdrope(axes: int, merge: int) -> Any:
+    """HunyuanOCR's rule (transformers' `HunYuanVLModel.get_rope_index`): every axis the token's
+    index, but inside each image's grid (its run less the begin and end rows) the last three
+    axes are the column (each row closed by a newline row), the row and the image's ordinal."""
+    def positions(ids: list[int], spans: list[ImageSpan]) -> tuple[Any, Any]:
+        pos = np.broadcast_to(np.arange(len(ids)), (axes, len(ids))).copy()
+        for index, span in enumerate(spans):
+            _, h, w = (int(v) for v in np.asarray(span.pixels["image_grid_thw"]).reshape(-1))
+            rows, cols = h // merge, w // merge + 1
+            start = span.offset + (1 if span.length == rows * cols + 2 else 0)
+            if span.length not in (rows * cols, rows * cols + 2):
+                raise ValueError(f"an image's {span.length} placeholders do not fit its {rows} x {cols} grid")
+            grid = slice(start, start + rows * cols)
+            pos[axes - 3, grid] = np.tile(np.arange(cols), rows)
+            pos[axes - 2, grid] = np.repeat(np.arange(rows), cols)
+            pos[axes - 1, grid] = index
+        return pos, pos.max() + 1 - len(ids)
     return positions
 
 

@@ -69,8 +69,9 @@ NORMED_ROWS = {"muse_glimmer"}
 
 
 # Families whose merge takes one image a prompt (GOT-OCR's: a batch row's features are one
-# image's): their images are encoded a call each.
-ONE_IMAGE_MERGES = {"got"}
+# image's), or whose tower attends across every patch it is given (mlx-vlm's HunyuanOCR tower):
+# their images are encoded a call each.
+ONE_IMAGE_MERGES = {"got", "hunyuan_vl"}
 
 
 # Families whose language model runs image prompts under a LoRA the checkpoint keeps beside
@@ -90,7 +91,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None, "moondream2": None, "moondream3": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None, "moondream2": None, "moondream3": None, "hunyuan_vl": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -136,16 +137,6 @@ FAMILIES: dict[str, str | None] = {
     "qwen4_exp": ("its decoder's Qwen Sparse Attention picks each query's keys by an index of its own (an index "
                   "cache beside the KV cache); the engine's paged attention runs DeepSeek Sparse Attention's "
                   "indexer only, and dense attention would not be this model past the selection's budget"),
-    "hunyuan_vl": ("its decoder turns positions by XD-RoPE over four axes (sequence, time, height, width: "
-                   "`xdrope_section`), which the engine's multimodal RoPE (three axes) does not carry yet; "
-                   "mlx-vlm itself applies it to a prompt's first chunk only"),
-    **dict.fromkeys(("youtu_vl", "llmjpvl"), (
-        "mlx-vlm ships no processor for it and transformers has none: its images are prepared by the "
-        "checkpoint's own remote code, which the engine does not execute (nor can a test get it offline to "
-        "build a faithful tiny model); its image path is not verified")),
-    "qwen3_omni_moe": ("an omni model whose config nests a thinker (a Qwen3-VL-MoE-style tower with DeepStack, "
-                       "an audio encoder, multimodal RoPE whose positions count audio) beside a talker and a "
-                       "code-to-wave speech decoder; the engine loads neither that nesting nor the thinker alone yet"),
     "diffusion_gemma": ("a diffusion language model (it denoises blocks of the answer together, not token "
                         "after token), which the engine's autoregressive decoding does not run"),
     "prism_hadamard_qwen35": None, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
@@ -170,7 +161,9 @@ SCALED_TEXT_ROWS = {"gemma3n"}
 # Families whose language model turns image positions by multimodal RoPE: the style.
 MROPE_STYLE = {"glm4v": "chunked", "glm4v_moe": "chunked", "glm_ocr": "chunked", "paddleocr_vl": "chunked", "qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
                "indic_ocr": "interleaved", "minicpmv4_7": "interleaved", "prism_hadamard_qwen35": "interleaved",
-               "qwen3_vl": "interleaved", "qwen3_vl_moe": "interleaved"}
+               "qwen3_vl": "interleaved", "qwen3_vl_moe": "interleaved",
+               # HunyuanOCR's XD-RoPE: four axes (sequence, width, height, image), chunked sections
+               "hunyuan_vl": "chunked"}
 
 
 # Families whose vision tower also feeds the first decoder layers (Qwen3-VL's DeepStack).

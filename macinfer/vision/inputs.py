@@ -77,10 +77,10 @@ class ImageInputs:
         return end
 
     def rope_rows(self, positions: Any) -> Any:
-        """The three rotary positions [3, n] of prompt or output `positions` (numpy ints)."""
-        n = self.rope.shape[1]
+        """The rotary positions [axes, n] of prompt or output `positions` (numpy ints)."""
+        axes, n = self.rope.shape
         inside = positions < n
-        out = np.broadcast_to(positions + self.rope_delta, (3, len(positions))).copy()
+        out = np.broadcast_to(positions + self.rope_delta, (axes, len(positions))).copy()
         out[:, inside] = self.rope[:, positions[inside]]
         return out
 

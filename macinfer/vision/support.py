@@ -62,9 +62,10 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         if style is not None:
             text = config.get("text_config") or config
             scaling = text.get("rope_scaling") or text.get("rope_parameters") or config.get("rope_scaling") or {}
-            if not scaling.get("mrope_section"):
+            section = scaling.get("mrope_section") or scaling.get("xdrope_section")  # (HunyuanOCR's name)
+            if not section:
                 return None, "its config names no mrope_section for its multimodal RoPE"
-            mrope = (list(scaling["mrope_section"]), style)
+            mrope = (list(section), style)
         prefix_lm = config.get("model_type") in PREFIX_LM
         if prefix_lm and not tokenizer.chat_template:
             tokenizer.set_chat_template(PREFIX_LM_TEMPLATE)

@@ -186,6 +186,9 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "bunny-llama": lambda t: {**t, "model_type": "llama"},
     "dots_ocr": lambda t: {**t, "model_type": "qwen2"},  # dots.ocr's decoder (mlx-vlm: LLaVA-Bunny's Qwen2)
     "got": lambda t: {**t, "model_type": "qwen2"},  # GOT-OCR's decoder (its config at the root) is Qwen2's
+    # HunyuanOCR's decoder is Hunyuan's dense one (NTK-alpha RoPE base, query/key norms after RoPE);
+    # its four-axis XD-RoPE is the engine's multimodal RoPE.
+    "hunyuan_vl": lambda t: {**t, "model_type": "hunyuan_v1_dense"},
     "phi4mm": lambda t: {**t, "model_type": "phi3"},  # Phi-4 multimodal's decoder is Phi-4-mini's
     "phi3_v": lambda t: {**t, "model_type": "phi3"},  # Phi-3 Vision's decoder is Phi-3's
     "deepseek_v2": _deepseek_v2,

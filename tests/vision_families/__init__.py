@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tests.vision_families.deepseek import _deepseekocr, _deepseekocr_2, _multi_modality, deepseek_vl_hybrid_layout
 from tests.vision_families.got import _got, got_instruction
+from tests.vision_families.hunyuan import _hunyuan_vl, random_markers
 from tests.vision_families.kimi import _kimi_k3, _kimi_k25, _kimi_vl
 from tests.vision_families.gemma import _gemma3, _gemma3n, _gemma4, _gemma4_unified, _llama4, _paligemma
 from tests.vision_families.mimo import _mimo_v2
@@ -40,15 +41,15 @@ LEAD_FIRST = {"molmo"}
 # Families with no chat template (prefix LMs): the reference prompt is mlx-vlm's own format.
 PROMPT_ONLY = {"paligemma"}
 
-TIED = {"gemma3", "gemma3n", "gemma4", "gemma4_unified", "paligemma"}  # checkpoints with the embedding as the output head
+TIED = {"hunyuan_vl", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "paligemma"}  # checkpoints with the embedding as the output head
 
-BUILDERS = {"llava": _llava, "multi_modality": _multi_modality, "deepseekocr": _deepseekocr, "deepseekocr_2": _deepseekocr_2, "minicpmo": _minicpmo, "molmo2": _molmo2, "jina_vlm": _jina_vlm, "mimo_v2": _mimo_v2, "granite4_vision": _granite4_vision, "molmo": _molmo, "nemotron_h_nano_omni": _nemotron_h_nano_omni, "got": _got, "kimi_k3": _kimi_k3, "muse_glimmer": _muse_glimmer, "moondream2": _moondream2, "moondream3": _moondream3, "phi4mm": _phi4mm, "phi3_v": _phi3_v, "step3p7": _step3p7, "dots_ocr": _dots_ocr, "llava_bunny": _llava_bunny, "fastvlm": _fastvlm, "gemma4_unified": _gemma4_unified, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
+BUILDERS = {"llava": _llava, "multi_modality": _multi_modality, "deepseekocr": _deepseekocr, "deepseekocr_2": _deepseekocr_2, "minicpmo": _minicpmo, "molmo2": _molmo2, "jina_vlm": _jina_vlm, "mimo_v2": _mimo_v2, "granite4_vision": _granite4_vision, "molmo": _molmo, "nemotron_h_nano_omni": _nemotron_h_nano_omni, "got": _got, "kimi_k3": _kimi_k3, "muse_glimmer": _muse_glimmer, "moondream2": _moondream2, "moondream3": _moondream3, "hunyuan_vl": _hunyuan_vl, "phi4mm": _phi4mm, "phi3_v": _phi3_v, "step3p7": _step3p7, "dots_ocr": _dots_ocr, "llava_bunny": _llava_bunny, "fastvlm": _fastvlm, "gemma4_unified": _gemma4_unified, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "prism_hadamard_qwen35": _prism, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
 # Families whose published checkpoint keeps weights in another layout than mlx-vlm's module
 # tree (Phi-4 multimodal's vision LoRA beside its base weights): params -> the published ones.
-WEIGHT_LAYOUTS = {"phi4mm": phi4mm_lora_layout, "molmo": random_tables, "molmo2": random_tables, "jina_vlm": random_tables, "moondream3": random_temperatures, "deepseek_vl_hybrid": deepseek_vl_hybrid_layout}
+WEIGHT_LAYOUTS = {"phi4mm": phi4mm_lora_layout, "molmo": random_tables, "molmo2": random_tables, "jina_vlm": random_tables, "moondream3": random_temperatures, "hunyuan_vl": random_markers, "deepseek_vl_hybrid": deepseek_vl_hybrid_layout}
 # A family's other layouts (a tower of another kind under the same model type), by name.
 VARIANTS = {"deepseek_vl_hybrid": lambda path: _multi_modality(path, hybrid=True)}
 # Families whose mlx-vlm processor drops a token the reference prompt must then carry: Phi-3

@@ -128,7 +128,7 @@ def build_inputs(
     chunks: list[SeqChunk] = []
     image_rows: list[int] = []
     image_parts: list[mx.array] = []
-    rope: list[tuple[int, np.ndarray]] = []  # (first row, [3, n]) of sequences with multimodal RoPE
+    rope: list[tuple[int, np.ndarray]] = []  # (first row, [axes, n]) of sequences with multimodal RoPE
     lora: list[int] = []  # each row's adapter slot
 
     for k, (seq, n) in enumerate(scheduled):
@@ -169,7 +169,8 @@ def build_inputs(
     if state is not None:
         meta.state = plan_state(chunks)
     if rope:
-        table = np.broadcast_to(np.asarray(positions, dtype=np.int64), (3, len(positions))).copy()
+        axes = rope[0][1].shape[0]  # (3; HunyuanOCR's 4)
+        table = np.broadcast_to(np.asarray(positions, dtype=np.int64), (axes, len(positions))).copy()
         for first, rows in rope:
             table[:, first: first + rows.shape[1]] = rows
         if (table == table[0]).all():  # text rows only (a decode after an image): plain RoPE, shifted
