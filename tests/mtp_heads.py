@@ -16,6 +16,22 @@ from tests.helpers import make_mlx_lm_model, save_model_dir
 from tests.zoo import tiny_config
 
 DAMPED = ("o_proj", "out_proj", "down_proj")
+ROWS = 32
+
+
+def mtp_engine(path: str, **kw):
+    """An engine for `path` sized for `ROWS` speculating rows (`kw`: EngineConfig's fields)."""
+    from macinfer.engine.llm_engine import EngineConfig, LLMEngine
+
+    kw = {"num_kv_blocks": 160, "block_size": 16, "max_num_seqs": ROWS, "speculative_max_batch": ROWS, **kw}
+    return LLMEngine(path, EngineConfig(**kw))
+
+
+def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, int(rng.integers(3, 40))).tolist() for _ in range(n)]
 
 
 def _text(model):
