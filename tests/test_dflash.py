@@ -4,6 +4,8 @@ paged pool of their own: tiny random models of both, written by the tests."""
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -32,6 +34,46 @@ def make_dflash(path: str, target: dict, seed: int = 0, **overrides) -> None:
     save_model_dir(path, config, model)
 
 
+def make_dflash2(path: str, target: dict, seed: int = 0) -> None:
+    """A DFlash2 drafter (mlx-vlm's class): grouped causal convolutions in each layer, scaled
+    embeddings and logits, a capped head, a scorer of each position's top candidates."""
+    from mlx.utils import tree_flatten
+    from mlx_vlm.speculative.drafters.dflash2 import DFlash2DraftModel
+    from mlx_vlm.speculative.drafters.dflash2.config import DFlash2Config
+
+    config = dict(model_type="qwen3", architectures=["DFlash2DraftModel"], hidden_size=target["hidden_size"],
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, rms_norm_eps=1e-5, vocab_size=target["vocab_size"], rope_theta=10000.0,
+                  max_position_embeddings=2048, block_size=4, num_target_layers=target["num_hidden_layers"],
+                  dflash_config={"mask_token_id": target["vocab_size"] - 1, "target_layer_ids": IDS,
+                                 "conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8,
+                                 "selector_top_k": 4, "output_multiplier": 1.5, "input_embedding_scale": 0.9,
+                                 "final_logit_softcapping": 30.0})
+    mx.random.seed(seed)
+    model = DFlash2DraftModel(DFlash2Config.from_dict(config))
+    # (its base kernels initialise to zeros: random ones, so a tap out of place shows)
+    model.load_weights([(k, 0.3 * mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters())
+                        if k.endswith("base_kernel")], strict=False)
+    save_model_dir(path, config, model)
+
+
+def make_dspark(path: str, target: dict, seed: int = 0) -> None:
+    """A DSpark drafter (mlx-vlm's class): DFlash's layers, its block from the last token (whose
+    row drafts first), a low-rank transition row of the previous pick added to each position."""
+    from mlx_vlm.speculative.drafters.dspark import DSparkDraftModel
+    from mlx_vlm.speculative.drafters.dspark.config import DSparkConfig
+
+    config = dict(model_type="qwen3", architectures=["Qwen3DSparkModel"], hidden_size=target["hidden_size"],
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, rms_norm_eps=1e-5, vocab_size=target["vocab_size"], rope_theta=10000.0,
+                  max_position_embeddings=2048, num_target_layers=target["num_hidden_layers"],
+                  dflash_config={"mask_token_id": target["vocab_size"] - 1, "target_layer_ids": IDS,
+                                 "projector_type": "dspark", "markov_rank": 8, "block_size": 4,
+                                 "block_size_policy": "fixed"})
+    mx.random.seed(seed)
+    save_model_dir(path, config, DSparkDraftModel(DSparkConfig.from_dict(config)))
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash")
@@ -39,6 +81,8 @@ def pair(tmp_path_factory):
     model = make_mlx_lm_model(config, seed=4)
     target = save_model_dir(str(root / "target"), config, model)
     make_dflash(str(root / "dflash"), config)
+    make_dflash2(str(root / "dflash2"), config, seed=2)
+    make_dspark(str(root / "dspark"), config, seed=3)
     return target, str(root / "dflash"), model, config
 
 
@@ -47,8 +91,10 @@ def _prompts() -> list[list[int]]:
     return [rng.integers(3, 290, size=n).tolist() for n in (3, 9, 17, 40)]
 
 
-def test_outputs_are_those_of_decoding_without_speculation(pair):
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
+def test_outputs_are_those_of_decoding_without_speculation(pair, kind):
     target, draft, _, _ = pair
+    draft = os.path.join(os.path.dirname(draft), kind)
     plain = LLMEngine(target, EngineConfig(kv_cache_gb=0.02))
     engine, prompts, params, want = same_tokens_as_plain(plain, draft, _prompts(), dict(temperature=0.8, top_k=20))
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))  # the drafter's own prefix cache holds it
@@ -69,19 +115,25 @@ def _reference_drafts(model, draft, tokens: list[int], n: int, k: int) -> list[i
         h = layer(h, mask, None)
         outs.append(h)
     features = mx.concatenate([outs[i] for i in IDS], axis=-1)
-    draft.bind(model)
+    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
+
+    DFlashDraftModel.bind(draft, model)  # (DFlash2's and DSpark's own check wants mlx-vlm's rollback API)
     got = draft.draft_block(tokens[n], features, draft.make_cache(), k + 1, lambda x: mx.argmax(x, axis=-1))
     return got[0].tolist()
 
 
-@pytest.mark.parametrize("impl", ["auto", "mlx-lm"])
-def test_drafts_follow_the_published_formula(pair, impl):
+@pytest.mark.parametrize("impl,kind", [("auto", "dflash"), ("mlx-lm", "dflash"), ("auto", "dflash2"),
+                                       ("auto", "dspark")])
+def test_drafts_follow_the_published_formula(pair, impl, kind):
     """Every batched proposal (shadows caught up in chunks, blocks at different positions,
     after rejections) equals mlx-vlm's own drafter run densely over the whole context; the
-    target through macinfer's Llama file or mlx-lm's classes."""
+    target through macinfer's Llama file or mlx-lm's classes; DFlash2's convolutions within
+    each block and its candidate scorer, DSpark's block from the last token and its
+    transition rows too."""
     from mlx_vlm.speculative.drafters import load_drafter
 
     target, draft_path, model, _ = pair
+    draft_path = os.path.join(os.path.dirname(draft_path), kind)
     engine = drafting_engine(target, draft_path, max_num_batched_tokens=16, model_impl=impl)
     records = record_proposals(engine)
     generate(engine, _prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

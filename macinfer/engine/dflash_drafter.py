@@ -90,29 +90,40 @@ class DFlashDrafter(MTPDrafter):
         block_meta = ids = None
         drafted: list[int] = []  # the rows whose tokens are drafts
         if blocks:
-            mask = self.model.mask_id
-            for sh, k in blocks:  # the block: the last token, then k masks, as one sequence's draft rows
-                sh.spec_token_ids = [mask] * k
+            mask, lead = self.model.mask_id, int(not self.model.from_anchor)
+            blocks.sort(key=lambda b: b[1] + lead > 1)  # (a one-row block is a plain decode: those go first)
+            for sh, k in blocks:  # the block: the last token, then k masks (DSpark's: k - 1), as draft rows
+                sh.spec_token_ids = [mask] * (k - 1 + lead)
             try:
-                ids, block_meta, _, _ = self.runner.prepare([(sh, k + 1) for sh, k in blocks])
+                ids, block_meta, _, _ = self.runner.prepare([(sh, k + lead) for sh, k in blocks])
             finally:
                 for sh, _ in blocks:
                     sh.spec_token_ids = []
             lens = np.array(block_meta.decode_context_lens)
             for start, count in block_meta.decode_groups:  # every block row reads to the block's end
                 lens[start : start + count] = lens[start + count - 1]
-                drafted.extend(range(start + 1, start + count))
             block_meta.decode_context_lens = mx.array(lens)
+            within = np.concatenate([np.arange(k + lead) for _, k in blocks])  # each row's index in its block
+            starts = np.cumsum([0] + [k + lead for _, k in blocks])[:-1]
+            drafted = [int(start) + lead + j for start, (_, k) in zip(starts, blocks) for j in range(k)]
         hidden = self.model.forward(ctx, ctx_meta, None if ids is None else self.model.embed(ids), block_meta,
-                                    np.array(drafted))
+                                    np.array(drafted), None if ids is None else within)
         self.forwards += 1
         if not blocks:  # a catch-up alone: its writes run behind the step's forward, no sync here
             mx.async_eval(*self.kv_cache.state())
             return {}
         rows = [self._row(self.targets[sh], j) for sh, k in blocks for j in range(k)]
-        tokens = draw(self.target_logits(hidden)[:, : self.vocab], rows).tokens
-        mx.eval(tokens, *self.kv_cache.state())
-        flat, out, at = tokens.tolist(), {}, 0
+        logits = self.model.logits(self.target_logits(hidden)[:, : self.vocab])
+        if not self.model.sequential:
+            tokens = draw(logits, rows).tokens
+            mx.eval(tokens, *self.kv_cache.state())
+            flat = tokens.tolist()
+        else:  # DFlash2, DSpark: position by position, each pick read by the next
+            anchors = [sh.token_slice(sh.num_tokens - 1, sh.num_tokens)[0] for sh, _ in blocks]
+            flat = self.model.select(hidden, logits, anchors, [k for _, k in blocks],
+                                     lambda scores, at: draw(scores, [rows[i] for i in at]).tokens.tolist())
+            mx.eval(*self.kv_cache.state())
+        out, at = {}, 0
         for sh, k in blocks:
             out[self.targets[sh]] = flat[at : at + k]
             at += k
