@@ -1,6 +1,6 @@
-"""DFlash block drafters (`--draft-model` naming a checkpoint with a `dflash_config`, z-lab's
-Qwen3 layout), loaded with mlx-vlm's own classes, drafting k tokens in one forward on a
-paged pool of their own: tiny random models of both, written by the tests."""
+"""DFlash block drafters (`--draft-model` naming a checkpoint with a `dflash_config`: z-lab's
+Qwen3 layout, DFlash2, DSpark), loaded with mlx-vlm's own classes, drafting k tokens in one
+forward on a paged pool of their own: tiny random models of both, written by the tests."""
 
 from __future__ import annotations
 
