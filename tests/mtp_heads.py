@@ -124,7 +124,7 @@ def hf_head(model, config: dict, style: str, agree: bool) -> dict:
         own = {f"{prefix}eh_proj.weight": proj}
         for name in ("enorm", "hnorm", "final_layernorm"):
             own[f"{prefix}{name}.weight"] = 1 + 0.05 * mx.random.normal((dims,))
-    elif style == "bailing":  # Bailing v2.5: `model.layers.{N}`, a final norm, no head of its own; the gate as published
+    elif style == "bailing":  # Bailing v2.5: `model.layers.{N}`, a final norm, no head of its own
         n = args.num_hidden_layers
         layer = type(layers[-1])(args, n)
         prefix = f"model.layers.{n}."

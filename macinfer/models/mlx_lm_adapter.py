@@ -221,7 +221,8 @@ class MlxLmModel(CacheProbe, nn.Module):
                     return inner(input_ids[:, None], cache=caches, **{self._embeddings_keyword: h[:, None, :]})
                 # A model that takes no embeddings (mlx-lm's Cohere2, Nemotron-H): its embedding
                 # hands back these rows for this call (an instance attribute shadows the child).
-                name = next(n for n in ("embed_tokens", "embeddings", "word_embeddings") if getattr(inner, n, None) is embed)
+                name = next(n for n in ("embed_tokens", "embeddings", "word_embeddings")
+                            if getattr(inner, n, None) is embed)
                 object.__setattr__(inner, name, _GivenHidden(embed, h[:, None, :]))
                 try:
                     return inner(input_ids[:, None], cache=caches)
