@@ -143,12 +143,13 @@ def test_every_vision_family_runs_or_says_why():
     from click.testing import CliRunner
 
     from macinfer.cli.main import main
-    from macinfer.vision.families import vision_model_types, vision_table
+    from macinfer.vision.families import UNVERIFIED, vision_model_types, vision_table
 
     table = vision_table()
     assert set(table) == set(vision_model_types()) and len(table) > 50
     assert {t for t, v in table.items() if v == "runs"} == set(BUILDERS)
     assert all(v == "runs" or len(v) > 20 for v in table.values())
+    assert [t for t, v in table.items() if v == UNVERIFIED] == []  # each refused with a reason of its own
     r = CliRunner().invoke(main, ["models", "architectures", "--vision"])
     assert r.exit_code == 0 and f"{len(BUILDERS)} of {len(table)} model types run with images" in r.output
 

@@ -137,6 +137,13 @@ FAMILIES: dict[str, str | None] = {
     "qwen4_exp": ("its decoder's Qwen Sparse Attention picks each query's keys by an index of its own (an index "
                   "cache beside the KV cache); the engine's paged attention runs DeepSeek Sparse Attention's "
                   "indexer only, and dense attention would not be this model past the selection's budget"),
+    **dict.fromkeys(("youtu_vl", "llmjpvl"), (
+        "mlx-vlm ships no processor for it and transformers has none: its images are prepared by the "
+        "checkpoint's own remote code, which the engine does not execute (nor can a test get it offline to "
+        "build a faithful tiny model); not run")),
+    "qwen3_omni_moe": ("an omni model whose config nests a thinker (a Qwen3-VL-MoE-style tower with DeepStack, "
+                       "an audio encoder, multimodal RoPE whose positions count audio) beside a talker and a "
+                       "code-to-wave speech decoder; the engine loads neither that nesting nor the thinker alone yet"),
     "diffusion_gemma": ("a diffusion language model (it denoises blocks of the answer together, not token "
                         "after token), which the engine's autoregressive decoding does not run"),
     "prism_hadamard_qwen35": None, "florence2": ENC_DEC, "nemotron_parse": ENC_DEC,
