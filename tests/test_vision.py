@@ -226,6 +226,36 @@ def test_a_vision_checkpoint_whose_processor_is_broken_serves_text_and_says_why(
         llm.close()
 
 
+def test_a_qwen2_vl_decoder_runs_on_the_engines_own_graph(vlm_dirs, monkeypatch):
+    """Qwen2-VL's language model alone on the engine's Llama/Qwen2 graph (its images spliced in,
+    its multimodal RoPE by the step's positions) gives what mlx-lm's class gives, image or not;
+    where its language model cannot be read alone (no mlx-vlm), mlx-lm's class serves it."""
+    from macinfer.models.llama import Model as OwnGraph
+    from macinfer.models.mlx_lm_adapter import MlxLmModel
+
+    path, out = vlm_dirs["qwen2_vl"], {}
+    convs = [ask("what is it", picture(4)), [{"role": "user", "content": "hello there"}]]
+    for impl in ("auto", "mlx-lm"):
+        llm = LLM(path, kv_cache_gb=0.01, max_model_len=512, model_impl=impl)
+        try:
+            assert isinstance(llm.engine.model, OwnGraph if impl == "auto" else MlxLmModel)
+            out[impl] = [o.token_ids for o in llm.chat(convs, GREEDY)]
+        finally:
+            llm.close()
+    assert out["auto"] == out["mlx-lm"]
+
+    def no_mlx_vlm(_path):
+        raise ValueError("mlx-vlm is not installed")
+
+    monkeypatch.setattr("macinfer.vision.text_model.language_model", no_mlx_vlm)
+    llm = LLM(path, kv_cache_gb=0.01, max_model_len=512)
+    try:
+        assert isinstance(llm.engine.model, MlxLmModel)
+        assert [o.token_ids for o in llm.chat(convs[1:], GREEDY)] == out["auto"][1:]
+    finally:
+        llm.close()
+
+
 def test_llm_chat_takes_a_pil_image_a_path_bytes_and_a_data_url(llava, tmp_path):
     import base64
     import io

@@ -334,31 +334,31 @@ def _load_path(ref: str, path: str, impl: str = "auto", progress=None,
         pooling = pooling_mod.from_dir(path)
     extended = extend_context(config, *context) if context is not None else config
     # Over several ranks the model runs through mlx-lm's classes (their shard() and layers).
-    try:
-        from macinfer.vision.families import is_vision_config
-        from macinfer.vision.text_model import LANGUAGE_MODEL_ALONE, SAME_AS
+    from macinfer.vision.families import is_vision_config
+    from macinfer.vision.text_model import LANGUAGE_MODEL_ALONE, SAME_AS, hand_written_decoder, language_model_alone
 
-        vision = is_vision_config(config)
-        if config.get("model_type") in LANGUAGE_MODEL_ALONE and vision:
-            raise UnsupportedArchitectureError(f"{config['model_type']}: {LANGUAGE_MODEL_ALONE[config['model_type']]}")
-        family = SAME_AS.get(config.get("model_type")) if vision else None
-        model = build_model({**extended, "model_type": family} if family else extended,
-                            "mlx-lm" if distributed is not None else impl)
-    except UnsupportedArchitectureError as e:
-        if not vision or os.path.isfile(path):
-            raise
-        # A vision checkpoint whose wrapper mlx-lm lacks: its language model alone, by mlx-lm's
-        # class for the text model type (`vision/text_model.py`); its config stays the checkpoint's.
-        from macinfer.vision.text_model import follow_published, language_model
-
+    vision = is_vision_config(config)
+    # A vision family whose decoder the engine's own graph runs (fused, compiled): its language model alone
+    own_graph = vision and impl == "auto" and distributed is None and hand_written_decoder(config) \
+        and not os.path.isfile(path)
+    model = None
+    if own_graph:
         try:
-            text, weights = language_model(path)
-            text = extend_context(text, *context) if context is not None else text
-            model = build_model(text, "mlx-lm")  # mlx-lm's class: the one that takes image embeddings
-            follow_published(model, text)
-        except (ValueError, KeyError, TypeError, UnsupportedArchitectureError) as inner:
-            raise UnsupportedArchitectureError(f"{e}; its language model alone: {inner}") from None
-        extended = {**config, **{k: v for k, v in text.items() if k != "model_type"}}
+            model, extended, weights = language_model_alone(path, config, context, "auto", None)
+        except UnsupportedArchitectureError as e:  # (mlx-vlm absent: the checkpoint's mlx-lm class serves its text)
+            log.info("%s: the engine's own graph does not take it (%s)", config.get("model_type"), e)
+    if model is None:
+        try:
+            if config.get("model_type") in LANGUAGE_MODEL_ALONE and vision:
+                raise UnsupportedArchitectureError(
+                    f"{config['model_type']}: {LANGUAGE_MODEL_ALONE[config['model_type']]}")
+            family = SAME_AS.get(config.get("model_type")) if vision else None
+            model = build_model({**extended, "model_type": family} if family else extended,
+                                "mlx-lm" if distributed is not None else impl)
+        except UnsupportedArchitectureError as e:
+            if not vision or os.path.isfile(path):
+                raise
+            model, extended, weights = language_model_alone(path, config, context, "mlx-lm", e)
     if context is not None and extended is not config and not uses_scaled_rope(model, context[1]):
         raise UnsupportedArchitectureError(f"--rope-scaling {context[1]}: this architecture "
                                            f"({config.get('model_type')}) does not take RoPE scaling from its config")

@@ -22,6 +22,7 @@ from macinfer.kv.spec import FullAttention, LayerKV
 from macinfer.lora.layers import plain as lora_plain
 from macinfer.lora.layers import rows as lora_rows
 from macinfer.models.base import ModelArgs
+from macinfer.models.mrope import MRoPE
 from macinfer.models.rope import apply_rope_tables, make_rope, rope_tables
 
 
@@ -96,8 +97,10 @@ class Attention(nn.Module):
         # q and k share one call (one op fewer per layer).
         qk = mx.concatenate([q, k], axis=1)
         tables = meta.memo(self.rope_key, lambda: rope_tables(self.rope, meta.positions, self.head_dim)) \
-            if meta.explicit_ops else None
-        if tables is not None:
+            if meta.explicit_ops and not isinstance(self.rope, MRoPE) else None
+        if isinstance(self.rope, MRoPE):  # a vision checkpoint's multimodal RoPE (`models/mrope.py`)
+            qk = self.rope.turn(qk[:, :, None, :], meta, meta.positions)[:, :, 0, :]
+        elif tables is not None:
             qk = apply_rope_tables(qk, tables, self.rope.traditional)
         else:  # each token is its own RoPE "batch" row so it gets its own position
             qk = self.rope(qk[:, :, None, :], offset=meta.positions)[:, :, 0, :]
@@ -168,6 +171,8 @@ class LlamaModel(nn.Module):
 
     def __call__(self, input_ids: mx.array, meta: AttentionMetadata) -> mx.array:
         h = self.embed_tokens(input_ids)
+        if meta.image_rows is not None:  # image features in place of their placeholders (`engine/images.py`)
+            h[meta.image_rows] = meta.image_features.astype(h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, meta, i)
         return self.norm(h)
@@ -216,6 +221,22 @@ class Model(nn.Module):
     @property
     def layers(self) -> list[TransformerBlock]:
         return self.model.layers
+
+    # A vision checkpoint's decoder (`vision/text_model.HAND_WRITTEN_DECODERS`): what the image
+    # path reads and sets, as on `MlxLmModel` (these families read no ids beside the images'
+    # rows and scale no text rows).
+    image_pad_id = None
+    token_embed_scale = 1.0
+
+    @property
+    def decoder_layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def embed_module(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def embed_scale(self) -> float:
+        return 1.0
 
     @property
     def layer_specs(self) -> list[LayerKV]:

@@ -53,8 +53,11 @@ class MRoPE(nn.Module):
         mx.eval(self._axes, self._inv_freq)
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        forward = _active()
-        meta = forward.meta if forward is not None else None
+        forward = _active()  # (mlx-lm's classes: the step's metadata is the active forward's)
+        return self.turn(x, forward.meta if forward is not None else None, offset)
+
+    def turn(self, x: mx.array, meta: Any, offset: Any = 0) -> mx.array:
+        """x [T, H, 1, D] (a row a token) turned by the step's metadata `meta`'s positions."""
         positions = getattr(meta, "rope_positions", None)
         if positions is None:  # text only: plain RoPE at the rows' positions (shifted past images)
             shifted = getattr(meta, "rope_offsets", None)

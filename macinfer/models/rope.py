@@ -13,8 +13,9 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 # Kinds whose mlx-lm module takes per-token position offsets (the ragged batch).
 # `dynamic` rescales by the sequence length, which has no meaning for a batch of
-# sequences of different lengths sharing one forward.
-SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+# sequences of different lengths sharing one forward. `mrope` (Qwen2-VL's) is plain RoPE
+# for text, whose positions are equal on every axis; images turn by `models/mrope.py`.
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "mrope")
 
 
 def rope_kind(scaling: dict[str, Any] | None) -> str:

@@ -185,6 +185,8 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llava_qwen2": lambda t: {**t, "model_type": "qwen2"},  # FastVLM's Qwen2 decoder
     "bunny-llama": lambda t: {**t, "model_type": "llama"},
     "dots_ocr": lambda t: {**t, "model_type": "qwen2"},  # dots.ocr's decoder (mlx-vlm: LLaVA-Bunny's Qwen2)
+    # Qwen2-VL's and Qwen2.5-VL's decoder is Qwen2's (mlx-lm's wrapper holds `qwen2`)
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl"), lambda t: {**t, "model_type": "qwen2"}),
     "got": lambda t: {**t, "model_type": "qwen2"},  # GOT-OCR's decoder (its config at the root) is Qwen2's
     # HunyuanOCR's decoder is Hunyuan's dense one (NTK-alpha RoPE base, query/key norms after RoPE);
     # its four-axis XD-RoPE is the engine's multimodal RoPE.
@@ -218,6 +220,22 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 # sanitize moves them itself). MiniCPM-V 4.6/4.7's Qwen3.5 decoders, Gemma 3n's.
 WRAPPED = {"qwen3_5_text": ("qwen3_5", None), "qwen3_5_moe_text": ("qwen3_5_moe", None),
            "gemma3n_text": ("gemma3n", "model.language_model.")}
+# Vision families whose decoder is one the engine's own graph runs (`models/llama.py`: Llama,
+# Mistral, Qwen2 dense, full attention): their language model alone runs there, as those text
+# checkpoints do (fused projections, compiled), with the images' rows spliced in and the
+# multimodal RoPE turned by the step's positions. Each is checked against mlx-vlm by the tests.
+HAND_WRITTEN_DECODERS = {"qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "llava_bunny", "fastvlm",
+                         "mistral3", "pixtral", "idefics2", "idefics3", "smolvlm", "internvl", "internvl_chat",
+                         "dots_ocr", "got", "mage_vl", "minicpmo", "multi_modality", "paddleocr_vl"}
+
+
+def hand_written_decoder(config: dict[str, Any]) -> bool:
+    """Whether the checkpoint's language model runs on the engine's own graph."""
+    from macinfer.vision.families import family
+
+    return family(config) in HAND_WRITTEN_DECODERS
+
+
 # Vision families whose decoder mlx-lm has no class for, run by mlx-vlm's own language class
 # on the engine (as mlx-vlm's text-only models are: `models/mlx_vlm_text.py`), its weights under
 # mlx-vlm's names. Moondream 3's (query and value temperatures from the projections and the
@@ -343,3 +361,23 @@ def _molmo_variant(path: str) -> None:
     if odd:
         raise ValueError(f"its decoder sets {', '.join(odd)}, which mlx-vlm's Molmo module does not run "
                          "(it runs Molmo-7B-D's Qwen2 decoder)")
+
+
+def language_model_alone(path: str, config: dict[str, Any], context: tuple[int, str] | None, impl: str,
+                         why: Exception | None) -> tuple[Any, dict[str, Any], dict[str, mx.array]]:
+    """A vision checkpoint's language model alone (`language_model`): mlx-lm's class for its
+    text model type (the one that takes image embeddings), or with impl "auto" the engine's own
+    graph where it runs it; its config stays the checkpoint's. `why`: why the checkpoint's own
+    class did not serve it (None: the engine's graph was chosen)."""
+    from macinfer.models import UnsupportedArchitectureError, build_model
+    from macinfer.models.rope import extend_context
+
+    try:
+        text, weights = language_model(path)
+        text = extend_context(text, *context) if context is not None else text
+        model = build_model(text, impl)
+        follow_published(model, text)
+    except (ValueError, KeyError, TypeError, UnsupportedArchitectureError) as inner:
+        raise UnsupportedArchitectureError(f"{why}; its language model alone: {inner}" if why is not None
+                                           else f"its language model: {inner}") from None
+    return model, {**config, **{k: v for k, v in text.items() if k != "model_type"}}, weights
