@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from macinfer.kv.attention import AttentionMetadata
 from macinfer.models.paged_layers import _active
 
 _SUBCLASSES: dict[type, type] = {}
@@ -20,13 +21,16 @@ def _adding(cls: type) -> type:
     if cls not in _SUBCLASSES:
         def __call__(self: Any, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
             h = cls.__call__(self, x, *args, **kwargs)
-            forward = _active()
-            meta = forward.meta if forward is not None else None
+            # The step's metadata: the engine's own graph passes it, mlx-lm's classes run under it
+            meta = next((a for a in args if isinstance(a, AttentionMetadata)), None)
+            if meta is None:
+                forward = _active()
+                meta = forward.meta if forward is not None else None
             stack = getattr(meta, "image_deepstack", None)
             if stack is None or self._deepstack_index >= stack.shape[0]:
                 return h
-            rows = meta.image_rows  # h: [T, 1, hidden], one row per token
-            return h.at[rows].add(stack[self._deepstack_index][:, None, :].astype(h.dtype))
+            add = stack[self._deepstack_index].astype(h.dtype)  # h: [T, hidden] or [T, 1, hidden]
+            return h.at[meta.image_rows].add(add if h.ndim == 2 else add[:, None, :])
 
         _SUBCLASSES[cls] = type(f"DeepStack{cls.__name__}", (cls,), {"__call__": __call__})
     return _SUBCLASSES[cls]
