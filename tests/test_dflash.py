@@ -4,6 +4,7 @@ forward on a paged pool of their own: tiny random models of both, written by the
 
 from __future__ import annotations
 
+import json
 import os
 
 import mlx.core as mx
@@ -153,3 +154,21 @@ def test_refusals(pair, tmp_path):
     make_dflash(other, {**config, "num_hidden_layers": 8})
     with pytest.raises(ValueError, match="trained on a target of 8 layers"):
         drafting_engine(target, other)
+
+
+def test_gemma4s_dflash_drafter_drafts_for_a_gemma4_target(tmp_path):
+    """Gemma 4's DFlash drafter (mlx-vlm's `gemma4_dflash`: DFlash's class, mask token 4 by
+    default) on a Gemma 4 target (sliding and full layers, scaled embeddings): the tokens of
+    decoding without speculation, greedy and seeded, also preempted."""
+    from mlx_vlm.speculative.drafters.gemma4_dflash import Gemma4DFlashDraftModel
+    from mlx_vlm.utils import get_model_type
+
+    config = tiny_config("gemma4_text", num_hidden_layers=4)
+    target = save_model_dir(str(tmp_path / "gemma4"), config, make_mlx_lm_model(config, seed=6))
+    draft = str(tmp_path / "gemma4-dflash")
+    make_dflash(draft, config, model_type="gemma4", dflash_config={"target_layer_ids": IDS})
+    with open(os.path.join(draft, "config.json")) as f:
+        assert get_model_type(json.load(f)) == "gemma4_dflash"  # (how mlx-vlm picks its class)
+    plain = LLMEngine(target, EngineConfig(kv_cache_gb=0.02))
+    engine, *_ = same_tokens_as_plain(plain, draft, _prompts(), dict(temperature=0.8, top_k=20))
+    assert type(engine.drafter.model.draft) is Gemma4DFlashDraftModel and engine.drafter.model.mask_id == 4

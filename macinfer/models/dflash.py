@@ -183,6 +183,7 @@ def load_dflash(path: str, engine: Any) -> tuple[DFlashHead, LayerInputs]:
     from mlx_vlm.speculative.drafters import load_drafter
     from mlx_vlm.speculative.drafters.dflash2 import DFlash2DraftModel
     from mlx_vlm.speculative.drafters.dspark import DSparkDraftModel
+    from mlx_vlm.speculative.drafters.gemma4_dflash import Gemma4DFlashDraftModel
     from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
 
     kind = dflash_type(path)
@@ -191,9 +192,10 @@ def load_dflash(path: str, engine: Any) -> tuple[DFlashHead, LayerInputs]:
     except Exception as e:  # noqa: BLE001 - mlx-vlm's own loading error is the reason
         raise ValueError(f"draft model {path}: mlx-vlm could not load this DFlash drafter ({e})") from None
     cfg = draft.config
-    if type(draft) not in (DFlashDraftModel, DFlash2DraftModel, DSparkDraftModel):
+    # (Gemma 4's DFlash drafter is DFlash's class under its own name, its mask token 4 by default)
+    if type(draft) not in (DFlashDraftModel, Gemma4DFlashDraftModel, DFlash2DraftModel, DSparkDraftModel):
         raise ValueError(f"draft model {path}: a {kind} drafter ({type(draft).__name__}); macinfer runs the DFlash "
-                         "drafters of mlx-vlm's DFlashDraftModel (z-lab's Qwen3 DFlash layout), "
+                         "drafters of mlx-vlm's DFlashDraftModel (z-lab's Qwen3 DFlash layout, Gemma 4's), "
                          "DFlash2DraftModel and DSparkDraftModel only")
     second = type(draft) in (DFlash2DraftModel, DSparkDraftModel)  # (their logits may be capped)
     odd = [what for what, on in (("causal block attention", cfg.is_causal), ("sliding layers", any(
