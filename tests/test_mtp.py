@@ -210,3 +210,34 @@ def test_a_failing_head_leaves_the_requests_decoding(qwen35, monkeypatch):
     drafted = engine.stats["spec_draft_tokens"]
     assert [o.token_ids for o in generate(engine, prompts, params)] == want
     assert engine.stats["spec_draft_tokens"] > drafted
+
+
+def test_a_split_mtp_drafter_folder_drafts_as_the_checkpoints_own_head(tmp_path_factory, qwen35):
+    """mlx-vlm's split MTP drafter (`split_qwen3_5_mtp`: the head's tensors alone, in MLX's
+    layout) named by `--draft-model` for a target whose files hold no head (mlx-lm's
+    conversions drop it): the same drafts as the checkpoint's own head, the tokens of decoding
+    without speculation; another family's split drafter is refused with the reason."""
+    import shutil
+
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.split import split_qwen3_5_mtp
+
+    root = tmp_path_factory.mktemp("split")
+    drafter = str(split_qwen3_5_mtp(qwen35, str(root / "drafter")))
+    stripped = str(root / "stripped")
+    shutil.copytree(qwen35, stripped, ignore=shutil.ignore_patterns("model-mtp.safetensors"))
+    prompts, params = random_prompts(6, seed=9), SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
+    want = [o.token_ids for o in generate(mtp_engine(stripped), prompts, params)]
+    own = mtp_engine(qwen35, num_speculative_tokens=3, speculative_method="mtp")
+    split = mtp_engine(stripped, num_speculative_tokens=3, draft_model=drafter)
+    assert [o.token_ids for o in generate(own, prompts, params)] == want
+    assert [o.token_ids for o in generate(split, prompts, params)] == want
+    assert split.stats["spec_accepted_tokens"] == own.stats["spec_accepted_tokens"] > 0
+    assert split.stats["spec_draft_tokens"] == own.stats["spec_draft_tokens"]
+    with open(os.path.join(drafter, "config.json")) as f:
+        cfg = json.load(f)
+    other = str(root / "other")
+    shutil.copytree(drafter, other)
+    with open(os.path.join(other, "config.json"), "w") as f:
+        json.dump({**cfg, "model_type": "nemotron_h_mtp"}, f)
+    with pytest.raises(ValueError, match="nemotron_h_mtp drafter folder"):
+        mtp_engine(stripped, num_speculative_tokens=3, draft_model=other)

@@ -206,14 +206,15 @@ def _salt(seq: Sequence) -> str:
     return "\x00mtp:".join(parts)
 
 
-def load_mtp_drafter(engine: Any, target_blocks: int) -> MTPDrafter:
-    """`engine`'s MTP drafter (`EngineConfig.speculative_method == "mtp"`); a ValueError
-    with the reason when its checkpoint has no MTP head macinfer runs."""
+def load_mtp_drafter(engine: Any, target_blocks: int, source: str | None = None) -> MTPDrafter:
+    """`engine`'s MTP drafter (`EngineConfig.speculative_method == "mtp"`, or `source`: an
+    mlx-vlm split MTP drafter folder named by `--draft-model`); a ValueError with the reason
+    when there is no MTP head macinfer runs."""
     from macinfer.gguf.load import read_block
 
-    head = load_mtp(engine.loaded, finish=_as_the_loader_does, read_block=read_block)
-    drafter = MTPDrafter(head, engine.loaded.source + ":mtp", engine.config, target_blocks, engine.max_model_len,
-                         engine.backend)
+    head = load_mtp(engine.loaded, finish=_as_the_loader_does, read_block=read_block, source=source)
+    drafter = MTPDrafter(head, (source or engine.loaded.source) + ":mtp", engine.config, target_blocks,
+                         engine.max_model_len, engine.backend)
     engine.backend.set_limits(weight_bytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)
     log.info("MTP head: %.1f MiB of weights and KV, %d tokens a step", drafter.nbytes / 2**20,
              engine.config.num_speculative_tokens)

@@ -52,12 +52,15 @@ def load_proposer(engine: Any, method: str | None, target_blocks: int, progress:
         from macinfer.models.eagle3 import is_eagle3
         from macinfer.models.dflash import dflash_type
         from macinfer.models.gemma4_assistant import is_assistant
+        from macinfer.models.mtp_checkpoint import split_drafter
 
         path = resolve(engine.config.draft_model)
         if is_eagle3(path):  # a trained head, whichever method was named
             return load_eagle3_drafter(engine, target_blocks)
         if dflash_type(path):  # a block drafter reading the target's layer outputs
             return load_dflash_drafter(engine, target_blocks)
+        if split_drafter(path):  # an MTP head split out of a checkpoint (mlx-vlm's `*_mtp` folders)
+            return load_mtp_drafter(engine, target_blocks, source=path)
         if is_assistant(path):  # Gemma 4's assistant: reads the target's K/V
             if method == "eagle3":
                 raise ValueError(f"--speculative-method eagle3: {engine.config.draft_model} is a Gemma 4 "

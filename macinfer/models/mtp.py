@@ -58,9 +58,10 @@ import mlx.nn as nn
 
 from macinfer.models.mlx_lm_adapter import MlxLmModel
 from macinfer.models.mlx_lm_classes import text_config
-from macinfer.models.mtp_checkpoint import (ERNIE_PARTS, ZERO_CENTRED_NORMS, checkpoint_tensors, declared_layers,
-                                            deepseek_weights, ernie_weights, longcat_weights, mimo_v2_weights,
-                                            nemotron_weights, quantize_like, qwen_weights)
+from macinfer.models.mtp_checkpoint import (ERNIE_PARTS, SPLIT_DRAFTERS, ZERO_CENTRED_NORMS, checkpoint_tensors,
+                                            declared_layers, deepseek_weights, ernie_weights, longcat_weights,
+                                            mimo_v2_weights, nemotron_weights, quantize_like, qwen_weights,
+                                            split_drafter)
 from macinfer.models.mtp_modules import MLABlock, MTPHead, MTPStack, SharedHead
 
 
@@ -176,16 +177,42 @@ def _layer_like(layer: nn.Module, args: Any, index: int, mtp_type: str = "slidin
     return cls(args, index) if len(takes) > 1 else cls(args)
 
 
-def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmModel:
-    """`target`'s (LoadedModel) MTP head, its weights read from the checkpoint; a
-    ValueError with the reason when it has none macinfer runs. `finish(head)` runs once its
-    weights are in (the loader's dequantization); `read_block` reads a GGUF file's block
+def _split_source(source: str, config: dict[str, Any]) -> tuple[MTPLayout, dict[str, mx.array], dict[str, Any]]:
+    """(layout, the head's tensors under the checkpoint's names, the drafter's config) of an
+    mlx-vlm split MTP drafter folder for a target of `config`; a ValueError with the reason."""
+    import json
+
+    kind = split_drafter(source)
+    if kind not in SPLIT_DRAFTERS:
+        raise ValueError(f"draft model {source}: mlx-vlm's {kind} drafter folder; macinfer reads the split MTP "
+                         f"drafters of {', '.join(SPLIT_DRAFTERS)} only")
+    with open(os.path.join(source, "config.json")) as f:
+        drafter = json.load(f)
+    theirs, ours = text_config(drafter), text_config(config)
+    if ours.get("model_type") not in QWEN and config.get("model_type") not in QWEN:
+        raise ValueError(f"draft model {source}: a {kind} drafter drafts for Qwen3.5-family targets, "
+                         f"not {config.get('model_type')}")
+    odd = [k for k in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
+           if theirs.get(k) is not None and theirs.get(k) != ours.get(k)]
+    if odd:
+        raise ValueError(f"draft model {source}: split from another model ({', '.join(odd)} differ from the target's)")
+    tensors, _ = checkpoint_tensors(source, lambda k: True)
+    raw = {f"mtp.{k}": v for k, v in tensors.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    return MTPLayout(SPLIT_DRAFTERS[kind], declared_layers(drafter) or 1), raw, drafter
+
+
+def load_mtp(target: Any, finish: Any = None, read_block: Any = None, source: str | None = None) -> MlxLmModel:
+    """`target`'s (LoadedModel) MTP head, its weights read from the checkpoint (or from
+    `source`, an mlx-vlm split MTP drafter folder: `--draft-model`); a ValueError with the
+    reason when it has none macinfer runs. `finish(head)` runs once its weights are in (the
+    loader's dequantization); `read_block` reads a GGUF file's block
     (`macinfer.gguf.load.read_block`, for a GGUF target)."""
     config, model = target.config, target.model
-    lay = layout(config)
+    split = _split_source(source, config) if source is not None else None
+    lay = split[0] if split else layout(config)
     if not isinstance(model, MlxLmModel):
         raise ValueError(f"{config.get('model_type')}: MTP heads run on models served through mlx-lm's classes")
-    gguf_file = not os.path.isdir(target.source)
+    gguf_file = not os.path.isdir(target.source) and not split
     if gguf_file and read_block is None:
         raise ValueError(f"{target.name}: a GGUF target's MTP head needs the GGUF block reader")
     if gguf_file and lay.style != "deepseek":
@@ -193,7 +220,9 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
                          "DeepSeek-style heads only (GLM-4.5/4.6/4.7, GLM-5); this file's is not read")
     tcfg = text_config(config)
     n_layers = int(tcfg.get("num_hidden_layers") or tcfg["num_layers"])  # (LongCat's name for it)
-    if gguf_file:
+    if split:  # (written by MLX: norms shifted, experts stacked)
+        raw, mlx_format = split[1], True
+    elif gguf_file:
         raw, mlx_format = _gguf_block(target.source, config, model, n_layers, read_block), True
     elif lay.style == "qwen":
         raw, mlx_format = checkpoint_tensors(target.source, lambda k: k.startswith("mtp."))
@@ -304,7 +333,7 @@ def load_mtp(target: Any, finish: Any = None, read_block: Any = None) -> MlxLmMo
         target_caches = partial(_cache_of, owner, copied, pick)
     head = MTPHead(stack, args, model.logits, shared, target_caches)
     names = {f"model.{k}" if not k.startswith("shared_head.") else k: v for k, v in weights.items()}
-    quantize_like(head, config, names)
+    quantize_like(head, split[2] if split else config, names)
     try:
         head.load_weights(list(names.items()), strict=True)
     except ValueError as e:

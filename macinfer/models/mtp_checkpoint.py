@@ -34,6 +34,24 @@ def mtp_keys(config: dict[str, Any]) -> Any:
     return lambda k: k.startswith(("mtp.", "model.mtp.", "model.mtp_layers.")) or (bool(deep) and k.startswith(deep))
 
 
+# mlx-vlm's split MTP drafter folders (`mlx_vlm.split_mtp`: a checkpoint's MTP tensors alone,
+# in mlx-lm's layout under the head's names, `model_type` "<family>_mtp") the engine reads:
+# their model type -> the head's layout.
+SPLIT_DRAFTERS = {"qwen3_5_mtp": "qwen"}
+
+
+def split_drafter(path: str) -> str | None:
+    """The model type of the split MTP drafter folder at `path` (None: not one)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = str(json.load(f).get("model_type") or "")
+    except (OSError, ValueError):
+        return None
+    return model_type if model_type.endswith("_mtp") else None
+
+
 def checkpoint_tensors(path: str, keep: Any) -> tuple[dict[str, mx.array], bool]:
     """The checkpoint's tensors whose names `keep` accepts (mx.load reads lazily: only
     these are ever read from disk), and whether they were written by MLX (already in
