@@ -212,32 +212,46 @@ def test_a_failing_head_leaves_the_requests_decoding(qwen35, monkeypatch):
     assert engine.stats["spec_draft_tokens"] > drafted
 
 
-def test_a_split_mtp_drafter_folder_drafts_as_the_checkpoints_own_head(tmp_path_factory, qwen35):
-    """mlx-vlm's split MTP drafter (`split_qwen3_5_mtp`: the head's tensors alone, in MLX's
-    layout) named by `--draft-model` for a target whose files hold no head (mlx-lm's
-    conversions drop it): the same drafts as the checkpoint's own head, the tokens of decoding
-    without speculation; another family's split drafter is refused with the reason."""
+@pytest.mark.parametrize("model_type", ["qwen3_5", "glm4_moe_lite", "glm_moe_dsa", "nemotron_h"])
+def test_a_split_mtp_drafter_folder_drafts_as_the_checkpoints_own_head(tmp_path_factory, qwen35, model_type):
+    """mlx-vlm's split MTP drafter (`mlx_vlm.split_mtp`: the head's tensors alone, written by
+    MLX in its own names) named by `--draft-model` for a target whose files hold no head
+    (mlx-lm's conversions drop it): the same drafts as the checkpoint's own head, the tokens of
+    decoding without speculation."""
     import shutil
 
-    from mlx_vlm.speculative.drafters.qwen3_5_mtp.split import split_qwen3_5_mtp
+    from mlx_vlm.split_mtp import split_mtp
 
     root = tmp_path_factory.mktemp("split")
-    drafter = str(split_qwen3_5_mtp(qwen35, str(root / "drafter")))
+    target = qwen35 if model_type == "qwen3_5" else mtp_target(root, model_type)
+    drafter = str(split_mtp(target, str(root / "drafter"), model_type=model_type))
     stripped = str(root / "stripped")
-    shutil.copytree(qwen35, stripped, ignore=shutil.ignore_patterns("model-mtp.safetensors"))
+    shutil.copytree(target, stripped, ignore=shutil.ignore_patterns("model-mtp.safetensors"))
     prompts, params = random_prompts(6, seed=9), SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
     want = [o.token_ids for o in generate(mtp_engine(stripped), prompts, params)]
-    own = mtp_engine(qwen35, num_speculative_tokens=3, speculative_method="mtp")
+    own = mtp_engine(target, num_speculative_tokens=3, speculative_method="mtp")
     split = mtp_engine(stripped, num_speculative_tokens=3, draft_model=drafter)
     assert [o.token_ids for o in generate(own, prompts, params)] == want
     assert [o.token_ids for o in generate(split, prompts, params)] == want
     assert split.stats["spec_accepted_tokens"] == own.stats["spec_accepted_tokens"] > 0
     assert split.stats["spec_draft_tokens"] == own.stats["spec_draft_tokens"]
+
+
+def test_a_split_drafter_of_another_kind_or_model_is_refused(tmp_path_factory, qwen35):
+    import shutil
+
+    from mlx_vlm.split_mtp import split_mtp
+
+    root = tmp_path_factory.mktemp("split-refused")
+    drafter = str(split_mtp(qwen35, str(root / "drafter"), model_type="qwen3_5"))
     with open(os.path.join(drafter, "config.json")) as f:
         cfg = json.load(f)
-    other = str(root / "other")
-    shutil.copytree(drafter, other)
-    with open(os.path.join(other, "config.json"), "w") as f:
-        json.dump({**cfg, "model_type": "nemotron_h_mtp"}, f)
-    with pytest.raises(ValueError, match="nemotron_h_mtp drafter folder"):
-        mtp_engine(stripped, num_speculative_tokens=3, draft_model=other)
+    for name, change, why in [("inkling", {"model_type": "inkling_mtp"}, "inkling_mtp drafter folder"),
+                              ("glm", {"model_type": "glm4_moe_lite_mtp"}, "drafts for its own family"),
+                              ("wider", {"text_config": {**cfg["text_config"], "hidden_size": 96}}, "hidden_size")]:
+        other = str(root / name)
+        shutil.copytree(drafter, other)
+        with open(os.path.join(other, "config.json"), "w") as f:
+            json.dump({**cfg, **change}, f)
+        with pytest.raises(ValueError, match=why):
+            mtp_engine(qwen35, num_speculative_tokens=3, draft_model=other)

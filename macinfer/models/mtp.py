@@ -178,7 +178,7 @@ def _layer_like(layer: nn.Module, args: Any, index: int, mtp_type: str = "slidin
 
 
 def _split_source(source: str, config: dict[str, Any]) -> tuple[MTPLayout, dict[str, mx.array], dict[str, Any]]:
-    """(layout, the head's tensors under the checkpoint's names, the drafter's config) of an
+    """(layout, the head's tensors under the checkpoint's own names, the drafter's config) of an
     mlx-vlm split MTP drafter folder for a target of `config`; a ValueError with the reason."""
     import json
 
@@ -188,17 +188,25 @@ def _split_source(source: str, config: dict[str, Any]) -> tuple[MTPLayout, dict[
                          f"drafters of {', '.join(SPLIT_DRAFTERS)} only")
     with open(os.path.join(source, "config.json")) as f:
         drafter = json.load(f)
+    style, name = SPLIT_DRAFTERS[kind]
     theirs, ours = text_config(drafter), text_config(config)
-    if ours.get("model_type") not in QWEN and config.get("model_type") not in QWEN:
-        raise ValueError(f"draft model {source}: a {kind} drafter drafts for Qwen3.5-family targets, "
+    try:
+        target_style = layout(config).style
+    except ValueError:  # (a target whose config declares no head: its split drafter's says)
+        target_style = style if kind.removesuffix("_mtp") in (config.get("model_type"), ours.get("model_type")) \
+            else None
+    if target_style != style:
+        raise ValueError(f"draft model {source}: a {kind} drafter drafts for its own family's targets, "
                          f"not {config.get('model_type')}")
     odd = [k for k in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
            if theirs.get(k) is not None and theirs.get(k) != ours.get(k)]
     if odd:
         raise ValueError(f"draft model {source}: split from another model ({', '.join(odd)} differ from the target's)")
+    n = int(ours.get("num_hidden_layers") or 0)
     tensors, _ = checkpoint_tensors(source, lambda k: True)
-    raw = {f"mtp.{k}": v for k, v in tensors.items() if not k.startswith(("embed_tokens.", "lm_head."))}
-    return MTPLayout(SPLIT_DRAFTERS[kind], declared_layers(drafter) or 1), raw, drafter
+    keep = style != "qwen"  # (Qwen's head reads the target's embedding and head: its folder's copies are unused)
+    raw = {name(k, n): v for k, v in tensors.items() if keep or not k.startswith(("embed_tokens.", "lm_head."))}
+    return MTPLayout(style, declared_layers(drafter) or 1), raw, drafter
 
 
 def load_mtp(target: Any, finish: Any = None, read_block: Any = None, source: str | None = None) -> MlxLmModel:

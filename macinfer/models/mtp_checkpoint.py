@@ -34,10 +34,25 @@ def mtp_keys(config: dict[str, Any]) -> Any:
     return lambda k: k.startswith(("mtp.", "model.mtp.", "model.mtp_layers.")) or (bool(deep) and k.startswith(deep))
 
 
+def _glm_lite_name(k: str, n: int) -> str:
+    """GLM-4.7-Flash's split names (`model.{enorm,hnorm,eh_proj,embed_tokens}`, `model.mtp_block.*`,
+    `model.shared_head_norm`, `lm_head`) -> its checkpoint's `model.layers.{n}.*`."""
+    if k == "lm_head.weight":
+        return f"model.layers.{n}.shared_head.head.weight"
+    k = k.removeprefix("model.").removeprefix("mtp_block.").replace("shared_head_norm.", "shared_head.norm.")
+    return f"model.layers.{n}.{k}"
+
+
 # mlx-vlm's split MTP drafter folders (`mlx_vlm.split_mtp`: a checkpoint's MTP tensors alone,
-# in mlx-lm's layout under the head's names, `model_type` "<family>_mtp") the engine reads:
-# their model type -> the head's layout.
-SPLIT_DRAFTERS = {"qwen3_5_mtp": "qwen"}
+# written by MLX, `model_type` "<family>_mtp") the engine reads: their model type -> (the
+# head's layout, a split name and the target's layer count -> the name in the checkpoint).
+SPLIT_DRAFTERS: dict[str, tuple[str, Any]] = {
+    "qwen3_5_mtp": ("qwen", lambda k, n: f"mtp.{k}"),
+    "glm4_moe_lite_mtp": ("deepseek", _glm_lite_name),
+    "glm_moe_dsa_mtp": ("deepseek", lambda k, n: f"model.layers.{n}." + k.removeprefix("mtp.").replace(
+        "shared_head_norm.", "shared_head.norm.")),
+    "nemotron_h_mtp": ("nemotron", lambda k, n: f"mtp.{k}"),
+}
 
 
 def split_drafter(path: str) -> str | None:
