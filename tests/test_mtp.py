@@ -227,6 +227,12 @@ def test_a_split_mtp_drafter_folder_drafts_as_the_checkpoints_own_head(tmp_path_
     drafter = str(split_mtp(target, str(root / "drafter"), model_type=model_type))
     stripped = str(root / "stripped")
     shutil.copytree(target, stripped, ignore=shutil.ignore_patterns("model-mtp.safetensors"))
+    with open(os.path.join(stripped, "config.json")) as f:  # (a conversion may drop the declaration too)
+        cfg = json.load(f)
+    for part in (cfg, cfg.get("text_config") or {}):
+        part.pop("mtp_num_hidden_layers", None), part.pop("num_nextn_predict_layers", None)
+    with open(os.path.join(stripped, "config.json"), "w") as f:
+        json.dump(cfg, f)
     prompts, params = random_prompts(6, seed=9), SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
     want = [o.token_ids for o in generate(mtp_engine(stripped), prompts, params)]
     own = mtp_engine(target, num_speculative_tokens=3, speculative_method="mtp")

@@ -84,36 +84,32 @@ BAILING = ("bailing_hybrid",)
 MIMO_V2 = ("mimo_v2_flash",)
 
 
+def _style(config: dict[str, Any]) -> str | None:
+    """The family's MTP head layout, whatever its config declares (None: none macinfer runs)."""
+    model_type = config.get("model_type")
+    text_type = text_config(config).get("model_type", model_type)
+    for style, family, either in (("longcat", LONGCAT, False), ("mimo_v2", MIMO_V2, False), ("qwen", QWEN, True),
+                                  ("deepseek", DEEPSEEK, True), ("mimo", MIMO, False), ("nemotron", NEMOTRON, False),
+                                  ("ernie", ERNIE, False), ("bailing", BAILING, False)):
+        if model_type in family or (either and text_type in family):
+            return style
+    return None
+
+
 def layout(config: dict[str, Any]) -> MTPLayout:
     """The checkpoint's MTP layout; a ValueError with the reason when it has none macinfer runs."""
-    tcfg = text_config(config)
-    model_type = config.get("model_type")
-    text_type = tcfg.get("model_type", model_type)
-    depth = declared_layers(config)
-    if model_type in LONGCAT:  # its config declares none; its checkpoints keep one layer (`model.mtp.*`)
-        return MTPLayout("longcat", 1)
-    if model_type in MIMO_V2:  # its checkpoints keep several (`model.mtp.layers.{k}`); the first drafts, as vLLM's
-        return MTPLayout("mimo_v2", 1)
+    model_type, style, depth = config.get("model_type"), _style(config), declared_layers(config)
+    if style in ("longcat", "mimo_v2"):  # (their configs declare none or several; one layer drafts, as vLLM's)
+        return MTPLayout(style, 1)
     if depth <= 0:
         raise ValueError(f"{model_type}: its config declares no multi-token-prediction layers "
                          "(mtp_num_hidden_layers / num_nextn_predict_layers): this model ships no MTP head; use "
                          "--draft-model or prompt lookup")
-    if model_type in QWEN or text_type in QWEN:
-        return MTPLayout("qwen", depth)
-    if model_type in DEEPSEEK or text_type in DEEPSEEK:
-        return MTPLayout("deepseek", depth)
-    if model_type in MIMO:
-        return MTPLayout("mimo", depth)
-    if model_type in NEMOTRON:
-        return MTPLayout("nemotron", depth)
-    if model_type in ERNIE:
-        return MTPLayout("ernie", depth)
-    if model_type in BAILING:
-        return MTPLayout("bailing", depth)
-    known = ", ".join(QWEN + DEEPSEEK + MIMO + NEMOTRON + ERNIE + LONGCAT + BAILING + MIMO_V2)
-    raise ValueError(f"{model_type}: its config declares {depth} MTP layer(s), but macinfer runs MTP heads of "
-                     f"{known} only (this family's head layout is not "
-                     "verified here)")
+    if style is None:
+        known = ", ".join(QWEN + DEEPSEEK + MIMO + NEMOTRON + ERNIE + LONGCAT + BAILING + MIMO_V2)
+        raise ValueError(f"{model_type}: its config declares {depth} MTP layer(s), but macinfer runs MTP heads of "
+                         f"{known} only (this family's head layout is not verified here)")
+    return MTPLayout(style, depth)
 
 
 @contextmanager
@@ -190,12 +186,7 @@ def _split_source(source: str, config: dict[str, Any]) -> tuple[MTPLayout, dict[
         drafter = json.load(f)
     style, name = SPLIT_DRAFTERS[kind]
     theirs, ours = text_config(drafter), text_config(config)
-    try:
-        target_style = layout(config).style
-    except ValueError:  # (a target whose config declares no head: its split drafter's says)
-        target_style = style if kind.removesuffix("_mtp") in (config.get("model_type"), ours.get("model_type")) \
-            else None
-    if target_style != style:
+    if _style(config) != style:  # (the target's config may declare no head: its files dropped it)
         raise ValueError(f"draft model {source}: a {kind} drafter drafts for its own family's targets, "
                          f"not {config.get('model_type')}")
     odd = [k for k in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
