@@ -60,7 +60,12 @@ ENC_DEC = "an encoder-decoder model, not a decoder the engine runs"
 
 # Families whose prompt holds one sentinel id an image, grown into the image's rows at the merge:
 # the engine's prompt holds a placeholder a row instead (`VisionProcessor._grown`).
-SENTINEL_FAMILIES = {"llava_bunny", "fastvlm", "phi4mm", "multi_modality"}
+SENTINEL_FAMILIES = {"llava_bunny", "fastvlm", "phi4mm", "multi_modality", "phi4_siglip"}
+
+
+# Families whose processor builds transformers' Siglip2 image processor, whose module imports
+# torch (a Mac's MLX install has none): loaded with its torch-free twin (`processor_fixes`).
+TORCH_FREE = {"phi4_siglip"}
 
 
 # Families whose merge RMS-norms every row (no scale) and whose decoder (mlx-lm's) norms every
@@ -91,7 +96,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None, "moondream2": None, "moondream3": None, "hunyuan_vl": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None, "moondream2": None, "moondream3": None, "hunyuan_vl": None, "phi4_siglip": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -101,9 +106,6 @@ FAMILIES: dict[str, str | None] = {
                        "refused until the cause is found"),
     "unlimited_ocr": ("its decoder keeps the whole prompt and a 128-token window of its own output (a cache rule "
                       "of its own), which no cache kind of the engine's holds yet"),
-    "phi4_siglip": ("its image processor (mlx-vlm's choice: transformers' Siglip2ImageProcessor) imports torch, "
-                    "which a Mac's MLX install does not have; mlx-vlm itself falls back to the checkpoint's remote "
-                    "code there. Its sentinel image id is grown as LLaVA-Bunny's is; not run yet"),
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
              "not a generative chat model"),
     "d1": ("a decision model (LFM2-VL whose readout scores a question's options: choice, score, yes/no), "

@@ -8,6 +8,26 @@ from __future__ import annotations
 from typing import Any
 
 
+def torch_free_siglip2() -> None:
+    """Phi-4-SigLIP's processor (mlx-vlm's) builds transformers' `Siglip2ImageProcessor`, whose
+    module imports torch, which a Mac's MLX install does not have: where that import fails, the
+    module's name holds transformers' torch-free `Siglip2ImageProcessorPil` (the same resizing to
+    a patch budget, the same outputs) for the process. Where torch is there, nothing changes."""
+    import importlib
+    import sys
+    import types
+
+    name = "transformers.models.siglip2.image_processing_siglip2"
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        from transformers.models.siglip2.image_processing_pil_siglip2 import Siglip2ImageProcessorPil
+
+        stand_in = types.ModuleType(name, "transformers' torch-free Siglip2 image processor under the torch one's name")
+        stand_in.Siglip2ImageProcessor = Siglip2ImageProcessorPil
+        sys.modules[name] = stand_in
+
+
 def mend(processor: Any, model_type: str | None) -> None:
     if model_type == "llama4":
         _llama4_global_tile(processor.image_processor)
@@ -20,6 +40,25 @@ def engine_outputs(processor: Any, model_type: str | None) -> None:
         _deepseek_ocr(processor)
     if model_type == "got":
         _got(processor)
+    if model_type in ("phi4_siglip", "phi4-siglip"):  # (mlx-vlm's name for it, and the checkpoints')
+        _untemplated(processor)
+
+
+def _untemplated(processor: Any) -> None:
+    """Phi-4-SigLIP's processor (mlx-vlm's own) wraps any text without `<|im_start|>` in its chat
+    template: the engine's template writes the conversation, so the engine's call takes the text
+    as it is (an image's marker alone, expanded)."""
+    cls = type(processor)
+
+    class EngineOutputs(cls):  # type: ignore[misc, valid-type]
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            template, self.tokenizer.chat_template = self.tokenizer.chat_template, None
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                self.tokenizer.chat_template = template
+
+    processor.__class__ = EngineOutputs
 
 
 def got_conversation() -> tuple[str, str, str, str]:

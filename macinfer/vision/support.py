@@ -14,10 +14,11 @@ import mlx.core as mx
 from macinfer.vision.encoder import VisionEncoder
 from macinfer.vision.families import (BOS_FIRST, DEEPSTACK_FAMILIES, IMAGES_FIRST, MODALITY_LORA, MROPE_STYLE,
                                       NORMED_ROWS, ONE_IMAGE, ONE_IMAGE_MERGES, OWN_VOCAB, PREFIX_LM, PROMPT_WRITERS,
-                                      SCALED_TEXT_ROWS, SENTINEL_FAMILIES, both_ways_images, deepstack_layers, family,
-                                      image_token_id, is_vision_config, verdict)
+                                      SCALED_TEXT_ROWS, SENTINEL_FAMILIES, TORCH_FREE, both_ways_images, deepstack_layers,
+                                      family, image_token_id, is_vision_config, verdict)
 from macinfer.vision.images import ImageLimits
 from macinfer.vision.processor import VisionProcessor
+from macinfer.vision.processor_fixes import torch_free_siglip2
 from macinfer.vision.templates import OWN_TEMPLATES, PREFIX_LM_TEMPLATE, bos_first
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
             tokenizer.set_chat_template(OWN_TEMPLATES[config["model_type"]](tokenizer))
         if config.get("model_type") in BOS_FIRST | IMAGES_FIRST:
             bos_first(tokenizer, or_eos=config.get("model_type") in IMAGES_FIRST)
+        if family(config) in TORCH_FREE:
+            torch_free_siglip2()
         own = config["vision_config"] if config.get("model_type") in OWN_VOCAB else None
         processor = VisionProcessor.load(path, tokenizer, image_token_id(config),
                                          placeholders_only=prefix_lm or config.get("model_type") in PROMPT_WRITERS,

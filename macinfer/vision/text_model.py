@@ -192,6 +192,7 @@ TEXT_ALIASES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     # its four-axis XD-RoPE is the engine's multimodal RoPE.
     "hunyuan_vl": lambda t: {**t, "model_type": "hunyuan_v1_dense"},
     "phi4mm": lambda t: {**t, "model_type": "phi3"},  # Phi-4 multimodal's decoder is Phi-4-mini's
+    "phi4-siglip": lambda t: {**t, "model_type": "phi3"},  # Phi-4-SigLIP's decoder is Phi-4's (fused projections)
     "phi3_v": lambda t: {**t, "model_type": "phi3"},  # Phi-3 Vision's decoder is Phi-3's
     "deepseek_v2": _deepseek_v2,
     # Granite 4 Vision's decoder (mlx-vlm's module: attention layers only, a fused shared MLP)

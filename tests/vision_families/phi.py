@@ -89,3 +89,35 @@ def _phi3_v(path: str) -> tuple[dict, Any]:
     tok = _tokenizer([], "<|image_1|>")
     return cfg, Phi3VProcessor(image_processor=Phi3VImageProcessor(num_crops=4), tokenizer=tok,
                                chat_template=tok.chat_template)
+
+
+def _phi4_siglip(path: str) -> tuple[dict, Any]:
+    """Phi-4-SigLIP (Phi-4 with a SigLIP2 NaFlex tower): the tower's second-to-last layer through
+    a two-layer projector, one sentinel id (-200) an image, grown into its rows at the merge;
+    Phi-4's decoder (fused projections, mlx-lm's `phi3`) with its config at the root. Its
+    processor builds transformers' Siglip2 image processor, loaded torch-free here as on a Mac."""
+    from transformers.models.siglip2.image_processing_pil_siglip2 import Siglip2ImageProcessorPil
+    from mlx_vlm.models.phi4_siglip.processing_phi4_siglip import Phi4SigLipProcessor
+
+    text = {k: v for k, v in TEXT.items() if k != "model_type"}
+    vision = {"model_type": "siglip2_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 16, "num_patches": 64}
+    # (its config keeps the decoder's fields at the root; mlx-vlm's loader reads them there)
+    cfg = {"model_type": "phi4-siglip", **text, "partial_rotary_factor": 1.0, "vision_config": vision,
+           "text_config": {**{k: v for k, v in text.items() if k not in ("max_position_embeddings",
+                                                                         "tie_word_embeddings")},
+                           "model_type": "phi4-siglip", "partial_rotary_factor": 1.0},
+           "mm_hidden_size": 32, "mm_projector_type": "mlp2x_gelu", "mm_vision_select_layer": -2,
+           "mm_vision_tower": "google/siglip2-so400m-patch16-naflex", "min_num_patches": 16, "max_num_patches": 64,
+           "image_token_index": -200, "eos_token_id": 2}
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>"], "<image>")
+    # ChatML as published: its processor templates any text without `<|im_start|>` itself
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+                         "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>"
+                         "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    image_processor = Siglip2ImageProcessorPil(patch_size=16, max_num_patches=64, min_num_patches=16,
+                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = Phi4SigLipProcessor(image_processor=image_processor, tokenizer=tok)
+    processor.save_pretrained = tok.save_pretrained  # (its loader builds the image processor from the config)
+    return cfg, processor
