@@ -33,8 +33,10 @@ def speculative_method(cfg: Any) -> str | None:
     method = method or ("draft" if cfg.draft_model is not None else "ngram")
     if method in ("draft", "eagle3") and cfg.draft_model is None:
         raise ValueError(f"--speculative-method {method} needs --draft-model: the model (or EAGLE-3 head) that drafts")
-    if method not in ("draft", "eagle3") and cfg.draft_model is not None:
-        raise ValueError(f"--draft-model cannot combine with --speculative-method {method}: one drafter at a time")
+    if method not in ("draft", "eagle3") and cfg.draft_model is not None and not (method == "mtp" and
+                                                                                _split_mtp(cfg.draft_model)):
+        raise ValueError(f"--draft-model cannot combine with --speculative-method {method}: one drafter at a time "
+                         "(an MTP head split out of a checkpoint may: mlx-vlm's split MTP drafter folders)")
     if cfg.prompt_lookup_first and method == "ngram":
         raise ValueError("--prompt-lookup-first puts prompt lookup before a drafter (--draft-model or "
                          "--speculative-method mtp); without one, prompt lookup is all there is")
@@ -42,6 +44,17 @@ def speculative_method(cfg: Any) -> str | None:
         raise ValueError(f"--speculative-method {method} is not run over --distributed ranks yet; serve the target "
                          "alone or use prompt lookup")
     return method
+
+
+def _split_mtp(draft_model: str) -> bool:
+    """Whether `--draft-model` names a local folder holding an MTP head split out of a
+    checkpoint (mlx-vlm's split MTP drafters); checked before anything is fetched."""
+    import os
+
+    from macinfer.models.mtp_checkpoint import split_drafter
+
+    path = os.path.expanduser(draft_model)
+    return os.path.isdir(path) and split_drafter(path) is not None
 
 
 def load_proposer(engine: Any, method: str | None, target_blocks: int, progress: Any = None,
@@ -71,5 +84,8 @@ def load_proposer(engine: Any, method: str | None, target_blocks: int, progress:
                              "checkpoint (LlamaForCausalLMEagle3 or speculators' eagle3)")
         return load_drafter(engine, target_blocks, progress, context)
     if method == "mtp":
-        return load_mtp_drafter(engine, target_blocks)
+        from macinfer.loading.loader import resolve
+
+        source = resolve(engine.config.draft_model) if engine.config.draft_model else None
+        return load_mtp_drafter(engine, target_blocks, source=source)
     return None
