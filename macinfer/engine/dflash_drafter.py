@@ -113,7 +113,7 @@ class DFlashDrafter(MTPDrafter):
             mx.async_eval(*self.kv_cache.state())
             return {}
         rows = [self._row(self.targets[sh], j) for sh, k in blocks for j in range(k)]
-        logits = self.model.logits(self.target_logits(hidden)[:, : self.vocab])
+        logits = self.model.logits(hidden, self.target_logits)[:, : self.vocab]
         if not self.model.sequential:
             tokens = draw(logits, rows).tokens
             mx.eval(tokens, *self.kv_cache.state())

@@ -46,7 +46,7 @@ def dflash_type(path: str) -> str | None:
     from mlx_vlm.utils import get_model_type
 
     kind = get_model_type(config)
-    return kind if kind and ("dflash" in kind or kind in ("dspark",)) else None
+    return kind if kind and ("dflash" in kind or "dspark" in kind) else None
 
 
 class DFlashHead(nn.Module):
@@ -58,8 +58,9 @@ class DFlashHead(nn.Module):
         self.draft = draft
         self.embed = embed  # the target's token embedding (x its scale), not a child: not counted twice
         cfg = draft.config
-        self.layer_specs = [LayerKV(FullAttention(), cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)
-                            for _ in draft.layers]
+        # (each layer's own K/V shape: Gemma 4's DSpark layers are its global head width, one K/V head)
+        self.layer_specs = [LayerKV(FullAttention(), layer.self_attn.n_kv_heads, layer.self_attn.head_dim,
+                                    layer.self_attn.head_dim) for layer in draft.layers]
         self.args = type("Args", (), {"vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings})
         self.mask_id = int(cfg.mask_token_id)
         # DFlash2: its logits' multiplier and cap, and its scorer of candidates; DSpark: its
@@ -71,10 +72,15 @@ class DFlashHead(nn.Module):
         self.from_anchor = self.markov is not None and bool(getattr(cfg, "sample_from_anchor", False))
         self.out_multiplier = float(getattr(cfg, "output_multiplier", 1.0))
         self.softcap = getattr(cfg, "final_logit_softcapping", None) if self.sequential else None
+        # Gemma 4's DSpark: an embedding and an output head of its own (untied from the target's)
+        self.own_head = getattr(draft, "lm_head", None) if isinstance(getattr(draft, "lm_head", None), nn.Linear) \
+            else None
 
-    def logits(self, target_logits: mx.array) -> mx.array:
-        """The drafter's logits from the target head's reading of its rows (DFlash2's scaled, capped)."""
-        out = target_logits * self.out_multiplier if self.out_multiplier != 1.0 else target_logits
+    def logits(self, hidden: mx.array, target_logits: Any) -> mx.array:
+        """The drafter's logits of its rows: the target head's reading of them (DFlash2's scaled,
+        capped), or its own head's (Gemma 4's DSpark)."""
+        out = self.own_head(hidden) if self.own_head is not None else target_logits(hidden)
+        out = out * self.out_multiplier if self.out_multiplier != 1.0 else out
         return mx.tanh(out / self.softcap) * self.softcap if self.softcap else out
 
     def select(self, hidden: mx.array, logits: mx.array, anchors: list[int], ks: list[int],
@@ -145,7 +151,13 @@ class DFlashHead(nn.Module):
             k = self._rope(attn.k_norm(k.reshape(T, attn.n_kv_heads, -1)), block_meta.positions)
             block_meta.write(i, k, v.reshape(T, attn.n_kv_heads, -1))
             o = attend(q, block_meta, i, attn.scale)
-            h = h + _conv_out(convs[0], attn.o_proj(o.reshape(T, -1)), after, reach)
+            o = _conv_out(convs[0], attn.o_proj(o.reshape(T, -1)), after, reach)
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 4's sandwich norms and layer scalar
+                h = h + layer.post_attention_layernorm(o)
+                h = (h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))) \
+                    * layer.layer_scalar
+                continue
+            h = h + o
             x, after = _conv_in(convs[1], layer.post_attention_layernorm(h), reach)
             h = h + _conv_out(convs[1], layer.mlp(x), after, reach)
         return None if block_meta is None else d.norm(h[mx.array(block_rows)])
@@ -184,6 +196,7 @@ def load_dflash(path: str, engine: Any) -> tuple[DFlashHead, LayerInputs]:
     from mlx_vlm.speculative.drafters.dflash2 import DFlash2DraftModel
     from mlx_vlm.speculative.drafters.dspark import DSparkDraftModel
     from mlx_vlm.speculative.drafters.gemma4_dflash import Gemma4DFlashDraftModel
+    from mlx_vlm.speculative.drafters.gemma4_dspark import Gemma4DSparkDraftModel
     from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
 
     kind = dflash_type(path)
@@ -193,11 +206,12 @@ def load_dflash(path: str, engine: Any) -> tuple[DFlashHead, LayerInputs]:
         raise ValueError(f"draft model {path}: mlx-vlm could not load this DFlash drafter ({e})") from None
     cfg = draft.config
     # (Gemma 4's DFlash drafter is DFlash's class under its own name, its mask token 4 by default)
-    if type(draft) not in (DFlashDraftModel, Gemma4DFlashDraftModel, DFlash2DraftModel, DSparkDraftModel):
+    if type(draft) not in (DFlashDraftModel, Gemma4DFlashDraftModel, DFlash2DraftModel, DSparkDraftModel,
+                           Gemma4DSparkDraftModel):
         raise ValueError(f"draft model {path}: a {kind} drafter ({type(draft).__name__}); macinfer runs the DFlash "
                          "drafters of mlx-vlm's DFlashDraftModel (z-lab's Qwen3 DFlash layout, Gemma 4's), "
-                         "DFlash2DraftModel and DSparkDraftModel only")
-    second = type(draft) in (DFlash2DraftModel, DSparkDraftModel)  # (their logits may be capped)
+                         "DFlash2DraftModel and DSparkDraftModel (Gemma 4's too) only")
+    second = type(draft) in (DFlash2DraftModel, DSparkDraftModel, Gemma4DSparkDraftModel)  # (their logits may be capped)
     odd = [what for what, on in (("causal block attention", cfg.is_causal), ("sliding layers", any(
         t != "full_attention" for t in cfg.layer_types)), ("a draft window", bool(cfg.draft_window_size)),
         ("attention sinks", cfg.attention_sink_bias),
@@ -226,6 +240,8 @@ def load_dflash(path: str, engine: Any) -> tuple[DFlashHead, LayerInputs]:
         raise ValueError(f"draft model {path}: its vocabulary ({cfg.vocab_size}, mask token {cfg.mask_token_id}) is "
                          f"not the target's ({model.args.vocab_size})")
     scale = (model.embed_scale() if mlx_lm else 1.0) * float(getattr(cfg, "input_embedding_scale", 1.0))
+    if type(draft) is Gemma4DSparkDraftModel:  # (its own embedding, scaled by its own width)
+        embed, scale = draft.embed_tokens, draft.embed_scale
     head = DFlashHead(draft, lambda ids: embed(ids) * scale, model.args.vocab_size,
                       model.args.max_position_embeddings)
     # A layer's output is the next layer's input: those are recorded on every forward.
