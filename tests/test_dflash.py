@@ -75,7 +75,7 @@ def make_dspark(path: str, target: dict, seed: int = 0) -> None:
     save_model_dir(path, config, DSparkDraftModel(DSparkConfig.from_dict(config)))
 
 
-def make_gemma4_dspark(path: str, target: dict, seed: int = 0) -> None:
+def make_gemma4_dspark(path: str, target: dict, seed: int = 0, shared_kv: bool = False) -> None:
     """Gemma 4's DSpark drafter (mlx-vlm's class): Gemma 4's sandwich-normed layers at its global
     head width, an embedding and a capped head of its own."""
     from mlx.utils import tree_flatten
@@ -86,7 +86,7 @@ def make_gemma4_dspark(path: str, target: dict, seed: int = 0) -> None:
                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   # (keys and values apart: mlx-vlm 0.7.10's own dense path fails on the shared projection,
                   # `_project_context_kv` asks every layer for a `v_proj`)
-                  head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=False,
+                  head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=shared_kv,
                   layer_types=["full_attention", "full_attention"], rope_parameters={
                       "full_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
                   rms_norm_eps=1e-6, vocab_size=target["vocab_size"], max_position_embeddings=2048,
@@ -111,6 +111,7 @@ def pair(tmp_path_factory):
     make_dflash2(str(root / "dflash2"), config, seed=2)
     make_dspark(str(root / "dspark"), config, seed=3)
     make_gemma4_dspark(str(root / "gemma4_dspark"), config, seed=4)
+    make_gemma4_dspark(str(root / "gemma4_dspark_shared"), config, seed=4, shared_kv=True)
     return target, str(root / "dflash"), model, config
 
 
@@ -119,7 +120,7 @@ def _prompts() -> list[list[int]]:
     return [rng.integers(3, 290, size=n).tolist() for n in (3, 9, 17, 40)]
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark", "gemma4_dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark", "gemma4_dspark", "gemma4_dspark_shared"])
 def test_outputs_are_those_of_decoding_without_speculation(pair, kind):
     target, draft, _, _ = pair
     draft = os.path.join(os.path.dirname(draft), kind)
