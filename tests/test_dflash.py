@@ -90,7 +90,8 @@ def make_gemma4_dspark(path: str, target: dict, seed: int = 0, shared_kv: bool =
                   layer_types=["full_attention", "full_attention"], rope_parameters={
                       "full_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
                   rms_norm_eps=1e-6, vocab_size=target["vocab_size"], max_position_embeddings=2048,
-                  final_logit_softcapping=30.0, tie_word_embeddings=False, num_target_layers=target["num_hidden_layers"],
+                  final_logit_softcapping=30.0, tie_word_embeddings=False,
+                  num_target_layers=target["num_hidden_layers"],
                   mask_token_id=target["vocab_size"] - 1, target_layer_ids=IDS, markov_rank=8, block_size=3,
                   block_size_policy="fixed")
     mx.random.seed(seed)

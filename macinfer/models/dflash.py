@@ -211,7 +211,8 @@ def load_dflash(path: str, engine: Any) -> tuple[DFlashHead, LayerInputs]:
         raise ValueError(f"draft model {path}: a {kind} drafter ({type(draft).__name__}); macinfer runs the DFlash "
                          "drafters of mlx-vlm's DFlashDraftModel (z-lab's Qwen3 DFlash layout, Gemma 4's), "
                          "DFlash2DraftModel and DSparkDraftModel (Gemma 4's too) only")
-    second = type(draft) in (DFlash2DraftModel, DSparkDraftModel, Gemma4DSparkDraftModel)  # (their logits may be capped)
+    # (their logits may be capped)
+    second = type(draft) in (DFlash2DraftModel, DSparkDraftModel, Gemma4DSparkDraftModel)
     odd = [what for what, on in (("causal block attention", cfg.is_causal), ("sliding layers", any(
         t != "full_attention" for t in cfg.layer_types)), ("a draft window", bool(cfg.draft_window_size)),
         ("attention sinks", cfg.attention_sink_bias),

@@ -14,8 +14,8 @@ import mlx.core as mx
 from macinfer.vision.encoder import VisionEncoder
 from macinfer.vision.families import (BOS_FIRST, DEEPSTACK_FAMILIES, IMAGES_FIRST, MODALITY_LORA, MROPE_STYLE,
                                       NORMED_ROWS, ONE_IMAGE, ONE_IMAGE_MERGES, OWN_VOCAB, PREFIX_LM, PROMPT_WRITERS,
-                                      SCALED_TEXT_ROWS, SENTINEL_FAMILIES, TORCH_FREE, both_ways_images, deepstack_layers,
-                                      family, image_token_id, is_vision_config, verdict)
+                                      SCALED_TEXT_ROWS, SENTINEL_FAMILIES, TORCH_FREE, both_ways_images,
+                                      deepstack_layers, family, image_token_id, is_vision_config, verdict)
 from macinfer.vision.images import ImageLimits
 from macinfer.vision.processor import VisionProcessor
 from macinfer.vision.processor_fixes import torch_free_siglip2

@@ -225,9 +225,9 @@ WRAPPED = {"qwen3_5_text": ("qwen3_5", None), "qwen3_5_moe_text": ("qwen3_5_moe"
 # Mistral, Qwen2 dense, full attention): their language model alone runs there, as those text
 # checkpoints do (fused projections, compiled), with the images' rows spliced in and the
 # multimodal RoPE turned by the step's positions. Each is checked against mlx-vlm by the tests.
-HAND_WRITTEN_DECODERS = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "llava_bunny", "fastvlm",
-                         "mistral3", "pixtral", "idefics2", "idefics3", "smolvlm", "internvl", "internvl_chat",
-                         "dots_ocr", "got", "mage_vl", "minicpmo", "multi_modality", "paddleocr_vl"}
+HAND_WRITTEN_DECODERS = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "llava_onevision", "llava_bunny",
+                         "fastvlm", "mistral3", "pixtral", "idefics2", "idefics3", "smolvlm", "internvl",
+                         "internvl_chat", "dots_ocr", "got", "mage_vl", "minicpmo", "multi_modality", "paddleocr_vl"}
 
 
 def hand_written_decoder(config: dict[str, Any]) -> bool:
