@@ -6,6 +6,7 @@ batched generator takes no quantized cache). Every configuration runs in a proce
 own, taking turns; medians over repeats; greedy, so each dtype's tokens are its own.
 
     python scripts/bench_kv_quant.py [MODEL]   # from the repository's root [--conversations 8] [--context 2048] [--new 32]
+                                                # [--dtypes auto,int8,...]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `scripts.` from the repo root
 import macinfer  # noqa: F401,E402  (OpenBLAS before MLX)
 
-DTYPES = ("auto", "int8", "k8v4r", "int4", "int4r")
+DTYPES = ("auto", "int8", "k8v4r", "int4", "int4r", "int4c")
 MLX_LM_BITS = {"auto": None, "int8": 8, "int4": 4}  # mlx-lm has one bit width for K and V, no rotation
 
 
@@ -51,7 +52,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated KV dtypes (auto is always run)")
     args = ap.parse_args()
+    dtypes = ["auto"] + [d for d in args.dtypes.split(",") if d and d != "auto"]
 
     from macinfer.bench.common import hardware, same_weights_dir, versions
     from macinfer.bench.isolated import Isolated
@@ -64,11 +67,11 @@ def main() -> int:
     prompts = [ids[i * 997: i * 997 + L] for i in range(n)]  # overlapping windows of the text: no shared prefix
     base = {"max_num_seqs": n, "kv_cache_gb": 1.0, "enable_prefix_caching": False, "max_model_len": L + args.new + 16}
     engines = {d: Isolated("macinfer.bench.batch:MacinferBatch", model_dir, {**base, "kv_cache_dtype": d}, name=d)
-               for d in DTYPES}
+               for d in dtypes}
     lm = Isolated("scripts.bench_kv_quant:MlxLmStream", model_dir, name="mlx-lm")
-    batch = {d: [] for d in DTYPES}
-    single = {d: [] for d in DTYPES}
-    lm_single = {d: [] for d in MLX_LM_BITS}
+    batch = {d: [] for d in dtypes}
+    single = {d: [] for d in dtypes}
+    lm_single = {d: [] for d in MLX_LM_BITS if d in dtypes}
     try:
         for _ in range(args.repeats):  # configurations take turns: a drift in the machine's speed hits all alike
             for d, e in engines.items():
@@ -76,7 +79,7 @@ def main() -> int:
                 batch[d].append(r["decode_tokens"] / r["decode_seconds"])
                 r = e.run(prompts[:1], args.new)
                 single[d].append(r["decode_tokens"] / r["decode_seconds"])
-                if d in MLX_LM_BITS:
+                if d in lm_single:
                     lm_single[d].append(lm.run(prompts[0], args.new, MLX_LM_BITS[d]))
     finally:
         for p in (*engines.values(), lm):
@@ -86,9 +89,9 @@ def main() -> int:
     print(f"{args.model} ({weights}); {n} conversations x {L} prompt tokens, {args.new} new tokens each; "
           f"medians of {args.repeats}")
     print(f"{'KV':<6}{f'{n} x {L} tok/s':>16}{'vs auto':>9}{'1 stream':>10}{'mlx-lm 1 stream':>17}{'vs mlx-lm':>11}")
-    for d in DTYPES:
+    for d in dtypes:
         lm_cells = f"{med['mlx_lm_single'][d]:>17.1f}{med['single'][d] / med['mlx_lm_single'][d]:>10.2f}x" \
-            if d in MLX_LM_BITS else f"{'n/a':>17}{'':>11}"
+            if d in lm_single else f"{'n/a':>17}{'':>11}"
         print(f"{d:<6}{med['batch'][d]:>16.1f}{med['batch'][d] / med['batch']['auto']:>8.2f}x{med['single'][d]:>10.1f}"
               f"{lm_cells}")
     print(json.dumps({"model": args.model, "weights": weights, "conversations": n, "context": L, "new": args.new,

@@ -136,6 +136,15 @@ def mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def chunked_logits(model, tokens: list[int], chunks: list[int], cache: list) -> np.ndarray:
+    """mlx-lm's forward over `tokens` fed in `chunks` through `cache`: float32 logits [sum(chunks), vocab]."""
+    out, pos = [], 0
+    for n in chunks:
+        out.append(np.array(model(mx.array([tokens[pos:pos + n]]), cache=cache)[0].astype(mx.float32)))
+        pos += n
+    return np.concatenate(out)
+
+
 def generate(engine, prompts, params) -> list:
     """Run prompts (one SamplingParams or one per prompt) to completion; outputs in order."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)

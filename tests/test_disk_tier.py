@@ -78,18 +78,22 @@ def wide_llama(tmp_path_factory) -> str:
                           num_key_value_heads=1)[0]
 
 
-@pytest.mark.parametrize("kw", [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int4", "kv_quant_start": 40}])
+@pytest.mark.parametrize("kw", [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int4", "kv_quant_start": 40},
+                                {"kv_cache_dtype": "int4c"}])
 def test_quantized_kv_cache_round_trips(tmp_path, wide_llama, kw):
     """Quantized records; with --kv-quant-start, the first tokens' group's float records too
     (a hit needs both groups' blocks)."""
     prompt = _prompt(200, 3)
     tiny_llama = wide_llama
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     cold = _engine(tiny_llama, tmp_path / "kv", **kw)
-    want = generate(cold, [prompt], GREEDY)[0]
+    want = generate(cold, [prompt], params)[0]
     cold.close()
     warm = _engine(tiny_llama, tmp_path / "kv", **kw)
-    got = generate(warm, [prompt], GREEDY)[0]
+    got = generate(warm, [prompt], params)[0]
     assert got.num_cached_tokens >= 176 and got.token_ids == want.token_ids
+    # (a tiny random model's greedy tokens barely hang on its keys: the logprobs do)
+    assert np.allclose([t.logprob for t in got.logprobs], [t.logprob for t in want.logprobs], atol=1e-4)
 
 
 def test_a_corrupt_record_is_dropped_and_recomputed(tmp_path, tiny_llama, caplog):

@@ -8,7 +8,7 @@ import pytest
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.kv.cache import KV_QUANT_BITS, rotation
 from macinfer.sampling_params import SamplingParams
-from tests.helpers import generate, make_mlx_lm_model, save_model_dir, tiny_model_dir
+from tests.helpers import chunked_logits, generate, make_mlx_lm_model, save_model_dir, tiny_model_dir
 from tests.zoo import tiny_config
 
 
@@ -24,11 +24,7 @@ def _mlx_lm_logits(model, tokens: list[int], chunks: list[int], bits: int, group
     from mlx_lm.models.cache import QuantizedKVCache
 
     cache = [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]
-    out, pos = [], 0
-    for n in chunks:
-        out.append(np.array(model(mx.array([tokens[pos:pos + n]]), cache=cache)[0].astype(mx.float32)))
-        pos += n
-    return np.concatenate(out)
+    return chunked_logits(model, tokens, chunks, cache)
 
 
 @pytest.mark.parametrize("dtype,group", [("int8", 64), ("int4", 64), ("int3", 64), ("int4", 32)])
@@ -74,11 +70,7 @@ def _roundtrip_logits(model, tokens: list[int], chunks: list[int], bits: tuple[i
             return super().update_and_fetch(roundtrip(keys, bits[0], at), roundtrip(values, bits[1], at))
 
     cache = [RotatedQuantCache() for _ in model.layers]
-    out, pos = [], 0
-    for n in chunks:
-        out.append(np.array(model(mx.array([tokens[pos:pos + n]]), cache=cache)[0].astype(mx.float32)))
-        pos += n
-    return np.concatenate(out)
+    return chunked_logits(model, tokens, chunks, cache)
 
 
 @pytest.mark.parametrize("dtype", ["int4r", "int3r", "k8v4", "k8v4r"])
@@ -129,7 +121,7 @@ def test_rotation_keeps_outlier_channels_from_spoiling_the_groups(bits):
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_next"])
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int4c"])
 def test_sliding_window_and_hybrid_caches_take_quantized_kv(tmp_path_factory, model_type, dtype):
     """A sliding-window + full group model and a hybrid's attention layers (its recurrent
     state stays full precision) run on quantized pools. Their logits are only loosely
@@ -251,11 +243,7 @@ def _roundtrip_model_logits(model, tokens: list[int], chunks: list[int], bits: i
                 return update(roundtrip(k, at, keep), roundtrip(v, at, keep))
 
             c.update_and_fetch = update
-    out, pos = [], 0
-    for n in chunks:
-        out.append(np.array(model(mx.array([tokens[pos:pos + n]]), cache=cache)[0].astype(mx.float32)))
-        pos += n
-    return np.concatenate(out)
+    return chunked_logits(model, tokens, chunks, cache)
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_next", "deepseek_v3"])

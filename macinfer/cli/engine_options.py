@@ -43,13 +43,14 @@ def engine_options(f):
                           "instead quantizes a whole cache once it reaches N tokens).")(f)
     f = click.option("--kv-bits", type=click.Choice(["3", "4", "8"]), default=None,
                      help="mlx-lm's spelling of --kv-cache-dtype int3/int4/int8.")(f)
-    f = click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "int4", "int3", "int4r", "int3r", "k8v4",
-                                                         "k8v4r"]),
+    f = click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "int4", "int3", "int4r", "int3r",
+                                                         "int4c", "int3c", "k8v4", "k8v4r"]),
                      default="auto", show_default=True,
                      help="Quantized KV cache (group-wise affine, read in place): int8 about half the memory of fp16, "
                           "int4 about a third, int3 about a quarter; k8v4: 8-bit keys, 4-bit values; a trailing r "
                           "rotates each head's K and V first (Hadamard), which keeps outlier channels from spoiling "
-                          "their groups.")(f)
+                          "their groups; a trailing c quantizes each key channel over a block's tokens (blocks of "
+                          "32), the best quality at 4 and 3 bits.")(f)
     f = click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True, help="Reuse KV blocks of repeated prompt prefixes.")(f)
     f = click.option("--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV cache budget in GiB (default: a share of free memory).")(f)
     f = click.option("--kv-disk-gb", type=click.FloatRange(min=0, min_open=True), default=None,

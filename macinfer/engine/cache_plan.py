@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from macinfer.engine.spec_batch import planned
 from macinfer.kernels.backend import Backend
-from macinfer.kv.cache import KVCache, layer_bytes_per_token, plan_blocks
+from macinfer.kv.cache import KVCache, layer_bytes_per_block, plan_blocks
 from macinfer.kv.spec import CacheGroup, FirstTokens, LayerKV, StateSpec, group_caches, split_first_tokens
 from macinfer.kv.state import StatePool
 
@@ -66,8 +66,8 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
                              "none (its layers read sliding windows, local chunks or recurrent state); leave it out")
     for g in groups:
         dtype = "auto" if isinstance(g.kind, FirstTokens) else cfg.kv_cache_dtype
-        g.bytes_per_block = bs * sum(layer_bytes_per_token(layer_specs[i], kv_dtype, dtype, cfg.kv_group_size)
-                                     for i in g.caches)
+        g.bytes_per_block = sum(layer_bytes_per_block(layer_specs[i], kv_dtype, bs, dtype, cfg.kv_group_size)
+                                for i in g.caches)
     step_blocks = -(-cfg.max_num_batched_tokens // bs)
     # A bounded group's pool never needs more than every running sequence's live blocks plus a step's.
     caps = [cfg.max_num_seqs * (g.kind.live_blocks(bs) or 0) + step_blocks for g in groups]

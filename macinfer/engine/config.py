@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from macinfer.kv.cache import DEFAULT_BLOCK_SIZE
+from macinfer.kv.cache import CHANNEL_KEYS, DEFAULT_BLOCK_SIZE
 
 
 @dataclass
@@ -16,7 +16,7 @@ class EngineConfig:
     # inter-token latency a long prompt inflicts on decoding streams.
     max_prefill_with_decodes: int | None = None
     max_model_len: int | None = None  # default: the model's context length
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None  # tokens a KV block (None: 16; 32 for keys stored per channel)
     kv_cache_gb: float | None = None  # explicit KV budget in GiB
     kv_cache_fraction: float = 0.3  # else: this share of free memory after weights
     num_kv_blocks: int | None = None  # else: exactly this many full-attention blocks (tests, tuning)
@@ -76,6 +76,10 @@ class EngineConfig:
     # (False: served text-only), with this much memory for encoded images kept by content.
     images: bool = True
     encoder_cache_mb: int = 256
+
+    def __post_init__(self) -> None:
+        if self.block_size is None:
+            self.block_size = 32 if self.kv_cache_dtype in CHANNEL_KEYS else DEFAULT_BLOCK_SIZE
 
     def validate(self) -> None:
         """A ValueError a user can act on for settings that cannot work together (the

@@ -115,9 +115,7 @@ class DiskCache:
         """Every pool array of the group's caches, with its rows per block."""
         out = []
         for i in self.kv.groups[group].caches:
-            p = self.kv.pool(i)
-            rows = p.num_kv_heads * self.block_size
-            out.extend((a, rows) for a in p.state())
+            out.extend(self.kv.pool(i).block_arrays())
         return out
 
     def save_pending(self) -> None:

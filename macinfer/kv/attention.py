@@ -30,6 +30,7 @@ import numpy as np
 from macinfer.kernels import paged_attention as paged_kernels
 from macinfer.kernels.call import launch
 from macinfer.kv.cache import KVCache, kv_rows
+from macinfer.kv.channel_keys import BlockRewrite, rewrite_plan
 from macinfer.kv.decode_attention import block_heads, decode_mask, reference_decode_attention
 from macinfer.kv.dense import dense_attention, sdpa
 from macinfer.kv.prefill_plan import PrefillSpan, SpanBatch, batch_mask, plan_prefills
@@ -92,12 +93,19 @@ class AttentionMetadata:
         cache `cache`, and the first tokens' into its store of them where it keeps one."""
         kv = self.kv_cache
         for c in (cache,) if cache not in kv.first_of else (cache, kv.first_of[cache]):
-            kv.write(c, self.for_layer(c).kv_rows(k.shape[1]), k, v)
+            meta = self.for_layer(c)
+            plan = meta.rewrite_plan(k.shape[1]) if kv.pool(c).channel_keys else None
+            kv.write(c, meta.kv_rows(k.shape[1]), k, v, plan)
 
     def kv_rows(self, num_kv_heads: int) -> mx.array:
         """[T * kvh] pool rows of the new K/V, one per head (layers' head counts may differ)."""
         return self.memo(("kv_rows", num_kv_heads), lambda: mx.array(
             kv_rows(self.slots, num_kv_heads, self.kv_cache.block_size), dtype=mx.int32))
+
+    def rewrite_plan(self, num_kv_heads: int) -> BlockRewrite:
+        """The blocks keys stored per channel rewrite this step (`kv/channel_keys.py`)."""
+        return self.memo(("rewrite_plan", num_kv_heads), lambda: rewrite_plan(
+            kv_rows(self.slots, num_kv_heads, self.kv_cache.block_size), self.kv_cache.block_size))
 
     @property
     def window(self) -> int | None:
@@ -111,7 +119,8 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
     pool = meta.kv_cache.pool(layer)
     first = meta.kv_cache.first_of.get(layer)  # its first tokens kept apart at full precision
     backend = meta.decode_attention
-    if (backend != "reference" and sinks is None and softcap is None and key_mask is None and first is None
+    # (keys stored per channel have no kernel: `gather_qmm` reads them on every backend)
+    if (backend != "reference" and sinks is None and not pool.channel_keys and softcap is None and key_mask is None and first is None
             and (meta.kind is None or meta.window is not None or not meta.kind.bounded)
             and (pool.head_dim == pool.v_head_dim or pool.v_in_k)
             and paged_kernels.supported(q.shape[-1], q.shape[1] // pool.num_kv_heads, pool.v_head_dim)):

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from macinfer.kv.channel_keys import BlockRewrite, read_keys, rewrite_plan, write_keys
 from macinfer.kv.spec import CacheGroup, FirstTokens, LayerKV
 from macinfer.kv.state import StatePool
 
@@ -28,10 +29,18 @@ DEFAULT_BLOCK_SIZE = 16
 
 # "auto": the projections' dtype; "intN": MLX-affine N-bit rows (group-wise scale and bias);
 # "k8v4": 8-bit keys, 4-bit values (keys carry the outliers); a trailing "r": the rows
-# turned by a fixed rotation first (`rotation`). Each: (K bits, V bits).
+# turned by a fixed rotation first (`rotation`); a trailing "c": keys quantized per
+# channel across a block's tokens (`CHANNEL_KEYS`). Each: (K bits, V bits).
 KV_QUANT_BITS = {"int8": (8, 8), "int4": (4, 4), "int3": (3, 3), "int4r": (4, 4), "int3r": (3, 3),
-                 "k8v4": (8, 4), "k8v4r": (8, 4)}
+                 "int4c": (4, 4), "int3c": (3, 3), "k8v4": (8, 4), "k8v4r": (8, 4)}
 KV_CACHE_DTYPES = ("auto", *KV_QUANT_BITS)
+# Keys quantized per channel over a block's tokens (KIVI's layout), values per row: a key
+# channel keeps a near-constant offset across tokens (RoPE pairs that turn slowly,
+# outlier channels), which a per-row group's one scale must span and a per-channel
+# group takes out as its bias. SmolLM2, 4 bits: +21% perplexity per row, +2% per channel
+# (scripts/kv_quality.py). The block is the group, so the block size must be one MLX
+# quantizes in (32 by default for these dtypes, `EngineConfig`).
+CHANNEL_KEYS = ("int4c", "int3c")
 
 
 def rotation(d: int, dtype: mx.Dtype) -> mx.array:
@@ -69,19 +78,21 @@ def bytes_per_block(
     kv_cache_dtype: str = "auto",
 ) -> int:
     """K + V bytes of one block in `num_layers` layers of one shape."""
-    per_head = 2 * head_dim * dtype.size
-    if kv_cache_dtype in KV_QUANT_BITS:
-        per_head = sum(quantized_row_bytes(head_dim, dtype.size, b) for b in KV_QUANT_BITS[kv_cache_dtype])
-    return num_layers * block_size * num_kv_heads * per_head
+    spec = LayerKV(None, num_kv_heads, head_dim, head_dim)
+    return num_layers * layer_bytes_per_block(spec, dtype, block_size, kv_cache_dtype)
 
 
-def layer_bytes_per_token(spec: LayerKV, dtype: mx.Dtype, kv_cache_dtype: str = "auto",
+def layer_bytes_per_block(spec: LayerKV, dtype: mx.Dtype, block_size: int, kv_cache_dtype: str = "auto",
                           group: int | None = None) -> int:
-    if kv_cache_dtype in KV_QUANT_BITS:
-        kb, vb = KV_QUANT_BITS[kv_cache_dtype]
-        return spec.bytes_per_token(dtype.size, (lambda d: quantized_row_bytes(d, dtype.size, kb, group),
-                                                 lambda d: quantized_row_bytes(d, dtype.size, vb, group)))
-    return spec.bytes_per_token(dtype.size)
+    """K + V bytes one block of `spec`'s layer holds."""
+    if kv_cache_dtype not in KV_QUANT_BITS:
+        return block_size * spec.bytes_per_token(dtype.size)
+    kb, vb = KV_QUANT_BITS[kv_cache_dtype]
+    if kv_cache_dtype in CHANNEL_KEYS:  # a block's K: d rows of block_size values, one group each
+        v = 0 if spec.v_in_k else block_size * quantized_row_bytes(spec.v_head_dim, dtype.size, vb, group)
+        return spec.num_kv_heads * (spec.head_dim * quantized_row_bytes(block_size, dtype.size, kb, block_size) + v)
+    return block_size * spec.bytes_per_token(dtype.size, (lambda d: quantized_row_bytes(d, dtype.size, kb, group),
+                                                          lambda d: quantized_row_bytes(d, dtype.size, vb, group)))
 
 
 def kv_rows(slots: np.ndarray, num_kv_heads: int, block_size: int) -> np.ndarray:
@@ -128,6 +139,14 @@ class QuantizedBlocks:
     group: int
     bits: int
     dim: int
+    # Keys per channel (`channel_keys`): each matrix [d, bs], a row one channel over the
+    # block's tokens (`dim`: bs), multiplied with the queries on its left.
+    channels: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """A block's tokens."""
+        return self.dim if self.channels else self.w.shape[1]
 
 
 class LayerPool:
@@ -137,18 +156,25 @@ class LayerPool:
     about a quarter (0.31x with its scales, groups of 64), int3 about a fifth."""
 
     def __init__(self, layer: int, spec: LayerKV, num_blocks: int, block_size: int, dtype: mx.Dtype,
-                 bits: tuple[int, int] | None, group: int | None = None, rotated: bool = False):
+                 bits: tuple[int, int] | None, group: int | None = None, rotated: bool = False,
+                 channel_keys: bool = False):
         self.num_kv_heads, self.head_dim, self.v_head_dim = spec.num_kv_heads, spec.head_dim, spec.v_head_dim
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.quantized, self.group = bits is not None, group
         self.k_bits, self.v_bits = bits or (None, None)
         self.name = None if bits is None else (f"int{bits[0]}" if bits[0] == bits[1] else f"k{bits[0]}v{bits[1]}") + \
-            ("r" if rotated else "")
+            ("r" if rotated else "c" if channel_keys else "")
+        # K stored per channel across a block's tokens (`kv/channel_keys.py`): the block is its group.
+        self.channel_keys = bool(channel_keys and bits)
+        if self.channel_keys and block_size not in KV_GROUP_SIZES:
+            raise ValueError(f"--kv-cache-dtype {self.name} quantizes each key channel over a block's tokens: "
+                             f"the block size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
+                             f"got {block_size}")
         self.v_in_k = spec.v_in_k  # MLA: V is K's leading values (the latent), not stored
         # Rotated rows (`rotation`): K's and V's matrices; None: stored as they come.
         self.rot_k = rotation(spec.head_dim, dtype) if rotated else None
         self.rot_v = self.rot_k if spec.v_in_k or not rotated else rotation(spec.v_head_dim, dtype)
-        sizes = (spec.head_dim,) if spec.v_in_k else (spec.head_dim, spec.v_head_dim)
+        sizes = (() if self.channel_keys else (spec.head_dim,)) + (() if spec.v_in_k else (spec.v_head_dim,))
         if self.quantized and any(d % (group or 32) for d in sizes):
             raise ValueError(f"--kv-cache-dtype {self.name} needs head sizes divisible by "
                              f"{group or 32} (its "
@@ -157,17 +183,19 @@ class LayerPool:
                                                              else ""))
         self.reset()
 
-    def _pool(self, d: int, bits: int | None) -> list[mx.array]:
+    def _pool(self, d: int, bits: int | None, channels: bool = False) -> list[mx.array]:
         rows = self.num_blocks * self.block_size * self.num_kv_heads
         if not self.quantized:
             return [mx.zeros((rows, d), dtype=self.dtype)]
-        groups = d // kv_group_size(d, self.group)
+        if channels:  # a row per (block, head, channel), its block's tokens one group
+            rows, d = self.num_blocks * self.num_kv_heads * d, self.block_size
+        groups = d // (self.block_size if channels else kv_group_size(d, self.group))
         return [mx.zeros((rows, d * bits // 32), dtype=mx.uint32),
                 mx.zeros((rows, groups), dtype=self.dtype), mx.zeros((rows, groups), dtype=self.dtype)]
 
     def reset(self) -> None:
         # k / v: [values] or [packed values, scales, biases]
-        self.k = self._pool(self.head_dim, self.k_bits)
+        self.k = self._pool(self.head_dim, self.k_bits, self.channel_keys)
         self.v = [] if self.v_in_k else self._pool(self.v_head_dim, self.v_bits)
 
     @property
@@ -180,12 +208,24 @@ class LayerPool:
             return [x]
         return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1], self.group), bits=bits))
 
-    def write(self, rows: mx.array, k: mx.array, v: mx.array | None) -> None:
-        """Scatter new K/V ([T, kv_heads, d]) into their pool rows ([T * kv_heads], from `kv_rows`)."""
+    def block_arrays(self) -> list[tuple[mx.array, int]]:
+        """Every pool array with its rows per block (the disk tier copies blocks out and in)."""
+        rows = self.num_kv_heads * self.block_size
+        return [(a, self.num_kv_heads * self.head_dim if self.channel_keys else rows) for a in self.k] + \
+            [(a, rows) for a in self.v]
+
+    def write(self, rows: mx.array, k: mx.array, v: mx.array | None, plan: BlockRewrite | None = None) -> None:
+        """Scatter new K/V ([T, kv_heads, d]) into their pool rows ([T * kv_heads], from `kv_rows`);
+        keys per channel rewrite their blocks (`plan`: `rewrite_plan` of `rows`, built here if None)."""
         if self.rot_k is not None:
             k, v = k.astype(self.dtype) @ self.rot_k, None if self.v_in_k else v.astype(self.dtype) @ self.rot_v
-        for pools, x, bits in ((self.k, k, self.k_bits),) if self.v_in_k else \
-                ((self.k, k, self.k_bits), (self.v, v, self.v_bits)):
+        parts = [] if self.v_in_k else [(self.v, v, self.v_bits)]
+        if self.channel_keys:
+            plan = plan or rewrite_plan(np.array(rows), self.block_size)
+            write_keys(self.k, plan, k.reshape(-1, k.shape[-1]), self.block_size, self.k_bits, self.dtype)
+        else:
+            parts.insert(0, (self.k, k, self.k_bits))
+        for pools, x, bits in parts:
             for pool, values in zip(pools, self._encode(x, bits)):
                 pool[rows] = values
 
@@ -201,7 +241,11 @@ class LayerPool:
         """K and V of the blocks in `block_table` ([..., nb]), dequantized, as [..., kvh, nb*bs, d]
         (`v_in_k`: K twice; the attention keeps V's columns of its output, cheaper than
         copying a strided view of K)."""
-        k = self._decode([gather_blocks(self._blocks(p), block_table) for p in self.k], self.head_dim, self.k_bits)
+        if self.channel_keys:
+            k = read_keys(self.k, block_table, self.num_kv_heads, self.head_dim, self.block_size, self.k_bits)
+        else:
+            k = self._decode([gather_blocks(self._blocks(p), block_table) for p in self.k], self.head_dim,
+                             self.k_bits)
         if self.rot_k is not None:  # rotated back (R is orthogonal: its inverse is its transpose)
             k = k @ self.rot_k.T
         if self.v_in_k:  # V is K's leading values: the attention reads K and keeps those columns
@@ -224,7 +268,11 @@ class LayerPool:
             w, scales, biases = (p.reshape(-1, self.block_size, p.shape[-1]) for p in parts)
             return QuantizedBlocks(w, scales, biases, kv_group_size(d, self.group), bits, d)
 
-        k = view(self.k, self.head_dim, self.k_bits)
+        if self.channel_keys:
+            w, scales, biases = (p.reshape(-1, self.head_dim, p.shape[-1]) for p in self.k)
+            k = QuantizedBlocks(w, scales, biases, self.block_size, self.k_bits, self.block_size, channels=True)
+        else:
+            k = view(self.k, self.head_dim, self.k_bits)
         return k, k if self.v_in_k else view(self.v, self.v_head_dim, self.v_bits)
 
     def state(self) -> list[mx.array]:
@@ -249,6 +297,7 @@ class KVCache:
         self.block_size, self.dtype, self.kv_cache_dtype = block_size, dtype, kv_cache_dtype
         self.bits = KV_QUANT_BITS.get(kv_cache_dtype)
         rotated = kv_cache_dtype.endswith("r")
+        self.channel_keys = kv_cache_dtype in CHANNEL_KEYS
         self.group = group
         self.quantized = self.bits is not None
         self.group_of = [0] * len(layers)
@@ -263,7 +312,7 @@ class KVCache:
             exact = isinstance(g.kind, FirstTokens)
             for i in g.caches:
                 self._pools[i] = LayerPool(i, layers[i], g.num_blocks, block_size, dtype, None if exact else self.bits,
-                                           group, rotated and not exact)
+                                           group, rotated and not exact, self.channel_keys and not exact)
         self.states = states  # recurrent layers' state pool (hybrid and recurrent models)
         # The disk tier's hooks (`engine/disk_cache.py`): evicted blocks are copied out
         # before the pools are next written; a reset drops what was queued.
@@ -279,10 +328,10 @@ class KVCache:
     def pool(self, cache: int) -> LayerPool:
         return self._pools[cache]
 
-    def write(self, layer: int, rows: mx.array, k: mx.array, v: mx.array) -> None:
+    def write(self, layer: int, rows: mx.array, k: mx.array, v: mx.array, plan: BlockRewrite | None = None) -> None:
         if self.before_write is not None:
             self.before_write()
-        self.pool(layer).write(rows, k, v)
+        self.pool(layer).write(rows, k, v, plan)
 
     def reset(self) -> None:
         """Fresh zeroed pools. After a failed step the old ones cannot be trusted:

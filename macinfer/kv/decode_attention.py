@@ -60,7 +60,7 @@ def reference_decode_attention(
     rows = Q * g  # the rows of one matmul per (block, head): every query of the group
     # (keys, values, heads, mask, rotation) of each part of the context, in key order
     parts = ([] if lead is None else [(*lead_blocks, *lead, None)]) + [(k_blocks, v_blocks, heads, mask, rot)]
-    widths = [p[2].shape[1] * (p[0].w.shape[1] if isinstance(p[0], QuantizedBlocks) else p[0].shape[2])
+    widths = [p[2].shape[1] * (p[0].tokens if isinstance(p[0], QuantizedBlocks) else p[0].shape[2])
               for p in parts]
     exp2 = B * Q * H * sum(widths) >= EXP2_MIN_SCORES
     units = LOG2E if exp2 else 1.0  # exp2_weights takes scores in log2 units
@@ -100,11 +100,12 @@ def reference_decode_attention(
 
 def _block_matmul(x: mx.array, blocks: "mx.array | QuantizedBlocks", heads: mx.array, keys: bool) -> mx.array:
     """x times each (block, head) matrix `heads` names: K transposed (`keys`), else V; a
-    quantized pool's packed matrices through `gather_qmm`, in place."""
+    quantized pool's packed matrices through `gather_qmm`, in place (keys stored per channel
+    are K already transposed; V read from them, MLA's, transposes)."""
     if isinstance(blocks, QuantizedBlocks):
         b = blocks
-        return mx.gather_qmm(x, b.w, b.scales, b.biases, rhs_indices=heads, transpose=keys, group_size=b.group,
-                             bits=b.bits)
+        return mx.gather_qmm(x, b.w, b.scales, b.biases, rhs_indices=heads, transpose=keys != b.channels,
+                             group_size=b.group, bits=b.bits)
     bs, d = blocks.shape[-2:]
     mats = blocks.reshape(-1, bs, d)
     return mx.gather_mm(x, mats.swapaxes(-1, -2) if keys else mats, None, heads)
