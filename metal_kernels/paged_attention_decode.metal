@@ -23,7 +23,10 @@
 // value, little-endian bit-packed into uint32 words, a scale and a bias per KGROUP / VGROUP
 // values): k_w [num_blocks, KVH, BS, D * KBITS / 32], k_s / k_b [num_blocks, KVH, BS,
 // D / KGROUP], and v_w, v_s, v_b alike over the V row's VW values; each lane dequantizes
-// the values it reads (a 3-bit value may straddle two words).
+// the values it reads (a 3-bit value may straddle two words). KCHAN 1: keys stored per channel
+// (`kv/channel_keys.py`): each (block, head) matrix of K is [D, BS], a packed row per channel
+// over the block's tokens, one group (KGROUP = BS): k_w [num_blocks, KVH, D, BS * KBITS / 32],
+// k_s / k_b [num_blocks, KVH, D, 1]; a lane reads its channels' words at the token's column.
 #if MACINFER_QUANTIZED
 #define MI_DEQ(dst, W, S, Z, WPR, NG, GROUP, BITS, r, c) {                          \
     const long bit_ = long(c) * BITS;                                                   \
@@ -85,7 +88,12 @@ for (int t = start + int(sg); t < end; t += NSG) {
   float vr[DVPL];
 #if MACINFER_QUANTIZED
   for (int i = 0; i < DPL; i++) {
-    MI_DEQ(kr[i], k_w, k_s, k_b, k_words, k_groups, KGROUP, KBITS, row, int(lane) * DPL + i);
+    if (KCHAN) {
+      const long chan = (block * num_kv_heads + kvh) * D + int(lane) * DPL + i;
+      MI_DEQ(kr[i], k_w, k_s, k_b, k_words, k_groups, KGROUP, KBITS, chan, t % BS);
+    } else {
+      MI_DEQ(kr[i], k_w, k_s, k_b, k_words, k_groups, KGROUP, KBITS, row, int(lane) * DPL + i);
+    }
   }
   for (int i = 0; i < DVPL; i++) {
     MI_DEQ(vr[i], v_w, v_s, v_b, v_words, v_groups, VGROUP, VBITS, row, int(lane) * DVPL + i);

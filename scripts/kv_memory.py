@@ -12,6 +12,10 @@ against a dense model with the same attention in every layer.
 Multi-head latent attention: the latent a token against K/V expanded per head, and the
 context 16/64/256 GiB hold (DeepSeek V3, Kimi K2.5, GLM-4.7-Flash, Mistral Small 4).
 
+Quantized KV (`--kv-cache-dtype`): bytes a token per dtype, with bfloat16 activations as on a
+Mac (scales and biases in them), and the 4,096-token conversations a budget holds against
+auto's (each dtype at its default block size), from the functions the engine's pool plan uses.
+
     python scripts/kv_memory.py                      # all of the above
     python scripts/kv_memory.py --config config.json --kv-cache-gb 8 --max-num-seqs 32
 """
@@ -23,8 +27,8 @@ import json
 
 import mlx.core as mx
 
-from macinfer.kv.cache import bytes_per_block, plan_blocks
-from macinfer.kv.spec import CacheGroup, FullAttention, SlidingWindow
+from macinfer.kv.cache import CHANNEL_KEYS, KV_CACHE_DTYPES, bytes_per_block, layer_bytes_per_block, plan_blocks
+from macinfer.kv.spec import CacheGroup, FullAttention, LayerKV, SlidingWindow
 
 PRESETS = {  # from the published config.json files
     "gemma-3-27b": dict(num_hidden_layers=62, num_key_value_heads=16, head_dim=128, sliding_window=1024,
@@ -140,6 +144,28 @@ def report(name: str, m: dict, budget_gb: float, max_num_seqs: int, step_tokens:
           f"{full * block_size:,} with them ({full / max(full_plain, 1):.1f}x)")
 
 
+QUANT_PRESETS = {  # layers, KV heads, head dim: from the published config.json files
+    "SmolLM2-135M": (30, 3, 64),
+    "Llama-3.1-8B": (32, 8, 128),
+    "Qwen3-32B": (64, 8, 128),
+}
+
+
+def quant_report(name: str, shape: tuple[int, int, int], budget_gb: float, context: int = 4096) -> None:
+    layers, kvh, d = shape
+    spec = LayerKV(FullAttention(), kvh, d, d)
+    print(f"{name}: {layers} layers x {kvh} KV heads of {d}, bfloat16; {context}-token conversations in "
+          f"{budget_gb:g} GiB")
+    print(f"  {'KV':<7}{'block':>6}{'bytes/token':>13}{'conversations':>15}{'vs auto':>9}")
+    auto = None
+    for dtype in KV_CACHE_DTYPES:
+        bs = 32 if dtype in CHANNEL_KEYS else 16
+        per_block = layers * layer_bytes_per_block(spec, mx.bfloat16, bs, dtype)
+        fit = int(budget_gb * 2**30 // per_block) // -(-context // bs)
+        auto = auto or fit
+        print(f"  {dtype:<7}{bs:>6}{per_block / bs:>13,.0f}{fit:>15,}{fit / auto:>8.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="an HF config.json of a sliding-window model")
@@ -164,6 +190,8 @@ def main() -> None:
     if not args.config:
         for name, m in MLA_PRESETS.items():
             mla_report(name, m)
+        for name, shape in QUANT_PRESETS.items():
+            quant_report(name, shape, args.kv_cache_gb)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ def main() -> int:
     ap.add_argument("--quant-start", type=int, default=0)
     ap.add_argument("--decode", type=int, default=0, help="the last N tokens one at a time (the decode path)")
     ap.add_argument("--group-size", type=int, default=None, help="values per scale and bias (default 64)")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens a KV block (default: the dtype's)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated KV dtypes (auto is always run)")
     args = ap.parse_args()
 
@@ -99,7 +100,7 @@ def main() -> int:
     for dtype, start in runs:
         engine = base if dtype == "auto" else LLMEngine(base.loaded, EngineConfig(
             kv_cache_gb=0.5, max_model_len=args.tokens + args.greedy + 16, kv_cache_dtype=dtype,
-            kv_quant_start=start, kv_group_size=args.group_size))
+            kv_quant_start=start, kv_group_size=args.group_size, block_size=args.block_size))
         ours = nll(engine.score([tokens], chunks)[0], tokens)
         # mlx-lm has no rotated KV cache, no per-channel keys and one bit width for K and V: n/a
         theirs = None if dtype.endswith(("r", "c")) or dtype.startswith("k") else \

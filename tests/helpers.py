@@ -158,21 +158,21 @@ def generate(engine, prompts, params) -> list:
 PAGED_BS = 16  # block size of the paged attention cases below
 
 
-def paged_case(B, KVH, GQA, D, lens, dtype=np.float32, seed=0):
+def paged_case(B, KVH, GQA, D, lens, dtype=np.float32, seed=0, bs=PAGED_BS):
     """Random decode queries and a paged K/V pool whose blocks are scattered (not
-    contiguous): (q [B, H, D], k pool, v pool [nb, KVH, PAGED_BS, D], tables, lens)."""
+    contiguous): (q [B, H, D], k pool, v pool [nb, KVH, bs, D], tables, lens)."""
     rng = np.random.default_rng(seed)
     H = KVH * GQA
-    nb = sum(-(-n // PAGED_BS) for n in lens) + 3
+    nb = sum(-(-n // bs) for n in lens) + 3
     q = rng.normal(size=(B, H, D)).astype(dtype)
-    kp = rng.normal(size=(nb, KVH, PAGED_BS, D)).astype(dtype)
-    vp = rng.normal(size=(nb, KVH, PAGED_BS, D)).astype(dtype)
+    kp = rng.normal(size=(nb, KVH, bs, D)).astype(dtype)
+    vp = rng.normal(size=(nb, KVH, bs, D)).astype(dtype)
     perm = rng.permutation(nb)
-    width = max(-(-n // PAGED_BS) for n in lens)
+    width = max(-(-n // bs) for n in lens)
     tables = np.zeros((B, width), np.int32)
     at = 0
     for b, n in enumerate(lens):
-        k = -(-n // PAGED_BS)
+        k = -(-n // bs)
         tables[b, :k] = perm[at : at + k]
         at += k
     return q, kp, vp, tables, np.array(lens, np.int32)
@@ -183,13 +183,13 @@ def float64_decode_attention(q, kp, vp, tables, lens, window=None, sinks=None, s
     sliding `window` keeps the last keys; `sinks` (per head) join only the softmax
     denominator; `softcap` caps the logits (tanh)."""
     B, H, D = q.shape
-    gqa = H // kp.shape[1]
+    gqa, bs = H // kp.shape[1], kp.shape[2]
     scale = D**-0.5 if scale is None else scale
     out = np.zeros((B, H, vp.shape[-1]))  # V may be narrower than K (MLA: K's leading columns)
     for b in range(B):
         first = max(0, lens[b] - window) if window else 0
-        blocks = [tables[b][t // PAGED_BS] for t in range(first, lens[b])]
-        offsets = [t % PAGED_BS for t in range(first, lens[b])]
+        blocks = [tables[b][t // bs] for t in range(first, lens[b])]
+        offsets = [t % bs for t in range(first, lens[b])]
         for h in range(H):
             k = kp[blocks, h // gqa, offsets].astype(np.float64)
             v = vp[blocks, h // gqa, offsets].astype(np.float64)

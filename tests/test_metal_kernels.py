@@ -126,6 +126,28 @@ def test_decode_kernel_reads_quantized_pools(kbits, vbits, group, B, KVH, GQA, D
     np.testing.assert_allclose(out, float64_decode_attention(q, k_back, v_back, tables, lens_), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bits,bs,D,lens,part", [(4, 32, 64, [20, 90], 512), (3, 32, 128, [33, 200], 64),
+                                                 (4, 64, 64, [70, 129], 64)])
+def test_decode_kernel_reads_keys_stored_per_channel(bits, bs, D, lens, part):
+    """Keys per channel (`int4c`): each (block, head) matrix [D, bs] packed by channel over
+    the block's tokens, V by row; 3 bits straddle words, split-K over 64-token partitions."""
+    from macinfer.kernels.paged_attention import quantized_decode_calls
+    from macinfer.kv.cache import QuantizedBlocks
+
+    q, kp, vp, tables, lens_ = paged_case(2, 2, 2, D, lens, bs=bs)
+    nb = kp.shape[0]
+    t = mx.array(kp.transpose(0, 1, 3, 2).reshape(-1, bs))  # a row per (block, head, channel)
+    w, s, b = mx.quantize(t, group_size=bs, bits=bits)
+    kq = QuantizedBlocks(*(x.reshape(nb * 2, D, -1) for x in (w, s, b)), bs, bits, bs, channels=True)
+    k_back = np.array(mx.dequantize(w, s, b, group_size=bs, bits=bits)).reshape(nb, 2, D, bs).transpose(0, 1, 3, 2)
+    vq, v_back = _quantized(vp, 4, 32)
+    calls = quantized_decode_calls(mx.array(q), kq, vq, 2, mx.array(tables), mx.array(lens_), D**-0.5, bs,
+                                   max(lens), partition_size=part)
+    out, _ = emulate_calls(calls)
+    np.testing.assert_allclose(out, float64_decode_attention(q, k_back.astype(np.float64), v_back, tables, lens_),
+                               atol=2e-5, rtol=1e-4)
+
+
 def test_decode_kernel_reads_quantized_latents():
     """MLA over a quantized latent pool: K = [latent, rope key] packed, V its leading columns."""
     from macinfer.kernels.paged_attention import quantized_decode_calls
@@ -165,7 +187,7 @@ def test_thread_sanitizer_is_clean_and_catches_a_missing_barrier():
     assert "WARNING: ThreadSanitizer: data race" in broken.stderr
 
 
-@pytest.mark.parametrize("kv", ["auto", "int4", "k8v4r"])
+@pytest.mark.parametrize("kv", ["auto", "int4", "k8v4r", "int4c"])
 def test_engine_output_with_emulated_kernels_equals_reference(tmp_path, monkeypatch, kv):
     """The whole engine with the decode kernel run by the emulator, over full-precision and
     quantized (rotated too) KV pools, gives the reference path's logits and tokens."""

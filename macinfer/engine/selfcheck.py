@@ -54,27 +54,31 @@ def _check_latent_decode_attention(emulate: bool) -> float:
     return float(mx.abs(got - want[..., :latent]).max())
 
 
-def _check_quantized_decode_attention(emulate: bool) -> float:
+def _check_quantized_decode_attention(emulate: bool, channels: bool = False) -> float:
     """The same kernel over 4-bit packed pools (a quantized KV cache), against the reference
-    path's quantized matmuls over the same blocks."""
+    path's quantized matmuls over the same blocks; `channels`: keys stored per channel over
+    blocks of 32 tokens (`int4c`)."""
     from macinfer.kv.decode_attention import block_heads, decode_mask, reference_decode_attention
     from macinfer.kv.cache import QuantizedBlocks
 
     rng = np.random.default_rng(2)
     kvh, gqa, d, lens, blocks = 2, 2, 64, [5, 37], 5
+    bs = 32 if channels else BLOCK
 
-    def packed(seed: int) -> QuantizedBlocks:
-        x = mx.array(np.random.default_rng(seed).normal(size=(blocks * kvh * BLOCK, d)).astype(np.float32))
+    def packed(seed: int, by_channel: bool = False) -> QuantizedBlocks:
+        rows, n = (blocks * kvh * d, bs) if by_channel else (blocks * kvh * bs, d)
+        x = mx.array(np.random.default_rng(seed).normal(size=(rows, n)).astype(np.float32))
         w, s, b = mx.quantize(x, group_size=32, bits=4)
-        return QuantizedBlocks(*(a.reshape(blocks * kvh, BLOCK, -1) for a in (w, s, b)), 32, 4, d)
+        return QuantizedBlocks(*(a.reshape(blocks * kvh, rows // (blocks * kvh), -1) for a in (w, s, b)), 32, 4, n,
+                               channels=by_channel)
 
-    k, v = packed(3), packed(4)
+    k, v = packed(3, channels), packed(4)
     q = mx.array(rng.normal(size=(len(lens), kvh * gqa, d)).astype(np.float32))
     tables = mx.array(np.array([[3, 0, 0], [1, 4, 2]], dtype=np.int32))
     context = mx.array(np.array(lens, dtype=np.int32))
-    got = launch(paged_kernels.quantized_decode_calls(q, k, v, kvh, tables, context, d**-0.5, BLOCK, max(lens)),
+    got = launch(paged_kernels.quantized_decode_calls(q, k, v, kvh, tables, context, d**-0.5, bs, max(lens)),
                  emulate=emulate)
-    want = reference_decode_attention(q, k, v, block_heads(tables, kvh), decode_mask(context, 3 * BLOCK), d**-0.5)
+    want = reference_decode_attention(q, k, v, block_heads(tables, kvh), decode_mask(context, 3 * bs), d**-0.5)
     return float(mx.abs(got - want).max())
 
 
@@ -94,7 +98,9 @@ def self_check(backend: str) -> str:
     emulate = backend == "emulate"
     checks = {"paged decode attention": _check_decode_attention,
               "paged latent (MLA) decode attention": _check_latent_decode_attention,
-              "paged decode attention over quantized KV": _check_quantized_decode_attention}
+              "paged decode attention over quantized KV": _check_quantized_decode_attention,
+              "paged decode attention over keys stored per channel":
+                  lambda emulate: _check_quantized_decode_attention(emulate, channels=True)}
     if quantized_kernels.enabled() or backend == "metal":  # on Metal, a candidate for the load-time timing
         checks["batched quantized matmul"] = _check_qmv
     for name, check in checks.items():

@@ -107,12 +107,15 @@ def quantized_decode_calls(
     v_dim: int | None = None,
 ) -> list[KernelCall]:
     """`decode_calls` over a quantized pool's packed blocks (`kv.cache.QuantizedBlocks`, K
-    and V; MLA: K twice, `v_dim` the latent's width): each row dequantized as it is read."""
+    and V; MLA: K twice, `v_dim` the latent's width): each row dequantized as it is read;
+    keys stored per channel (`k.channels`) read by channel at the token's column."""
+    assert not v.channels, "V is read by row (MLA's V from keys per channel takes the reference path)"
     def shaped(x: mx.array) -> mx.array:  # [num_blocks * kvh, bs, n] -> [num_blocks, kvh, bs, n]
         return x.reshape(-1, num_kv_heads, *x.shape[1:])
 
     arrays = [shaped(x) for b in (k, v) for x in (b.w, b.scales, b.biases)]
-    template = [("KBITS", k.bits), ("VBITS", v.bits), ("KGROUP", k.group), ("VGROUP", v.group)]
+    template = [("KBITS", k.bits), ("VBITS", v.bits), ("KGROUP", k.group), ("VGROUP", v.group),
+                ("KCHAN", int(k.channels))]
     return _calls(q, arrays, num_kv_heads, v.dim if v_dim is None else v_dim, template, block_tables, context_lens,
                   scale, block_size, max_context, partition_size, window)
 
