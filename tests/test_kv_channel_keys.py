@@ -135,8 +135,18 @@ def test_keys_per_channel_through_prefix_hits_preemption_and_speculation(head64)
 
 
 def test_a_block_size_that_cannot_be_a_group_is_refused(head64):
-    with pytest.raises(ValueError, match="int4c quantizes each key channel over a block's tokens.*32, 64, 128, got 16"):
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    says = "int4c quantizes each key channel over a block's tokens: the block size must be one of 32, 64, 128, got 16"
+    with pytest.raises(ValueError, match=says):
         LLMEngine(head64[0], EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int4c", block_size=16))
+    cli = ["generate", head64[0], "-p", "hi", "-n", "2", "--kv-cache-gb", "0.01", "--kv-cache-dtype", "int4c"]
+    r = CliRunner().invoke(main, [*cli, "--block-size", "16"])
+    assert r.exit_code != 0 and says in r.output, r.output
+    r = CliRunner().invoke(main, [*cli, "--block-size", "64"])  # (a block that is a group runs)
+    assert r.exit_code == 0, r.output
 
 
 def test_the_cli_offers_every_kv_dtype():

@@ -33,6 +33,9 @@ def engine_options(f):
     f = click.option("--chat-template", "chat_template", default=None, metavar="FILE|NAME",
                      help="Replace the model's chat template: a Jinja file, inline Jinja, or a built-in "
                           "(chatml, llama3, hermes: ChatML with tools and <tool_call> calls).")(f)
+    f = click.option("--block-size", type=click.Choice(["8", "16", "32", "64", "128"]), default=None,
+                     help="Tokens a KV block: the prefix cache's unit (default 16; 32 with keys stored per "
+                          "channel, whose groups are the block's tokens).")(f)
     f = click.option("--kv-group-size", type=click.Choice(["32", "64", "128"]), default=None,
                      help="Quantized KV: values sharing a scale and bias (default 64 where it divides the head "
                           "size, else 32).")(f)
@@ -138,7 +141,7 @@ def sampling_options(f):
 
 
 def engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, prefix_caching=True,
-                   kv_cache_dtype="auto", kv_bits=None, kv_group_size=None, kv_quant_start=0,
+                   kv_cache_dtype="auto", kv_bits=None, kv_group_size=None, kv_quant_start=0, block_size=None,
                    max_num_batched_tokens=512,
                    max_prefill_with_decodes=None,
                    num_speculative_tokens=0, draft_model=None, speculative_method=None, prompt_lookup_first=False,
@@ -154,7 +157,7 @@ def engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pref
     return EngineConfig(max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
                         kv_group_size=int(kv_group_size) if kv_group_size else None,
-                        kv_quant_start=kv_quant_start,
+                        kv_quant_start=kv_quant_start, block_size=int(block_size) if block_size else None,
                         max_num_batched_tokens=max_num_batched_tokens,
                         max_prefill_with_decodes=max_prefill_with_decodes or None,  # 0: no separate cap
                         num_speculative_tokens=num_speculative_tokens, draft_model=draft_model,
