@@ -32,14 +32,16 @@ def one_layer(tmp_path_factory):
 def _channel_reference_logits(model, tokens: list[int], chunks: list[int], bits: int, bs: int = 32) -> np.ndarray:
     """mlx-lm's forward whose caches keep keys as the engine stores them: each write
     quantizes the blocks it touches per channel over the block's bs rows (the rows kept
-    from before, this write's rows, then copies of its last row), values per row in
-    groups of 64, both dequantized and attended in full precision."""
+    from before, this write's rows, then copies of its last row; each channel's grid its
+    own minimum to maximum, in NumPy), values per row as MLX does in groups of 64, both
+    dequantized and attended in full precision."""
     from mlx_lm.models.cache import KVCache
 
-    def per_channel(rows: mx.array) -> mx.array:  # [1, kvh, bs, d]
-        t = rows.swapaxes(-1, -2)
-        q = mx.quantize(t.reshape(-1, bs), group_size=bs, bits=bits)
-        return mx.dequantize(*q, group_size=bs, bits=bits).reshape(t.shape).swapaxes(-1, -2)
+    def per_channel(rows: mx.array) -> mx.array:  # [1, kvh, bs, d]: each channel on its [min, max]
+        x = np.array(rows.astype(mx.float32))
+        lo, hi = x.min(axis=2, keepdims=True), x.max(axis=2, keepdims=True)
+        step = np.maximum((hi - lo) / (2**bits - 1), np.float32(1e-7))
+        return mx.array(np.clip(np.rint((x - lo) / step), 0, 2**bits - 1) * step + lo).astype(rows.dtype)
 
     class ChannelCache(KVCache):
         def update_and_fetch(self, keys, values):
