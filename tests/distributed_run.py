@@ -3,7 +3,8 @@
     mlx.launch -n 2 --backend ring --python PY tests/distributed_run.py MODEL MODE OUT.json [KV_DTYPE:KV_QUANT_START]
 
 Greedy requests that join a few steps apart (chunked prefill with 24-token steps, a shared
-prefix, one request aborted); rank 0 writes each request's tokens to OUT.json."""
+prefix, one request aborted); rank 0 writes each request's tokens to OUT.json. A vision
+checkpoint's requests carry pictures instead (`images`)."""
 
 import json
 import sys
@@ -26,6 +27,8 @@ def run(model: str, mode: str | None, kv: str = "auto:0") -> dict:
     if engine.dist is not None and not engine.dist.is_driver:
         engine.run_worker()
         return {}
+    if engine.vision is not None or engine.vision_refusal is not None:
+        return images(engine)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ids, done = [], {}
     for i, prompt in enumerate(PROMPTS):  # each joins a few steps after the previous one
@@ -41,6 +44,29 @@ def run(model: str, mode: str | None, kv: str = "auto:0") -> dict:
     engine.close()
     return {"tokens": [done[i] for i in ids], "cached": cached, "micro_batched": engine.runner.micro_batched_steps,
             "overlapped": engine.overlapped_steps}
+
+
+def images(engine: LLMEngine) -> dict:
+    """Requests with a picture each joining a step apart, the first picture again (its blocks
+    a prefix hit: the picture's hash in their keys) and a text request between them."""
+    from tests.vision_models import picture
+
+    assert engine.vision is not None, engine.vision_refusal
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    ids, done = [], {}
+    for i, seed in enumerate([0, 1, None, 0]):
+        content = [{"type": "text", "text": "what is it"}] if seed is None else \
+            [{"type": "image"}, {"type": "text", "text": "what is it"}]
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": content}])
+        prompt, inputs = (prompt, None) if seed is None else engine.prepare_images(prompt, [picture(seed)])
+        ids.append(engine.add_request(prompt, params, request_id=f"r{i}", images=inputs))
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.close()
+    return {"tokens": [done[i].token_ids for i in ids],
+            "logprobs": [[t.logprob for t in done[i].logprobs] for i in ids],
+            "cached": [done[i].num_cached_tokens for i in ids], "encoded": engine.vision.encoder.images_encoded}
 
 
 def fake_hub(root: str, out: str) -> None:

@@ -66,6 +66,20 @@ def test_quantized_kv_over_two_ranks(tmp_path, mode):
     assert _run(path, mode, tmp_path, "int4:16")["tokens"] == _run(path, "single", tmp_path, "int4:16")["tokens"]
 
 
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_images_over_two_ranks(tmp_path, mode):
+    """Qwen2-VL (mlx-vlm's classes; multimodal RoPE): requests with pictures over two ranks,
+    each rank encoding the pictures it is sent with the request (every rank computes every
+    step): one process's tokens and logprobs, the repeated picture a prefix hit."""
+    from tests.vision_models import tiny_vlm_dir
+
+    path = tiny_vlm_dir(tmp_path, "qwen2_vl")
+    single, two = _run(path, "single", tmp_path), _run(path, mode, tmp_path)
+    assert two["tokens"] == single["tokens"] and two["cached"] == single["cached"]
+    assert max(abs(a - b) for x, y in zip(two["logprobs"], single["logprobs"]) for a, b in zip(x, y)) < 1e-4
+    assert two["cached"][3] > 0 and two["encoded"] == 2  # (the driver's count: the repeat hit its blocks)
+
+
 def test_generate_command_over_two_ranks(smollm2_gguf):
     """`mlx.launch ... macinfer generate --distributed pipeline`: rank 0 prints one
     process's text; rank 1 prints nothing and exits when rank 0 is done."""

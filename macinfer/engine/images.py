@@ -22,8 +22,6 @@ def load(engine: Any) -> tuple[Any, str | None]:
         return None, None
     if not engine.config.images:
         return None, "it is served text-only (images off)"
-    if engine.dist is not None:
-        return None, "images are not served over --distributed ranks"
     if engine.loaded.source.endswith(".gguf"):
         return None, "a GGUF's vision projector (mmproj) is not loaded"
     model = engine.model
@@ -34,6 +32,8 @@ def load(engine: Any) -> tuple[Any, str | None]:
                               cache_bytes=engine.config.encoder_cache_mb * 2**20)
     if vision is None:
         return None, why
+    if engine.dist is not None and vision.lora is not None:
+        return None, "its vision LoRA is not served over --distributed ranks (each rank holds a share of its layers)"
     if vision.mrope is not None:
         from macinfer.models import mrope
 

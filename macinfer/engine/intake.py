@@ -85,7 +85,7 @@ class RequestIntake:
             lora = own.name
         if lora is not None:
             cache_salt = f"{cache_salt or ''}\x00lora:{self.loras.adapters[lora].digest}"
-        if images is not None and (self.vision is None or self.dist is not None):
+        if images is not None and self.vision is None:
             raise ValueError("this model takes no images")
         if images is not None and any(s.end > len(ids) for s in images.spans):
             raise ValueError("images: their positions lie past the prompt (use the ids prepare_images returned)")
@@ -107,7 +107,8 @@ class RequestIntake:
         self.requests[request_id] = _RequestState(seq, detok, prompt_text)
         self.scheduler.add(seq)
         if self.dist is not None:  # replayed on every rank before the next step (only once it was added here)
-            self._inputs.record(("add", ids, params, request_id, cache_salt))
+            # (images with their processed pixels: every rank encodes them, as it computes every step)
+            self._inputs.record(("add", ids, params, request_id, cache_salt, seq.images))
         return request_id
 
     def load_lora(self, name: str, path: str) -> LoraAdapter:

@@ -131,8 +131,8 @@ def run_worker(engine: Any) -> None:
             ctx.ack()
         for kind, *args in events:
             if kind == "add":
-                ids, params, rid, salt = args
-                engine.add_request(ids, params, rid, cache_salt=salt)
+                ids, params, rid, salt, images = args
+                engine.add_request(ids, params, rid, cache_salt=salt, images=images)
             else:
                 engine.abort_request(args[0])
         inputs.count(events, engine.has_unfinished_requests())
@@ -151,10 +151,10 @@ def pipelined_step(engine: Any) -> list:
     the plans agree without being shipped. When nothing could go in behind step k-1 (one
     stream), the next step goes in once its tokens are taken, in the same call, not a call
     later. Returns step k-1's outputs."""
-    submitted = _submit(engine)
+    submitted, failed = _submit(engine)
     prev, engine._in_flight = engine._in_flight, submitted
     if prev is None:
-        return []
+        return failed
     sched, runner = engine.scheduler, engine.runner
     results, errors = runner.finish(prev)
     sched.in_flight.difference_update(seq for seq, _ in prev.scheduled)
@@ -162,24 +162,32 @@ def pipelined_step(engine: Any) -> list:
     results = [r for r in results if not r.seq.is_finished]
     errors = [(seq, e) for seq, e in errors if not seq.is_finished]
     with maybe(runner.profile, "outputs"):
-        outputs = engine.output.process(prev, results, errors)  # (a step's outputs need its `scheduled` only)
+        outputs = failed + engine.output.process(prev, results, errors)  # (a step's outputs need its `scheduled` only)
     if submitted is None:
-        engine._in_flight = _submit(engine)
+        engine._in_flight, failed = _submit(engine)
+        outputs += failed
     return outputs
 
 
-def _submit(engine: Any) -> Any:
-    """Schedule a step and put it in flight (None: nothing to run)."""
+def _submit(engine: Any) -> tuple[Any, list]:
+    """Schedule a step, encode the images it reaches and put it in flight: (the step, None
+    when there is nothing to run; the outputs of requests whose image failed)."""
+    from macinfer.engine import images
+
     sched, runner = engine.scheduler, engine.runner
     with maybe(runner.profile, "schedule"):
         plan = sched.schedule()
     if not plan:
-        return None
+        return None, []
+    failed = images.encode_step(engine.vision.encoder, plan.scheduled, engine.output.fail) \
+        if engine.vision is not None else []
+    if not plan.scheduled:
+        return None, failed
     engine._count(plan)
     submitted = runner.submit(plan.scheduled)
     sched.in_flight.update(seq for seq, _ in plan.scheduled)
     engine.overlapped_steps += engine._in_flight is not None
-    return submitted
+    return submitted, failed
 
 
 def shutdown(ctx: DistContext) -> None:
