@@ -16,8 +16,9 @@ kept across a rewrite are requantized on a grid that only moves when the new row
 widen a channel's range: the grid is the channel's own minimum and maximum
 (`quantize_rows`), so a row already on it maps back to itself. (MLX's `mx.quantize`
 snaps its grid so that zero is exact, which moves it on a requantization: SmolLM2, 4
-bits, 1,024 tokens decoded one at a time, +3.3% perplexity against +1.9% for min-max
-written at once. The packing is MLX's, so `gather_qmm` and `mx.dequantize` read it.)
+bits, the last 1,024 of 1,536 tokens decoded one at a time, +3.3% perplexity with MLX's
+grid, +2.4% with min-max; 2,048 tokens in prompt chunks, +1.9% and +2.4%:
+`scripts/kv_quality.py`. The packing is MLX's, so `gather_qmm` and `mx.dequantize` read it.)
 """
 
 from __future__ import annotations
