@@ -56,14 +56,14 @@ def test_tensor_parallel_gives_single_process_tokens(tmp_path, model_type):
     assert _run(path, "tensor", tmp_path)["tokens"] == _run(path, "single", tmp_path)["tokens"]
 
 
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_quantized_kv_over_two_ranks(tmp_path, mode):
+@pytest.mark.parametrize("mode,kv", [("tensor", "int4:16"), ("pipeline", "int4:16"), ("tensor", "int4c:0")])
+def test_quantized_kv_over_two_ranks(tmp_path, mode, kv):
     """int4 KV with each sequence's first 16 tokens at full precision (--kv-quant-start):
     each rank keeps the heads (tensor) or layers (pipeline) it computes, quantized alike;
-    the same greedy tokens as one process with the same cache."""
+    the same greedy tokens as one process with the same cache. int4c: keys per channel."""
     config = tiny_config("qwen3", head_dim=32)
     path = save_model_dir(str(tmp_path / "qwen3"), config, make_mlx_lm_model(config, seed=7))
-    assert _run(path, mode, tmp_path, "int4:16")["tokens"] == _run(path, "single", tmp_path, "int4:16")["tokens"]
+    assert _run(path, mode, tmp_path, kv)["tokens"] == _run(path, "single", tmp_path, kv)["tokens"]
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
