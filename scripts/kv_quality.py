@@ -90,7 +90,8 @@ def main() -> int:
     base = LLMEngine(model_dir, EngineConfig(kv_cache_gb=0.5, max_model_len=args.tokens + args.greedy + 16))
     tokens = base.tokenizer.encode(fixed_text())[: args.tokens]
     head = len(tokens) - args.decode
-    chunks = [args.chunk] * (head // args.chunk) + ([head % args.chunk] if head % args.chunk else []) + [1] * args.decode
+    chunks = [args.chunk] * (head // args.chunk) + ([head % args.chunk] if head % args.chunk else [])
+    chunks += [1] * args.decode
     lm, _ = mlx_lm_load(model_dir)
     prompt = tokens[: args.tokens // 2]
     greedy = SamplingParams(temperature=0, max_tokens=args.greedy, ignore_eos=True)

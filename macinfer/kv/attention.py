@@ -120,7 +120,8 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
     first = meta.kv_cache.first_of.get(layer)  # its first tokens kept apart at full precision
     backend = meta.decode_attention
     # (MLA's V read from keys stored per channel is a transposed read the kernel lacks)
-    if (backend != "reference" and sinks is None and not (pool.channel_keys and pool.v_in_k) and softcap is None and key_mask is None and first is None
+    if (backend != "reference" and sinks is None and softcap is None and key_mask is None and first is None
+            and not (pool.channel_keys and pool.v_in_k)
             and (meta.kind is None or meta.window is not None or not meta.kind.bounded)
             and (pool.head_dim == pool.v_head_dim or pool.v_in_k)
             and paged_kernels.supported(q.shape[-1], q.shape[1] // pool.num_kv_heads, pool.v_head_dim)):

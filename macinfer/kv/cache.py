@@ -37,8 +37,8 @@ KV_CACHE_DTYPES = ("auto", *KV_QUANT_BITS)
 # Keys quantized per channel over a block's tokens (KIVI's layout), values per row: a key
 # channel keeps a near-constant offset across tokens (RoPE pairs that turn slowly,
 # outlier channels), which a per-row group's one scale must span and a per-channel
-# group takes out as its bias. SmolLM2, 4 bits: +21% perplexity per row, +2% per channel
-# (scripts/kv_quality.py). The block is the group, so the block size must be one MLX
+# group takes out as its bias. SmolLM2, 4 bits: +18.8% perplexity per row, +2.4% per channel
+# (scripts/kv_quality.py, docs/benchmarks.md). The block is the group, so the block size must be one MLX
 # quantizes in (32 by default for these dtypes, `EngineConfig`).
 CHANNEL_KEYS = ("int4c", "int3c")
 
