@@ -160,3 +160,20 @@ def test_the_cli_offers_every_kv_dtype():
     for command in ("serve", "generate", "chat"):
         option = next(p for p in main.commands[command].params if p.name == "kv_cache_dtype")
         assert tuple(option.type.choices) == KV_CACHE_DTYPES, command
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("n", [32, 64, 128])
+def test_rows_are_packed_as_mlx_reads_them(bits, n):
+    """Each row on its own [min, max] grid, packed in MLX's layout (3 bits straddle words):
+    `mx.dequantize` gives NumPy's min-max rounding back, and a second pass changes nothing."""
+    from macinfer.kv.channel_keys import quantize_rows
+
+    x = np.random.default_rng(bits * n).normal(size=(7, n)).astype(np.float32) * 3 + 1
+    lo, hi = x.min(1, keepdims=True), x.max(1, keepdims=True)
+    step = (hi - lo) / (2**bits - 1)
+    want = np.clip(np.rint((x - lo) / step), 0, 2**bits - 1) * step + lo
+    back = mx.dequantize(*quantize_rows(mx.array(x), bits, mx.float32), group_size=n, bits=bits)
+    assert np.abs(np.array(back) - want).max() < 1e-5
+    again = mx.dequantize(*quantize_rows(back, bits, mx.float32), group_size=n, bits=bits)
+    assert np.abs(np.array(again) - np.array(back)).max() < 1e-5

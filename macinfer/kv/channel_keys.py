@@ -75,9 +75,14 @@ def quantize_rows(x: mx.array, bits: int, dtype: mx.Dtype) -> list[mx.array]:
     lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
     scale = mx.maximum((hi - lo) / top, 1e-7)
     q = mx.clip(mx.round((x - lo) / scale), 0, top).astype(mx.uint32)
-    shift, back, first, second = _packing(x.shape[-1], bits)
-    w = ((q << shift)[:, None, :] * first + (q >> back)[:, None, :] * second).sum(-1).astype(mx.uint32)
-    return [w, scale.astype(dtype), lo.astype(dtype)]
+    n = x.shape[-1]
+    if 32 % bits == 0:  # whole values a word: each word's values shifted into place and summed
+        per = 32 // bits
+        w = (q.reshape(-1, n // per, per) << mx.arange(0, 32, bits, dtype=mx.uint32)).sum(-1)
+    else:
+        shift, back, first, second = _packing(n, bits)
+        w = ((q << shift)[:, None, :] * first + (q >> back)[:, None, :] * second).sum(-1)
+    return [w.astype(mx.uint32), scale.astype(dtype), lo.astype(dtype)]
 
 
 def matrix_rows(mats: mx.array, dim: int) -> mx.array:
