@@ -46,11 +46,11 @@ def test_failed_forward_does_not_poison_the_prefix_cache(tiny_llama, tmp_path, m
     real_write = KVCache.write
     fail = {"armed": True}
 
-    def write(self, layer, slots, k, v):
+    def write(self, layer, slots, k, v, *plan):
         if fail["armed"] and layer == 0 and k.shape[0] > 1:  # the prefill of the long prompt
             fail["armed"] = False
             k = k + _lazily_failing_array(tmp_path)[0, 0]  # evaluates to an error, inside the pools' graph
-        return real_write(self, layer, slots, k, v)
+        return real_write(self, layer, slots, k, v, *plan)
 
     monkeypatch.setattr(KVCache, "write", write)
     first = engine.add_request(PREFIX + [60], GREEDY)
