@@ -177,3 +177,15 @@ def test_rows_are_packed_as_mlx_reads_them(bits, n):
     assert np.abs(np.array(back) - want).max() < 1e-5
     again = mx.dequantize(*quantize_rows(back, bits, mx.float32), group_size=n, bits=bits)
     assert np.abs(np.array(again) - np.array(back)).max() < 1e-5
+
+
+def test_first_tokens_at_full_precision_beside_keys_per_channel(head64):
+    """`--kv-quant-start 40` with int4c: the first 40 positions read their own full-precision
+    store, so their logits are the full-precision cache's exactly; the later ones are not."""
+    path, _ = head64
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int4c", kv_quant_start=40))
+    assert [g["kind"] for g in engine.cache_groups()] == ["full attention", "first 40 tokens at full precision"]
+    seq = np.random.default_rng(1).integers(3, 250, size=70).tolist()
+    full = LLMEngine(engine.loaded, EngineConfig(kv_cache_gb=0.01))
+    a, b = (e.score([seq], [30, 20, 1, 1])[0] for e in (full, engine))
+    assert np.abs(a[:40] - b[:40]).max() < 1e-5 * np.abs(a).max() < np.abs(a[40:] - b[40:]).max()
