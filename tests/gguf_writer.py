@@ -116,9 +116,12 @@ def write_gguf(path: str, config: dict, tensors: dict[str, np.ndarray], quant: d
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
+    if "merges" in tok:
+        w.add_token_merges(tok["merges"])
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    w.add_string("tokenizer.chat_template", "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    w.add_string("tokenizer.chat_template", tok.get("chat_template") or
+                 "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
     _write_tensors(w, tensors, quant)
 
 
@@ -383,3 +386,53 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     _write_tensors(w, tensors, quant, encode=True)
+
+
+def hf_tokenizer_meta(hf) -> dict:
+    """`write_gguf`'s tokenizer for a byte-level BPE `PreTrainedTokenizerFast` (the tests' byte
+    tokenizer and its added tokens): llama.cpp's token types (3 control, 4 user-defined, 1 normal)."""
+    vocab = hf.get_vocab()
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    added = {t.content: t.special for t in hf.added_tokens_decoder.values()}
+    types = [(3 if added[t] else 4) if t in added else 1 for t in tokens]
+    return {"model": "gpt2", "pre": "default", "vocab": (tokens, [0.0] * len(tokens), types), "merges": [],
+            "chat_template": hf.chat_template}
+
+
+def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hidden: int, image_mean: list,
+                 image_std: list, scale_factor: int | None = None) -> None:
+    """A vision projector file as llama.cpp's converter writes one (`general.architecture` clip):
+    `weights` in mlx-vlm's names and layout, named by llama.cpp's tensor map (a bare `*_weight`
+    parameter as `*.weight`), convolutions in PyTorch's layout, Gemma 3's `soft_emb_norm` + 1."""
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    w = gguf.GGUFWriter(path, "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(projector)
+    w.add_vision_projection_dim(text_hidden)
+    w.add_vision_image_size(vision["image_size"])
+    w.add_vision_patch_size(vision["patch_size"])
+    w.add_vision_embedding_length(vision["hidden_size"])
+    w.add_vision_feed_forward_length(vision["intermediate_size"])
+    w.add_vision_block_count(vision["num_hidden_layers"])
+    w.add_vision_head_count(vision["num_attention_heads"])
+    w.add_vision_image_mean(image_mean)
+    w.add_vision_image_std(image_std)
+    w.add_vision_attention_layernorm_eps(vision.get("layer_norm_eps", 1e-6))
+    w.add_vision_use_gelu(True)
+    if scale_factor is not None:
+        w.add_vision_projector_scale_factor(scale_factor)
+    tensors = {}
+    for key, value in weights.items():
+        hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
+        name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert name is not None, f"no llama.cpp name for {key}"
+        x = np.array(value.astype(mx.float32), dtype=np.float32)
+        if x.ndim == 4:
+            x = x.transpose(0, 3, 1, 2)
+        if name.endswith("soft_emb_norm.weight"):
+            x = x + 1
+        tensors[name] = x
+    _write_tensors(w, tensors, None)

@@ -37,8 +37,9 @@ def engine_options(f):
                      help="Tokens a KV block: the prefix cache's unit (default 16; 32 with keys stored per "
                           "channel, whose groups are the block's tokens).")(f)
     f = click.option("--kv-group-size", type=click.Choice(["32", "64", "128"]), default=None,
-                     help="Quantized KV: values sharing a scale and bias (default 64 where it divides the head "
-                          "size, else 32).")(f)
+                     help="Quantized KV: values sharing a scale and bias (default: 8 bits the widest that "
+                          "divides the head size, a 128-wide head one group; 3 and 4 bits 64 where it divides "
+                          "the head size, else 32).")(f)
     f = click.option("--kv-quant-start", "--quantized-kv-start", "kv_quant_start", type=click.IntRange(min=0),
                      default=0, show_default=True, metavar="N",
                      help="Quantized KV: keep each sequence's first N tokens at full precision in its "
@@ -109,6 +110,9 @@ def engine_options(f):
                           "(any model macinfer runs, GGUF included), an EAGLE-3 head trained for the model, or "
                           "Gemma 4's assistant drafter or a DFlash drafter, "
                           "instead of prompt lookup.")(f)
+    f = click.option("--mmproj", default=None, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+                     help="A GGUF model's vision projector (llama.cpp's mmproj-*.gguf), for images (default: the "
+                          "one mmproj*.gguf beside the model file, if any).")(f)
     f = click.option("--max-loras", type=click.IntRange(min=1), default=8, show_default=True,
                      help="LoRA adapters loaded at once; loading one more evicts the least recently used idle one.")(f)
     f = click.option("--max-prefill-with-decodes", type=click.IntRange(min=0), default=None,
@@ -147,7 +151,7 @@ def engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pref
                    num_speculative_tokens=0, draft_model=None, speculative_method=None, prompt_lookup_first=False,
                    chat_template=None, rope_scaling=None, distributed=None,
                    distributed_timeout=60.0, pipeline_micro_batches=1, pipeline_depth=None, no_autotune=False,
-                   kv_disk_gb=None, kv_disk_dir=None, async_scheduling=True, max_loras=8):
+                   kv_disk_gb=None, kv_disk_dir=None, async_scheduling=True, max_loras=8, mmproj=None):
     from macinfer.engine.llm_engine import EngineConfig
 
     if kv_bits is not None:
@@ -167,4 +171,4 @@ def engine_config(*, kv_cache_gb=None, max_num_seqs=32, max_model_len=None, pref
                         pipeline_micro_batches=pipeline_micro_batches, pipeline_depth=pipeline_depth,
                         autotune=not no_autotune,
                         kv_disk_gb=kv_disk_gb, kv_disk_dir=kv_disk_dir, async_scheduling=async_scheduling,
-                        max_loras=max_loras)
+                        max_loras=max_loras, mmproj=mmproj)

@@ -360,6 +360,8 @@ def _model_pool(given, models_dir, hf_cache, idle_ttl, pins, max_memory_gb, name
                 logging.getLogger("macinfer.server").info("loading model %s: %d%%", src.name, 25 * quarter)
 
         cfg = dataclasses.replace(_engine_config(**engine_opts), memory_limit_bytes=limit)
+        if not (given and src is sources[0]):  # --mmproj is the first MODEL's; the others' lie beside them
+            cfg = dataclasses.replace(cfg, mmproj=None)
         engine = LLMEngine(src.path, cfg, progress=progress)
         for lora_name, lora_path in src.loras.items():  # its adapters come with it
             engine.load_lora(lora_name, lora_path)

@@ -76,6 +76,8 @@ class EngineConfig:
     # (False: served text-only), with this much memory for encoded images kept by content.
     images: bool = True
     encoder_cache_mb: int = 256
+    # A GGUF model's vision projector (llama.cpp's mmproj file; None: the one beside the model, if any).
+    mmproj: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size is None:

@@ -220,7 +220,10 @@ def disk_cache_for(engine: Any) -> DiskCache:
         raise ValueError("--kv-disk-gb keeps the prefix cache on disk: it needs prefix caching on")
     if engine.dist is not None:
         raise ValueError("--kv-disk-gb is not supported with --distributed yet")
-    key = identity(engine.loaded.source, engine.model, engine.kv_cache, cfg.block_size, engine.loaded.config,
+    # A GGUF's vision projector is a file of its own: image blocks depend on it too.
+    projector = getattr(engine.vision, "projector", None)
+    key = identity(engine.loaded.source, engine.model, engine.kv_cache, cfg.block_size,
+                   {**engine.loaded.config, **({"mmproj": fingerprint(projector)} if projector else {})},
                    engine.layer_specs)
     store = DiskStore(cfg.kv_disk_dir or default_dir(), key, int(cfg.kv_disk_gb * 2**30))
     return DiskCache(store, engine.kv_cache, cfg.block_size, key)

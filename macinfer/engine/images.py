@@ -5,6 +5,7 @@ the images a step's prompt chunks reach, encoded before its forward."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 log = logging.getLogger("macinfer")
@@ -18,12 +19,13 @@ def load(engine: Any) -> tuple[Any, str | None]:
     from macinfer.vision.support import load_vision
 
     config = engine.loaded.config
+    gguf = engine.loaded.source.endswith(".gguf")
+    if gguf:  # a vision projector beside it (or --mmproj): its checkpoint written for the image path
+        return _with_mmproj(engine)
     if not is_vision_config(config):
         return None, None
     if not engine.config.images:
         return None, "it is served text-only (images off)"
-    if engine.loaded.source.endswith(".gguf"):
-        return None, "a GGUF's vision projector (mmproj) is not loaded"
     model = engine.model
     embed = getattr(model, "embed_module", lambda: None)()
     if embed is None:
@@ -32,6 +34,54 @@ def load(engine: Any) -> tuple[Any, str | None]:
                               cache_bytes=engine.config.encoder_cache_mb * 2**20)
     if vision is None:
         return None, why
+    return _install(engine, vision, config)
+
+
+def _with_mmproj(engine: Any) -> tuple[Any, str | None]:
+    """A GGUF model's image path from its vision projector file (`gguf/mmproj.py`); (None,
+    None) when it has none, as a text model. A projector named by --mmproj that cannot be
+    used is a load error; one found beside the model leaves the text served and images
+    refused with the reason (logged)."""
+    import tempfile
+
+    from macinfer.gguf.mmproj import MmprojError, find_mmproj, read_projector
+    from macinfer.vision.support import load_vision
+
+    given = engine.config.mmproj
+    try:
+        path = find_mmproj(engine.loaded.source, given)
+    except MmprojError as e:
+        raise ValueError(str(e)) from None
+    if path is None:
+        return None, None
+    if not engine.config.images:
+        return None, "it is served text-only (images off)"
+    model = engine.model
+    embed = getattr(model, "embed_module", lambda: None)()
+    why = None if embed is not None else "its language model takes no embeddings in place of tokens"
+    with tempfile.TemporaryDirectory(prefix="macinfer-mmproj-") as folder:
+        try:
+            config, vlm = read_projector(path, engine.loaded.config, engine.tokenizer, folder, model.kv_dtype()) \
+                if why is None else (None, None)
+        except MmprojError as e:
+            why = str(e)
+        if why is None:
+            vision, why = load_vision(folder, config, engine.tokenizer, embed, model.kv_dtype(),
+                                      cache_bytes=engine.config.encoder_cache_mb * 2**20, prepared=vlm)
+    if why is not None:
+        why = why if why.startswith(os.path.basename(path)) else f"{os.path.basename(path)}: {why}"
+        if given:
+            raise ValueError(f"--mmproj {why}")
+        log.warning("images are off: the vision projector beside the model: %s", why)
+        return None, why
+    log.info("images: the vision projector %s", os.path.basename(path))
+    vision.projector = path
+    return _install(engine, vision, config)
+
+
+def _install(engine: Any, vision: Any, config: dict[str, Any]) -> tuple[Any, str | None]:
+    """The language model made to run `vision`'s rules (multimodal RoPE, DeepStack, ...)."""
+    model = engine.model
     if engine.dist is not None and vision.lora is not None:
         return None, "its vision LoRA is not served over --distributed ranks (each rank holds a share of its layers)"
     if vision.mrope is not None:

@@ -126,7 +126,7 @@ def _byte_level_bpe(meta: dict[str, Any]) -> Tokenizer:
             + ". Its split rules are unknown here, and a guess would tokenize text differently from the model's training."
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # (a byte vocabulary has none)
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]()

@@ -142,10 +142,11 @@ class VisionEncoder:
     @classmethod
     def load(cls, path: str, embed: nn.Module, image_token_id: int, dtype: mx.Dtype,
              cache_bytes: int = 256 * 2**20, mrope: bool = False, deepstack: bool = False,
-             normed_rows: bool = False) -> "VisionEncoder":
+             normed_rows: bool = False, prepared: nn.Module | None = None) -> "VisionEncoder":
         from mlx_vlm.utils import load_model
 
-        vlm = load_model(Path(path), lazy=True)  # lazy: the language model's weights are never read
+        # lazy: the language model's weights are never read (`prepared`: a model built elsewhere)
+        vlm = prepared if prepared is not None else load_model(Path(path), lazy=True)
         raw = rope_index = None
         if mrope and vlm.config.model_type == "hunyuan_vl":  # HunyuanOCR's XD-RoPE (transformers' rule)
             text = vlm.config.text_config

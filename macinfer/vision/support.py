@@ -39,11 +39,15 @@ class Vision:
     prefix_lm: bool = False  # the whole prompt attends both ways (PaliGemma)
     token_embed_scale: float = 1.0  # what given text rows are multiplied by (`SCALED_TEXT_ROWS`)
     lora: Any = None  # the LoRA image prompts run under (`MODALITY_LORA`; a `LoraAdapter`)
+    projector: str | None = None  # a GGUF model's vision projector file (`gguf/mmproj.py`)
 
 
 def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, dtype: mx.Dtype,
-                limits: ImageLimits | None = None, cache_bytes: int = 256 * 2**20) -> tuple[Vision | None, str | None]:
-    """(the image path, None) for a checkpoint whose family runs, else (None, why not)."""
+                limits: ImageLimits | None = None, cache_bytes: int = 256 * 2**20,
+                prepared: Any = None) -> tuple[Vision | None, str | None]:
+    """(the image path, None) for a checkpoint whose family runs, else (None, why not).
+    `prepared`: the family's mlx-vlm model already holding its tower and projector (a GGUF's
+    projector file, `gguf/mmproj.py`); else they are read from `path`."""
     if not is_vision_config(config):
         return None, None
     why = verdict(config)
@@ -86,7 +90,7 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         deepstack = deepstack_layers(config)
         encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None,
                                      deepstack=config.get("model_type") in DEEPSTACK_FAMILIES,
-                                     normed_rows=family(config) in NORMED_ROWS)
+                                     normed_rows=family(config) in NORMED_ROWS, prepared=prepared)
         if family(config) in SENTINEL_FAMILIES:
             encoder.sentinel, processor.sentinel_rows = True, encoder.sentinel_rows
         encoder.alone = family(config) in ONE_IMAGE_MERGES

@@ -1,0 +1,193 @@
+"""A GGUF model's vision projector (llama.cpp's `mmproj-*.gguf`: the vision tower and the
+projector of a vision checkpoint, `general.architecture = clip`), read back into the
+checkpoint layout mlx-vlm loads, so a GGUF vision model takes images through the same
+path as an MLX folder (`vision/support.py`).
+
+The tensors are named by llama.cpp's own name map (the `gguf` package's `TensorNameMap`,
+which its converter writes them by), undoing what the converter does beyond renaming
+(4D convolution weights kept in PyTorch's layout, Gemma 3's `soft_emb_norm` stored + 1).
+The processor is built from the file's hyperparameters (image size, mean, std) with the
+family's own processor class, and the tokenizer read from the model's GGUF (its files
+written into a temporary directory at load, where the processor loading reads them, and
+removed after). The weights go straight into the family's mlx-vlm model.
+
+Projector types that run: `PROJECTORS` (others are refused with the type named).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from macinfer.gguf.file import GGUFFile
+
+
+class MmprojError(ValueError):
+    """Why a GGUF's vision projector cannot be used (a load-time reason)."""
+
+
+def find_mmproj(model_path: str, given: str | None) -> str | None:
+    """The projector file: `given` (`--mmproj`), else the one `mmproj*.gguf` beside the model
+    file (LM Studio's and the GGUF repos' layout); None when there is none."""
+    if given:
+        if not os.path.isfile(given):
+            raise MmprojError(f"--mmproj {given}: no such file")
+        return given
+    found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(model_path)), "*mmproj*.gguf")))
+    if len(found) > 1:
+        raise MmprojError(f"{len(found)} vision projectors beside the model ({', '.join(map(os.path.basename, found))}):"
+                          " name one with --mmproj")
+    return found[0] if found else None
+
+
+def _meta(f: GGUFFile, key: str, default: Any = None) -> Any:
+    value = f.metadata.get(key, default)
+    if value is None:
+        raise MmprojError(f"{os.path.basename(f.path)}: its metadata has no {key}")
+    return value
+
+
+@dataclass(frozen=True)
+class Projector:
+    """How one llama.cpp projector type maps back onto an mlx-vlm family."""
+    model_type: str  # mlx-vlm's
+    config: Callable[[GGUFFile, dict[str, Any], Any], dict[str, Any]]  # (mmproj, text config, tokenizer) -> config
+    processor: Callable[[GGUFFile, dict[str, Any], Any], Any]  # (mmproj, config, HF tokenizer) -> processor
+    fix: Callable[[str, np.ndarray], np.ndarray] = lambda name, x: x  # a tensor as the checkpoint holds it
+
+
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+
+
+def _token_id(tokenizer: Any, token: str) -> int:
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if tid is None or tid == tokenizer.unk_token_id:
+        raise MmprojError(f"the model's vocabulary has no {token} token, which its projector's prompts need")
+    return int(tid)
+
+
+def _gemma3_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    size, patch = int(_meta(f, "clip.vision.image_size")), int(_meta(f, "clip.vision.patch_size"))
+    scale = int(f.metadata.get("clip.vision.projector.scale_factor", 4))  # (the converter writes it when not 4)
+    tokens = (size // patch // scale) ** 2
+    vision = {"model_type": "siglip_vision_model", "image_size": size, "patch_size": patch,
+              "hidden_size": int(_meta(f, "clip.vision.embedding_length")),
+              "intermediate_size": int(_meta(f, "clip.vision.feed_forward_length")),
+              "num_hidden_layers": int(_meta(f, "clip.vision.block_count")),
+              "num_attention_heads": int(_meta(f, "clip.vision.attention.head_count")),
+              "layer_norm_eps": float(f.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-6))}
+    ids = {k.replace("_token", "_token_index"): _token_id(tokenizer, t) for k, t in GEMMA3_TOKENS.items()}
+    # (transformers' Gemma3TextConfig, which the processor's loading builds, takes the scalar as an int)
+    text = {**text, "query_pre_attn_scalar": int(text["query_pre_attn_scalar"]), "mm_tokens_per_image": tokens}
+    return {"model_type": "gemma3", "text_config": text, "vision_config": vision,
+            "mm_tokens_per_image": tokens, **ids, "hidden_size": text["hidden_size"],
+            "vocab_size": text["vocab_size"], "eos_token_id": text.get("eos_token_id")}
+
+
+def _gemma3_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+    from mlx_vlm.models.gemma3.processing_gemma3 import Gemma3Processor
+    from transformers import Gemma3ImageProcessor
+
+    size = config["vision_config"]["image_size"]
+    images = Gemma3ImageProcessor(size={"height": size, "width": size},
+                                  image_mean=[float(x) for x in _meta(f, "clip.vision.image_mean")],
+                                  image_std=[float(x) for x in _meta(f, "clip.vision.image_std")])
+    return Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=config["mm_tokens_per_image"],
+                           chat_template=tokenizer.chat_template)
+
+
+def _gemma3_fix(name: str, x: np.ndarray) -> np.ndarray:
+    # llama.cpp's converter stores the projector's RMSNorm as 1 + w (Gemma's rule); the tower's are plain.
+    return x - 1 if name.endswith("soft_emb_norm.weight") else x
+
+
+PROJECTORS: dict[str, Projector] = {
+    "gemma3": Projector("gemma3", _gemma3_config, _gemma3_processor, _gemma3_fix),
+}
+NAMED_TOKENS = {"gemma3": GEMMA3_TOKENS}  # the tokens a family's processor finds by name on its tokenizer
+
+
+def projector_type(f: GGUFFile) -> str:
+    if f.metadata.get("general.architecture") != "clip":
+        raise MmprojError(f"{os.path.basename(f.path)}: not a vision projector (its architecture is "
+                          f"{f.metadata.get('general.architecture')!r}, an mmproj file's is 'clip')")
+    if not f.metadata.get("clip.has_vision_encoder", True):
+        raise MmprojError(f"{os.path.basename(f.path)}: a projector without a vision encoder (audio only)")
+    kind = f.metadata.get("clip.vision.projector_type") or f.metadata.get("clip.projector_type")
+    if kind not in PROJECTORS:
+        raise MmprojError(f"{os.path.basename(f.path)}: its projector type {kind!r} is not read yet (macinfer reads "
+                          f"{', '.join(sorted(PROJECTORS))}); the model's text runs without images")
+    return kind
+
+
+def _hf_tokenizer(wrapper: Any, kind: str) -> Any:
+    """The model's tokenizer (from its GGUF) with the special tokens the family's processor
+    looks up by name."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = wrapper.hf
+    special = {k: getattr(hf, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if getattr(hf, k, None)}
+    out = PreTrainedTokenizerFast(tokenizer_object=hf.backend_tokenizer, clean_up_tokenization_spaces=False,
+                                  extra_special_tokens=NAMED_TOKENS.get(kind, {}), **special)
+    out.chat_template = hf.chat_template
+    return out
+
+
+def vision_model(f: GGUFFile, config: dict[str, Any], fix: Callable[[str, np.ndarray], np.ndarray],
+                 dtype: mx.Dtype) -> Any:
+    """The family's mlx-vlm model (its language model left lazy: never computed, never read)
+    with every tower and projector parameter found in the projector file by llama.cpp's name
+    map, in mlx-vlm's layout."""
+    import gguf
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    module, _ = get_model_and_args(config)
+    conf = update_module_configs(module.ModelConfig.from_dict(config), module, config,
+                                 ["text", "vision", "perceiver", "projector", "audio"])
+    model = module.Model(conf)
+    wanted = {k: v.shape for k, v in tree_flatten(model.parameters()) if not k.startswith("language_model.")}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, config["vision_config"]["num_hidden_layers"])
+    out, missing = {}, []
+    for key, shape in wanted.items():
+        # (the converter's own renaming first: a bare `*_weight` parameter is `*.weight`)
+        hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if name is None or name not in f.tensors:
+            missing.append(f"{key} ({name or 'no llama.cpp name'})")
+            continue
+        x = fix(name, np.asarray(f.dequantize(name), dtype=np.float32))
+        if x.ndim == 4:  # a convolution, in PyTorch's [out, in, kh, kw]: MLX's is [out, kh, kw, in]
+            x = x.transpose(0, 2, 3, 1)
+        if tuple(x.shape) != tuple(shape):
+            raise MmprojError(f"{os.path.basename(f.path)}: {name} has shape {tuple(x.shape)}, the model's "
+                              f"{key} needs {tuple(shape)}")
+        out[key] = mx.array(x).astype(dtype)
+    if missing:
+        raise MmprojError(f"{os.path.basename(f.path)}: {len(missing)} tensor(s) the {config['model_type']} "
+                          f"tower needs are not in it: {', '.join(missing[:4])}")
+    model.load_weights(list(out.items()), strict=False)  # (the language model's are the GGUF's own)
+    return model
+
+
+def read_projector(mmproj: str, text_config: dict[str, Any], tokenizer: Any, folder: str,
+                   dtype: mx.Dtype) -> tuple[dict[str, Any], Any]:
+    """(the checkpoint's config, the family's mlx-vlm model holding the tower and projector),
+    with the config and the processor's and tokenizer's files written into `folder`, where
+    the image path's processor loading reads them. Raises MmprojError with the reason."""
+    f = GGUFFile(mmproj)
+    kind = projector_type(f)
+    recipe = PROJECTORS[kind]
+    hf = _hf_tokenizer(tokenizer, kind)
+    config = recipe.config(f, text_config, hf)
+    model = vision_model(f, config, recipe.fix, dtype)
+    with open(os.path.join(folder, "config.json"), "w") as out:
+        json.dump(config, out)
+    recipe.processor(f, config, hf).save_pretrained(folder)
+    return config, model

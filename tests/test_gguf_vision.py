@@ -1,0 +1,130 @@
+"""A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
+(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3 built with mlx-vlm's
+classes, take images and give mlx-vlm's tokens on the original checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import mlx.core as mx
+import pytest
+
+from macinfer import LLM
+from tests.gguf_writer import arch_tensors, hf_tokenizer_meta, write_gguf, write_mmproj
+from tests.vision_models import FIRST, GREEDY, ask, both_ways_greedy, picture, tiny_vlm_dir
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory):
+    """(the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
+    from transformers import AutoProcessor
+
+    from tests.helpers import make_mlx_lm_model
+
+    base = tmp_path_factory.mktemp("gguf-vision")
+    # Six layers: llama.cpp fixes Gemma 3's pattern (every 6th global), and mlx-lm's class reads layer 6's cache.
+    folder = tiny_vlm_dir(base, "gemma3", text={"num_hidden_layers": 6, "sliding_window_pattern": 6})
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    weights = mx.load(os.path.join(folder, "model.safetensors"))
+    text = {**cfg["text_config"], "tie_word_embeddings": True}
+    lm = make_mlx_lm_model(text)
+    lm.load_weights(list(lm.sanitize({k[len("language_model."):]: v for k, v in weights.items()
+                                      if k.startswith("language_model.")}).items()))  # (its head: the embedding)
+    processor = AutoProcessor.from_pretrained(folder)
+    out = base / "gguf"
+    out.mkdir()
+    text = {**text, "rope_theta": lm.args.rope_theta}
+    tensors = {k: v for k, v in arch_tensors("gemma3", text, lm).items() if k != "output.weight"}  # (tied)
+    write_gguf(str(out / "gemma3-tiny-F32.gguf"), text, tensors, arch="gemma3",
+               extra_meta={"gemma3.attention.sliding_window": text["sliding_window"]},
+               tokenizer=hf_tokenizer_meta(processor.tokenizer))
+    size, patch = cfg["vision_config"]["image_size"], cfg["vision_config"]["patch_size"]
+    write_mmproj(str(out / "mmproj-gemma3-tiny-F32.gguf"), "gemma3", cfg["vision_config"],
+                 {k: v for k, v in weights.items() if not k.startswith("language_model.")}, text["hidden_size"],
+                 processor.image_processor.image_mean, processor.image_processor.image_std,
+                 scale_factor=(size // patch) // int(cfg["text_config"]["mm_tokens_per_image"] ** 0.5))
+    return folder, out
+
+
+def test_a_gguf_with_its_mmproj_beside_it_gives_mlx_vlm_tokens(gemma3_gguf, tmp_path):
+    folder, out = gemma3_gguf
+    llm = LLM(str(out / "gemma3-tiny-F32.gguf"), kv_cache_gb=0.01, max_model_len=512)
+    try:
+        rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "what is it"}]}])
+        tokens, logprobs = both_ways_greedy(folder, rendered, [picture(0)], 8)
+        assert llm.chat(ask("what is it", picture(0)), GREEDY).token_ids == tokens
+        first = [llm.chat(ask("what is it", picture(i)), FIRST).logprobs[0].top for i in (0, 1)]
+        assert first[0] != first[1]  # the image is used
+        assert max(abs(lp - logprobs[t]) for t, lp in first[0]) < 1e-4
+        expected = llm.chat(ask("what is it", picture(0)), GREEDY).text
+    finally:
+        llm.close()
+    # The CLI, the projector named (llama.cpp's flag)
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    png = tmp_path / "p.png"
+    picture(0).save(png)
+    r = CliRunner().invoke(main, ["generate", str(out / "gemma3-tiny-F32.gguf"), "--mmproj",
+                                  str(out / "mmproj-gemma3-tiny-F32.gguf"), "-p", "what is it", "--image", str(png),
+                                  "--temperature", "0", "-n", "8", "--kv-cache-gb", "0.01", "--max-model-len", "512"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith(expected)
+
+
+def test_mmproj_problems_are_load_errors_or_reasons(gemma3_gguf, tmp_path):
+    import gguf
+
+    from macinfer.gguf.file import GGUFFile
+
+    folder, out = gemma3_gguf
+    model, mmproj = str(out / "gemma3-tiny-F32.gguf"), str(out / "mmproj-gemma3-tiny-F32.gguf")
+    # A projector type not read yet: named in the error when asked for, a reason beside the model.
+    other = tmp_path / "beside"
+    other.mkdir()
+    shutil.copy(model, other / "m.gguf")
+    f = GGUFFile(mmproj)
+    w = gguf.GGUFWriter(str(other / "mmproj-m.gguf"), "clip")
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("qwen2.5vl_merger")
+    w.add_tensor("v.post_ln.weight", f.dequantize("v.post_ln.weight").copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    llm = LLM(str(other / "m.gguf"), kv_cache_gb=0.01, max_model_len=512)
+    try:
+        assert "qwen2.5vl_merger" in llm.engine.vision_refusal
+        with pytest.raises(ValueError, match="qwen2.5vl_merger"):
+            llm.chat(ask("what is it", picture(0)), GREEDY)
+        assert llm.generate("hello", GREEDY)[0].token_ids  # the text still runs
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="--mmproj .*qwen2.5vl_merger"):
+        LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=str(other / "mmproj-m.gguf"))
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+
+    r = CliRunner().invoke(main, ["generate", model, "--mmproj", str(other / "mmproj-m.gguf"), "-p", "hi", "-n", "2",
+                                  "--kv-cache-gb", "0.01", "--max-model-len", "512"])
+    assert r.exit_code == 1 and "qwen2.5vl_merger" in r.output and "Traceback" not in r.output, r.output
+    # The language model's GGUF given as the projector; a projector missing a tower tensor.
+    with pytest.raises(ValueError, match="not a vision projector"):
+        LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=model)
+    with open(os.path.join(folder, "config.json")) as fh:
+        vision = json.load(fh)["vision_config"]
+    weights = {k: v for k, v in mx.load(os.path.join(folder, "model.safetensors")).items()
+               if not k.startswith("language_model.") and "post_layernorm.weight" not in k}
+    write_mmproj(str(tmp_path / "short.gguf"), "gemma3", vision, weights, 64, [0.5] * 3, [0.5] * 3, scale_factor=2)
+    with pytest.raises(ValueError, match=r"needs are not in it: .*post_layernorm.weight \(v.post_ln.weight\)"):
+        LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=str(tmp_path / "short.gguf"))
+    # Two projectors beside the model: ambiguous, name one.
+    shutil.copy(mmproj, other / "mmproj-m-2.gguf")
+    with pytest.raises(ValueError, match="name one with --mmproj"):
+        LLM(str(other / "m.gguf"), kv_cache_gb=0.01, max_model_len=512)
