@@ -402,13 +402,18 @@ def hf_tokenizer_meta(hf) -> dict:
 
 
 def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hidden: int, image_mean: list,
-                 image_std: list, scale_factor: int | None = None) -> None:
+                 image_std: list, scale_factor: int | None = None, name: str | None = None,
+                 preproc_image_size: int | None = None) -> None:
     """A vision projector file as llama.cpp's converter writes one (`general.architecture` clip):
     `weights` in mlx-vlm's names and layout, named by llama.cpp's tensor map (a bare `*_weight`
     parameter as `*.weight`), convolutions in PyTorch's layout, Gemma 3's `soft_emb_norm` + 1."""
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
     w = gguf.GGUFWriter(path, "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
+    if name:
+        w.add_name(name)
+    if preproc_image_size:
+        w.add_vision_preproc_image_size(preproc_image_size)
     w.add_clip_has_vision_encoder(True)
     w.add_clip_projector_type(projector)
     w.add_vision_projection_dim(text_hidden)
@@ -427,7 +432,8 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
     tensors = {}
     for key, value in weights.items():
         hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
-        name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        name = tmap.get_name(hf, try_suffixes=(".weight", ".bias")) or \
+            tmap.get_name("model." + hf, try_suffixes=(".weight", ".bias"))  # (HF's Idefics3 names)
         assert name is not None, f"no llama.cpp name for {key}"
         x = np.array(value.astype(mx.float32), dtype=np.float32)
         if x.ndim == 4:

@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
-(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3 built with mlx-vlm's
-classes, take images and give mlx-vlm's tokens on the original checkpoint."""
+(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3 or SmolVLM built with
+mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
 
@@ -12,55 +12,74 @@ import mlx.core as mx
 import pytest
 
 from macinfer import LLM
+from macinfer.sampling_params import SamplingParams
 from tests.gguf_writer import arch_tensors, hf_tokenizer_meta, write_gguf, write_mmproj
-from tests.vision_models import FIRST, GREEDY, ask, both_ways_greedy, picture, tiny_vlm_dir
+from tests.vision_models import BOTH_WAYS, FIRST, GREEDY, ask, both_ways_greedy, mlx_vlm_greedy, picture, tiny_vlm_dir
 
 
-@pytest.fixture(scope="module")
-def gemma3_gguf(tmp_path_factory):
-    """(the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
-    from transformers import AutoProcessor
-
+def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, tokenizer) -> None:
+    """The checkpoint's language model as llama.cpp's converter writes it (Gemma 3: tied, its
+    norms + 1; Llama: Q/K rows permuted), with the checkpoint's tokenizer and template."""
+    from tests.gguf_writer import llama_tensors
     from tests.helpers import make_mlx_lm_model
 
+    text = {**cfg["text_config"], **({"tie_word_embeddings": True} if family == "gemma3" else {})}
+    lm = make_mlx_lm_model(text)
+    own = {k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")}
+    # (Idefics3's language model holds its layers at its top; Gemma's head is its embedding)
+    own = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in own.items()}
+    lm.load_weights(list(lm.sanitize(own).items()))
+    text = {**text, "rope_theta": lm.args.rope_theta}
+    if family == "gemma3":
+        tensors = {k: v for k, v in arch_tensors("gemma3", text, lm).items() if k != "output.weight"}  # (tied)
+        write_gguf(path, text, tensors, arch="gemma3", tokenizer=hf_tokenizer_meta(tokenizer),
+                   extra_meta={"gemma3.attention.sliding_window": text["sliding_window"]})
+    else:
+        write_gguf(path, text, llama_tensors(text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
+
+
+@pytest.fixture(scope="module", params=["gemma3", "smolvlm"])
+def vision_gguf(tmp_path_factory, request):
+    """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
+    from transformers import AutoProcessor
+
+    family = request.param
     base = tmp_path_factory.mktemp("gguf-vision")
-    # Six layers: llama.cpp fixes Gemma 3's pattern (every 6th global), and mlx-lm's class reads layer 6's cache.
-    folder = tiny_vlm_dir(base, "gemma3", text={"num_hidden_layers": 6, "sliding_window_pattern": 6})
+    # Gemma 3 in six layers: llama.cpp fixes its pattern (every 6th global), and mlx-lm's class
+    # reads layer 6's cache.
+    folder = tiny_vlm_dir(base, family, text={"num_hidden_layers": 6, "sliding_window_pattern": 6}
+                          if family == "gemma3" else None)
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     weights = mx.load(os.path.join(folder, "model.safetensors"))
-    text = {**cfg["text_config"], "tie_word_embeddings": True}
-    lm = make_mlx_lm_model(text)
-    lm.load_weights(list(lm.sanitize({k[len("language_model."):]: v for k, v in weights.items()
-                                      if k.startswith("language_model.")}).items()))  # (its head: the embedding)
     processor = AutoProcessor.from_pretrained(folder)
     out = base / "gguf"
     out.mkdir()
-    text = {**text, "rope_theta": lm.args.rope_theta}
-    tensors = {k: v for k, v in arch_tensors("gemma3", text, lm).items() if k != "output.weight"}  # (tied)
-    write_gguf(str(out / "gemma3-tiny-F32.gguf"), text, tensors, arch="gemma3",
-               extra_meta={"gemma3.attention.sliding_window": text["sliding_window"]},
-               tokenizer=hf_tokenizer_meta(processor.tokenizer))
-    size, patch = cfg["vision_config"]["image_size"], cfg["vision_config"]["patch_size"]
-    write_mmproj(str(out / "mmproj-gemma3-tiny-F32.gguf"), "gemma3", cfg["vision_config"],
-                 {k: v for k, v in weights.items() if not k.startswith("language_model.")}, text["hidden_size"],
-                 processor.image_processor.image_mean, processor.image_processor.image_std,
-                 scale_factor=(size // patch) // int(cfg["text_config"]["mm_tokens_per_image"] ** 0.5))
-    return folder, out
+    _text_gguf(str(out / f"{family}-tiny-F32.gguf"), family, folder, cfg, weights, processor.tokenizer)
+    vision = cfg["vision_config"]
+    tokens = cfg["text_config"]["mm_tokens_per_image"] if family == "gemma3" else None
+    scale = (vision["image_size"] // vision["patch_size"]) // int(tokens ** 0.5) if tokens else cfg["scale_factor"]
+    write_mmproj(str(out / f"mmproj-{family}-tiny-F32.gguf"), "gemma3" if family == "gemma3" else "idefics3", vision,
+                 {k: v for k, v in weights.items() if not k.startswith("language_model.")},
+                 cfg["text_config"]["hidden_size"], processor.image_processor.image_mean,
+                 processor.image_processor.image_std, scale_factor=scale, name=f"{family} tiny",
+                 preproc_image_size=None if family == "gemma3" else processor.image_processor.size["longest_edge"])
+    return family, folder, out
 
 
-def test_a_gguf_with_its_mmproj_beside_it_gives_mlx_vlm_tokens(gemma3_gguf, tmp_path):
-    folder, out = gemma3_gguf
-    llm = LLM(str(out / "gemma3-tiny-F32.gguf"), kv_cache_gb=0.01, max_model_len=512)
+def test_a_gguf_with_its_mmproj_beside_it_gives_mlx_vlm_tokens(vision_gguf, tmp_path):
+    family, folder, out = vision_gguf
+    llm = LLM(str(out / f"{family}-tiny-F32.gguf"), kv_cache_gb=0.01, max_model_len=512)
     try:
         rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": "what is it"}]}])
-        tokens, logprobs = both_ways_greedy(folder, rendered, [picture(0)], 8)
+        reference = both_ways_greedy if family in BOTH_WAYS else mlx_vlm_greedy
+        tokens, logprobs = reference(folder, rendered, [picture(0)], 8)
         assert llm.chat(ask("what is it", picture(0)), GREEDY).token_ids == tokens
         first = [llm.chat(ask("what is it", picture(i)), FIRST).logprobs[0].top for i in (0, 1)]
         assert first[0] != first[1]  # the image is used
         assert max(abs(lp - logprobs[t]) for t, lp in first[0]) < 1e-4
-        expected = llm.chat(ask("what is it", picture(0)), GREEDY).text
+        expected = llm.chat(ask("what is it", picture(0)), SamplingParams(temperature=0, max_tokens=8)).text
     finally:
         llm.close()
     # The CLI, the projector named (llama.cpp's flag)
@@ -70,19 +89,20 @@ def test_a_gguf_with_its_mmproj_beside_it_gives_mlx_vlm_tokens(gemma3_gguf, tmp_
 
     png = tmp_path / "p.png"
     picture(0).save(png)
-    r = CliRunner().invoke(main, ["generate", str(out / "gemma3-tiny-F32.gguf"), "--mmproj",
-                                  str(out / "mmproj-gemma3-tiny-F32.gguf"), "-p", "what is it", "--image", str(png),
+    r = CliRunner().invoke(main, ["generate", str(out / f"{family}-tiny-F32.gguf"), "--mmproj",
+                                  str(out / f"mmproj-{family}-tiny-F32.gguf"), "-p", "what is it", "--image", str(png),
                                   "--temperature", "0", "-n", "8", "--kv-cache-gb", "0.01", "--max-model-len", "512"])
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith(expected)
 
 
-def test_mmproj_problems_are_load_errors_or_reasons(gemma3_gguf, tmp_path):
+@pytest.mark.parametrize("vision_gguf", ["gemma3"], indirect=True)  # (checked on one family's files)
+def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
     import gguf
 
     from macinfer.gguf.file import GGUFFile
 
-    folder, out = gemma3_gguf
+    family, folder, out = vision_gguf
     model, mmproj = str(out / "gemma3-tiny-F32.gguf"), str(out / "mmproj-gemma3-tiny-F32.gguf")
     # A projector type not read yet: named in the error when asked for, a reason beside the model.
     other = tmp_path / "beside"

@@ -56,7 +56,6 @@ def _meta(f: GGUFFile, key: str, default: Any = None) -> Any:
 @dataclass(frozen=True)
 class Projector:
     """How one llama.cpp projector type maps back onto an mlx-vlm family."""
-    model_type: str  # mlx-vlm's
     config: Callable[[GGUFFile, dict[str, Any], Any], dict[str, Any]]  # (mmproj, text config, tokenizer) -> config
     processor: Callable[[GGUFFile, dict[str, Any], Any], Any]  # (mmproj, config, HF tokenizer) -> processor
     fix: Callable[[str, np.ndarray], np.ndarray] = lambda name, x: x  # a tensor as the checkpoint holds it
@@ -107,8 +106,50 @@ def _gemma3_fix(name: str, x: np.ndarray) -> np.ndarray:
     return x - 1 if name.endswith("soft_emb_norm.weight") else x
 
 
+def _idefics3_type(f: GGUFFile) -> str:
+    """SmolVLM and Idefics3 share llama.cpp's projector type; the file's name tells them apart."""
+    name = f"{f.metadata.get('general.name', '')} {f.metadata.get('general.basename', '')}".lower()
+    return "smolvlm" if "smolvlm" in name else "idefics3"
+
+
+def _idefics3_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    kind = _idefics3_type(f)
+    vision = {"model_type": f"{kind}_vision", "image_size": int(_meta(f, "clip.vision.image_size")),
+              "patch_size": int(_meta(f, "clip.vision.patch_size")),
+              "hidden_size": int(_meta(f, "clip.vision.embedding_length")),
+              "intermediate_size": int(_meta(f, "clip.vision.feed_forward_length")),
+              "num_hidden_layers": int(_meta(f, "clip.vision.block_count")),
+              "num_attention_heads": int(_meta(f, "clip.vision.attention.head_count")),
+              "layer_norm_eps": float(f.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-5))}
+    return {"model_type": kind, "text_config": text, "vision_config": vision,
+            "scale_factor": int(f.metadata.get("clip.vision.projector.scale_factor", 2)),
+            "image_token_id": _token_id(tokenizer, "<image>"), "vocab_size": text["vocab_size"],
+            "eos_token_id": text.get("eos_token_id")}
+
+
+def _idefics3_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+    from mlx_vlm.models.idefics3.processing_idefics3 import Idefics3Processor
+    from mlx_vlm.models.smolvlm.processing_smolvlm import SmolVLMProcessor
+    from transformers import Idefics3ImageProcessor, SmolVLMImageProcessor
+
+    vision = config["vision_config"]
+    size = vision["image_size"]
+    longest = int(f.metadata.get("clip.vision.preproc_image_size", size))
+    image_class, processor_class = ((SmolVLMImageProcessor, SmolVLMProcessor) if config["model_type"] == "smolvlm"
+                                    else (Idefics3ImageProcessor, Idefics3Processor))
+    # Split into tiles when the preprocessor's edge is past the tower's, as llama.cpp does.
+    images = image_class(do_image_splitting=longest > size, size={"longest_edge": longest},
+                         max_image_size={"longest_edge": size},
+                         image_mean=[float(x) for x in _meta(f, "clip.vision.image_mean")],
+                         image_std=[float(x) for x in _meta(f, "clip.vision.image_std")])
+    tokens = (size // vision["patch_size"]) ** 2 // config["scale_factor"] ** 2
+    return processor_class(image_processor=images, tokenizer=tokenizer, image_seq_len=tokens,
+                           chat_template=tokenizer.chat_template)
+
+
 PROJECTORS: dict[str, Projector] = {
-    "gemma3": Projector("gemma3", _gemma3_config, _gemma3_processor, _gemma3_fix),
+    "gemma3": Projector(_gemma3_config, _gemma3_processor, _gemma3_fix),
+    "idefics3": Projector(_idefics3_config, _idefics3_processor),  # (and SmolVLM)
 }
 NAMED_TOKENS = {"gemma3": GEMMA3_TOKENS}  # the tokens a family's processor finds by name on its tokenizer
 
@@ -158,7 +199,9 @@ def vision_model(f: GGUFFile, config: dict[str, Any], fix: Callable[[str, np.nda
     for key, shape in wanted.items():
         # (the converter's own renaming first: a bare `*_weight` parameter is `*.weight`)
         hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
-        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        # mlx-vlm's name, else the checkpoint's it was sanitized from (Idefics3's under `model.`)
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias")) or \
+            names.get_name("model." + hf, try_suffixes=(".weight", ".bias"))
         if name is None or name not in f.tensors:
             missing.append(f"{key} ({name or 'no llama.cpp name'})")
             continue
