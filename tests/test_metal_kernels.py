@@ -102,23 +102,24 @@ def _quantized(pool: np.ndarray, bits: int, group: int):
 
 
 # Quantized pools read in place: K and V bits (8, 4, 3: a 3-bit value straddles words; K8V4),
-# their group size, and the split-K launch (partition 32) for long contexts.
+# their group sizes (8 bits: a row of 128 one group, its default), and the split-K launch
+# (partition 32) for long contexts.
 QUANTIZED = [
-    # (k bits, v bits, group, B, KVH, GQA, D, context lengths, partition size)
-    (8, 8, 64, 2, 2, 2, 64, [16, 33], 512),
-    (4, 4, 32, 3, 1, 4, 128, [7, 50, 129], 32),
-    (3, 3, 32, 2, 2, 1, 64, [40, 90], 512),
-    (8, 4, 64, 2, 1, 4, 128, [95, 300], 64),
+    # (k bits, v bits, k group, v group, B, KVH, GQA, D, context lengths, partition size)
+    (8, 8, 64, 64, 2, 2, 2, 64, [16, 33], 512),
+    (4, 4, 32, 32, 3, 1, 4, 128, [7, 50, 129], 32),
+    (3, 3, 32, 32, 2, 2, 1, 64, [40, 90], 512),
+    (8, 4, 128, 64, 2, 1, 4, 128, [95, 300], 64),
 ]
 
 
-@pytest.mark.parametrize("kbits,vbits,group,B,KVH,GQA,D,lens,part", QUANTIZED)
-def test_decode_kernel_reads_quantized_pools(kbits, vbits, group, B, KVH, GQA, D, lens, part):
+@pytest.mark.parametrize("kbits,vbits,kgroup,vgroup,B,KVH,GQA,D,lens,part", QUANTIZED)
+def test_decode_kernel_reads_quantized_pools(kbits, vbits, kgroup, vgroup, B, KVH, GQA, D, lens, part):
     from macinfer.kernels.paged_attention import quantized_decode_calls
 
     q, kp, vp, tables, lens_ = paged_case(B, KVH, GQA, D, lens)
-    kq, k_back = _quantized(kp, kbits, group)
-    vq, v_back = _quantized(vp, vbits, group)
+    kq, k_back = _quantized(kp, kbits, kgroup)
+    vq, v_back = _quantized(vp, vbits, vgroup)
     calls = quantized_decode_calls(mx.array(q), kq, vq, KVH, mx.array(tables), mx.array(lens_), D**-0.5, BS,
                                    max(lens), partition_size=part)
     out, _ = emulate_calls(calls)

@@ -62,15 +62,21 @@ def rotation(d: int, dtype: mx.Dtype) -> mx.array:
 KV_GROUP_SIZES = (32, 64, 128)  # what MLX's affine quantization takes
 
 
-def kv_group_size(head_dim: int, configured: int | None = None) -> int:
-    """Values sharing a scale and bias: `configured` (`--kv-group-size`), else 64 where it
-    divides the row (mlx-lm's default), else 32."""
-    return configured or (64 if head_dim % 64 == 0 else 32)
+def kv_group_size(head_dim: int, configured: int | None = None, bits: int | None = None) -> int:
+    """Values sharing a scale and bias: `configured` (`--kv-group-size`), else for 8 bits the
+    widest group that divides the row (a row of 128 one group: 256 levels span a row's range
+    with room, +0.03% perplexity on SmolLM2, whose rows are one group of 64 either way, and
+    1.94x fp16's rows where groups of 64 give 1.88x), else 64 where it divides the row
+    (mlx-lm's default), else 32."""
+    if configured:
+        return configured
+    widths = (128, 64, 32) if bits == 8 else (64, 32)
+    return next((g for g in widths if head_dim % g == 0), 32)
 
 
 def quantized_row_bytes(head_dim: int, scale_itemsize: int, bits: int = 8, group: int | None = None) -> int:
     """Bytes of one quantized row: `bits` a value + a scale and a bias per group."""
-    return head_dim * bits // 8 + 2 * (head_dim // kv_group_size(head_dim, group)) * scale_itemsize
+    return head_dim * bits // 8 + 2 * (head_dim // kv_group_size(head_dim, group, bits)) * scale_itemsize
 
 
 def bytes_per_block(
@@ -189,7 +195,7 @@ class LayerPool:
             return [mx.zeros((rows, d), dtype=self.dtype)]
         if channels:  # a row per (block, head, channel), its block's tokens one group
             rows, d = self.num_blocks * self.num_kv_heads * d, self.block_size
-        groups = d // (self.block_size if channels else kv_group_size(d, self.group))
+        groups = d // (self.block_size if channels else kv_group_size(d, self.group, bits))
         return [mx.zeros((rows, d * bits // 32), dtype=mx.uint32),
                 mx.zeros((rows, groups), dtype=self.dtype), mx.zeros((rows, groups), dtype=self.dtype)]
 
@@ -206,7 +212,7 @@ class LayerPool:
         x = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # one row per (token, head)
         if not self.quantized:
             return [x]
-        return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1], self.group), bits=bits))
+        return list(mx.quantize(x, group_size=kv_group_size(x.shape[-1], self.group, bits), bits=bits))
 
     def block_arrays(self) -> list[tuple[mx.array, int]]:
         """Every pool array with its rows per block (the disk tier copies blocks out and in)."""
@@ -232,7 +238,7 @@ class LayerPool:
     def _decode(self, parts: list[mx.array], d: int, bits: int | None) -> mx.array:
         if not self.quantized:
             return parts[0]
-        return mx.dequantize(*parts, group_size=kv_group_size(d, self.group), bits=bits)
+        return mx.dequantize(*parts, group_size=kv_group_size(d, self.group, bits), bits=bits)
 
     def _blocks(self, pool: mx.array) -> mx.array:
         return pool.reshape(-1, self.num_kv_heads, self.block_size, pool.shape[-1])
@@ -266,7 +272,7 @@ class LayerPool:
 
         def view(parts: list[mx.array], d: int, bits: int) -> QuantizedBlocks:
             w, scales, biases = (p.reshape(-1, self.block_size, p.shape[-1]) for p in parts)
-            return QuantizedBlocks(w, scales, biases, kv_group_size(d, self.group), bits, d)
+            return QuantizedBlocks(w, scales, biases, kv_group_size(d, self.group, bits), bits, d)
 
         if self.channel_keys:
             w, scales, biases = (p.reshape(-1, self.head_dim, p.shape[-1]) for p in self.k)
