@@ -403,7 +403,7 @@ def hf_tokenizer_meta(hf) -> dict:
 
 def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hidden: int, image_mean: list,
                  image_std: list, scale_factor: int | None = None, name: str | None = None,
-                 preproc_image_size: int | None = None) -> None:
+                 preproc_image_size: int | None = None, quant: Q | None = None) -> None:
     """A vision projector file as llama.cpp's converter writes one (`general.architecture` clip):
     `weights` in mlx-vlm's names and layout, named by llama.cpp's tensor map (a bare `*_weight`
     parameter as `*.weight`), convolutions in PyTorch's layout, Gemma 3's `soft_emb_norm` + 1."""
@@ -441,4 +441,7 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
         if name.endswith("soft_emb_norm.weight"):
             x = x + 1
         tensors[name] = x
-    _write_tensors(w, tensors, None)
+    # `quant`: the matrices in that type (the converter's F16 default, or Q8_0 where rows are whole blocks)
+    types = {n: quant for n, x in tensors.items() if quant is not None and x.ndim >= 2
+             and (quant != Q.Q8_0 or x.shape[-1] % 32 == 0)}
+    _write_tensors(w, tensors, types, encode=True)

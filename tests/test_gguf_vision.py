@@ -148,3 +148,30 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
     shutil.copy(mmproj, other / "mmproj-m-2.gguf")
     with pytest.raises(ValueError, match="name one with --mmproj"):
         LLM(str(other / "m.gguf"), kv_cache_gb=0.01, max_model_len=512)
+
+
+@pytest.mark.parametrize("vision_gguf", ["gemma3"], indirect=True)
+def test_f16_and_q8_0_projector_files_load(vision_gguf, tmp_path):
+    """Projector files as they are published: matrices in F16 (the converter's default) or
+    Q8_0, dequantized at load; the first token's distribution stays the F32 file's."""
+    from gguf import GGMLQuantizationType as Q
+
+    family, folder, out = vision_gguf
+    with open(os.path.join(folder, "config.json")) as fh:
+        vision = json.load(fh)["vision_config"]
+    weights = {k: v for k, v in mx.load(os.path.join(folder, "model.safetensors")).items()
+               if not k.startswith("language_model.")}
+    model = str(out / "gemma3-tiny-F32.gguf")
+    first = {}
+    for quant in (None, Q.F16, Q.Q8_0):
+        path = str(out / "mmproj-gemma3-tiny-F32.gguf") if quant is None else str(tmp_path / f"mmproj-{quant.name}.gguf")
+        if quant is not None:
+            write_mmproj(path, "gemma3", vision, weights, 64, [0.5] * 3, [0.5] * 3, scale_factor=2, quant=quant)
+        llm = LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=path)
+        try:
+            first[quant] = dict(llm.chat(ask("what is it", picture(0)), FIRST).logprobs[0].top)
+        finally:
+            llm.close()
+    for quant, tol in ((Q.F16, 1e-3), (Q.Q8_0, 2e-2)):  # (measured 1.5e-4 and 3.7e-3)
+        assert first[quant].keys() == first[None].keys()
+        assert max(abs(first[quant][t] - lp) for t, lp in first[None].items()) < tol, (quant, first)
