@@ -102,7 +102,9 @@ def write_gguf(path: str, config: dict, tensors: dict[str, np.ndarray], quant: d
     w.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
     w.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
     for key, value in (extra_meta or {}).items():
-        if isinstance(value, str):
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
             w.add_string(key, value)
         elif isinstance(value, float):
             w.add_float32(key, value)
@@ -403,11 +405,15 @@ def hf_tokenizer_meta(hf) -> dict:
 
 def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hidden: int, image_mean: list,
                  image_std: list, scale_factor: int | None = None, name: str | None = None,
-                 preproc_image_size: int | None = None, quant: Q | None = None) -> None:
+                 preproc_image_size: int | None = None, quant: Q | None = None, extra: dict | None = None) -> None:
     """A vision projector file as llama.cpp's converter writes one (`general.architecture` clip):
-    `weights` in mlx-vlm's names and layout, named by llama.cpp's tensor map (a bare `*_weight`
-    parameter as `*.weight`), convolutions in PyTorch's layout, Gemma 3's `soft_emb_norm` + 1."""
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    `weights` in mlx-vlm's names and layout, named by llama.cpp's tensor map under the
+    checkpoint's names (a bare `*_weight` parameter as `*.weight`; Idefics3's under `model.`,
+    Qwen-VL's tower under `visual.`), convolutions in PyTorch's layout, Gemma 3's `soft_emb_norm`
+    + 1, a fused `qkv` split into q, k, v and a Conv3D into its two temporal slices (Qwen-VL).
+    `vision`: image_size, patch_size, hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads (layer_norm_eps); `extra`: GGUFWriter's `add_vision_*` calls by suffix."""
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision["num_hidden_layers"], 8))
     w = gguf.GGUFWriter(path, "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
     if name:
@@ -429,17 +435,31 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
     w.add_vision_use_gelu(True)
     if scale_factor is not None:
         w.add_vision_projector_scale_factor(scale_factor)
+    for call, value in (extra or {}).items():
+        getattr(w, f"add_vision_{call}")(value)
+
+    def gguf_name(key: str) -> str:
+        hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
+        for cand in (hf, "model." + hf, hf.replace("vision_tower.", "visual.", 1)):
+            if (found := tmap.get_name(cand, try_suffixes=(".weight", ".bias"))) is not None:
+                return found
+        raise AssertionError(f"no llama.cpp name for {key}")
+
     tensors = {}
     for key, value in weights.items():
-        hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
-        name = tmap.get_name(hf, try_suffixes=(".weight", ".bias")) or \
-            tmap.get_name("model." + hf, try_suffixes=(".weight", ".bias"))  # (HF's Idefics3 names)
-        assert name is not None, f"no llama.cpp name for {key}"
         x = np.array(value.astype(mx.float32), dtype=np.float32)
-        if x.ndim == 4:
-            x = x.transpose(0, 3, 1, 2)
+        if x.ndim in (4, 5):  # MLX's [out, ..., in] -> PyTorch's [out, in, ...]
+            x = np.moveaxis(x, -1, 1)
+        if ".qkv." in key:
+            for part, rows in zip("qkv", np.split(x, 3, axis=0)):
+                tensors[gguf_name(key.replace(".qkv.", f".{part}."))] = rows
+            continue
+        name = gguf_name(key)
         if name.endswith("soft_emb_norm.weight"):
             x = x + 1
+        if x.ndim == 5:  # Conv3D [out, in, t, kh, kw]: one Conv2D per temporal slice
+            tensors[name], tensors[f"{name}.1"] = x[:, :, 0], x[:, :, 1]
+            continue
         tensors[name] = x
     # `quant`: the matrices in that type (the converter's F16 default, or Q8_0 where rows are whole blocks)
     types = {n: quant for n, x in tensors.items() if quant is not None and x.ndim >= 2

@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
-(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3 or SmolVLM built with
-mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
+(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM or Qwen2.5-VL
+built with mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
     from tests.gguf_writer import llama_tensors
     from tests.helpers import make_mlx_lm_model
 
-    text = {**cfg["text_config"], **({"tie_word_embeddings": True} if family == "gemma3" else {})}
-    lm = make_mlx_lm_model(text)
+    text = {**cfg.get("text_config", cfg), **({"tie_word_embeddings": True} if family == "gemma3" else {})}
+    text = {k: v for k, v in text.items() if k != "vision_config"}
+    lm = make_mlx_lm_model({**text, "model_type": "qwen2"} if family == "qwen2_5_vl" else text)
     own = {k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")}
     # (Idefics3's language model holds its layers at its top; Gemma's head is its embedding)
     own = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in own.items()}
@@ -34,11 +35,34 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         tensors = {k: v for k, v in arch_tensors("gemma3", text, lm).items() if k != "output.weight"}  # (tied)
         write_gguf(path, text, tensors, arch="gemma3", tokenizer=hf_tokenizer_meta(tokenizer),
                    extra_meta={"gemma3.attention.sliding_window": text["sliding_window"]})
+    elif family == "qwen2_5_vl":  # llama.cpp's qwen2vl: Qwen2's tensors, the M-RoPE sections beside
+        sections = text["rope_scaling"]["mrope_section"]
+        write_gguf(path, text, arch_tensors("qwen2vl", text, lm), arch="qwen2vl", tokenizer=hf_tokenizer_meta(tokenizer),
+                   extra_meta={"qwen2vl.rope.dimension_sections": sections + [0] * (4 - len(sections))})
     else:
         write_gguf(path, text, llama_tensors(text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
 
 
-@pytest.fixture(scope="module", params=["gemma3", "smolvlm"])
+def _projector(family: str, cfg: dict, processor) -> dict:
+    """write_mmproj's arguments for the family, as llama.cpp's converter writes its file."""
+    vision = cfg["vision_config"]
+    if family == "qwen2_5_vl":  # (its config names the tower's sizes its own way)
+        every = vision["fullatt_block_indexes"][0] + 1
+        return {"projector": "qwen2.5vl_merger", "text_hidden": cfg["hidden_size"],
+                "vision": {"image_size": 560, "patch_size": vision["patch_size"], "hidden_size": vision["hidden_size"],
+                           "intermediate_size": vision["intermediate_size"], "num_hidden_layers": vision["depth"],
+                           "num_attention_heads": vision["num_heads"]},
+                "extra": {"n_wa_pattern": every, "window_size": vision["window_size"],
+                          "spatial_merge_size": vision["spatial_merge_size"]}}
+    if family == "gemma3":
+        tokens = cfg["text_config"]["mm_tokens_per_image"]
+        return {"projector": "gemma3", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
+                "scale_factor": (vision["image_size"] // vision["patch_size"]) // int(tokens ** 0.5)}
+    return {"projector": "idefics3", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
+            "scale_factor": cfg["scale_factor"], "preproc_image_size": processor.image_processor.size["longest_edge"]}
+
+
+@pytest.fixture(scope="module", params=["gemma3", "smolvlm", "qwen2_5_vl"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     from transformers import AutoProcessor
@@ -56,14 +80,10 @@ def vision_gguf(tmp_path_factory, request):
     out = base / "gguf"
     out.mkdir()
     _text_gguf(str(out / f"{family}-tiny-F32.gguf"), family, folder, cfg, weights, processor.tokenizer)
-    vision = cfg["vision_config"]
-    tokens = cfg["text_config"]["mm_tokens_per_image"] if family == "gemma3" else None
-    scale = (vision["image_size"] // vision["patch_size"]) // int(tokens ** 0.5) if tokens else cfg["scale_factor"]
-    write_mmproj(str(out / f"mmproj-{family}-tiny-F32.gguf"), "gemma3" if family == "gemma3" else "idefics3", vision,
-                 {k: v for k, v in weights.items() if not k.startswith("language_model.")},
-                 cfg["text_config"]["hidden_size"], processor.image_processor.image_mean,
-                 processor.image_processor.image_std, scale_factor=scale, name=f"{family} tiny",
-                 preproc_image_size=None if family == "gemma3" else processor.image_processor.size["longest_edge"])
+    write_mmproj(str(out / f"mmproj-{family}-tiny-F32.gguf"),
+                 weights={k: v for k, v in weights.items() if not k.startswith("language_model.")},
+                 image_mean=processor.image_processor.image_mean, image_std=processor.image_processor.image_std,
+                 name=f"{family} tiny", **_projector(family, cfg, processor))
     return family, folder, out
 
 
@@ -111,7 +131,7 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
     f = GGUFFile(mmproj)
     w = gguf.GGUFWriter(str(other / "mmproj-m.gguf"), "clip")
     w.add_clip_has_vision_encoder(True)
-    w.add_clip_projector_type("qwen2.5vl_merger")
+    w.add_clip_projector_type("pixtral")
     w.add_tensor("v.post_ln.weight", f.dequantize("v.post_ln.weight").copy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -119,13 +139,13 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
     w.close()
     llm = LLM(str(other / "m.gguf"), kv_cache_gb=0.01, max_model_len=512)
     try:
-        assert "qwen2.5vl_merger" in llm.engine.vision_refusal
-        with pytest.raises(ValueError, match="qwen2.5vl_merger"):
+        assert "pixtral" in llm.engine.vision_refusal
+        with pytest.raises(ValueError, match="pixtral"):
             llm.chat(ask("what is it", picture(0)), GREEDY)
         assert llm.generate("hello", GREEDY)[0].token_ids  # the text still runs
     finally:
         llm.close()
-    with pytest.raises(ValueError, match="--mmproj .*qwen2.5vl_merger"):
+    with pytest.raises(ValueError, match="--mmproj .*pixtral"):
         LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=str(other / "mmproj-m.gguf"))
     from click.testing import CliRunner
 
@@ -133,7 +153,7 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
 
     r = CliRunner().invoke(main, ["generate", model, "--mmproj", str(other / "mmproj-m.gguf"), "-p", "hi", "-n", "2",
                                   "--kv-cache-gb", "0.01", "--max-model-len", "512"])
-    assert r.exit_code == 1 and "qwen2.5vl_merger" in r.output and "Traceback" not in r.output, r.output
+    assert r.exit_code == 1 and "pixtral" in r.output and "Traceback" not in r.output, r.output
     # The language model's GGUF given as the projector; a projector missing a tower tensor.
     with pytest.raises(ValueError, match="not a vision projector"):
         LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=model)

@@ -78,11 +78,20 @@ def _phi3(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
     return {"partial_rotary_factor": rot / head_dim, **({"sliding_window": window} if window else {})}
 
 
+def _qwen2vl(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+    # Qwen2/2.5-VL's language model: Qwen2 whose RoPE turns by (time, height, width) sections
+    # over an image's positions (the image path installs them, `vision/support.py`); over text
+    # the three positions are equal and it is Qwen2's RoPE.
+    sections = [int(x) for x in get("rope.dimension_sections", [])]
+    return {"mrope_section": [s for s in sections if s]} if any(sections) else {}
+
+
 # arch -> (model_type, tensor names, extra config, norms stored as 1 + w, Q/K rows permuted)
 ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "llama": ("llama", _COMMON, None, False, True),
     "mistral": ("llama", _COMMON, None, False, True),
     "qwen2": ("qwen2", _COMMON, None, False, False),
+    "qwen2vl": ("qwen2", _COMMON, _qwen2vl, False, False),
     "qwen3": ("qwen3", _COMMON, None, False, False),
     "qwen3moe": ("qwen3_moe", _MOE, _qwen3moe, False, False),
     "gemma2": ("gemma2", _GEMMA, _gemma2, True, False),

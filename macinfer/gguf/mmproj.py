@@ -147,9 +147,51 @@ def _idefics3_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> 
                            chat_template=tokenizer.chat_template)
 
 
+def _qwen25vl_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    if "mrope_section" not in text:
+        raise MmprojError("its language model's GGUF names no multimodal RoPE sections (a qwen2vl "
+                          "architecture's rope.dimension_sections): it is not Qwen2.5-VL's")
+    depth = int(_meta(f, "clip.vision.block_count"))
+    every = int(f.metadata.get("clip.vision.n_wa_pattern", 0))  # windowed blocks but every n-th
+    vision = {"model_type": "qwen2_5_vl", "depth": depth, "num_heads": int(_meta(f, "clip.vision.attention.head_count")),
+              "hidden_size": int(_meta(f, "clip.vision.embedding_length")),
+              "intermediate_size": int(_meta(f, "clip.vision.feed_forward_length")),
+              "out_hidden_size": int(_meta(f, "clip.vision.projection_dim")),
+              "patch_size": int(_meta(f, "clip.vision.patch_size")),
+              # (llama.cpp's defaults where older converters wrote none)
+              "spatial_merge_size": int(f.metadata.get("clip.vision.spatial_merge_size", 2)),
+              "window_size": int(f.metadata.get("clip.vision.window_size", 112)), "temporal_patch_size": 2,
+              "fullatt_block_indexes": list(range(every - 1, depth, every)) if every else list(range(depth)),
+              "layer_norm_eps": float(f.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-6))}
+    ids = {k: _token_id(tokenizer, t) for k, t in (("image_token_id", "<|image_pad|>"),
+                                                    ("video_token_id", "<|video_pad|>"),
+                                                    ("vision_start_token_id", "<|vision_start|>"))}
+    flat = {k: v for k, v in text.items() if k != "mrope_section"}
+    return {**flat, "model_type": "qwen2_5_vl", "rope_scaling": {"type": "mrope", "mrope_section": text["mrope_section"]},
+            "vision_config": vision, **ids}
+
+
+def _qwen25vl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+    from mlx_vlm.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor  # (Qwen2.5-VL's prompts are Qwen2-VL's)
+    from transformers import Qwen2VLImageProcessor
+
+    vision = config["vision_config"]
+    images = Qwen2VLImageProcessor(
+        # (the published preprocessor's range where the file names none)
+        min_pixels=int(f.metadata.get("clip.vision.image_min_pixels", 56 * 56)),
+        max_pixels=int(f.metadata.get("clip.vision.image_max_pixels", 28 * 28 * 16384)),
+        patch_size=vision["patch_size"], temporal_patch_size=2, merge_size=vision["spatial_merge_size"],
+        image_mean=[float(x) for x in _meta(f, "clip.vision.image_mean")],
+        image_std=[float(x) for x in _meta(f, "clip.vision.image_std")])
+    processor = Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    processor.video_processor = images  # (videos are refused; saving wants one, and torchvision's is absent)
+    return processor
+
+
 PROJECTORS: dict[str, Projector] = {
     "gemma3": Projector(_gemma3_config, _gemma3_processor, _gemma3_fix),
     "idefics3": Projector(_idefics3_config, _idefics3_processor),  # (and SmolVLM)
+    "qwen2.5vl_merger": Projector(_qwen25vl_config, _qwen25vl_processor),
 }
 NAMED_TOKENS = {"gemma3": GEMMA3_TOKENS}  # the tokens a family's processor finds by name on its tokenizer
 
@@ -180,6 +222,37 @@ def _hf_tokenizer(wrapper: Any, kind: str) -> Any:
     return out
 
 
+def _lookup(f: GGUFFile, names: Any, key: str, fix: Callable[[str, np.ndarray], np.ndarray]
+            ) -> tuple[str | None, np.ndarray | None]:
+    """(llama.cpp's name, the tensor as the checkpoint held it) for mlx-vlm's parameter `key`,
+    or (the name looked for, None). What the converter renamed or split is undone here: a bare
+    `*_weight` is `*.weight`; the checkpoint's own prefix (Idefics3's `model.`, Qwen-VL's
+    `visual.` for mlx-vlm's `vision_tower.`); a fused `qkv` split into q, k, v; a Conv3D split
+    into its two temporal slices (`.weight` and `.weight.1`)."""
+    suffixes = (".weight", ".bias")
+    hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
+    candidates = [hf, "model." + hf] + ([hf.replace("vision_tower.", "visual.", 1)]
+                                        if hf.startswith("vision_tower.") else [])
+
+    def read(name: str) -> np.ndarray:
+        return fix(name, np.asarray(f.dequantize(name), dtype=np.float32))
+
+    first = None
+    for cand in candidates:
+        name = names.get_name(cand, try_suffixes=suffixes)
+        first = first or name
+        if name in f.tensors:
+            x = read(name)
+            if f"{name}.1" in f.tensors:  # a Conv3D's temporal slices: [out, in, kh, kw] each
+                x = np.stack([x, read(f"{name}.1")], axis=2)
+            return name, x
+        if ".qkv." in cand:
+            parts = [names.get_name(cand.replace(".qkv.", f".{p}."), try_suffixes=suffixes) for p in "qkv"]
+            if all(p in f.tensors for p in parts):
+                return parts[0], np.concatenate([read(p) for p in parts], axis=0)
+    return first, None
+
+
 def vision_model(f: GGUFFile, config: dict[str, Any], fix: Callable[[str, np.ndarray], np.ndarray],
                  dtype: mx.Dtype) -> Any:
     """The family's mlx-vlm model (its language model left lazy: never computed, never read)
@@ -194,20 +267,16 @@ def vision_model(f: GGUFFile, config: dict[str, Any], fix: Callable[[str, np.nda
                                  ["text", "vision", "perceiver", "projector", "audio"])
     model = module.Model(conf)
     wanted = {k: v.shape for k, v in tree_flatten(model.parameters()) if not k.startswith("language_model.")}
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, config["vision_config"]["num_hidden_layers"])
+    # (numbered names past the tower's blocks too: Qwen-VL's merger layers `mm.0`, `mm.2` are numbered so)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(int(_meta(f, "clip.vision.block_count")), 8))
     out, missing = {}, []
     for key, shape in wanted.items():
-        # (the converter's own renaming first: a bare `*_weight` parameter is `*.weight`)
-        hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
-        # mlx-vlm's name, else the checkpoint's it was sanitized from (Idefics3's under `model.`)
-        name = names.get_name(hf, try_suffixes=(".weight", ".bias")) or \
-            names.get_name("model." + hf, try_suffixes=(".weight", ".bias"))
-        if name is None or name not in f.tensors:
+        name, x = _lookup(f, names, key, fix)
+        if x is None:
             missing.append(f"{key} ({name or 'no llama.cpp name'})")
             continue
-        x = fix(name, np.asarray(f.dequantize(name), dtype=np.float32))
-        if x.ndim == 4:  # a convolution, in PyTorch's [out, in, kh, kw]: MLX's is [out, kh, kw, in]
-            x = x.transpose(0, 2, 3, 1)
+        if x.ndim in (4, 5):  # a convolution in PyTorch's layout [out, in, ...]: MLX's is [out, ..., in]
+            x = np.moveaxis(x, 1, -1)
         if tuple(x.shape) != tuple(shape):
             raise MmprojError(f"{os.path.basename(f.path)}: {name} has shape {tuple(x.shape)}, the model's "
                               f"{key} needs {tuple(shape)}")
