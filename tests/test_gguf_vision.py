@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
-(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM or Qwen2.5-VL
-built with mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
+(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Qwen2-VL or
+Qwen2.5-VL built with mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
 
     text = {**cfg.get("text_config", cfg), **({"tie_word_embeddings": True} if family == "gemma3" else {})}
     text = {k: v for k, v in text.items() if k != "vision_config"}
-    lm = make_mlx_lm_model({**text, "model_type": "qwen2"} if family == "qwen2_5_vl" else text)
+    lm = make_mlx_lm_model({**text, "model_type": "qwen2"} if family in QWEN_VL else text)
     own = {k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")}
     # (Idefics3's language model holds its layers at its top; Gemma's head is its embedding)
     own = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in own.items()}
@@ -35,7 +35,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         tensors = {k: v for k, v in arch_tensors("gemma3", text, lm).items() if k != "output.weight"}  # (tied)
         write_gguf(path, text, tensors, arch="gemma3", tokenizer=hf_tokenizer_meta(tokenizer),
                    extra_meta={"gemma3.attention.sliding_window": text["sliding_window"]})
-    elif family == "qwen2_5_vl":  # llama.cpp's qwen2vl: Qwen2's tensors, the M-RoPE sections beside
+    elif family in QWEN_VL:  # llama.cpp's qwen2vl: Qwen2's tensors, the M-RoPE sections beside
         sections = text["rope_scaling"]["mrope_section"]
         write_gguf(path, text, arch_tensors("qwen2vl", text, lm), arch="qwen2vl", tokenizer=hf_tokenizer_meta(tokenizer),
                    extra_meta={"qwen2vl.rope.dimension_sections": sections + [0] * (4 - len(sections))})
@@ -46,6 +46,12 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
 def _projector(family: str, cfg: dict, processor) -> dict:
     """write_mmproj's arguments for the family, as llama.cpp's converter writes its file."""
     vision = cfg["vision_config"]
+    if family == "qwen2_vl":  # (as its converter renames them: the tower's width, the out width as its "ffn")
+        return {"projector": "qwen2vl_merger", "text_hidden": cfg["hidden_size"],
+                "vision": {"image_size": 560, "patch_size": vision["patch_size"], "hidden_size": vision["embed_dim"],
+                           "intermediate_size": vision["hidden_size"], "num_hidden_layers": vision["depth"],
+                           "num_attention_heads": vision["num_heads"]},
+                "extra": {"spatial_merge_size": vision["spatial_merge_size"]}}
     if family == "qwen2_5_vl":  # (its config names the tower's sizes its own way)
         every = vision["fullatt_block_indexes"][0] + 1
         return {"projector": "qwen2.5vl_merger", "text_hidden": cfg["hidden_size"],
@@ -62,7 +68,10 @@ def _projector(family: str, cfg: dict, processor) -> dict:
             "scale_factor": cfg["scale_factor"], "preproc_image_size": processor.image_processor.size["longest_edge"]}
 
 
-@pytest.fixture(scope="module", params=["gemma3", "smolvlm", "qwen2_5_vl"])
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module", params=["gemma3", "smolvlm", *QWEN_VL])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     from transformers import AutoProcessor

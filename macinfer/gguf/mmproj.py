@@ -147,31 +147,42 @@ def _idefics3_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> 
                            chat_template=tokenizer.chat_template)
 
 
-def _qwen25vl_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+def _qwen_vl_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """Qwen2-VL's (`qwen2vl_merger`) or Qwen2.5-VL's (`qwen2.5vl_merger`) checkpoint config."""
+    kind = projector_kind(f)
     if "mrope_section" not in text:
-        raise MmprojError("its language model's GGUF names no multimodal RoPE sections (a qwen2vl "
-                          "architecture's rope.dimension_sections): it is not Qwen2.5-VL's")
-    depth = int(_meta(f, "clip.vision.block_count"))
-    every = int(f.metadata.get("clip.vision.n_wa_pattern", 0))  # windowed blocks but every n-th
-    vision = {"model_type": "qwen2_5_vl", "depth": depth, "num_heads": int(_meta(f, "clip.vision.attention.head_count")),
-              "hidden_size": int(_meta(f, "clip.vision.embedding_length")),
-              "intermediate_size": int(_meta(f, "clip.vision.feed_forward_length")),
-              "out_hidden_size": int(_meta(f, "clip.vision.projection_dim")),
-              "patch_size": int(_meta(f, "clip.vision.patch_size")),
-              # (llama.cpp's defaults where older converters wrote none)
+        raise MmprojError(f"its language model's GGUF names no multimodal RoPE sections (a qwen2vl architecture's "
+                          f"rope.dimension_sections): it is not the model of a {kind} projector")
+    depth, width = int(_meta(f, "clip.vision.block_count")), int(_meta(f, "clip.vision.embedding_length"))
+    vision = {"depth": depth, "num_heads": int(_meta(f, "clip.vision.attention.head_count")),
+              "patch_size": int(_meta(f, "clip.vision.patch_size")), "temporal_patch_size": 2,
+              # (llama.cpp's default where older converters wrote none)
               "spatial_merge_size": int(f.metadata.get("clip.vision.spatial_merge_size", 2)),
-              "window_size": int(f.metadata.get("clip.vision.window_size", 112)), "temporal_patch_size": 2,
-              "fullatt_block_indexes": list(range(every - 1, depth, every)) if every else list(range(depth)),
               "layer_norm_eps": float(f.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-6))}
+    if kind == "qwen2vl_merger":  # its MLP's width is its up projection's rows (the file's ffn length is not)
+        up = f.tensors.get("v.blk.0.ffn_up.weight")
+        if up is None or up.shape[0] % width:
+            raise MmprojError(f"{os.path.basename(f.path)}: no v.blk.0.ffn_up.weight a whole multiple of the "
+                              f"tower's width ({width}) to size its MLP by")
+        model_type = "qwen2_vl"
+        vision.update(embed_dim=width, hidden_size=int(_meta(f, "clip.vision.projection_dim")),
+                      mlp_ratio=up.shape[0] // width)  # (transformers' config takes an int)
+    else:
+        model_type = "qwen2_5_vl"
+        every = int(f.metadata.get("clip.vision.n_wa_pattern", 0))  # windowed blocks but every n-th
+        vision.update(hidden_size=width, intermediate_size=int(_meta(f, "clip.vision.feed_forward_length")),
+                      out_hidden_size=int(_meta(f, "clip.vision.projection_dim")),
+                      window_size=int(f.metadata.get("clip.vision.window_size", 112)),  # (llama.cpp's default)
+                      fullatt_block_indexes=list(range(every - 1, depth, every)) if every else list(range(depth)))
     ids = {k: _token_id(tokenizer, t) for k, t in (("image_token_id", "<|image_pad|>"),
                                                     ("video_token_id", "<|video_pad|>"),
                                                     ("vision_start_token_id", "<|vision_start|>"))}
     flat = {k: v for k, v in text.items() if k != "mrope_section"}
-    return {**flat, "model_type": "qwen2_5_vl", "rope_scaling": {"type": "mrope", "mrope_section": text["mrope_section"]},
-            "vision_config": vision, **ids}
+    return {**flat, "model_type": model_type, "rope_scaling": {"type": "mrope", "mrope_section": text["mrope_section"]},
+            "vision_config": {"model_type": model_type, **vision}, **ids}
 
 
-def _qwen25vl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+def _qwen_vl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
     from mlx_vlm.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor  # (Qwen2.5-VL's prompts are Qwen2-VL's)
     from transformers import Qwen2VLImageProcessor
 
@@ -191,9 +202,15 @@ def _qwen25vl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> 
 PROJECTORS: dict[str, Projector] = {
     "gemma3": Projector(_gemma3_config, _gemma3_processor, _gemma3_fix),
     "idefics3": Projector(_idefics3_config, _idefics3_processor),  # (and SmolVLM)
-    "qwen2.5vl_merger": Projector(_qwen25vl_config, _qwen25vl_processor),
+    "qwen2vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
+    "qwen2.5vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
 }
 NAMED_TOKENS = {"gemma3": GEMMA3_TOKENS}  # the tokens a family's processor finds by name on its tokenizer
+
+
+def projector_kind(f: GGUFFile) -> str | None:
+    """The file's projector type as llama.cpp names it."""
+    return f.metadata.get("clip.vision.projector_type") or f.metadata.get("clip.projector_type")
 
 
 def projector_type(f: GGUFFile) -> str:
@@ -202,7 +219,7 @@ def projector_type(f: GGUFFile) -> str:
                           f"{f.metadata.get('general.architecture')!r}, an mmproj file's is 'clip')")
     if not f.metadata.get("clip.has_vision_encoder", True):
         raise MmprojError(f"{os.path.basename(f.path)}: a projector without a vision encoder (audio only)")
-    kind = f.metadata.get("clip.vision.projector_type") or f.metadata.get("clip.projector_type")
+    kind = projector_kind(f)
     if kind not in PROJECTORS:
         raise MmprojError(f"{os.path.basename(f.path)}: its projector type {kind!r} is not read yet (macinfer reads "
                           f"{', '.join(sorted(PROJECTORS))}); the model's text runs without images")
