@@ -13,7 +13,8 @@ import pytest
 
 from macinfer import LLM
 from macinfer.sampling_params import SamplingParams
-from tests.gguf_writer import arch_tensors, hf_tokenizer_meta, write_gguf, write_mmproj
+from tests.gguf_writer import arch_tensors, write_gguf
+from tests.mmproj_writer import hf_tokenizer_meta, write_mmproj
 from tests.vision_models import BOTH_WAYS, FIRST, GREEDY, ask, both_ways_greedy, mlx_vlm_greedy, picture, tiny_vlm_dir
 
 
