@@ -26,14 +26,17 @@ def hf_tokenizer_meta(hf) -> dict:
 
 def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hidden: int, image_mean: list,
                  image_std: list, scale_factor: int | None = None, name: str | None = None,
-                 preproc_image_size: int | None = None, quant: Q | None = None, extra: dict | None = None) -> None:
+                 preproc_image_size: int | None = None, quant: Q | None = None, extra: dict | None = None,
+                 split_qkv: bool = True, renamed: dict | None = None) -> None:
     """A vision projector file as llama.cpp's converter writes one (`general.architecture` clip):
     `weights` in mlx-vlm's names and layout, named by llama.cpp's tensor map under the
     checkpoint's names (a bare `*_weight` parameter as `*.weight`; Idefics3's under `model.`,
     Qwen-VL's tower under `visual.`), convolutions in PyTorch's layout, Gemma 3's `soft_emb_norm`
     + 1, a fused `qkv` split into q, k, v and a Conv3D into its two temporal slices (Qwen-VL).
     `vision`: image_size, patch_size, hidden_size, intermediate_size, num_hidden_layers,
-    num_attention_heads (layer_norm_eps); `extra`: GGUFWriter's `add_vision_*` calls by suffix."""
+    num_attention_heads (layer_norm_eps); `extra`: GGUFWriter's `add_vision_*` calls by suffix;
+    `split_qkv`: False where the converter keeps a fused qkv (Qwen3-VL); `renamed`: names the
+    converter writes by hand (mlx-vlm's parameter -> the file's)."""
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision["num_hidden_layers"], 8))
     w = gguf.GGUFWriter(path, "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
@@ -60,6 +63,8 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
         getattr(w, f"add_vision_{call}")(value)
 
     def gguf_name(key: str) -> str:
+        if renamed and key in renamed:
+            return renamed[key]
         hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
         for cand in (hf, "model." + hf, hf.replace("vision_tower.", "visual.", 1)):
             if (found := tmap.get_name(cand, try_suffixes=(".weight", ".bias"))) is not None:
@@ -71,7 +76,7 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
         x = np.array(value.astype(mx.float32), dtype=np.float32)
         if x.ndim in (4, 5):  # MLX's [out, ..., in] -> PyTorch's [out, in, ...]
             x = np.moveaxis(x, -1, 1)
-        if ".qkv." in key:
+        if ".qkv." in key and split_qkv:
             for part, rows in zip("qkv", np.split(x, 3, axis=0)):
                 tensors[gguf_name(key.replace(".qkv.", f".{part}."))] = rows
             continue

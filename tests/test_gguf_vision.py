@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
-(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Qwen2-VL or
-Qwen2.5-VL built with mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
+(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Qwen2-VL,
+Qwen2.5-VL or Qwen3-VL built with mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
 
     text = {**cfg.get("text_config", cfg), **({"tie_word_embeddings": True} if family == "gemma3" else {})}
     text = {k: v for k, v in text.items() if k != "vision_config"}
-    lm = make_mlx_lm_model({**text, "model_type": "qwen2"} if family in QWEN_VL else text)
+    lm = make_mlx_lm_model({**text, "model_type": "qwen2"} if family in QWEN_VL[:2] else text)
     own = {k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")}
     # (Idefics3's language model holds its layers at its top; Gemma's head is its embedding)
     own = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in own.items()}
@@ -36,10 +36,13 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         tensors = {k: v for k, v in arch_tensors("gemma3", text, lm).items() if k != "output.weight"}  # (tied)
         write_gguf(path, text, tensors, arch="gemma3", tokenizer=hf_tokenizer_meta(tokenizer),
                    extra_meta={"gemma3.attention.sliding_window": text["sliding_window"]})
-    elif family in QWEN_VL:  # llama.cpp's qwen2vl: Qwen2's tensors, the M-RoPE sections beside
+    elif family in QWEN_VL:  # llama.cpp's qwen2vl / qwen3vl: Qwen2's / Qwen3's tensors, the M-RoPE sections beside
+        arch = "qwen3vl" if family == "qwen3_vl" else "qwen2vl"
         sections = text["rope_scaling"]["mrope_section"]
-        write_gguf(path, text, arch_tensors("qwen2vl", text, lm), arch="qwen2vl", tokenizer=hf_tokenizer_meta(tokenizer),
-                   extra_meta={"qwen2vl.rope.dimension_sections": sections + [0] * (4 - len(sections))})
+        deep = {"qwen3vl.n_deepstack_layers": len(cfg["vision_config"]["deepstack_visual_indexes"])} \
+            if arch == "qwen3vl" else {}
+        write_gguf(path, text, arch_tensors(arch, text, lm), arch=arch, tokenizer=hf_tokenizer_meta(tokenizer),
+                   extra_meta={f"{arch}.rope.dimension_sections": sections + [0] * (4 - len(sections)), **deep})
     else:
         write_gguf(path, text, llama_tensors(text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
 
@@ -53,6 +56,21 @@ def _projector(family: str, cfg: dict, processor) -> dict:
                            "intermediate_size": vision["hidden_size"], "num_hidden_layers": vision["depth"],
                            "num_attention_heads": vision["num_heads"]},
                 "extra": {"spatial_merge_size": vision["spatial_merge_size"]}}
+    if family == "qwen3_vl":  # its merger and DeepStack mergers named by hand, by the tower layer each reads
+        deep = vision["deepstack_visual_indexes"]
+        renamed = {f"vision_tower.merger.{m}.{k}": f"{g}.{k}" for m, g in
+                   (("linear_fc1", "mm.0"), ("linear_fc2", "mm.2"), ("norm", "v.post_ln")) for k in ("weight", "bias")}
+        renamed.update({f"vision_tower.deepstack_merger_list.{i}.{m}.{k}": f"v.deepstack.{layer}.{g}.{k}"
+                        for i, layer in enumerate(deep) for m, g in (("linear_fc1", "fc1"), ("linear_fc2", "fc2"),
+                                                                     ("norm", "norm")) for k in ("weight", "bias")})
+        return {"projector": "qwen3vl_merger", "text_hidden": cfg["text_config"]["hidden_size"], "split_qkv": False,
+                "renamed": renamed,
+                "vision": {"image_size": int(vision["num_position_embeddings"] ** 0.5) * vision["patch_size"],
+                           "patch_size": vision["patch_size"], "hidden_size": vision["hidden_size"],
+                           "intermediate_size": vision["intermediate_size"], "num_hidden_layers": vision["depth"],
+                           "num_attention_heads": vision["num_heads"]},
+                "extra": {"spatial_merge_size": vision["spatial_merge_size"],
+                          "is_deepstack_layers": [i in deep for i in range(vision["depth"])]}}
     if family == "qwen2_5_vl":  # (its config names the tower's sizes its own way)
         every = vision["fullatt_block_indexes"][0] + 1
         return {"projector": "qwen2.5vl_merger", "text_hidden": cfg["hidden_size"],
@@ -69,7 +87,7 @@ def _projector(family: str, cfg: dict, processor) -> dict:
             "scale_factor": cfg["scale_factor"], "preproc_image_size": processor.image_processor.size["longest_edge"]}
 
 
-QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @pytest.fixture(scope="module", params=["gemma3", "smolvlm", *QWEN_VL])

@@ -79,7 +79,7 @@ def _phi3(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _qwen2vl(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
-    # Qwen2/2.5-VL's language model: Qwen2 whose RoPE turns by (time, height, width) sections
+    # Qwen2/2.5/3-VL's language model: Qwen2's (Qwen3's) whose RoPE turns by (time, height, width) sections
     # over an image's positions (the image path installs them, `vision/support.py`); over text
     # the three positions are equal and it is Qwen2's RoPE.
     sections = [int(x) for x in get("rope.dimension_sections", [])]
@@ -93,6 +93,7 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "qwen2": ("qwen2", _COMMON, None, False, False),
     "qwen2vl": ("qwen2", _COMMON, _qwen2vl, False, False),
     "qwen3": ("qwen3", _COMMON, None, False, False),
+    "qwen3vl": ("qwen3", _COMMON, _qwen2vl, False, False),  # (Qwen3-VL's: Qwen3 with M-RoPE sections too)
     "qwen3moe": ("qwen3_moe", _MOE, _qwen3moe, False, False),
     "gemma2": ("gemma2", _GEMMA, _gemma2, True, False),
     "gemma3": ("gemma3_text", _GEMMA, _gemma3, True, False),

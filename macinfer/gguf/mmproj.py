@@ -59,6 +59,8 @@ class Projector:
     config: Callable[[GGUFFile, dict[str, Any], Any], dict[str, Any]]  # (mmproj, text config, tokenizer) -> config
     processor: Callable[[GGUFFile, dict[str, Any], Any], Any]  # (mmproj, config, HF tokenizer) -> processor
     fix: Callable[[str, np.ndarray], np.ndarray] = lambda name, x: x  # a tensor as the checkpoint holds it
+    # mlx-vlm's parameter -> the file's name, where the converter names it by hand (None: by the map)
+    rename: Callable[[str, dict[str, Any]], str | None] = lambda key, config: None
 
 
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
@@ -199,11 +201,63 @@ def _qwen_vl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> A
     return processor
 
 
+def _qwen3vl_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    if "mrope_section" not in text or text.get("model_type") != "qwen3":
+        raise MmprojError("its language model is not Qwen3-VL's (llama.cpp's qwen3vl architecture, with "
+                          "rope.dimension_sections)")
+    deep = [i for i, on in enumerate(f.metadata.get("clip.vision.is_deepstack_layers", [])) if on]
+    size, patch = int(_meta(f, "clip.vision.image_size")), int(_meta(f, "clip.vision.patch_size"))
+    vision = {"model_type": "qwen3_vl", "depth": int(_meta(f, "clip.vision.block_count")),
+              "num_heads": int(_meta(f, "clip.vision.attention.head_count")),
+              "hidden_size": int(_meta(f, "clip.vision.embedding_length")),
+              "intermediate_size": int(_meta(f, "clip.vision.feed_forward_length")),
+              "out_hidden_size": int(_meta(f, "clip.vision.projection_dim")), "patch_size": patch,
+              "spatial_merge_size": int(f.metadata.get("clip.vision.spatial_merge_size", 2)),
+              "temporal_patch_size": 2, "num_position_embeddings": (size // patch) ** 2,
+              "deepstack_visual_indexes": deep}
+    ids = {k: _token_id(tokenizer, t) for k, t in (("image_token_id", "<|image_pad|>"),
+                                                    ("video_token_id", "<|video_pad|>"),
+                                                    ("vision_start_token_id", "<|vision_start|>"))}
+    own = {k: v for k, v in text.items() if k != "mrope_section"}
+    own["rope_scaling"] = {"type": "default", "mrope_section": text["mrope_section"], "mrope_interleaved": True}
+    return {"model_type": "qwen3_vl", "text_config": own, "vision_config": vision, **ids}
+
+
+def _qwen3vl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor, Qwen3VLProcessor
+
+    vision = config["vision_config"]
+    images = Qwen3VLImageProcessor(
+        patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],
+        # (the published preprocessor's range where the file names none)
+        min_pixels=int(f.metadata.get("clip.vision.image_min_pixels", 56 * 56)),
+        max_pixels=int(f.metadata.get("clip.vision.image_max_pixels", 16 * 16 * 4 * 16384)),
+        image_mean=[float(x) for x in _meta(f, "clip.vision.image_mean")],
+        image_std=[float(x) for x in _meta(f, "clip.vision.image_std")])
+    return Qwen3VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=images,
+                            chat_template=tokenizer.chat_template)
+
+
+def _qwen3vl_rename(key: str, config: dict[str, Any]) -> str | None:
+    """The merger's and DeepStack mergers' names, which the converter writes by hand (the
+    DeepStack ones by the tower layer each reads)."""
+    parts = key.split(".")
+    if key.startswith("vision_tower.merger."):
+        module, kind = parts[2], parts[-1]
+        return {"linear_fc1": f"mm.0.{kind}", "linear_fc2": f"mm.2.{kind}", "norm": f"v.post_ln.{kind}"}.get(module)
+    if key.startswith("vision_tower.deepstack_merger_list."):
+        layer = config["vision_config"]["deepstack_visual_indexes"][int(parts[2])]
+        return {"linear_fc1": f"v.deepstack.{layer}.fc1.{parts[-1]}", "linear_fc2": f"v.deepstack.{layer}.fc2.{parts[-1]}",
+                "norm": f"v.deepstack.{layer}.norm.{parts[-1]}"}.get(parts[3])
+    return None
+
+
 PROJECTORS: dict[str, Projector] = {
     "gemma3": Projector(_gemma3_config, _gemma3_processor, _gemma3_fix),
     "idefics3": Projector(_idefics3_config, _idefics3_processor),  # (and SmolVLM)
     "qwen2vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
     "qwen2.5vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
+    "qwen3vl_merger": Projector(_qwen3vl_config, _qwen3vl_processor, rename=_qwen3vl_rename),
 }
 NAMED_TOKENS = {"gemma3": GEMMA3_TOKENS}  # the tokens a family's processor finds by name on its tokenizer
 
@@ -239,8 +293,8 @@ def _hf_tokenizer(wrapper: Any, kind: str) -> Any:
     return out
 
 
-def _lookup(f: GGUFFile, names: Any, key: str, fix: Callable[[str, np.ndarray], np.ndarray]
-            ) -> tuple[str | None, np.ndarray | None]:
+def _lookup(f: GGUFFile, names: Any, key: str, fix: Callable[[str, np.ndarray], np.ndarray],
+            given: str | None = None) -> tuple[str | None, np.ndarray | None]:
     """(llama.cpp's name, the tensor as the checkpoint held it) for mlx-vlm's parameter `key`,
     or (the name looked for, None). What the converter renamed or split is undone here: a bare
     `*_weight` is `*.weight`; the checkpoint's own prefix (Idefics3's `model.`, Qwen-VL's
@@ -254,6 +308,8 @@ def _lookup(f: GGUFFile, names: Any, key: str, fix: Callable[[str, np.ndarray], 
     def read(name: str) -> np.ndarray:
         return fix(name, np.asarray(f.dequantize(name), dtype=np.float32))
 
+    if given is not None:  # named by the family's own rule
+        return given, read(given) if given in f.tensors else None
     first = None
     for cand in candidates:
         name = names.get_name(cand, try_suffixes=suffixes)
@@ -270,8 +326,7 @@ def _lookup(f: GGUFFile, names: Any, key: str, fix: Callable[[str, np.ndarray], 
     return first, None
 
 
-def vision_model(f: GGUFFile, config: dict[str, Any], fix: Callable[[str, np.ndarray], np.ndarray],
-                 dtype: mx.Dtype) -> Any:
+def vision_model(f: GGUFFile, config: dict[str, Any], recipe: Projector, dtype: mx.Dtype) -> Any:
     """The family's mlx-vlm model (its language model left lazy: never computed, never read)
     with every tower and projector parameter found in the projector file by llama.cpp's name
     map, in mlx-vlm's layout."""
@@ -288,7 +343,7 @@ def vision_model(f: GGUFFile, config: dict[str, Any], fix: Callable[[str, np.nda
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(int(_meta(f, "clip.vision.block_count")), 8))
     out, missing = {}, []
     for key, shape in wanted.items():
-        name, x = _lookup(f, names, key, fix)
+        name, x = _lookup(f, names, key, recipe.fix, recipe.rename(key, config))
         if x is None:
             missing.append(f"{key} ({name or 'no llama.cpp name'})")
             continue
@@ -315,7 +370,7 @@ def read_projector(mmproj: str, text_config: dict[str, Any], tokenizer: Any, fol
     recipe = PROJECTORS[kind]
     hf = _hf_tokenizer(tokenizer, kind)
     config = recipe.config(f, text_config, hf)
-    model = vision_model(f, config, recipe.fix, dtype)
+    model = vision_model(f, config, recipe, dtype)
     with open(os.path.join(folder, "config.json"), "w") as out:
         json.dump(config, out)
     recipe.processor(f, config, hf).save_pretrained(folder)
