@@ -279,9 +279,10 @@ def _routed_meta(w, config: dict, gating) -> None:
 
 
 def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.ndarray],
-                      quant: dict[str, Q] | None = None, nextn: int = 0) -> None:
-    """The metadata llama.cpp's converter writes for `arch`, a byte vocabulary, the tensors
-    (those named in `quant` stored in that block type)."""
+                      quant: dict[str, Q] | None = None, nextn: int = 0, tokenizer: dict | None = None,
+                      extra_meta: dict | None = None) -> None:
+    """The metadata llama.cpp's converter writes for `arch`, a byte vocabulary (or `tokenizer`,
+    as `write_gguf` takes it), the tensors (those named in `quant` stored in that block type)."""
     w = gguf.GGUFWriter(path, arch)
     config = config.get("text_config", config)
     layers = len(config["hybrid_override_pattern"]) if "hybrid_override_pattern" in config else config["num_hidden_layers"]
@@ -380,11 +381,20 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_feed_forward_length(config["intermediate_size"])
         w.add_rope_dimension_count(config["rotary_dim"])
-    tokens, scores, types = spm_vocab(config["vocab_size"])
-    w.add_tokenizer_model("llama")
+    for key, value in (extra_meta or {}).items():
+        w.add_array(key, value) if isinstance(value, list) else w.add_uint32(key, value)
+    tok = tokenizer or {}
+    tokens, scores, types = tok.get("vocab") or spm_vocab(config["vocab_size"])
+    w.add_tokenizer_model(tok.get("model", "llama"))
+    if "pre" in tok:
+        w.add_string("tokenizer.ggml.pre", tok["pre"])
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
+    if "merges" in tok:
+        w.add_token_merges(tok["merges"])
+    if tok.get("chat_template"):
+        w.add_string("tokenizer.chat_template", tok["chat_template"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     _write_tensors(w, tensors, quant, encode=True)

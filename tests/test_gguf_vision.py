@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
 (`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Qwen2-VL,
-Qwen2.5-VL or Qwen3-VL built with mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
+Qwen2.5-VL, Qwen3-VL or Qwen3.5 built with mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
 
@@ -21,17 +21,22 @@ from tests.vision_models import BOTH_WAYS, FIRST, GREEDY, ask, both_ways_greedy,
 def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, tokenizer) -> None:
     """The checkpoint's language model as llama.cpp's converter writes it (Gemma 3: tied, its
     norms + 1; Llama: Q/K rows permuted), with the checkpoint's tokenizer and template."""
-    from tests.gguf_writer import llama_tensors
+    from tests.gguf_writer import hybrid_tensors, llama_tensors, write_hybrid_gguf
     from tests.helpers import make_mlx_lm_model
 
     text = {**cfg.get("text_config", cfg), **({"tie_word_embeddings": True} if family == "gemma3" else {})}
     text = {k: v for k, v in text.items() if k != "vision_config"}
-    lm = make_mlx_lm_model({**text, "model_type": "qwen2"} if family in QWEN_VL[:2] else text)
-    own = {k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")}
-    # (Idefics3's language model holds its layers at its top; Gemma's head is its embedding)
-    own = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in own.items()}
+    lm = make_mlx_lm_model({**text, "model_type": "qwen2"} if family in QWEN_VL[:2] else
+                           {"model_type": "qwen3_5", "text_config": text} if family == "qwen3_5" else text)
+    if family == "qwen3_5":  # mlx-lm's class holds its language model under the same name
+        own = {k: v for k, v in weights.items() if k.startswith("language_model.")}
+    else:
+        own = {k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")}
+        # (Idefics3's language model holds its layers at its top; Gemma's head is its embedding)
+        own = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in own.items()}
     lm.load_weights(list(lm.sanitize(own).items()))
-    text = {**text, "rope_theta": lm.args.rope_theta}
+    if family != "qwen3_5":  # (its RoPE is under rope_parameters)
+        text = {**text, "rope_theta": lm.args.rope_theta}
     if family == "gemma3":
         tensors = {k: v for k, v in arch_tensors("gemma3", text, lm).items() if k != "output.weight"}  # (tied)
         write_gguf(path, text, tensors, arch="gemma3", tokenizer=hf_tokenizer_meta(tokenizer),
@@ -43,6 +48,12 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
             if arch == "qwen3vl" else {}
         write_gguf(path, text, arch_tensors(arch, text, lm), arch=arch, tokenizer=hf_tokenizer_meta(tokenizer),
                    extra_meta={f"{arch}.rope.dimension_sections": sections + [0] * (4 - len(sections)), **deep})
+    elif family == "qwen3_5":  # llama.cpp's qwen35: the hybrid's tensors, the M-RoPE sections beside
+        rope = text["rope_parameters"]
+        flat = {**text, "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"]}
+        sections = rope["mrope_section"]
+        write_hybrid_gguf(path, "qwen35", flat, hybrid_tensors("qwen35", flat, lm), tokenizer=hf_tokenizer_meta(tokenizer),
+                          extra_meta={"qwen35.rope.dimension_sections": sections + [0] * (4 - len(sections))})
     else:
         write_gguf(path, text, llama_tensors(text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
 
@@ -56,7 +67,7 @@ def _projector(family: str, cfg: dict, processor) -> dict:
                            "intermediate_size": vision["hidden_size"], "num_hidden_layers": vision["depth"],
                            "num_attention_heads": vision["num_heads"]},
                 "extra": {"spatial_merge_size": vision["spatial_merge_size"]}}
-    if family == "qwen3_vl":  # its merger and DeepStack mergers named by hand, by the tower layer each reads
+    if family in ("qwen3_vl", "qwen3_5"):  # merger and DeepStack mergers named by hand, by the tower layer each reads
         deep = vision["deepstack_visual_indexes"]
         renamed = {f"vision_tower.merger.{m}.{k}": f"{g}.{k}" for m, g in
                    (("linear_fc1", "mm.0"), ("linear_fc2", "mm.2"), ("norm", "v.post_ln")) for k in ("weight", "bias")}
@@ -90,7 +101,7 @@ def _projector(family: str, cfg: dict, processor) -> dict:
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
-@pytest.fixture(scope="module", params=["gemma3", "smolvlm", *QWEN_VL])
+@pytest.fixture(scope="module", params=["gemma3", "smolvlm", *QWEN_VL, "qwen3_5"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     from transformers import AutoProcessor

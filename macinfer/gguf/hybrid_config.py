@@ -86,6 +86,9 @@ def _qwen35(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, A
     # sections matter only for image positions, which this server does not take).
     config["rope_parameters"] = {"type": "default", "rope_theta": config.pop("rope_theta"),
                                  "partial_rotary_factor": config.pop("partial_rotary_factor")}
+    sections = [int(x) for x in get("rope.dimension_sections", [])]
+    if any(sections):  # kept for its image path, which turns image positions by them (`gguf/mmproj.py`)
+        config["mrope_section"] = [x for x in sections if x]
     return config
 
 

@@ -201,13 +201,19 @@ def _qwen_vl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> A
     return processor
 
 
+# The language models Qwen3-VL's projector type serves: llama.cpp's qwen3vl (Qwen3-VL) and
+# qwen35 / qwen35moe (Qwen3.5 / 3.6, hybrid), as mlx-vlm's model types.
+QWEN3_FAMILIES = {"qwen3": "qwen3_vl", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
+
+
 def _qwen3vl_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
-    if "mrope_section" not in text or text.get("model_type") != "qwen3":
-        raise MmprojError("its language model is not Qwen3-VL's (llama.cpp's qwen3vl architecture, with "
-                          "rope.dimension_sections)")
+    family = QWEN3_FAMILIES.get(text.get("model_type"))
+    if "mrope_section" not in text or family is None:
+        raise MmprojError("its language model is not Qwen3-VL's or Qwen3.5's (llama.cpp's qwen3vl, qwen35 or "
+                          "qwen35moe architecture, with rope.dimension_sections)")
     deep = [i for i, on in enumerate(f.metadata.get("clip.vision.is_deepstack_layers", [])) if on]
     size, patch = int(_meta(f, "clip.vision.image_size")), int(_meta(f, "clip.vision.patch_size"))
-    vision = {"model_type": "qwen3_vl", "depth": int(_meta(f, "clip.vision.block_count")),
+    vision = {"model_type": family, "depth": int(_meta(f, "clip.vision.block_count")),
               "num_heads": int(_meta(f, "clip.vision.attention.head_count")),
               "hidden_size": int(_meta(f, "clip.vision.embedding_length")),
               "intermediate_size": int(_meta(f, "clip.vision.feed_forward_length")),
@@ -219,8 +225,12 @@ def _qwen3vl_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[s
                                                     ("video_token_id", "<|video_pad|>"),
                                                     ("vision_start_token_id", "<|vision_start|>"))}
     own = {k: v for k, v in text.items() if k != "mrope_section"}
-    own["rope_scaling"] = {"type": "default", "mrope_section": text["mrope_section"], "mrope_interleaved": True}
-    return {"model_type": "qwen3_vl", "text_config": own, "vision_config": vision, **ids}
+    mrope = {"mrope_section": text["mrope_section"], "mrope_interleaved": True}
+    if family == "qwen3_vl":
+        own["rope_scaling"] = {"type": "default", **mrope}
+    else:  # (Qwen3.5's text config: its own model type, RoPE under rope_parameters)
+        own.update(model_type=f"{family}_text", rope_parameters={**own["rope_parameters"], **mrope})
+    return {"model_type": family, "text_config": own, "vision_config": vision, **ids}
 
 
 def _qwen3vl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
