@@ -203,6 +203,16 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
     write_mmproj(str(tmp_path / "short.gguf"), "gemma3", vision, weights, 64, [0.5] * 3, [0.5] * 3, scale_factor=2)
     with pytest.raises(ValueError, match=r"needs are not in it: .*post_layernorm.weight \(v.post_ln.weight\)"):
         LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=str(tmp_path / "short.gguf"))
+    # Another model's projector beside it (rows of another width): left alone, a text model.
+    alone = tmp_path / "another"
+    alone.mkdir()
+    shutil.copy(model, alone / "m.gguf")
+    write_mmproj(str(alone / "mmproj-other.gguf"), "gemma3", vision, weights, 128, [0.5] * 3, [0.5] * 3, scale_factor=2)
+    llm = LLM(str(alone / "m.gguf"), kv_cache_gb=0.01, max_model_len=512)
+    try:
+        assert llm.engine.vision is None and llm.engine.vision_refusal is None
+    finally:
+        llm.close()
     # Two projectors beside the model: ambiguous, name one.
     shutil.copy(mmproj, other / "mmproj-m-2.gguf")
     with pytest.raises(ValueError, match="name one with --mmproj"):

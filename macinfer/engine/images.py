@@ -44,7 +44,7 @@ def _with_mmproj(engine: Any) -> tuple[Any, str | None]:
     refused with the reason (logged)."""
     import tempfile
 
-    from macinfer.gguf.mmproj import MmprojError, find_mmproj, read_projector
+    from macinfer.gguf.mmproj import MmprojError, find_mmproj, fits, read_projector
     from macinfer.vision.support import load_vision
 
     given = engine.config.mmproj
@@ -53,6 +53,10 @@ def _with_mmproj(engine: Any) -> tuple[Any, str | None]:
     except MmprojError as e:
         raise ValueError(str(e)) from None
     if path is None:
+        return None, None
+    if not given and not fits(path, engine.loaded.config):  # another model's, beside this one
+        log.info("%s beside the model projects to another width: not this model's, left alone",
+                 os.path.basename(path))
         return None, None
     if not engine.config.images:
         return None, "it is served text-only (images off)"

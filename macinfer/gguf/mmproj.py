@@ -46,6 +46,13 @@ def find_mmproj(model_path: str, given: str | None) -> str | None:
     return found[0] if found else None
 
 
+def fits(path: str, text_config: dict[str, Any]) -> bool:
+    """Whether the projector file at `path` writes rows of the language model's width (a
+    projector found beside a model may be another model's, in a folder of several)."""
+    width = GGUFFile(path).metadata.get("clip.vision.projection_dim")
+    return width is None or int(width) == int(text_config.get("hidden_size", -1))
+
+
 def _meta(f: GGUFFile, key: str, default: Any = None) -> Any:
     value = f.metadata.get(key, default)
     if value is None:
