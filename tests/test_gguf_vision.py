@@ -27,6 +27,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
     text = {**cfg.get("text_config", cfg), **({"tie_word_embeddings": True} if family == "gemma3" else {})}
     text = {k: v for k, v in text.items() if k != "vision_config"}
     lm = make_mlx_lm_model({**text, "model_type": "qwen2"} if family in QWEN_VL[:2] else
+                           {**text, "model_type": "qwen3_moe"} if family == "qwen3_vl_moe" else
                            {"model_type": "qwen3_5", "text_config": text} if family == "qwen3_5" else text)
     if family == "qwen3_5":  # mlx-lm's class holds its language model under the same name
         own = {k: v for k, v in weights.items() if k.startswith("language_model.")}
@@ -42,10 +43,13 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         write_gguf(path, text, tensors, arch="gemma3", tokenizer=hf_tokenizer_meta(tokenizer),
                    extra_meta={"gemma3.attention.sliding_window": text["sliding_window"]})
     elif family in QWEN_VL:  # llama.cpp's qwen2vl / qwen3vl: Qwen2's / Qwen3's tensors, the M-RoPE sections beside
-        arch = "qwen3vl" if family == "qwen3_vl" else "qwen2vl"
+        arch = {"qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe"}.get(family, "qwen2vl")
         sections = text["rope_scaling"]["mrope_section"]
         deep = {"qwen3vl.n_deepstack_layers": len(cfg["vision_config"]["deepstack_visual_indexes"])} \
-            if arch == "qwen3vl" else {}
+            if arch.startswith("qwen3") else {}
+        if arch == "qwen3vlmoe":
+            deep.update({f"{arch}.expert_count": text["num_experts"], f"{arch}.expert_used_count": text["num_experts_per_tok"],
+                         f"{arch}.expert_feed_forward_length": text["moe_intermediate_size"]})
         write_gguf(path, text, arch_tensors(arch, text, lm), arch=arch, tokenizer=hf_tokenizer_meta(tokenizer),
                    extra_meta={f"{arch}.rope.dimension_sections": sections + [0] * (4 - len(sections)), **deep})
     elif family == "qwen3_5":  # llama.cpp's qwen35: the hybrid's tensors, the M-RoPE sections beside
@@ -67,7 +71,7 @@ def _projector(family: str, cfg: dict, processor) -> dict:
                            "intermediate_size": vision["hidden_size"], "num_hidden_layers": vision["depth"],
                            "num_attention_heads": vision["num_heads"]},
                 "extra": {"spatial_merge_size": vision["spatial_merge_size"]}}
-    if family in ("qwen3_vl", "qwen3_5"):  # merger and DeepStack mergers named by hand, by the tower layer each reads
+    if family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):  # mergers named by hand, by the tower layer each reads
         deep = vision["deepstack_visual_indexes"]
         renamed = {f"vision_tower.merger.{m}.{k}": f"{g}.{k}" for m, g in
                    (("linear_fc1", "mm.0"), ("linear_fc2", "mm.2"), ("norm", "v.post_ln")) for k in ("weight", "bias")}
@@ -98,7 +102,7 @@ def _projector(family: str, cfg: dict, processor) -> dict:
             "scale_factor": cfg["scale_factor"], "preproc_image_size": processor.image_processor.size["longest_edge"]}
 
 
-QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 @pytest.fixture(scope="module", params=["gemma3", "smolvlm", *QWEN_VL, "qwen3_5"])

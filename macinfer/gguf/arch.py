@@ -95,6 +95,7 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "qwen3": ("qwen3", _COMMON, None, False, False),
     "qwen3vl": ("qwen3", _COMMON, _qwen2vl, False, False),  # (Qwen3-VL's: Qwen3 with M-RoPE sections too)
     "qwen3moe": ("qwen3_moe", _MOE, _qwen3moe, False, False),
+    "qwen3vlmoe": ("qwen3_moe", _MOE, lambda get, meta: {**_qwen3moe(get, meta), **_qwen2vl(get, meta)}, False, False),
     "gemma2": ("gemma2", _GEMMA, _gemma2, True, False),
     "gemma3": ("gemma3_text", _GEMMA, _gemma3, True, False),
     "phi3": ("phi3", _PHI3, _phi3, False, False),

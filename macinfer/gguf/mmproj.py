@@ -208,16 +208,16 @@ def _qwen_vl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> A
     return processor
 
 
-# The language models Qwen3-VL's projector type serves: llama.cpp's qwen3vl (Qwen3-VL) and
-# qwen35 / qwen35moe (Qwen3.5 / 3.6, hybrid), as mlx-vlm's model types.
-QWEN3_FAMILIES = {"qwen3": "qwen3_vl", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
+# The language models Qwen3-VL's projector type serves: llama.cpp's qwen3vl / qwen3vlmoe (Qwen3-VL)
+# and qwen35 / qwen35moe (Qwen3.5 / 3.6, hybrid), as mlx-vlm's model types.
+QWEN3_FAMILIES = {"qwen3": "qwen3_vl", "qwen3_moe": "qwen3_vl_moe", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
 
 
 def _qwen3vl_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     family = QWEN3_FAMILIES.get(text.get("model_type"))
     if "mrope_section" not in text or family is None:
-        raise MmprojError("its language model is not Qwen3-VL's or Qwen3.5's (llama.cpp's qwen3vl, qwen35 or "
-                          "qwen35moe architecture, with rope.dimension_sections)")
+        raise MmprojError("its language model is not Qwen3-VL's or Qwen3.5's (llama.cpp's qwen3vl, qwen3vlmoe, "
+                          "qwen35 or qwen35moe architecture, with rope.dimension_sections)")
     deep = [i for i, on in enumerate(f.metadata.get("clip.vision.is_deepstack_layers", [])) if on]
     size, patch = int(_meta(f, "clip.vision.image_size")), int(_meta(f, "clip.vision.patch_size"))
     vision = {"model_type": family, "depth": int(_meta(f, "clip.vision.block_count")),
@@ -233,8 +233,10 @@ def _qwen3vl_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[s
                                                     ("vision_start_token_id", "<|vision_start|>"))}
     own = {k: v for k, v in text.items() if k != "mrope_section"}
     mrope = {"mrope_section": text["mrope_section"], "mrope_interleaved": True}
-    if family == "qwen3_vl":
+    if family in ("qwen3_vl", "qwen3_vl_moe"):
         own["rope_scaling"] = {"type": "default", **mrope}
+        if family == "qwen3_vl_moe":
+            own["model_type"] = "qwen3_vl_moe_text"
     else:  # (Qwen3.5's text config: its own model type, RoPE under rope_parameters)
         own.update(model_type=f"{family}_text", rope_parameters={**own["rope_parameters"], **mrope})
     return {"model_type": family, "text_config": own, "vision_config": vision, **ids}
