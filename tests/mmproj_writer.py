@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from tests.gguf_writer import _write_tensors
+from tests.gguf_writer import _write_tensors, permute_qk
 
 
 def hf_tokenizer_meta(hf) -> dict:
@@ -27,7 +27,7 @@ def hf_tokenizer_meta(hf) -> dict:
 def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hidden: int, image_mean: list,
                  image_std: list, scale_factor: int | None = None, name: str | None = None,
                  preproc_image_size: int | None = None, quant: Q | None = None, extra: dict | None = None,
-                 split_qkv: bool = True, renamed: dict | None = None) -> None:
+                 split_qkv: bool = True, renamed: dict | None = None, permute_heads: int | None = None) -> None:
     """A vision projector file as llama.cpp's converter writes one (`general.architecture` clip):
     `weights` in mlx-vlm's names and layout, named by llama.cpp's tensor map under the
     checkpoint's names (a bare `*_weight` parameter as `*.weight`; Idefics3's under `model.`,
@@ -36,7 +36,8 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
     `vision`: image_size, patch_size, hidden_size, intermediate_size, num_hidden_layers,
     num_attention_heads (layer_norm_eps); `extra`: GGUFWriter's `add_vision_*` calls by suffix;
     `split_qkv`: False where the converter keeps a fused qkv (Qwen3-VL); `renamed`: names the
-    converter writes by hand (mlx-vlm's parameter -> the file's)."""
+    converter writes by hand (mlx-vlm's parameter -> the file's); `permute_heads`: the tower's
+    Q and K rows permuted as llama.cpp does Llama's, over this many heads (Pixtral)."""
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision["num_hidden_layers"], 8))
     w = gguf.GGUFWriter(path, "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
@@ -66,7 +67,8 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
         if renamed and key in renamed:
             return renamed[key]
         hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
-        for cand in (hf, "model." + hf, hf.replace("vision_tower.", "visual.", 1)):
+        for cand in (hf, "model." + hf, hf.replace("vision_tower.", "visual.", 1),
+                     hf.replace("vision_tower.vision_model.", "vision_tower.", 1)):
             if (found := tmap.get_name(cand, try_suffixes=(".weight", ".bias"))) is not None:
                 return found
         raise AssertionError(f"no llama.cpp name for {key}")
@@ -83,6 +85,8 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
         name = gguf_name(key)
         if name.endswith("soft_emb_norm.weight"):
             x = x + 1
+        if permute_heads and name.endswith(("attn_q.weight", "attn_k.weight")):
+            x = permute_qk(x, permute_heads)
         if x.ndim == 5:  # Conv3D [out, in, t, kh, kw]: one Conv2D per temporal slice
             tensors[name], tensors[f"{name}.1"] = x[:, :, 0], x[:, :, 1]
             continue

@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
-(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL or Qwen3.5 built with mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
+(`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Mistral 3,
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE) or Qwen3.5 built with mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
 
@@ -98,6 +98,10 @@ def _projector(family: str, cfg: dict, processor) -> dict:
         tokens = cfg["text_config"]["mm_tokens_per_image"]
         return {"projector": "gemma3", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
                 "scale_factor": (vision["image_size"] // vision["patch_size"]) // int(tokens ** 0.5)}
+    if family == "mistral3":
+        return {"projector": "pixtral", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
+                "permute_heads": vision["num_attention_heads"],
+                "extra": {"spatial_merge_size": cfg["spatial_merge_size"]}}
     return {"projector": "idefics3", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
             "scale_factor": cfg["scale_factor"], "preproc_image_size": processor.image_processor.size["longest_edge"]}
 
@@ -105,7 +109,7 @@ def _projector(family: str, cfg: dict, processor) -> dict:
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
-@pytest.fixture(scope="module", params=["gemma3", "smolvlm", *QWEN_VL, "qwen3_5"])
+@pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", *QWEN_VL, "qwen3_5"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     from transformers import AutoProcessor
@@ -174,7 +178,7 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
     f = GGUFFile(mmproj)
     w = gguf.GGUFWriter(str(other / "mmproj-m.gguf"), "clip")
     w.add_clip_has_vision_encoder(True)
-    w.add_clip_projector_type("pixtral")
+    w.add_clip_projector_type("llama4")
     w.add_tensor("v.post_ln.weight", f.dequantize("v.post_ln.weight").copy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -182,13 +186,13 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
     w.close()
     llm = LLM(str(other / "m.gguf"), kv_cache_gb=0.01, max_model_len=512)
     try:
-        assert "pixtral" in llm.engine.vision_refusal
-        with pytest.raises(ValueError, match="pixtral"):
+        assert "llama4" in llm.engine.vision_refusal
+        with pytest.raises(ValueError, match="llama4"):
             llm.chat(ask("what is it", picture(0)), GREEDY)
         assert llm.generate("hello", GREEDY)[0].token_ids  # the text still runs
     finally:
         llm.close()
-    with pytest.raises(ValueError, match="--mmproj .*pixtral"):
+    with pytest.raises(ValueError, match="--mmproj .*llama4"):
         LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=str(other / "mmproj-m.gguf"))
     from click.testing import CliRunner
 
@@ -196,7 +200,7 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
 
     r = CliRunner().invoke(main, ["generate", model, "--mmproj", str(other / "mmproj-m.gguf"), "-p", "hi", "-n", "2",
                                   "--kv-cache-gb", "0.01", "--max-model-len", "512"])
-    assert r.exit_code == 1 and "pixtral" in r.output and "Traceback" not in r.output, r.output
+    assert r.exit_code == 1 and "llama4" in r.output and "Traceback" not in r.output, r.output
     # The language model's GGUF given as the projector; a projector missing a tower tensor.
     with pytest.raises(ValueError, match="not a vision projector"):
         LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=model)
