@@ -1,6 +1,7 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
 (`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Mistral 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE) or Qwen3.5 built with mlx-vlm's classes, take images and give mlx-vlm's tokens on the original checkpoint."""
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE) or Qwen3.5 built with mlx-vlm's classes, take
+images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         deep = {"qwen3vl.n_deepstack_layers": len(cfg["vision_config"]["deepstack_visual_indexes"])} \
             if arch.startswith("qwen3") else {}
         if arch == "qwen3vlmoe":
-            deep.update({f"{arch}.expert_count": text["num_experts"], f"{arch}.expert_used_count": text["num_experts_per_tok"],
+            deep.update({f"{arch}.expert_count": text["num_experts"],
+                         f"{arch}.expert_used_count": text["num_experts_per_tok"],
                          f"{arch}.expert_feed_forward_length": text["moe_intermediate_size"]})
         write_gguf(path, text, arch_tensors(arch, text, lm), arch=arch, tokenizer=hf_tokenizer_meta(tokenizer),
                    extra_meta={f"{arch}.rope.dimension_sections": sections + [0] * (4 - len(sections)), **deep})
@@ -56,7 +58,8 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         rope = text["rope_parameters"]
         flat = {**text, "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"]}
         sections = rope["mrope_section"]
-        write_hybrid_gguf(path, "qwen35", flat, hybrid_tensors("qwen35", flat, lm), tokenizer=hf_tokenizer_meta(tokenizer),
+        write_hybrid_gguf(path, "qwen35", flat, hybrid_tensors("qwen35", flat, lm),
+                          tokenizer=hf_tokenizer_meta(tokenizer),
                           extra_meta={"qwen35.rope.dimension_sections": sections + [0] * (4 - len(sections))})
     else:
         write_gguf(path, text, llama_tensors(text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
@@ -241,7 +244,7 @@ def test_f16_and_q8_0_projector_files_load(vision_gguf, tmp_path):
     model = str(out / "gemma3-tiny-F32.gguf")
     first = {}
     for quant in (None, Q.F16, Q.Q8_0):
-        path = str(out / "mmproj-gemma3-tiny-F32.gguf") if quant is None else str(tmp_path / f"mmproj-{quant.name}.gguf")
+        path = str(out / "mmproj-gemma3-tiny-F32.gguf" if quant is None else tmp_path / f"mmproj-{quant.name}.gguf")
         if quant is not None:
             write_mmproj(path, "gemma3", vision, weights, 64, [0.5] * 3, [0.5] * 3, scale_factor=2, quant=quant)
         llm = LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=path)

@@ -19,8 +19,7 @@ def load(engine: Any) -> tuple[Any, str | None]:
     from macinfer.vision.support import load_vision
 
     config = engine.loaded.config
-    gguf = engine.loaded.source.endswith(".gguf")
-    if gguf:  # a vision projector beside it (or --mmproj): its checkpoint written for the image path
+    if engine.loaded.source.endswith(".gguf"):  # its images come from a vision projector file, if any
         return _with_mmproj(engine)
     if not is_vision_config(config):
         return None, None

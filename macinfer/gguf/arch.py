@@ -79,9 +79,9 @@ def _phi3(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _qwen2vl(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
-    # Qwen2/2.5/3-VL's language model: Qwen2's (Qwen3's) whose RoPE turns by (time, height, width) sections
-    # over an image's positions (the image path installs them, `vision/support.py`); over text
-    # the three positions are equal and it is Qwen2's RoPE.
+    # Qwen2/2.5/3-VL's language model: Qwen2's (Qwen3's) whose RoPE turns by (time, height, width)
+    # sections over an image's positions (installed with a vision projector file, `gguf/mmproj.py`,
+    # `engine/images.py`); over text the three positions are equal and it is plain RoPE.
     sections = [int(x) for x in get("rope.dimension_sections", [])]
     return {"mrope_section": [s for s in sections if s]} if any(sections) else {}
 

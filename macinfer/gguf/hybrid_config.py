@@ -82,8 +82,8 @@ def _qwen3next(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str
 
 def _qwen35(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     config = {**_gated_deltanet(get), **_moe(get, names)}
-    # Text-only positions: mlx-lm rotates the partial rotary dims as plain RoPE (its mrope
-    # sections matter only for image positions, which this server does not take).
+    # Text positions: mlx-lm rotates the partial rotary dims as plain RoPE (the mrope sections
+    # matter only for image positions, kept below for a vision projector file, `gguf/mmproj.py`).
     config["rope_parameters"] = {"type": "default", "rope_theta": config.pop("rope_theta"),
                                  "partial_rotary_factor": config.pop("partial_rotary_factor")}
     sections = [int(x) for x in get("rope.dimension_sections", [])]

@@ -38,8 +38,8 @@ def find_mmproj(model_path: str, given: str | None) -> str | None:
         return given
     found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(model_path)), "*mmproj*.gguf")))
     if len(found) > 1:
-        raise MmprojError(f"{len(found)} vision projectors beside the model ({', '.join(map(os.path.basename, found))}):"
-                          " name one with --mmproj")
+        names = ", ".join(map(os.path.basename, found))
+        raise MmprojError(f"{len(found)} vision projectors beside the model ({names}): name one with --mmproj")
     return found[0] if found else None
 
 
@@ -81,8 +81,9 @@ def _lookup(f: GGUFFile, names: Any, key: str, fix: Callable[[str, np.ndarray, d
     """(llama.cpp's name, the tensor as the checkpoint held it) for mlx-vlm's parameter `key`,
     or (the name looked for, None). What the converter renamed or split is undone here: a bare
     `*_weight` is `*.weight`; the checkpoint's own prefix (Idefics3's `model.`, Qwen-VL's
-    `visual.` for mlx-vlm's `vision_tower.`, Pixtral's tower without `vision_model.`); a fused `qkv` split into q, k, v; a Conv3D split
-    into its two temporal slices (`.weight` and `.weight.1`)."""
+    `visual.` for mlx-vlm's `vision_tower.`, Pixtral's tower without `vision_model.`); a fused
+    `qkv` split into q, k, v; a Conv3D split into its two temporal slices (`.weight`, `.weight.1`).
+    `given`: the family's own name for it (`Projector.rename`)."""
     suffixes = (".weight", ".bias")
     hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
     candidates = [hf, "model." + hf] + ([hf.replace("vision_tower.", "visual.", 1),  # (Qwen-VL's)

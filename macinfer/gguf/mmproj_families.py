@@ -234,8 +234,8 @@ def _qwen3vl_rename(key: str, config: dict[str, Any]) -> str | None:
         return {"linear_fc1": f"mm.0.{kind}", "linear_fc2": f"mm.2.{kind}", "norm": f"v.post_ln.{kind}"}.get(module)
     if key.startswith("vision_tower.deepstack_merger_list."):
         layer = config["vision_config"]["deepstack_visual_indexes"][int(parts[2])]
-        return {"linear_fc1": f"v.deepstack.{layer}.fc1.{parts[-1]}", "linear_fc2": f"v.deepstack.{layer}.fc2.{parts[-1]}",
-                "norm": f"v.deepstack.{layer}.norm.{parts[-1]}"}.get(parts[3])
+        part = {"linear_fc1": "fc1", "linear_fc2": "fc2", "norm": "norm"}.get(parts[3])
+        return f"v.deepstack.{layer}.{part}.{parts[-1]}" if part else None
     return None
 
 
@@ -250,7 +250,8 @@ def _pixtral_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[s
     vision = {"model_type": "pixtral", "hidden_size": width, "head_dim": width // heads, "num_attention_heads": heads,
               "num_hidden_layers": int(meta_value(f, "clip.vision.block_count")),
               "intermediate_size": int(meta_value(f, "clip.vision.feed_forward_length")),
-              "image_size": int(meta_value(f, "clip.vision.image_size")), "patch_size": int(meta_value(f, "clip.vision.patch_size"))}
+              "image_size": int(meta_value(f, "clip.vision.image_size")),
+              "patch_size": int(meta_value(f, "clip.vision.patch_size"))}
     merge = int(f.metadata.get("clip.vision.spatial_merge_size", 2 if kind == "mistral3" else 1))
     return {"model_type": kind, "text_config": text, "vision_config": vision,
             "image_token_index": _token_id(tokenizer, "[IMG]"), "spatial_merge_size": merge,
@@ -264,7 +265,8 @@ def _pixtral_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> A
 
     vision = config["vision_config"]
     patch = vision["patch_size"]
-    images = PixtralImageProcessor(size={"longest_edge": vision["image_size"]}, patch_size={"height": patch, "width": patch},
+    images = PixtralImageProcessor(size={"longest_edge": vision["image_size"]},
+                                   patch_size={"height": patch, "width": patch},
                                    image_mean=[float(x) for x in meta_value(f, "clip.vision.image_mean")],
                                    image_std=[float(x) for x in meta_value(f, "clip.vision.image_std")])
     processor_class = Mistral3Processor if config["model_type"] == "mistral3" else PixtralProcessor
