@@ -27,7 +27,8 @@ def hf_tokenizer_meta(hf) -> dict:
 def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hidden: int, image_mean: list,
                  image_std: list, scale_factor: int | None = None, name: str | None = None,
                  preproc_image_size: int | None = None, quant: Q | None = None, extra: dict | None = None,
-                 split_qkv: bool = True, renamed: dict | None = None, permute_heads: int | None = None) -> None:
+                 split_qkv: bool = True, renamed: dict | None = None, permute_heads: int | None = None,
+                 qkv_form: tuple[str, str] = (".qkv.", ".{p}."), bare_weights: tuple[str, ...] = ()) -> None:
     """A vision projector file as llama.cpp's converter writes one (`general.architecture` clip):
     `weights` in mlx-vlm's names and layout, named by llama.cpp's tensor map under the
     checkpoint's names (a bare `*_weight` parameter as `*.weight`; Idefics3's under `model.`,
@@ -37,7 +38,10 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
     num_attention_heads (layer_norm_eps); `extra`: GGUFWriter's `add_vision_*` calls by suffix;
     `split_qkv`: False where the converter keeps a fused qkv (Qwen3-VL); `renamed`: names the
     converter writes by hand (mlx-vlm's parameter -> the file's); `permute_heads`: the tower's
-    Q and K rows permuted as llama.cpp does Llama's, over this many heads (Pixtral)."""
+    Q and K rows permuted as llama.cpp does Llama's, over this many heads (Pixtral); `qkv_form`:
+    how a split qkv is named (InternViT's `.attn.qkv.` -> `.self_attn.{p}_proj.`); `bare_weights`:
+    parameters without a suffix that the converter names `.weight` (InternViT's layer scales and
+    position embedding)."""
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision["num_hidden_layers"], 8))
     w = gguf.GGUFWriter(path, "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
@@ -68,9 +72,10 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
             return renamed[key]
         hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
         for cand in (hf, "model." + hf, hf.replace("vision_tower.", "visual.", 1),
-                     hf.replace("vision_tower.vision_model.", "vision_tower.", 1)):
+                     hf.replace("vision_tower.vision_model.", "vision_tower.", 1), "vision_tower." + hf):
             if (found := tmap.get_name(cand, try_suffixes=(".weight", ".bias"))) is not None:
-                return found
+                bare = not found.endswith((".weight", ".bias")) and any(b in found for b in bare_weights)
+                return found + ".weight" if bare else found
         raise AssertionError(f"no llama.cpp name for {key}")
 
     tensors = {}
@@ -78,9 +83,9 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
         x = np.array(value.astype(mx.float32), dtype=np.float32)
         if x.ndim in (4, 5):  # MLX's [out, ..., in] -> PyTorch's [out, in, ...]
             x = np.moveaxis(x, -1, 1)
-        if ".qkv." in key and split_qkv:
+        if qkv_form[0] in key and split_qkv:
             for part, rows in zip("qkv", np.split(x, 3, axis=0)):
-                tensors[gguf_name(key.replace(".qkv.", f".{part}."))] = rows
+                tensors[gguf_name(key.replace(qkv_form[0], qkv_form[1].format(p=part)))] = rows
             continue
         name = gguf_name(key)
         if name.endswith("soft_emb_norm.weight"):

@@ -61,6 +61,8 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         write_hybrid_gguf(path, "qwen35", flat, hybrid_tensors("qwen35", flat, lm),
                           tokenizer=hf_tokenizer_meta(tokenizer),
                           extra_meta={"qwen35.rope.dimension_sections": sections + [0] * (4 - len(sections))})
+    elif text["model_type"] == "qwen2":  # (InternVL 3's language model)
+        write_gguf(path, text, arch_tensors("qwen2", text, lm), arch="qwen2", tokenizer=hf_tokenizer_meta(tokenizer))
     else:
         write_gguf(path, text, llama_tensors(text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
 
@@ -101,6 +103,11 @@ def _projector(family: str, cfg: dict, processor) -> dict:
         tokens = cfg["text_config"]["mm_tokens_per_image"]
         return {"projector": "gemma3", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
                 "scale_factor": (vision["image_size"] // vision["patch_size"]) // int(tokens ** 0.5)}
+    if family == "internvl_chat":  # its converter: the split qkv as self_attn.*_proj, layer scales as .weight
+        return {"projector": "internvl", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
+                "scale_factor": int(1 / cfg["downsample_ratio"]), "qkv_form": (".attn.qkv.", ".self_attn.{p}_proj."),
+                "bare_weights": ("ls1", "ls2", "position_embd"),
+                "extra": {"preproc_max_tiles": cfg["max_dynamic_patch"]}}
     if family == "mistral3":
         return {"projector": "pixtral", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
                 "permute_heads": vision["num_attention_heads"],
@@ -112,10 +119,10 @@ def _projector(family: str, cfg: dict, processor) -> dict:
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
-@pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", *QWEN_VL, "qwen3_5"])
+@pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
-    from transformers import AutoProcessor
+    from mlx_vlm.utils import load_processor
 
     family = request.param
     base = tmp_path_factory.mktemp("gguf-vision")
@@ -126,7 +133,7 @@ def vision_gguf(tmp_path_factory, request):
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     weights = mx.load(os.path.join(folder, "model.safetensors"))
-    processor = AutoProcessor.from_pretrained(folder)
+    processor = load_processor(folder, add_detokenizer=False)  # (mlx-vlm's: InternVL's is its own class)
     out = base / "gguf"
     out.mkdir()
     _text_gguf(str(out / f"{family}-tiny-F32.gguf"), family, folder, cfg, weights, processor.tokenizer)

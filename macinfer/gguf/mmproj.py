@@ -86,12 +86,18 @@ def _lookup(f: GGUFFile, names: Any, key: str, fix: Callable[[str, np.ndarray, d
     `given`: the family's own name for it (`Projector.rename`)."""
     suffixes = (".weight", ".bias")
     hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
-    candidates = [hf, "model." + hf] + ([hf.replace("vision_tower.", "visual.", 1),  # (Qwen-VL's)
-                                         hf.replace("vision_tower.vision_model.", "vision_tower.", 1)]  # (Pixtral's)
-                                        if hf.startswith("vision_tower.") else [])
+    candidates = [hf, "model." + hf]
+    if hf.startswith("vision_tower."):  # Qwen-VL's `visual.`; Pixtral's tower without `vision_model.`
+        candidates += [hf.replace("vision_tower.", "visual.", 1),
+                       hf.replace("vision_tower.vision_model.", "vision_tower.", 1)]
+    elif hf.startswith("vision_model."):  # InternViT's, which the converter puts under `vision_tower.`
+        candidates.append("vision_tower." + hf)
 
     def read(name: str) -> np.ndarray:
         return fix(name, np.asarray(f.dequantize(name), dtype=np.float32), f.metadata)
+
+    def found(name: str | None) -> str | None:  # (a bare parameter the converter gave a `.weight`: InternViT's)
+        return next((n for n in (name, f"{name}.weight") if name and n in f.tensors), None)
 
     if given is not None:  # named by the family's own rule
         return given, read(given) if given in f.tensors else None
@@ -99,15 +105,17 @@ def _lookup(f: GGUFFile, names: Any, key: str, fix: Callable[[str, np.ndarray, d
     for cand in candidates:
         name = names.get_name(cand, try_suffixes=suffixes)
         first = first or name
-        if name in f.tensors:
-            x = read(name)
+        if found(name):
+            x = read(found(name))
             if f"{name}.1" in f.tensors:  # a Conv3D's temporal slices: [out, in, kh, kw] each
                 x = np.stack([x, read(f"{name}.1")], axis=2)
-            return name, x
-        if ".qkv." in cand:
-            parts = [names.get_name(cand.replace(".qkv.", f".{p}."), try_suffixes=suffixes) for p in "qkv"]
-            if all(p in f.tensors for p in parts):
-                return parts[0], np.concatenate([read(p) for p in parts], axis=0)
+            return found(name), x
+        if ".qkv." in cand:  # split as q, k, v (Qwen-VL's) or as self_attn.{q,k,v}_proj (InternViT's)
+            for form in (lambda p: cand.replace(".qkv.", f".{p}."),
+                         lambda p: cand.replace(".attn.qkv.", f".self_attn.{p}_proj.")):
+                parts = [names.get_name(form(p), try_suffixes=suffixes) for p in "qkv"]
+                if all(p in f.tensors for p in parts):
+                    return parts[0], np.concatenate([read(p) for p in parts], axis=0)
     return first, None
 
 

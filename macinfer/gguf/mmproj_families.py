@@ -284,9 +284,60 @@ def _pixtral_fix(name: str, x: np.ndarray, meta: dict[str, Any]) -> np.ndarray:
     return x
 
 
+class _TokenizerAndConfig:
+    """What a processor that saves nothing itself (InternVL's) loads from: the tokenizer's files
+    and a `processor_config.json`; its sizes come from the checkpoint's config.json."""
+
+    def __init__(self, tokenizer: Any, processor_config: dict[str, Any]):
+        self.tokenizer, self.processor_config = tokenizer, processor_config
+
+    def save_pretrained(self, folder: str) -> None:
+        import json
+
+        self.tokenizer.save_pretrained(folder)
+        with open(os.path.join(folder, "processor_config.json"), "w") as out:
+            json.dump(self.processor_config, out)
+
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _internvl_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    mean = [float(x) for x in meta_value(f, "clip.vision.image_mean")]
+    std = [float(x) for x in meta_value(f, "clip.vision.image_std")]
+    if not (np.allclose(mean, IMAGENET_MEAN, atol=1e-3) and np.allclose(std, IMAGENET_STD, atol=1e-3)):
+        raise MmprojError(f"{os.path.basename(f.path)}: its image mean/std ({mean}, {std}) are not ImageNet's, "
+                          "which InternVL's processor normalizes by")
+    size = int(meta_value(f, "clip.vision.image_size"))
+    vision = {"model_type": "intern_vit_6b", "hidden_size": int(meta_value(f, "clip.vision.embedding_length")),
+              "num_attention_heads": int(meta_value(f, "clip.vision.attention.head_count")),
+              "patch_size": int(meta_value(f, "clip.vision.patch_size")),
+              "num_hidden_layers": int(meta_value(f, "clip.vision.block_count")),
+              "intermediate_size": int(meta_value(f, "clip.vision.feed_forward_length")), "image_size": size,
+              "layer_norm_eps": float(f.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
+              # InternViT-6B's RMSNorm and query/key norms; the 300M tower's LayerNorm without
+              "norm_type": "layer_norm" if "v.blk.0.ln1.bias" in f.tensors else "rms_norm",
+              "qk_normalization": "v.blk.0.attn_q_norm.weight" in f.tensors,
+              "qkv_bias": "v.blk.0.attn_q.bias" in f.tensors}
+    return {"model_type": "internvl_chat", "text_config": text, "vision_config": vision,
+            "image_token_index": _token_id(tokenizer, "<IMG_CONTEXT>"),
+            "downsample_ratio": 1 / int(f.metadata.get("clip.vision.projector.scale_factor", 2)),
+            "force_image_size": size, "max_dynamic_patch": int(f.metadata.get("clip.vision.preproc_max_tiles", 12)),
+            "min_dynamic_patch": int(f.metadata.get("clip.vision.preproc_min_tiles", 1)), "use_thumbnail": True,
+            "vocab_size": text["vocab_size"], "eos_token_id": text.get("eos_token_id")}
+
+
+def _internvl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+    return _TokenizerAndConfig(tokenizer, {"processor_class": "InternVLChatProcessor",
+                                           "image_size": config["force_image_size"],
+                                           "patch_size": config["vision_config"]["patch_size"],
+                                           "downsample_ratio": config["downsample_ratio"]})
+
+
 PROJECTORS: dict[str, Projector] = {
     "gemma3": Projector(_gemma3_config, _gemma3_processor, _gemma3_fix),
     "pixtral": Projector(_pixtral_config, _pixtral_processor, _pixtral_fix),  # (and Mistral 3)
+    "internvl": Projector(_internvl_config, _internvl_processor),
     "idefics3": Projector(_idefics3_config, _idefics3_processor),  # (and SmolVLM)
     "qwen2vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
     "qwen2.5vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
