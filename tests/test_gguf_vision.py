@@ -262,3 +262,23 @@ def test_f16_and_q8_0_projector_files_load(vision_gguf, tmp_path):
     for quant, tol in ((Q.F16, 1e-3), (Q.Q8_0, 2e-2)):  # (measured 1.5e-4 and 3.7e-3)
         assert first[quant].keys() == first[None].keys()
         assert max(abs(first[quant][t] - lp) for t, lp in first[None].items()) < tol, (quant, first)
+
+
+@pytest.mark.parametrize("vision_gguf", ["gemma3"], indirect=True)
+def test_a_models_folder_lists_projectors_with_their_models_not_as_models(vision_gguf, tmp_path):
+    """LM Studio's layout (a folder per model, its projector beside it) under --models-dir: the
+    folder serves the model file, whatever the names sort as; a projector alone is no model."""
+    from macinfer.server.model_sources import discover
+
+    family, folder, out = vision_gguf
+    (tmp_path / "gemma-vision").mkdir()
+    shutil.copy(out / "gemma3-tiny-F32.gguf", tmp_path / "gemma-vision" / "tiny-F32.gguf")  # ("mmproj" sorts first)
+    shutil.copy(out / "mmproj-gemma3-tiny-F32.gguf", tmp_path / "gemma-vision" / "mmproj-tiny-F32.gguf")
+    shutil.copy(out / "mmproj-gemma3-tiny-F32.gguf", tmp_path / "mmproj-stray-F16.gguf")
+    sources = discover(str(tmp_path), False)
+    assert [(s.name, os.path.basename(s.path)) for s in sources] == [("gemma-vision", "tiny-F32.gguf")]
+    llm = LLM(sources[0].path, kv_cache_gb=0.01, max_model_len=512)
+    try:
+        assert llm.engine.vision is not None and llm.engine.vision.projector.endswith("mmproj-tiny-F32.gguf")
+    finally:
+        llm.close()

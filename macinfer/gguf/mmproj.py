@@ -17,7 +17,6 @@ Projector types that run: `mmproj_families.PROJECTORS` (others are refused with 
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any, Callable
@@ -29,6 +28,12 @@ from macinfer.gguf.file import GGUFFile
 from macinfer.gguf.mmproj_families import NAMED_TOKENS, PROJECTORS, MmprojError, Projector, meta_value, projector_kind
 
 
+def is_projector_file(name: str) -> bool:
+    """A vision projector by its name (llama.cpp's and LM Studio's `mmproj-*.gguf`): never a
+    model to list or serve on its own."""
+    return name.endswith(".gguf") and "mmproj" in os.path.basename(name).lower()
+
+
 def find_mmproj(model_path: str, given: str | None) -> str | None:
     """The projector file: `given` (`--mmproj`), else the one `mmproj*.gguf` beside the model
     file (LM Studio's and the GGUF repos' layout); None when there is none."""
@@ -36,7 +41,8 @@ def find_mmproj(model_path: str, given: str | None) -> str | None:
         if not os.path.isfile(given):
             raise MmprojError(f"--mmproj {given}: no such file")
         return given
-    found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(model_path)), "*mmproj*.gguf")))
+    folder = os.path.dirname(os.path.abspath(model_path))
+    found = sorted(os.path.join(folder, n) for n in os.listdir(folder) if is_projector_file(n))
     if len(found) > 1:
         names = ", ".join(map(os.path.basename, found))
         raise MmprojError(f"{len(found)} vision projectors beside the model ({names}): name one with --mmproj")

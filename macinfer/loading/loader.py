@@ -100,8 +100,10 @@ def _pick_gguf(files: list[str], quant: str) -> str | None:
     """The file of a GGUF repo for a quant tag such as Q4_K_M (case-insensitive,
     delimited by - . _ or /). Split (multi-part) files are not supported."""
     tag = re.compile(rf"(^|[-._/]){re.escape(quant)}([-._]|$)", re.IGNORECASE)
+    from macinfer.gguf.mmproj import is_projector_file
+
     hits = sorted(f for f in files if f.endswith(".gguf") and tag.search(f[: -len(".gguf")])
-                  and "mmproj" not in f.lower())
+                  and not is_projector_file(f))
     whole = [f for f in hits if not re.search(r"-\d{5}-of-\d{5}", f)]
     if hits and not whole:
         raise ModelLoadError(f"{hits[0]} is split into parts; merge them with llama-gguf-split --merge first")

@@ -78,6 +78,8 @@ def list_models(cache_dir: str | None = None) -> list[CachedModel]:
     """Model repos in the Hugging Face cache (latest revision of each), described."""
     from huggingface_hub import scan_cache_dir
 
+    from macinfer.gguf.mmproj import is_projector_file
+
     out = []
     if not os.path.isdir(_cache_dir(cache_dir)):
         return out
@@ -85,8 +87,9 @@ def list_models(cache_dir: str | None = None) -> list[CachedModel]:
         if repo.repo_type != "model" or not repo.revisions:
             continue
         rev = max(repo.revisions, key=lambda r: (bool(r.refs), r.last_modified))
+        ggufs = [f.file_name for f in rev.files if f.file_name.endswith(".gguf")]
         m = CachedModel(repo.repo_id, repo.size_on_disk, rev.commit_hash, str(rev.snapshot_path),
-                        gguf_files=sorted(f.file_name for f in rev.files if f.file_name.endswith(".gguf")))
+                        gguf_files=sorted(f for f in ggufs if not is_projector_file(f)))  # (projectors: their model's)
         _describe_dir(m)
         out.append(m)
     return sorted(out, key=lambda m: m.repo_id.lower())

@@ -92,7 +92,11 @@ def _dir_source(models_dir: str, name: str) -> ModelSource | None:
     Raises on files we cannot read; `discover` skips those with a warning."""
     from macinfer.loading.model_store import CachedModel, _describe_dir
 
+    from macinfer.gguf.mmproj import is_projector_file
+
     path = os.path.join(models_dir, name)
+    if is_projector_file(name):  # a vision projector: its model's, found beside it at load
+        return None
     if name.endswith(".gguf") and os.path.isfile(path):
         from macinfer.gguf.file import GGUFFile
 
@@ -100,7 +104,7 @@ def _dir_source(models_dir: str, name: str) -> ModelSource | None:
         return ModelSource(name.removesuffix(".gguf"), path, (name,), disk_bytes=os.path.getsize(path))
     if not os.path.isdir(path):
         return None
-    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf") and not is_projector_file(f))
     m = CachedModel(name, 0, "", path, gguf_files=ggufs)
     _describe_dir(m)
     if not m.supported:
