@@ -211,6 +211,9 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
     r = CliRunner().invoke(main, ["generate", model, "--mmproj", str(other / "mmproj-m.gguf"), "-p", "hi", "-n", "2",
                                   "--kv-cache-gb", "0.01", "--max-model-len", "512"])
     assert r.exit_code == 1 and "llama4" in r.output and "Traceback" not in r.output, r.output
+    # --mmproj beside a checkpoint folder (its tower is its own): refused, not ignored.
+    with pytest.raises(ValueError, match="--mmproj is a GGUF model's vision projector"):
+        LLM(folder, kv_cache_gb=0.01, max_model_len=512, mmproj=mmproj)
     # The language model's GGUF given as the projector; a projector missing a tower tensor.
     with pytest.raises(ValueError, match="not a vision projector"):
         LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=model)

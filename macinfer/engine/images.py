@@ -21,6 +21,9 @@ def load(engine: Any) -> tuple[Any, str | None]:
     config = engine.loaded.config
     if engine.loaded.source.endswith(".gguf"):  # its images come from a vision projector file, if any
         return _with_mmproj(engine)
+    if engine.config.mmproj:  # never a flag that silently does nothing
+        raise ValueError("--mmproj is a GGUF model's vision projector; this model is not a GGUF file (a "
+                         "checkpoint folder holds its own vision tower)")
     if not is_vision_config(config):
         return None, None
     if not engine.config.images:
