@@ -260,6 +260,8 @@ def same_tokens_as_plain(plain, draft: str, base: list[list[int]], sampled: dict
     from macinfer.sampling_params import SamplingParams
 
     engine = drafting_engine(plain.loaded, draft)
+    own = engine.drafter.kv_cache.nbytes if getattr(engine.drafter, "kv_cache", None) is not None else 0
+    assert engine.kv_cache.nbytes + own <= engine.config.kv_cache_gb * 2**30  # one budget buys both pools
     rng = np.random.default_rng(7)
     prompts = base + [rng.integers(3, 290, size=int(rng.integers(3, 45))).tolist() for _ in range(32 - len(base))]
     params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) if i % 2 else

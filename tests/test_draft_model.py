@@ -197,6 +197,38 @@ def test_bad_draft_settings_are_refused_with_the_reason(tmp_path_factory, draft)
         assert result.exit_code != 0 and says in result.output, result.output
 
 
+def test_one_budget_buys_the_target_and_draft_pools(tmp_path_factory, draft):
+    """--kv-cache-gb is what the target's pool and its drafter's pool take together (the
+    drafter's holds a block per target block plus one per running sequence), and the
+    weights a memory limit counts are both models'."""
+    from macinfer.engine.drafter import weight_bytes
+
+    target = _target(tmp_path_factory, "llama")
+    gb = 0.004
+    plain = LLMEngine(target, EngineConfig(kv_cache_gb=gb, max_num_seqs=8))
+    spec = LLMEngine(plain.loaded, EngineConfig(kv_cache_gb=gb, max_num_seqs=8, draft_model=draft,
+                                                num_speculative_tokens=3))
+    t_blocks, d_pool = spec.kv_cache.groups[0].num_blocks, spec.drafter.kv_cache
+    assert d_pool.groups[0].num_blocks == t_blocks + 8
+    total = spec.kv_cache.nbytes + d_pool.nbytes
+    per_block = spec.kv_cache.groups[0].bytes_per_block + d_pool.groups[0].bytes_per_block
+    assert total <= gb * 2**30 < total + per_block  # within the budget, and one more block of both would not be
+    assert plain.kv_cache.nbytes <= gb * 2**30 < plain.kv_cache.nbytes + spec.kv_cache.groups[0].bytes_per_block
+    assert t_blocks < plain.kv_cache.groups[0].num_blocks
+    assert spec.memory_bytes() == weight_bytes(spec.model) + total + weight_bytes(spec.drafter.model)
+    # A memory limit the target's weights fit but not both models': refused, the weights named.
+    limit = weight_bytes(plain.model) + weight_bytes(spec.drafter.model) // 2
+    LLMEngine(plain.loaded, EngineConfig(memory_limit_bytes=limit, max_num_seqs=8, kv_cache_gb=None))
+    with pytest.raises(ValueError, match="the weights take"):
+        LLMEngine(plain.loaded, EngineConfig(memory_limit_bytes=limit, max_num_seqs=8, kv_cache_gb=None,
+                                             draft_model=draft, num_speculative_tokens=3))
+    # Outputs stay those of decoding without speculation.
+    prompts = _prompts(8)
+    params = _params(8)
+    assert [o.token_ids for o in generate(spec, prompts, params)] == \
+        [o.token_ids for o in generate(plain, prompts, params)]
+
+
 def test_metrics_report_acceptance_per_position(tmp_path_factory):
     from macinfer.server.metrics import _EngineCollector
 

@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from macinfer.engine.cache_plan import Companion
 from macinfer.engine.drafter import _DrawRow, weight_bytes
 from macinfer.engine.runner.inputs import GroupTables
 from macinfer.engine.sampler import draw
@@ -44,6 +45,13 @@ class AssistantDrafter:
     @property
     def nbytes(self) -> int:
         return weight_bytes(self.head.drafter)
+
+    def companion(self) -> Companion:
+        """Its weights in the target's plan; no pool of its own (it reads the target's)."""
+        return Companion(self.nbytes, lambda n: 0)
+
+    def allocate(self, target_blocks: int) -> None:
+        """Nothing to build: the target's caches are its."""
 
     def capture(self, scheduled: list[tuple[Sequence, int]], hidden: mx.array) -> None:
         """The target's forward over `scheduled` (computed counts not yet advanced) made
@@ -115,10 +123,10 @@ def load_assistant_drafter(engine: Any) -> AssistantDrafter:
     from macinfer.loading.loader import resolve
 
     path = resolve(engine.config.draft_model)
-    head = load_assistant(path, engine.model, engine.layer_specs,
-                          list(getattr(engine.model, "layer_caches", None) or range(len(engine.layer_specs))))
+    specs = list(engine.model.layer_specs)  # (the model's own caches: the plan only appends to them)
+    head = load_assistant(path, engine.model, specs, list(getattr(engine.model, "layer_caches", None) or
+                                                          range(len(specs))))
     drafter = AssistantDrafter(head, engine)
-    engine.backend.set_limits(weight_bytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)
     log.info("Gemma 4 assistant %s: %.1f MiB of weights, reading the target's caches %s, %d tokens a step",
              engine.config.draft_model, drafter.nbytes / 2**20, head.caches, engine.config.num_speculative_tokens)
     return drafter

@@ -11,7 +11,7 @@ from one budget (`--kv-cache-gb`, or a share of what the machine can give after 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -49,9 +49,18 @@ def snapshot_interval(cfg: Any, groups: list[CacheGroup], slot_bytes: int) -> in
     return int(min(max(-(-tokens // bs) * bs, 256), 4096)) // bs * bs or bs
 
 
-def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, backend: Backend) -> CachePlan:
-    """The pools for `model` under `cfg` (an `EngineConfig`); a ValueError a user can act on
-    when the budget cannot hold them."""
+@dataclass(frozen=True)
+class Companion:
+    """What a drafter with a pool of its own brings to its target's plan: its weights, and
+    its K/V pool's bytes when the target's unbounded groups hold n blocks. One budget
+    (`--kv-cache-gb`, or the share of free memory) buys both pools."""
+    weights: int
+    kv_bytes: Callable[[int], int]
+
+
+def _kv_layout(model: Any, cfg: Any, kv_dtype: mx.Dtype):
+    """`model`'s caches and groups under `cfg` (bytes per block set), each group's cap
+    (bounded kinds), and each full-attention cache's store of its first tokens."""
     bs = cfg.block_size
     if cfg.kv_cache_dtype != "auto" and any(getattr(type(m), "_paged_indexer", False) for _, m in model.named_modules()):
         raise ValueError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: this model's sparse attention indexer reads its "
@@ -71,6 +80,23 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
     step_blocks = -(-cfg.max_num_batched_tokens // bs)
     # A bounded group's pool never needs more than every running sequence's live blocks plus a step's.
     caps = [cfg.max_num_seqs * (g.kind.live_blocks(bs) or 0) + step_blocks for g in groups]
+    return layer_specs, groups, caps, first_of
+
+
+def kv_pool_bytes(model: Any, cfg: Any, kv_dtype: mx.Dtype, extra_blocks: int = 0) -> Callable[[int], int]:
+    """The bytes of `model`'s K/V pools under `cfg` when its unbounded groups hold n +
+    `extra_blocks` blocks, as `plan_caches` would buy them (nothing is allocated)."""
+    _, groups, caps, _ = _kv_layout(model, cfg, kv_dtype)
+    return lambda n: sum(g.bytes_per_block * g.blocks_for(n + extra_blocks, cap) for g, cap in zip(groups, caps))
+
+
+def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, backend: Backend,
+                companion: Companion | None = None) -> CachePlan:
+    """The pools for `model` under `cfg` (an `EngineConfig`); a ValueError a user can act on
+    when the budget cannot hold them. `companion`: a drafter whose weights and pool share
+    the budget (its pool is sized to this plan's blocks by the caller)."""
+    bs = cfg.block_size
+    layer_specs, groups, caps, first_of = _kv_layout(model, cfg, kv_dtype)
     # More blocks than every sequence at full length could use is waste.
     max_blocks = cfg.max_num_seqs * -(-max_model_len // bs)
 
@@ -81,12 +107,14 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
     fixed_state = (2 * cfg.max_num_seqs + num_verify) * slot_bytes
     per_block = slot_bytes * bs / interval if slot_bytes else 0.0
 
+    drafted = companion.kv_bytes if companion is not None else (lambda n: 0)
+
     def pool_bytes(n: int) -> int:
         return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps)) + \
-            fixed_state + int(n * per_block)
+            fixed_state + int(n * per_block) + drafted(n)
 
     available = backend.available_memory()
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + (companion.weights if companion else 0)
     limit = cfg.memory_limit_bytes
     if limit is not None:  # a share of a server's budget: weights and KV within it
         available = min(available, limit)
@@ -107,7 +135,7 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
         # conversations), but never more than a share of the free memory.
         wanted = max(max_model_len, cfg.max_num_seqs * DEFAULT_TOKENS_PER_SEQ)
         budget = min(int(cfg.kv_cache_fraction * max(available - weights, 0)), pool_bytes(-(-wanted // bs)))
-    num_blocks = plan_blocks(groups, budget - fixed_state, caps, max_blocks, per_block)
+    num_blocks = plan_blocks(groups, budget - fixed_state, caps, max_blocks, per_block, drafted)
     if cfg.num_kv_blocks is not None:
         num_blocks = cfg.num_kv_blocks
     if budget < pool_bytes(1) and not groups:

@@ -22,7 +22,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from macinfer.engine.drafter import weight_bytes
 from macinfer.engine.mtp_drafter import MTPDrafter
 from macinfer.engine.sampler import draw
 from macinfer.engine.sequence import Sequence, SequenceStatus
@@ -34,8 +33,8 @@ log = logging.getLogger("macinfer")
 class DFlashDrafter(MTPDrafter):
     """The scheduler's batched proposer for a DFlash drafter (module docstring)."""
 
-    def __init__(self, head: Any, recorded: Any, logits: Any, cache_key: str, engine: Any, target_blocks: int):
-        super().__init__(head, cache_key, engine.config, target_blocks, engine.max_model_len, engine.backend,
+    def __init__(self, head: Any, recorded: Any, logits: Any, cache_key: str, engine: Any):
+        super().__init__(head, cache_key, engine.config, engine.max_model_len, engine.backend,
                          features=lambda _: head.context(mx.concatenate(recorded.take(), axis=-1)))
         self.target_logits = logits  # the target's head: the drafts are its reading of the block's rows
 
@@ -130,7 +129,7 @@ class DFlashDrafter(MTPDrafter):
         return out
 
 
-def load_dflash_drafter(engine: Any, target_blocks: int) -> DFlashDrafter:
+def load_dflash_drafter(engine: Any) -> DFlashDrafter:
     """`engine`'s DFlash drafter (`--draft-model` naming a DFlash checkpoint); a ValueError
     with the reason when it cannot draft for this target."""
     from macinfer.loading.loader import resolve
@@ -138,9 +137,8 @@ def load_dflash_drafter(engine: Any, target_blocks: int) -> DFlashDrafter:
 
     path = resolve(engine.config.draft_model)
     head, recorded = load_dflash(path, engine)
-    drafter = DFlashDrafter(head, recorded, engine.model.logits, path + ":dflash", engine, target_blocks)
-    engine.backend.set_limits(weight_bytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)
-    log.info("DFlash drafter %s: %.1f MiB of weights and KV, reading layers %s, %d tokens a step",
+    drafter = DFlashDrafter(head, recorded, engine.model.logits, path + ":dflash", engine)
+    log.info("DFlash drafter %s: %.1f MiB of weights, reading layers %s, %d tokens a step",
              engine.config.draft_model, drafter.nbytes / 2**20, [i - 1 for i in recorded.ids],
              engine.config.num_speculative_tokens)
     return drafter

@@ -2,7 +2,8 @@
 each speculating sequence's next k tokens, for all of them in one batch.
 
 The draft runs on its own paged KV pool (its own cache groups, as many blocks as the
-target's full-attention pool, so every sequence the target holds fits) through the
+target's full-attention pool, so every sequence the target holds fits; one budget buys
+both, `cache_plan.Companion`) through the
 engine's own `ModelRunner`. Each target sequence has a shadow sequence on the draft's
 side holding the same tokens; a step proposes in k batched forwards: the first takes
 every shadow's uncomputed tokens (the tokens accepted since its last proposal, or a
@@ -32,7 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from macinfer.engine.block_manager import BlockManager
-from macinfer.engine.cache_plan import plan_caches
+from macinfer.engine.cache_plan import Companion, kv_pool_bytes, plan_caches
 from macinfer.engine.runner import ModelRunner
 from macinfer.engine.sampler import draw
 from macinfer.engine.sequence import Sequence, SequenceStatus
@@ -100,29 +101,42 @@ class DraftModel:
         model's shadow recomputes whatever its target skipped."""
         return None
 
-    def __init__(self, model: Any, cache_key: str, target_cfg: Any, target_blocks: int, max_model_len: int,
-                 backend: Any, prefix_caching: bool = False):
+    def __init__(self, model: Any, cache_key: str, target_cfg: Any, max_model_len: int, backend: Any,
+                 prefix_caching: bool = False):
         self.model = model
-        # The draft's pools: a block per target block (its tokens per sequence are the
-        # target's plus k); a prefix cache only where a shadow cannot recompute what a
-        # prefix hit of its target skips (an MTP head's, `engine/mtp_drafter.py`).
-        cfg = dataclasses.replace(target_cfg, num_kv_blocks=target_blocks + target_cfg.max_num_seqs,
-                                  enable_prefix_caching=prefix_caching, kv_cache_gb=None, kv_cache_dtype="auto",
-                                  kv_group_size=None, kv_quant_start=0, num_speculative_tokens=0, memory_limit_bytes=None)
-        plan = plan_caches(model, cfg, model.kv_dtype(), max_model_len, backend)
-        self.kv_cache = plan.kv_cache
-        self.block_manager = BlockManager(plan.groups, cfg.block_size, enable_prefix_caching=prefix_caching,
-                                          cache_key=cache_key)
-        self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
+        # The draft's pools (built by `allocate` once the target's plan has its blocks): a
+        # block per target block plus one per running sequence (its tokens per sequence
+        # are the target's plus k); a prefix cache only where a shadow cannot recompute
+        # what a prefix hit of its target skips (an MTP head's, `engine/mtp_drafter.py`).
+        self.cache_key, self.backend, self.max_model_len = cache_key, backend, max_model_len
+        self.pool_cfg = dataclasses.replace(
+            target_cfg, enable_prefix_caching=prefix_caching, kv_cache_gb=None, kv_cache_dtype="auto",
+            kv_group_size=None, kv_quant_start=0, num_speculative_tokens=0, memory_limit_bytes=None)
+        self.kv_cache: Any = None
         self.chunk = target_cfg.max_num_batched_tokens  # catch-up tokens per step, all shadows together
         self.vocab = model.args.vocab_size
         self.max_len = min(max_model_len, model.args.max_position_embeddings)
         self.shadows: dict[Sequence, Sequence] = {}
         self.forwards = 0  # the draft's forward passes (bench, tests)
 
+    def companion(self) -> Companion:
+        """What this drafter brings to its target's plan: its weights and its pool's bytes
+        for the target's block count (one budget buys both)."""
+        kv = kv_pool_bytes(self.model, self.pool_cfg, self.model.kv_dtype(), self.pool_cfg.max_num_seqs)
+        return Companion(weight_bytes(self.model), kv)
+
+    def allocate(self, target_blocks: int) -> None:
+        """Build the draft's pools for a target of `target_blocks` blocks."""
+        cfg = dataclasses.replace(self.pool_cfg, num_kv_blocks=target_blocks + self.pool_cfg.max_num_seqs)
+        plan = plan_caches(self.model, cfg, self.model.kv_dtype(), self.max_model_len, self.backend)
+        self.kv_cache = plan.kv_cache
+        self.block_manager = BlockManager(plan.groups, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                                          cache_key=self.cache_key)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager)
+
     @property
     def nbytes(self) -> int:
-        return weight_bytes(self.model) + self.kv_cache.nbytes
+        return weight_bytes(self.model) + (self.kv_cache.nbytes if self.kv_cache is not None else 0)
 
     def _shadow(self, seq: Sequence) -> Sequence:
         """`seq`'s shadow, its tokens made `seq`'s; its computed length cut to the tokens
@@ -266,7 +280,7 @@ def refuse_trained_drafter(path: str) -> None:
                          "(Medusa and EAGLE 1/2 have other layouts)")
 
 
-def load_drafter(engine: Any, target_blocks: int, progress: Any = None, context: Any = None) -> DraftModel:
+def load_drafter(engine: Any, progress: Any = None, context: Any = None) -> DraftModel:
     """`engine`'s draft model (`EngineConfig.draft_model`), checked against its target; a
     ValueError with the reason when it cannot draft for it."""
     from macinfer.loading.loader import load, resolve
@@ -275,9 +289,8 @@ def load_drafter(engine: Any, target_blocks: int, progress: Any = None, context:
     refuse_trained_drafter(resolve(cfg.draft_model))
     draft = load(cfg.draft_model, cfg.model_impl, progress, context)
     check_pair(engine.loaded, draft)
-    drafter = DraftModel(draft.model, draft.source, cfg, target_blocks, engine.max_model_len, engine.backend)
-    engine.backend.set_limits(weight_bytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)  # both models
-    log.info("draft model %s: %.1f MiB of weights and KV, %d tokens a step", draft.name, drafter.nbytes / 2**20,
+    drafter = DraftModel(draft.model, draft.source, cfg, engine.max_model_len, engine.backend)
+    log.info("draft model %s: %.1f MiB of weights, %d tokens a step", draft.name, drafter.nbytes / 2**20,
              cfg.num_speculative_tokens)
     return drafter
 

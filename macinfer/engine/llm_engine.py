@@ -14,6 +14,7 @@ from macinfer.kernels.backend import Backend
 from macinfer.lora.registry import LoraRegistry
 from macinfer.engine.choices import choose_paths
 from macinfer.engine.disk_cache import disk_cache_for
+from macinfer.engine.drafter import weight_bytes
 from macinfer.engine.proposers import load_proposer, speculative_method
 from macinfer.engine.block_manager import BlockManager
 from macinfer.engine.config import EngineConfig
@@ -87,9 +88,12 @@ class LLMEngine(RequestIntake):
         # This engine's device: its memory, limits, self-checked kernels and the paths chosen below.
         self.backend = Backend.detect(autotune=None if cfg.autotune else False)
         self.backend.kernel_mode = self_check(kernels.requested_mode())
+        # A drafter's weights and pool share the target's budget: loaded first.
+        self.drafter = load_proposer(self, method, progress, context)
+        companion = self.drafter.companion() if self.drafter is not None else None
         # One cache spec per layer, decided by the model at load; caches of one kind form a
         # group; the budget buys each group's pool (`cache_plan.py`).
-        plan = plan_caches(self.model, cfg, self._kv_dtype(), self.max_model_len, self.backend)
+        plan = plan_caches(self.model, cfg, self._kv_dtype(), self.max_model_len, self.backend, companion)
         if self.dist is not None:  # one block plan for all ranks: every pool holds the smallest count
             agreed = dist_engine.agree_on_blocks(self.dist, plan.num_blocks)
             if agreed != plan.num_blocks:
@@ -110,7 +114,9 @@ class LLMEngine(RequestIntake):
             self.block_manager.attach_disk(self.disk)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_prefill_with_decodes, speculative, self.max_model_len)
-        self.drafter = load_proposer(self, method, plan.num_blocks, progress, context)
+        if self.drafter is not None:
+            self.drafter.allocate(plan.num_blocks)
+            self.backend.set_limits(weight_bytes(self.model) + self.drafter.nbytes, self.kv_cache.nbytes)
         self.scheduler.drafter = self.drafter
         self.loras = LoraRegistry(self.model, cfg.max_loras)
         if self.vision is not None and self.vision.lora is not None:  # image prompts run under it
@@ -162,6 +168,10 @@ class LLMEngine(RequestIntake):
             self.paths.decode_attention + (" (reference in the layers keeping first tokens apart)"
                                            if self.kv_cache.first_of else ""),
         )
+        draft_kv = getattr(self.drafter, "kv_cache", None)
+        if draft_kv is not None:
+            log.info("drafter's KV cache: %.2f GiB in the same budget, %d blocks", draft_kv.nbytes / 2**30,
+                     draft_kv.groups[0].num_blocks if draft_kv.groups else 0)
 
     def prepare_images(self, prompt: list[int], images: list) -> tuple[list[int], "ImageInputs"]:
         """The prompt's image markers expanded for `images` (decoded PIL images) by the

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from macinfer.engine.drafter import DraftModel, weight_bytes
+from macinfer.engine.drafter import DraftModel
 from macinfer.engine.sequence import Sequence, SequenceStatus
 from macinfer.models.mtp import hidden_rows, load_mtp
 from macinfer.sampling_params import SamplingParams
@@ -42,9 +42,9 @@ class MTPDrafter(DraftModel):
 
     every_step = True  # the head reads every target row: it catches up each step, drafting or not
 
-    def __init__(self, head: Any, cache_key: str, target_cfg: Any, target_blocks: int, max_model_len: int,
-                 backend: Any, features: Callable[[mx.array], mx.array] | None = None):
-        super().__init__(head, cache_key, target_cfg, target_blocks, max_model_len, backend,
+    def __init__(self, head: Any, cache_key: str, target_cfg: Any, max_model_len: int, backend: Any,
+                 features: Callable[[mx.array], mx.array] | None = None):
+        super().__init__(head, cache_key, target_cfg, max_model_len, backend,
                          prefix_caching=target_cfg.enable_prefix_caching)
         # A forward's hidden rows as the head reads them (an MTP head: the final hidden
         # state itself; EAGLE-3: its projection of three recorded layers' inputs).
@@ -206,17 +206,16 @@ def _salt(seq: Sequence) -> str:
     return "\x00mtp:".join(parts)
 
 
-def load_mtp_drafter(engine: Any, target_blocks: int, source: str | None = None) -> MTPDrafter:
+def load_mtp_drafter(engine: Any, source: str | None = None) -> MTPDrafter:
     """`engine`'s MTP drafter (`EngineConfig.speculative_method == "mtp"`, or `source`: an
     mlx-vlm split MTP drafter folder named by `--draft-model`); a ValueError with the reason
     when there is no MTP head macinfer runs."""
     from macinfer.gguf.load import read_block
 
     head = load_mtp(engine.loaded, finish=_as_the_loader_does, read_block=read_block, source=source)
-    drafter = MTPDrafter(head, (source or engine.loaded.source) + ":mtp", engine.config, target_blocks,
-                         engine.max_model_len, engine.backend)
-    engine.backend.set_limits(weight_bytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)
-    log.info("MTP head: %.1f MiB of weights and KV, %d tokens a step", drafter.nbytes / 2**20,
+    drafter = MTPDrafter(head, (source or engine.loaded.source) + ":mtp", engine.config, engine.max_model_len,
+                         engine.backend)
+    log.info("MTP head: %.1f MiB of weights, %d tokens a step", drafter.nbytes / 2**20,
              engine.config.num_speculative_tokens)
     return drafter
 
@@ -229,7 +228,7 @@ def _as_the_loader_does(module: Any) -> None:
         _dequantize_modules(module)
 
 
-def load_eagle3_drafter(engine: Any, target_blocks: int) -> MTPDrafter:
+def load_eagle3_drafter(engine: Any) -> MTPDrafter:
     """`engine`'s EAGLE-3 head (`--draft-model` naming an EAGLE-3 checkpoint): it reads the
     inputs of three of the target's layers, recorded on every forward."""
     from macinfer.loading.loader import resolve
@@ -238,9 +237,8 @@ def load_eagle3_drafter(engine: Any, target_blocks: int) -> MTPDrafter:
     path = resolve(engine.config.draft_model)
     head, recorded = load_eagle3(path, engine.loaded)
     stack = head.lm.model
-    drafter = MTPDrafter(head, path + ":eagle3", engine.config, target_blocks, engine.max_model_len, engine.backend,
+    drafter = MTPDrafter(head, path + ":eagle3", engine.config, engine.max_model_len, engine.backend,
                          features=lambda _: stack.features(recorded.take()))
-    engine.backend.set_limits(weight_bytes(engine.model) + drafter.nbytes, engine.kv_cache.nbytes)
-    log.info("EAGLE-3 head %s: %.1f MiB of weights and KV, reading layers %s, %d tokens a step",
+    log.info("EAGLE-3 head %s: %.1f MiB of weights, reading layers %s, %d tokens a step",
              engine.config.draft_model, drafter.nbytes / 2**20, recorded.ids, engine.config.num_speculative_tokens)
     return drafter

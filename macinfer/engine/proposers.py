@@ -57,9 +57,10 @@ def _split_mtp(draft_model: str) -> bool:
     return os.path.isdir(path) and split_drafter(path) is not None
 
 
-def load_proposer(engine: Any, method: str | None, target_blocks: int, progress: Any = None,
-                  context: Any = None) -> DraftModel | None:
-    """The engine's batched proposer for `method` (None for prompt lookup and no speculation)."""
+def load_proposer(engine: Any, method: str | None, progress: Any = None, context: Any = None) -> DraftModel | None:
+    """The engine's batched proposer for `method` (None for prompt lookup and no speculation),
+    loaded before the target's memory plan: a drafter with a pool of its own (`allocate`)
+    takes its share of the target's budget (`companion`)."""
     if method in ("draft", "eagle3"):
         from macinfer.loading.loader import resolve
         from macinfer.models.eagle3 import is_eagle3
@@ -69,11 +70,11 @@ def load_proposer(engine: Any, method: str | None, target_blocks: int, progress:
 
         path = resolve(engine.config.draft_model)
         if is_eagle3(path):  # a trained head, whichever method was named
-            return load_eagle3_drafter(engine, target_blocks)
+            return load_eagle3_drafter(engine)
         if dflash_type(path):  # a block drafter reading the target's layer outputs
-            return load_dflash_drafter(engine, target_blocks)
+            return load_dflash_drafter(engine)
         if split_drafter(path):  # an MTP head split out of a checkpoint (mlx-vlm's `*_mtp` folders)
-            return load_mtp_drafter(engine, target_blocks, source=path)
+            return load_mtp_drafter(engine, source=path)
         if is_assistant(path):  # Gemma 4's assistant: reads the target's K/V
             if method == "eagle3":
                 raise ValueError(f"--speculative-method eagle3: {engine.config.draft_model} is a Gemma 4 "
@@ -82,10 +83,10 @@ def load_proposer(engine: Any, method: str | None, target_blocks: int, progress:
         if method == "eagle3":
             raise ValueError(f"--speculative-method eagle3: {engine.config.draft_model} is not an EAGLE-3 "
                              "checkpoint (LlamaForCausalLMEagle3 or speculators' eagle3)")
-        return load_drafter(engine, target_blocks, progress, context)
+        return load_drafter(engine, progress, context)
     if method == "mtp":
         from macinfer.loading.loader import resolve
 
         source = resolve(engine.config.draft_model) if engine.config.draft_model else None
-        return load_mtp_drafter(engine, target_blocks, source=source)
+        return load_mtp_drafter(engine, source=source)
     return None

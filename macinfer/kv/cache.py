@@ -117,16 +117,17 @@ def gather_blocks(blocks: mx.array, block_table: mx.array) -> mx.array:
 
 
 def plan_blocks(groups: list[CacheGroup], budget_bytes: int, caps: list[int], max_blocks: int,
-                extra_per_block: float = 0.0) -> int:
+                extra_per_block: float = 0.0, also: Callable[[int], int] | None = None) -> int:
     """The most blocks N the unbounded groups can hold within `budget_bytes` (at most
     `max_blocks`), each bounded group (windows, chunks) holding `min(N, cap) + 1`: once
     its pool holds every running sequence's live blocks (`caps`), the rest of the
     budget buys unbounded blocks only. Groups' `bytes_per_block` must be set.
-    `extra_per_block`: what else each block brings (recurrent-state snapshots)."""
+    `extra_per_block`: what else each block brings (recurrent-state snapshots); `also`:
+    bytes bought beside n blocks (a drafter's pool, sized to them)."""
 
     def cost(n: int) -> int:
         return sum(g.bytes_per_block * g.blocks_for(n, cap) for g, cap in zip(groups, caps)) + \
-            int(n * extra_per_block)
+            int(n * extra_per_block) + (also(n) if also is not None else 0)
 
     lo, hi = 0, max_blocks
     while lo < hi:  # cost is monotone in n
