@@ -135,3 +135,27 @@ def test_hash_chains_are_rooted_in_the_model():
     _admit(a, sa)
     _admit(b, sb)
     assert sa.block_hashes and set(sa.block_hashes).isdisjoint(sb.block_hashes)
+
+
+def test_blocks_past_the_prompt_and_its_window_are_never_shared():
+    """Under a prompt-and-window kind (Unlimited-OCR), K/V past a sequence's prompt + window
+    depend on where its prompt ended: they are neither published nor taken from the cache
+    (a causal prompt's blocks at those positions would be wrong for it)."""
+    from macinfer.kv.spec import CacheGroup, PromptAndWindow
+
+    bm = BlockManager([CacheGroup(0, PromptAndWindow(4), (0,), num_blocks=32)], 4)
+    a = _seq(list(range(6)), "a")  # prompt of 6; blocks whole below 6 + 4 = 10: the first two
+    _admit(bm, a)
+    a.output_token_ids = list(range(6, 20))
+    bm.allocate(a, 20)
+    bm.commit(a, 20)
+    assert len(bm.cached) == 2
+    # A prompt of all 20 tokens (causal throughout) publishes its four full blocks...
+    b = _seq(list(range(20)) + [99], "b")
+    assert _admit(bm, b) == 8
+    assert len(bm.cached) == 5
+    # ...which a sequence whose prompt ends at 6 (a preempted one, recomputing) takes only up to 8.
+    c = _seq(list(range(6)), "c")
+    c.output_token_ids = list(range(6, 21))
+    assert bm.match_prefix(c) == 8
+    _check(bm, [a, b, c])

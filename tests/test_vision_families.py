@@ -372,3 +372,44 @@ def test_llama4_tiles_a_wide_picture_with_its_global_tile(vlm_dirs):
         as_mlx_vlm(llm, path, "<user><|image|>what is it<assistant>", [wide])
     finally:
         llm.close()
+
+
+def test_unlimited_ocr_reads_the_prompt_and_a_window_of_its_output(vlm_dirs):
+    """Unlimited-OCR's decoder (R-SWA): each output position reads the whole prompt and the last
+    8 positions (the tiny config's window) after it. 24 greedy tokens are mlx-vlm's (its ring
+    cache), also when the pool is so small that rows are preempted and recomputed (the prompt
+    length stays the request's); scored again as one prompt (causal over all of it), the
+    output's later tokens get other logprobs: the window is applied."""
+    from macinfer.kv.spec import PromptAndWindow
+
+    path = vlm_dirs["unlimited_ocr"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    conv = ask("what is it", picture(0))
+    llm = LLM(path, kv_cache_gb=0.05, max_model_len=2048)
+    try:
+        assert {s.kind for s in llm.engine.layer_specs} == {PromptAndWindow(8)}
+        rendered = REFERENCE_TEXT["unlimited_ocr"](llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]}]))
+        out = llm.chat(conv, params)
+        tokens, _ = mlx_vlm_greedy(path, rendered, [picture(0)], 24)
+        assert out.token_ids == tokens
+        ids, images = llm._chat_prompt(conv)
+        scored = llm.generate([(ids + out.token_ids, images)],
+                              SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+        causal = np.array([p.logprob for p in scored.prompt_logprobs[len(ids) + 1:]])
+        windowed = np.array([lp.logprob for lp in out.logprobs[1:]])
+        assert np.abs(causal[:8] - windowed[:8]).max() < 1e-4  # (before the window binds: the same)
+        assert np.abs(causal[8:] - windowed[8:]).max() > 1e-3
+    finally:
+        llm.close()
+    tight = LLM(path, kv_cache_gb=None, num_kv_blocks=40, max_num_seqs=4, max_model_len=2048,
+                enable_prefix_caching=False)  # (301 prompt tokens: two fit, and grow into each other)
+    try:
+        outs = tight.chat([conv] * 4, params)
+        assert tight.engine.scheduler.num_preemptions > 0
+        assert [o.token_ids for o in outs] == [tokens] * 4
+        for o in outs:  # (the recomputed rows' K/V past the window as they were: the same logprobs)
+            assert np.abs(np.array([lp.logprob for lp in o.logprobs]) - np.array([lp.logprob for lp in out.logprobs])
+                          ).max() < 1e-4
+    finally:
+        tight.close()

@@ -42,6 +42,10 @@ class BlockManager:
         # a cache can never be matched across weights.
         self.root_hash = hashlib.blake2b(b"macinfer:" + cache_key.encode(), digest_size=16).digest()
         self.kv_groups = [GroupBlocks(g, block_size) for g in groups]
+        # A kind that reads the prompt and a window after it (`PromptAndWindow`): K/V past
+        # the prompt + window depend on where the prompt ended, so they are never shared.
+        self.prompt_window = min((g.kind.recent for g in groups if getattr(g.kind, "keeps_prompt", False)),
+                                 default=None)
         # Recurrent state (hybrid and recurrent models): a slot per sequence, snapshots for hits.
         self.state = state
         self.groups: list[GroupBlocks | StateGroup] = [*self.kv_groups, *([state] if state is not None else [])]
@@ -112,7 +116,7 @@ class BlockManager:
         assert not any(seq.block_tables)
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need every prompt position's logits
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = min((seq.num_tokens - 1) // self.block_size, self._shareable(seq))
         if limit is not None:
             max_blocks = min(max_blocks, limit // self.block_size)
         self.prefix_queries += seq.num_tokens
@@ -130,6 +134,13 @@ class BlockManager:
         if disk is not None and restored:  # tokens the disk served (the first group's)
             disk.hit_tokens += restored[0] * self.block_size
         return hits * self.block_size
+
+    def _shareable(self, seq: Sequence) -> int:
+        """The blocks of `seq` another sequence may share: all, or under a prompt-and-window
+        kind those below its prompt + window (what a causal prompt computes alike)."""
+        if self.prompt_window is None:
+            return 1 << 62
+        return (seq.num_prompt_tokens + self.prompt_window) // self.block_size
 
     def _agree(self, hashes: list[bytes], limit: int, disk) -> int:
         """The longest hit (at most `limit` blocks) every group can serve."""
@@ -175,7 +186,7 @@ class BlockManager:
         fails, the engine withdraws every published hash (`drop_cache`)."""
         if not self.enable_prefix_caching:
             return
-        full = num_computed_tokens // self.block_size
+        full = min(num_computed_tokens // self.block_size, self._shareable(seq))
         start = seq.num_committed_blocks  # only new full blocks: host work per step stays flat
         if full <= start:
             return

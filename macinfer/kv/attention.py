@@ -48,6 +48,7 @@ class AttentionMetadata:
     decode_block_tables: mx.array | None = None  # [B, max_blocks] int32
     decode_context_lens: mx.array | None = None  # [B] int32, counted from the table's first block
     decode_floors: mx.array | None = None  # [B] int32: first key each row reads, same origin (None: 0)
+    decode_keep: mx.array | None = None  # [B] int32: keys below it read whatever the floor (a prompt: None)
     decode_max_context: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Decode rows of speculating sequences, (first row, rows), after the plain decodes.
@@ -122,7 +123,7 @@ def _decode_attention(q: mx.array, meta: AttentionMetadata, layer: int, scale: f
     # (MLA's V read from keys stored per channel is a transposed read the kernel lacks)
     if (backend != "reference" and sinks is None and softcap is None and key_mask is None and first is None
             and not (pool.channel_keys and pool.v_in_k)
-            and (meta.kind is None or meta.window is not None or not meta.kind.bounded)
+            and (meta.kind is None or meta.window is not None or not meta.kind.bounded) and meta.decode_keep is None
             and (pool.head_dim == pool.v_head_dim or pool.v_in_k)
             and paged_kernels.supported(q.shape[-1], q.shape[1] // pool.num_kv_heads, pool.v_head_dim)):
         args = (meta.decode_block_tables, meta.decode_context_lens, scale, pool.block_size, meta.decode_max_context)
@@ -157,6 +158,7 @@ def _decode_attention_blocks(q: mx.array, meta: AttentionMetadata, kvh: int, blo
     # Every layer's tables are the same, so these are built once a step.
     tables = meta.decode_block_tables
     length, lens, floors = tables.shape[1] * meta.kv_cache.block_size, meta.decode_context_lens, meta.decode_floors
+    keep = meta.decode_keep
     groups = meta.decode_groups
     plain = groups[0][0] if groups else q.shape[0]
     fm, lead_blocks = first if first is not None else (None, None)
@@ -176,7 +178,7 @@ def _decode_attention_blocks(q: mx.array, meta: AttentionMetadata, kvh: int, blo
     if plain:
         heads = meta.memo(("block_heads", kvh), lambda: block_heads(tables[:plain], kvh))
         mask = meta.memo("mask", lambda: decode_mask(lens[:plain], length, None if floors is None else floors[:plain],
-                                                     count))
+                                                     count, None if keep is None else keep[:plain]))
         if key_mask is not None:
             mask = mask & key_mask[:plain]
         outs.append(reference_decode_attention(q[:plain], *blocks, heads, mask, scale, sinks, softcap, rot,
@@ -187,7 +189,8 @@ def _decode_attention_blocks(q: mx.array, meta: AttentionMetadata, kvh: int, blo
         end = start + count_
         heads = meta.memo(("block_heads", kvh, start), lambda: block_heads(tables[end - 1 : end], kvh))
         mask = meta.memo(("mask", start), lambda: decode_mask(
-            lens[start:end], length, None if floors is None else floors[start:end], count)[None])
+            lens[start:end], length, None if floors is None else floors[start:end], count,
+            None if keep is None else keep[start:end])[None])
         if key_mask is not None:
             mask = mask & key_mask[None, start:end]
         outs.append(reference_decode_attention(q[None, start:end], *blocks, heads, mask, scale, sinks, softcap, rot,
@@ -241,13 +244,15 @@ def span_mask(span: PrefillSpan, kind) -> mx.array | str:
     or where queries read past themselves (`PrefillSpan.key_ceilings`)."""
     qpos = np.arange(span.context_len - span.length, span.context_len) + span.key_offset  # absolute
     floors = kind.key_floor(qpos) - span.key_offset if kind is not None and kind.bounded else None
+    if span.prompt_len is not None:  # a window after the prompt (`PromptAndWindow`): keys between unread
+        floors = kind.window_floor(qpos)
     if (floors is None or floors.max() <= 0) and span.key_ceilings is None:
         return "causal"
     kpos = np.arange(span.context_len)[None, :]
     top = (qpos if span.key_ceilings is None else span.key_ceilings) - span.key_offset
     mask = kpos <= top[:, None]
     if floors is not None:
-        mask &= kpos >= floors[:, None]
+        mask &= (kpos >= floors[:, None]) | (kpos < (span.prompt_len or 0))
     return mx.array(mask)
 
 

@@ -18,14 +18,17 @@ def block_heads(block_tables: mx.array, num_kv_heads: int) -> mx.array:
     return block_tables[:, :, None] * num_kv_heads + mx.arange(num_kv_heads, dtype=block_tables.dtype)
 
 
-def decode_mask(context_lens: mx.array, length: int, floors: mx.array | None = None, start: int = 0) -> mx.array:
+def decode_mask(context_lens: mx.array, length: int, floors: mx.array | None = None, start: int = 0,
+                keep: mx.array | None = None) -> mx.array:
     """[B, length]: the keys each decode row attends to: its context, from its floor
-    (a sliding window's or a local chunk's first key) when it has one; none below `start`
+    (a sliding window's or a local chunk's first key) when it has one, and the keys below
+    `keep` whatever the floor (a prompt read whole: `PromptAndWindow`); none below `start`
     (keys held apart: `FirstTokens`)."""
     pos = mx.arange(length)[None, :]
     mask = pos < context_lens[:, None]
     if floors is not None:
-        mask = mask & (pos >= floors[:, None])
+        above = pos >= floors[:, None]
+        mask = mask & (above if keep is None else above | (pos < keep[:, None]))
     if start:
         mask = mask & (pos >= start)
     return mask

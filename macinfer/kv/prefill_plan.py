@@ -23,6 +23,9 @@ class PrefillSpan:
     # The last key position each query may read when some read past themselves (an image's
     # tokens attending both ways, `vision/inputs.py`); None: causal.
     key_ceilings: np.ndarray | None = None
+    # The sequence's prompt length where some query reads the prompt and a window after it
+    # with keys between unread (`PromptAndWindow`: a preempted sequence's recompute); None: causal.
+    prompt_len: int | None = None
 
 
 # Prompt chunks this short, with this little context, are attended together in one
@@ -52,9 +55,9 @@ class SpanBatch:
 def group_spans(spans: list[PrefillSpan]) -> list[list[int]]:
     """Groups (>= 2 spans each) of short spans whose padded attention costs at most
     BATCH_PADDING times their own plus BATCH_SLACK a span; other spans are attended alone."""
-    short = sorted((i for i, s in enumerate(spans)  # (a span with its own key ceilings is attended alone)
+    short = sorted((i for i, s in enumerate(spans)  # (a span with a mask of its own is attended alone)
                     if s.length <= BATCH_SPAN_TOKENS and s.context_len <= BATCH_SPAN_CONTEXT
-                    and s.key_ceilings is None),
+                    and s.key_ceilings is None and s.prompt_len is None),
                    key=lambda i: (spans[i].context_len, spans[i].length), reverse=True)
     groups: list[list[int]] = [[]]
     for i in short:

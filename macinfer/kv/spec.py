@@ -4,9 +4,11 @@ Decided once at load, from the model itself (the caches its own `make_cache()`
 builds and the K/V its layers actually write), as vLLM v1's KV cache specs are:
 
 - an `AttentionKind` is a visibility rule: full attention, a sliding window of W
-  keys, or chunked local attention (Llama 4: a query reads its own chunk of C
-  tokens). Its `key_floor` is the one place a layer's window is applied: block
-  release, prefix hits, decode masks and prefill masks all ask it.
+  keys, chunked local attention (Llama 4: a query reads its own chunk of C
+  tokens), or the prompt and a window of what follows it (Unlimited-OCR). Its
+  `key_floor` is the one place a layer's window is applied: block release, prefix
+  hits, decode masks and prefill masks all ask it (the prompt-and-window kind's masks
+  also ask `window_floor` and each row's prompt length).
 - a `LayerKV` is one cache: the K/V one layer writes, its kind, K/V heads and head
   sizes. Later layers may read it too (Gemma 3n/4, AFM: KV sharing); they keep none.
 - caches of one kind form a `CacheGroup`: one block pool, one block table per
@@ -114,7 +116,37 @@ class FirstTokens:
         return f"first {self.count} tokens at full precision"
 
 
-AttentionKind = FullAttention | SlidingWindow | ChunkedLocal | FirstTokens
+@dataclass(frozen=True)
+class PromptAndWindow:
+    """Every key of the sequence's prompt and the last `recent` keys after it, the query's
+    own included (Unlimited-OCR's decoder, R-SWA: the whole prompt and a window of its own
+    output). The keys between are not read, per row from the sequence's prompt length
+    (`keeps_prompt`: the masks ask `window_floor`); none is released (the prompt is read to
+    the end), so for blocks and prefix hits it is full attention. Only the K/V below
+    prompt + `recent` are what a causal prompt would compute: later blocks are never
+    shared (`BlockManager`)."""
+    recent: int
+    bounded = False
+    keeps_prompt = True
+
+    def key_floor(self, qpos):
+        return qpos * 0
+
+    def window_floor(self, qpos):
+        """The first key after the prompt a query at `qpos` reads."""
+        return np.maximum(qpos - self.recent + 1, 0)
+
+    def live_blocks(self, block_size: int) -> int | None:
+        return None
+
+    def stored_keys(self, num_tokens: int) -> int:
+        return num_tokens
+
+    def describe(self) -> str:
+        return f"the prompt and a window of {self.recent}"
+
+
+AttentionKind = FullAttention | SlidingWindow | ChunkedLocal | FirstTokens | PromptAndWindow
 
 
 @dataclass(frozen=True)

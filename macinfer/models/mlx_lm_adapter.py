@@ -40,10 +40,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from macinfer.kv.attention import AttentionMetadata
-from macinfer.kv.spec import FullAttention, SlidingWindow, StateSpec
+from macinfer.kv.spec import FullAttention, PromptAndWindow, SlidingWindow, StateSpec
 from macinfer.lora.layers import rows as lora_rows
 from macinfer.kv.state import probe_plan
-from macinfer.models.mlx_lm_classes import REFUSED, config_windows, instantiate, text_config
+from macinfer.models.mlx_lm_classes import REFUSED, config_prompt_window, config_windows, instantiate, text_config
 from macinfer.models.family_routes import patch_modules
 from macinfer.models.paged_layers import Forward, PagedLayerCache, UnsupportedModelError, set_active
 from macinfer.models.cache_probe import CacheProbe, template
@@ -131,9 +131,10 @@ class MlxLmModel(CacheProbe, nn.Module):
         kinds, state_sizes = [], []
         templates = [template(c, kinds, state_sizes, model_type) for c in caches]
         tcfg = text_config(config)
+        recent = config_prompt_window(tcfg)
         for t, w in zip(templates, config_windows(tcfg, len(templates))):
-            if isinstance(t, tuple) and t[0] == "kv" and type(kinds[t[1]]) is FullAttention and w:
-                kinds[t[1]] = SlidingWindow(w)
+            if isinstance(t, tuple) and t[0] == "kv" and type(kinds[t[1]]) is FullAttention and (w or recent):
+                kinds[t[1]] = PromptAndWindow(recent) if recent else SlidingWindow(w)
         object.__setattr__(self, "_kinds", kinds)
         object.__setattr__(self, "_templates", templates)
         object.__setattr__(self, "_state_sizes", state_sizes)

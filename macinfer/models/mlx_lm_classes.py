@@ -49,6 +49,13 @@ def config_windows(config: dict[str, Any], n: int) -> list[int | None]:
     return [None] * n if rule is None else [int(rule(config, i)) if rule(config, i) else None for i in range(n)]
 
 
+def config_prompt_window(config: dict[str, Any]) -> int | None:
+    """The window after the prompt every layer reads besides the whole prompt (`prompt_window`:
+    set at load for a family whose decoder reads so, Unlimited-OCR's; `vision/families.py`)."""
+    w = config.get("prompt_window")
+    return int(w) if w else None
+
+
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """A vision-language config's text part over its top level (the text model's sizes)."""
     inner = config.get("text_config")

@@ -33,7 +33,12 @@ PREFIX_LM = {"paligemma"}
 # code for DeepSeek-OCR; mlx-vlm's template for it writes the content alone; Molmo 1's published
 # processor, BOS or else EOS, before its images, which mlx-vlm's leaves out): the engine's
 # template is made to write it.
-BOS_FIRST = {"deepseekocr", "deepseekocr_2"}
+BOS_FIRST = {"deepseekocr", "deepseekocr_2", "unlimited_ocr"}
+
+
+# Families whose decoder reads the whole prompt and a window of what follows it (Unlimited-OCR's
+# R-SWA, its text config's `sliding_window_size`): the `PromptAndWindow` cache kind.
+PROMPT_AND_WINDOW = {"unlimited_ocr"}
 
 
 # Families whose processor writes the whole prompt around any text (its placeholders at the front):
@@ -96,7 +101,7 @@ FAMILIES: dict[str, str | None] = {
     "llama4": None,
     "phi4mm": None,
     "kimi_vl": None, "kimi_k25": None, "minicpmv4_6": None, "minicpmv4_7": None, "indic_ocr": None, "lfm2_vl": None, "mllama": CROSS,
-    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None, "moondream2": None, "moondream3": None, "hunyuan_vl": None, "phi4_siglip": None,
+    "fastvlm": None, "llava_bunny": None, "dots_ocr": None, "step3p7": None, "phi3_v": None, "multi_modality": None, "deepseekocr": None, "deepseekocr_2": None, "unlimited_ocr": None, "minicpmo": None, "molmo2": None, "jina_vlm": None, "mimo_v2": None, "granite4_vision": None, "molmo": None, "nemotron_h_nano_omni": None, "got": None, "kimi_k3": None, "muse_glimmer": None, "moondream2": None, "moondream3": None, "hunyuan_vl": None, "phi4_siglip": None,
     "mistral_large3": ("its checkpoints ship Mistral's own processor files (params.json, tekken.json), which neither "
                        "transformers' nor mlx-vlm's processor loading reads (a folder of its config alone loads a "
                        "tokenizer); its language model runs text-only"),
@@ -104,8 +109,6 @@ FAMILIES: dict[str, str | None] = {
                        "not all: in a long test process its image merge (mlx-vlm's, which sets the image's rows into "
                        "the embeddings in place) left the rows unset on some calls, in mlx-vlm's own generation too; "
                        "refused until the cause is found"),
-    "unlimited_ocr": ("its decoder keeps the whole prompt and a 128-token window of its own output (a cache rule "
-                      "of its own), which no cache kind of the engine's holds yet"),
     "clef": ("a decision model (a scoring head over a question's option spans: choice, score, yes/no), "
              "not a generative chat model"),
     "d1": ("a decision model (LFM2-VL whose readout scores a question's options: choice, score, yes/no), "

@@ -36,7 +36,7 @@ def mend(processor: Any, model_type: str | None) -> None:
 def engine_outputs(processor: Any, model_type: str | None) -> None:
     """The processor's outputs as the engine takes them: a transformers-style call giving the
     prompt's ids and the encoder's inputs (NumPy or float MLX arrays)."""
-    if model_type in ("deepseekocr", "deepseekocr_2"):
+    if model_type in ("deepseekocr", "deepseekocr_2", "unlimited_ocr", "unlimited-ocr"):  # (and as published)
         _deepseek_ocr(processor)
     if model_type == "got":
         _got(processor)

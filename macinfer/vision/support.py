@@ -61,8 +61,9 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         get_model_and_args(config)  # imports the family's module: it registers its own processor classes
     except (ImportError, KeyError, ValueError) as e:
         return None, f"mlx-vlm has no model class for it ({e})"
+    kind = family(config)  # (the checkpoint's own spelling resolved: Unlimited-OCR's `unlimited-ocr`)
     try:
-        style = MROPE_STYLE.get(config.get("model_type"))
+        style = MROPE_STYLE.get(kind)
         mrope = None
         if style is not None:
             text = config.get("text_config") or config
@@ -71,31 +72,31 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
             if not section:
                 return None, "its config names no mrope_section for its multimodal RoPE"
             mrope = (list(section), style)
-        prefix_lm = config.get("model_type") in PREFIX_LM
+        prefix_lm = kind in PREFIX_LM
         if prefix_lm and not tokenizer.chat_template:
             tokenizer.set_chat_template(PREFIX_LM_TEMPLATE)
-        if config.get("model_type") in OWN_TEMPLATES and not tokenizer.chat_template:
-            tokenizer.set_chat_template(OWN_TEMPLATES[config["model_type"]](tokenizer))
-        if config.get("model_type") in BOS_FIRST | IMAGES_FIRST:
-            bos_first(tokenizer, or_eos=config.get("model_type") in IMAGES_FIRST)
-        if family(config) in TORCH_FREE:
+        if kind in OWN_TEMPLATES and not tokenizer.chat_template:
+            tokenizer.set_chat_template(OWN_TEMPLATES[kind](tokenizer))
+        if kind in BOS_FIRST | IMAGES_FIRST:
+            bos_first(tokenizer, or_eos=kind in IMAGES_FIRST)
+        if kind in TORCH_FREE:
             torch_free_siglip2()
-        own = config["vision_config"] if config.get("model_type") in OWN_VOCAB else None
+        own = config["vision_config"] if kind in OWN_VOCAB else None
         processor = VisionProcessor.load(path, tokenizer, image_token_id(config),
-                                         placeholders_only=prefix_lm or config.get("model_type") in PROMPT_WRITERS,
-                                         model_type=config.get("model_type"),
+                                         placeholders_only=prefix_lm or kind in PROMPT_WRITERS,
+                                         model_type=config.get("model_type"),  # (as mlx-vlm spells it)
                                          own_vocab=(own["vocab_offset"], own["vocab_offset"] + own["vocab_size"])
                                          if own else None)
         token = processor.image_token_id
         deepstack = deepstack_layers(config)
         encoder = VisionEncoder.load(path, embed, token, dtype, cache_bytes, mrope=mrope is not None,
-                                     deepstack=config.get("model_type") in DEEPSTACK_FAMILIES,
-                                     normed_rows=family(config) in NORMED_ROWS, prepared=prepared)
-        if family(config) in SENTINEL_FAMILIES:
+                                     deepstack=kind in DEEPSTACK_FAMILIES,
+                                     normed_rows=kind in NORMED_ROWS, prepared=prepared)
+        if kind in SENTINEL_FAMILIES:
             encoder.sentinel, processor.sentinel_rows = True, encoder.sentinel_rows
-        encoder.alone = family(config) in ONE_IMAGE_MERGES
+        encoder.alone = kind in ONE_IMAGE_MERGES
         lora = None
-        if family(config) in MODALITY_LORA:
+        if kind in MODALITY_LORA:
             from macinfer.vision.modality_lora import vision_lora
 
             lora = vision_lora(path, config)
@@ -103,9 +104,9 @@ def load_vision(path: str, config: dict[str, Any], tokenizer: Any, embed: Any, d
         log.warning("%s: images are off: %s", config.get("model_type"), e)
         return None, f"its processor or vision tower could not be loaded ({str(e).splitlines()[0][:200]})"
     text = config.get("text_config") or config
-    scale = text["hidden_size"] ** 0.5 if config.get("model_type") in SCALED_TEXT_ROWS else 1.0
+    scale = text["hidden_size"] ** 0.5 if kind in SCALED_TEXT_ROWS else 1.0
     limits = limits or ImageLimits()
-    if family(config) in ONE_IMAGE:
+    if kind in ONE_IMAGE:
         limits = dataclasses.replace(limits, max_images=1)
     return Vision(processor, encoder, limits, mrope, both_ways_images(config), deepstack,
                   bool(text.get("hidden_size_per_layer_input")), prefix_lm, scale, lora), None

@@ -305,6 +305,10 @@ def language_model(path: str) -> tuple[dict[str, Any], dict[str, mx.array]]:
         _molmo_variant(path)
     alias = None if text.get("mlx_vlm_language") else TEXT_ALIASES.get(raw_type)
     text = alias(text) if alias is not None else text
+    from macinfer.vision.families import PROMPT_AND_WINDOW, family
+
+    if family({"model_type": vlm.config.model_type}) in PROMPT_AND_WINDOW:  # its window after the prompt (the cache kind's)
+        text["prompt_window"] = int(text.get("sliding_window_size") or text["sliding_window"])
     if "head_dim" not in text and text.get("hidden_size") and text.get("num_attention_heads"):
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]  # transformers' default
     top = vlm.config

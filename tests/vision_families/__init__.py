@@ -4,7 +4,8 @@ whose reference departs from mlx-vlm's plain generation."""
 
 from __future__ import annotations
 
-from tests.vision_families.deepseek import _deepseekocr, _deepseekocr_2, _multi_modality, deepseek_vl_hybrid_layout
+from tests.vision_families.deepseek import (_deepseekocr, _deepseekocr_2, _multi_modality, _unlimited_ocr,
+                                           deepseek_vl_hybrid_layout)
 from tests.vision_families.got import _got, got_instruction
 from tests.vision_families.hunyuan import _hunyuan_vl, random_markers
 from tests.vision_families.kimi import _kimi_k3, _kimi_k25, _kimi_vl
@@ -45,7 +46,7 @@ PROMPT_ONLY = {"paligemma"}
 # checkpoints with the embedding as the output head
 TIED = {"hunyuan_vl", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "paligemma"}
 
-BUILDERS = {"llava": _llava, "multi_modality": _multi_modality, "deepseekocr": _deepseekocr, "deepseekocr_2": _deepseekocr_2, "minicpmo": _minicpmo, "molmo2": _molmo2, "jina_vlm": _jina_vlm, "mimo_v2": _mimo_v2, "granite4_vision": _granite4_vision, "molmo": _molmo, "nemotron_h_nano_omni": _nemotron_h_nano_omni, "got": _got, "kimi_k3": _kimi_k3, "muse_glimmer": _muse_glimmer, "moondream2": _moondream2, "moondream3": _moondream3, "hunyuan_vl": _hunyuan_vl, "phi4_siglip": _phi4_siglip, "phi4mm": _phi4mm, "phi3_v": _phi3_v, "step3p7": _step3p7, "dots_ocr": _dots_ocr, "llava_bunny": _llava_bunny, "fastvlm": _fastvlm, "gemma4_unified": _gemma4_unified, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
+BUILDERS = {"llava": _llava, "multi_modality": _multi_modality, "deepseekocr": _deepseekocr, "deepseekocr_2": _deepseekocr_2, "unlimited_ocr": _unlimited_ocr, "minicpmo": _minicpmo, "molmo2": _molmo2, "jina_vlm": _jina_vlm, "mimo_v2": _mimo_v2, "granite4_vision": _granite4_vision, "molmo": _molmo, "nemotron_h_nano_omni": _nemotron_h_nano_omni, "got": _got, "kimi_k3": _kimi_k3, "muse_glimmer": _muse_glimmer, "moondream2": _moondream2, "moondream3": _moondream3, "hunyuan_vl": _hunyuan_vl, "phi4_siglip": _phi4_siglip, "phi4mm": _phi4mm, "phi3_v": _phi3_v, "step3p7": _step3p7, "dots_ocr": _dots_ocr, "llava_bunny": _llava_bunny, "fastvlm": _fastvlm, "gemma4_unified": _gemma4_unified, "glm4v_moe": _glm4v_moe, "mage_vl": _mage_vl, "gemma3n": _gemma3n, "llama4": _llama4, "minicpmv4_6": _minicpmv,
             "minicpmv4_7": lambda path: _minicpmv(path, "minicpmv4_7"), "paligemma": _paligemma, "aya_vision": _aya_vision, "internvl": _internvl_hf, "llava_next": _llava_next, "granite_vision": _granite_vision, "glm_ocr": _glm_ocr, "paddleocr_vl": _paddleocr_vl, "kimi_vl": _kimi_vl, "kimi_k25": _kimi_k25, "lfm2_vl": _lfm2_vl, "glm4v": _glm4v, "idefics2": _idefics2, "gemma3": _gemma3, "gemma4": _gemma4, "llava_onevision": _llava_onevision, "internvl_chat": _internvl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe,
             "qwen3_5_moe": lambda path: _qwen3_5(path, moe=True), "idefics3": _idefics3, "pixtral": lambda path: _mistral3(path, "pixtral"), "smolvlm": lambda path: _idefics3(path, "smolvlm"), "qwen3_5": _qwen3_5, "prism_hadamard_qwen35": _prism, "indic_ocr": _indic_ocr, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl,
             "qwen2_5_vl": lambda path: _qwen2_vl(path, "qwen2_5_vl")}
@@ -61,5 +62,6 @@ VARIANTS = {"deepseek_vl_hybrid": lambda path: _multi_modality(path, hybrid=True
 # a prompt's last token (its inference mode): the reference prompt has no BOS and one more token.
 REFERENCE_TEXT = {"phi3_v": lambda rendered: rendered.replace("<|image_1|>", "<|image_1|> "),
                   **dict.fromkeys(("deepseekocr", "deepseekocr_2"), lambda rendered: rendered.removeprefix("<unk>") + " "),
+                  "unlimited_ocr": lambda rendered: rendered.removeprefix("<unk>"),  # (its processor drops none)
                   "got": got_instruction, "moondream2": moondream_question,
                   "moondream3": moondream_question}

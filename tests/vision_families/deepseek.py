@@ -150,3 +150,17 @@ def _deepseekocr_2(path: str) -> tuple[dict, Any]:
     cfg.update(model_type="deepseekocr_2", vision_config={"model_type": "vision", "width": {"qwen2-0-5b": {"dim": 896}}},
                projector_config={"projector_type": "linear", "input_dim": 896, "n_embed": 64})
     return cfg, proc
+
+
+def _unlimited_ocr(path: str) -> tuple[dict, Any]:
+    """Unlimited-OCR: DeepSeek-OCR's towers, processor rules and decoder, whose layers read the
+    whole prompt and a window of the output after it (R-SWA, `sliding_window_size`: 8 here, so
+    a short answer runs past it)."""
+    from mlx_vlm.models.unlimited_ocr.processing_unlimitedocr import UnlimitedOCRProcessor
+
+    cfg, proc = _deepseekocr(path)
+    proc = UnlimitedOCRProcessor(tokenizer=proc.tokenizer, candidate_resolutions=[[1024, 1024]], patch_size=16,
+                                 downsample_ratio=4, chat_template=proc.tokenizer.chat_template)
+    cfg.update(model_type="unlimited-ocr", image_token_index=proc.image_token_id)  # (as published)
+    cfg["text_config"].update(sliding_window_size=8, sliding_window=8)
+    return cfg, proc

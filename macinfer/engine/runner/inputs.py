@@ -30,22 +30,25 @@ class GroupTables:
         self.decode_tables: list[list[int]] = []
         self.decode_lens: list[int] = []
         self.decode_floors: list[int] = []
+        self.decode_keep: list[int] = []
         self.decode_groups: list[tuple[int, int]] = []
         self.prefills: list[PrefillSpan] = []
 
     def add(self, table: list[int], pos: np.ndarray, row: int, as_decodes: bool = False,
-            ceilings: np.ndarray | None = None) -> None:
+            ceilings: np.ndarray | None = None, prompt_len: int | None = None) -> None:
         """One scheduled sequence: new tokens at `pos`, rows from `row`. A bounded group's
         tables start at the first block the step's first query reads. A single token, or
         a speculating sequence (`as_decodes`: its real token and drafts), is attended as
         decode rows, one per token, each with its own context length: the in-place
-        decode path, with no gathered copy of the context."""
+        decode path, with no gathered copy of the context. `prompt_len`: the sequence's
+        (a kind that reads the prompt whole and a window after it masks the keys between)."""
         bs = self.bs
         bounded = self.kind is not None and self.kind.bounded
         first_block = self.group.first_block(int(pos[0])) if bounded else 0
         origin = first_block * bs
         t = np.asarray(table, dtype=np.int64)
         kind = self.kind or FullAttention()
+        holed = getattr(kind, "keeps_prompt", False) and prompt_len is not None
         if len(t) * bs > int(pos[-1]):
             self.slots.extend((t[pos // bs] * bs + pos % bs).tolist())
         else:  # positions its table does not cover (`FirstTokens`): written to the null block, never read
@@ -60,11 +63,15 @@ class GroupTables:
                 self.decode_lens.append(kind.stored_keys(p + 1) - origin)  # counted from the table's first block
                 if bounded:
                     self.decode_floors.append(int(self.kind.key_floor(p)) - origin)
+                elif holed:
+                    self.decode_floors.append(int(self.kind.window_floor(p)))
+                    self.decode_keep.append(prompt_len)
             return
         context = kind.stored_keys(int(pos[-1]) + 1)
         blocks = table[first_block : cdiv(context, bs)]
+        holed = holed and int(self.kind.window_floor(int(pos[-1]))) > prompt_len
         self.prefills.append(PrefillSpan(row, len(pos), context - origin, mx.array(blocks, dtype=mx.int32), origin,
-                                         ceilings))
+                                         ceilings, prompt_len if holed else None))
 
     def metadata(self, kv_cache: KVCache, positions: mx.array, cfg: "InputConfig") -> AttentionMetadata:
         meta = AttentionMetadata(
@@ -94,6 +101,10 @@ class GroupTables:
             meta.decode_max_context = max(self.decode_lens)
             if self.decode_floors and max(self.decode_floors) > 0:
                 meta.decode_floors = mx.array(self.decode_floors, dtype=mx.int32)
+                if self.decode_keep and max(f - k for f, k in zip(self.decode_floors, self.decode_keep)) > 0:
+                    meta.decode_keep = mx.array(self.decode_keep, dtype=mx.int32)
+                elif self.decode_keep:  # every row's window still reaches its prompt: causal
+                    meta.decode_floors = None
         return meta
 
 
@@ -149,7 +160,8 @@ def build_inputs(
                 rope.append((row, seq.images.rope_rows(pos)))
         ceilings = seq.images.key_ceilings(pos) if seq.images is not None and ahead is None and n > 1 else None
         for g, t in enumerate(tables):
-            t.add(seq.block_tables[g], pos, row, as_decodes=bool(drafts), ceilings=ceilings)
+            t.add(seq.block_tables[g], pos, row, as_decodes=bool(drafts), ceilings=ceilings,
+                  prompt_len=seq.num_prompt_tokens)
         if state is not None:
             if drafts:  # its state before the drafts, restored if one is rejected
                 if step is None:
