@@ -10,7 +10,8 @@ import pytest
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.kv.cache import KV_QUANT_BITS
 from macinfer.sampling_params import SamplingParams
-from tests.helpers import chunked_logits, generate, tiny_model_dir
+from tests.helpers import chunked_logits, generate, make_mlx_lm_model, save_model_dir, tiny_model_dir
+from tests.zoo import tiny_config as zoo_config
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +30,17 @@ def one_layer(tmp_path_factory):
                           num_key_value_heads=1, intermediate_size=256, num_hidden_layers=1)
 
 
-def _channel_reference_logits(model, tokens: list[int], chunks: list[int], bits: int, bs: int = 32) -> np.ndarray:
+def _channel_reference_logits(model, tokens: list[int], chunks: list[int], bits: int, bs: int = 32,
+                               window: int | None = None, latent: bool = False) -> np.ndarray:
     """mlx-lm's forward whose caches keep keys as the engine stores them: each write
     quantizes the blocks it touches per channel over the block's bs rows (the rows kept
     from before, this write's rows, then copies of its last row; each channel's grid its
     own minimum to maximum, in NumPy), values per row as MLX does in groups of 64, both
-    dequantized and attended in full precision."""
-    from mlx_lm.models.cache import KVCache
+    dequantized and attended in full precision. `window`: each query reads its last
+    `window` keys (a sliding-window layer's mask over the same stored keys). `latent`: an
+    MLA cache, mlx-lm's keys the latent and its values the rope key, both one stored row
+    (the engine's K) quantized per channel alike."""
+    from mlx_lm.models.cache import KVCache, create_attention_mask
 
     def per_channel(rows: mx.array) -> mx.array:  # [1, kvh, bs, d]: each channel on its [min, max]
         x = np.array(rows.astype(mx.float32))
@@ -46,16 +51,21 @@ def _channel_reference_logits(model, tokens: list[int], chunks: list[int], bits:
     class ChannelCache(KVCache):
         def update_and_fetch(self, keys, values):
             at, n = self.offset, keys.shape[2]
-            q = mx.quantize(values.reshape(-1, values.shape[-1]), group_size=64, bits=bits)
-            values = mx.dequantize(*q, group_size=64, bits=bits).reshape(values.shape)
-            stored, _ = super().update_and_fetch(keys, values)
-            out = [stored[:, :, : at // bs * bs]]
-            for b in range(at // bs, (at + n - 1) // bs + 1):
-                rows = stored[:, :, b * bs : min(at + n, (b + 1) * bs)]
-                padded = mx.concatenate([rows] + [rows[:, :, -1:]] * (bs - rows.shape[2]), axis=2)
-                out.append(per_channel(padded)[:, :, : rows.shape[2]])
-            self.keys[..., : at + n, :] = mx.concatenate(out, axis=2)
+            if not latent:
+                q = mx.quantize(values.reshape(-1, values.shape[-1]), group_size=64, bits=bits)
+                values = mx.dequantize(*q, group_size=64, bits=bits).reshape(values.shape)
+            stored_k, stored_v = super().update_and_fetch(keys, values)
+            for name, stored in (("keys", stored_k), ("values", stored_v))[: 2 if latent else 1]:
+                out = [stored[:, :, : at // bs * bs]]
+                for b in range(at // bs, (at + n - 1) // bs + 1):
+                    rows = stored[:, :, b * bs : min(at + n, (b + 1) * bs)]
+                    padded = mx.concatenate([rows] + [rows[:, :, -1:]] * (bs - rows.shape[2]), axis=2)
+                    out.append(per_channel(padded)[:, :, : rows.shape[2]])
+                getattr(self, name)[..., : at + n, :] = mx.concatenate(out, axis=2)
             return self.keys[..., : at + n, :], self.values[..., : at + n, :]
+
+        def make_mask(self, n, return_array=False, window_size=None):
+            return create_attention_mask(n, self.offset, return_array, window or window_size)
 
     cache = [ChannelCache() for _ in model.layers]
     return chunked_logits(model, tokens, chunks, cache)
@@ -84,6 +94,46 @@ def test_keys_per_channel_compute_their_float_reference(one_layer, dtype):
     outs = generate(engine, seqs, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert all(len(o.token_ids) == 40 for o in outs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_keys_per_channel_in_a_sliding_window_compute_their_float_reference(tmp_path_factory):
+    """A sliding-window layer (Mistral's window, which the engine applies and mlx-lm's class
+    does not: the reference masks alike) on int4c: its blocks below the window are released
+    as it decodes, and the logits are the reference's that stores keys alike."""
+    path, model = tiny_model_dir(tmp_path_factory.mktemp("slide"), "mistral", hidden_size=128, num_attention_heads=2,
+                                 num_key_value_heads=1, intermediate_size=256, num_hidden_layers=1, sliding_window=20,
+                                 max_position_embeddings=4096)
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int4c"))
+    assert [s.kind.window for s in engine.layer_specs] == [20]
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(3, 250, size=n).tolist() for n in (80, 78)]
+    chunks = [13, 14, 9, 30, 1, 1, 1, 1, 1, 1, 1, 1]  # decodes past block 0's release (its last key, 31, leaves at 51)
+    for s, got in zip(seqs, engine.score(seqs, chunks)):
+        want = _channel_reference_logits(model, s, chunks, 4, window=20)
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() < 1e-4 * scale
+        whole = _channel_reference_logits(model, s, chunks, 4)  # (the window matters on this model)
+        assert np.abs(whole - want)[36:].max() > 1e-3 * scale
+
+
+def test_latents_per_channel_compute_their_float_reference(tmp_path_factory):
+    """MLA on int4c: each token's latent and rope key, one stored row, quantized per channel
+    over a block's tokens (V, the latent's leading values, read from those transposed
+    matrices): the logits of mlx-lm's DeepSeek-V3 whose cache stores both parts alike."""
+    config = zoo_config("deepseek_v3", num_hidden_layers=1, kv_lora_rank=48, qk_rope_head_dim=16)
+    model = make_mlx_lm_model(config, seed=5)
+    path = save_model_dir(str(tmp_path_factory.mktemp("mla")), config, model)
+    engine = LLMEngine(path, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int4c"))
+    assert all(s.v_in_k for s in engine.layer_specs)
+    rows = LLMEngine(engine.loaded, EngineConfig(kv_cache_gb=0.01, kv_cache_dtype="int4", block_size=32))
+    rng = np.random.default_rng(6)
+    seqs = [rng.integers(3, 250, size=n).tolist() for n in (44, 42)]
+    chunks = [13, 14, 9, 1, 1, 1, 1, 1, 1]
+    for s, got, per_row in zip(seqs, engine.score(seqs, chunks), rows.score(seqs, chunks)):
+        want = _channel_reference_logits(model, s, chunks, 4, latent=True)
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() < 1e-4 * scale
+        assert np.abs(got - per_row).max() > 1e-3 * scale
 
 
 @pytest.mark.parametrize("bits", [4, 3])
