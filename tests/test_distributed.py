@@ -84,6 +84,22 @@ def test_images_over_two_ranks(tmp_path):
         assert two["cached"][3] > 0 and two["encoded"] == 2  # (the driver's count: the repeat hit its blocks)
 
 
+def test_a_gguf_vision_model_with_its_mmproj_over_two_ranks(tmp_path):
+    """A GGUF Qwen2-VL with llama.cpp's projector file beside it: each rank reads both files
+    (the projector whole, its tower on every rank), and tensor and pipeline ranks give one
+    process's tokens and logprobs, the repeated picture a prefix hit."""
+    from tests.test_gguf_vision import build_vision_gguf
+
+    _, out = build_vision_gguf("qwen2_vl", tmp_path)
+    path = str(out / "qwen2_vl-tiny-F32.gguf")
+    single = _run(path, "single", tmp_path)
+    for mode in ("tensor", "pipeline"):
+        two = _run(path, mode, tmp_path)
+        assert two["tokens"] == single["tokens"] and two["cached"] == single["cached"], mode
+        assert max(abs(a - b) for x, y in zip(two["logprobs"], single["logprobs"]) for a, b in zip(x, y)) < 1e-4
+        assert two["cached"][3] > 0 and two["encoded"] == 2
+
+
 def test_generate_command_over_two_ranks(smollm2_gguf):
     """`mlx.launch ... macinfer generate --distributed pipeline`: rank 0 prints one
     process's text; rank 1 prints nothing and exits when rank 0 is done."""

@@ -119,13 +119,13 @@ def _projector(family: str, cfg: dict, processor) -> dict:
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
-@pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5"])
-def vision_gguf(tmp_path_factory, request):
-    """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
+def build_vision_gguf(family: str, base) -> tuple[str, object]:
+    """(the checkpoint folder, a folder holding its text GGUF and mmproj GGUF) of a tiny `family`."""
+    from pathlib import Path
+
     from mlx_vlm.utils import load_processor
 
-    family = request.param
-    base = tmp_path_factory.mktemp("gguf-vision")
+    base = Path(base)
     # Gemma 3 in six layers: llama.cpp fixes its pattern (every 6th global), and mlx-lm's class
     # reads layer 6's cache.
     folder = tiny_vlm_dir(base, family, text={"num_hidden_layers": 6, "sliding_window_pattern": 6}
@@ -141,7 +141,14 @@ def vision_gguf(tmp_path_factory, request):
                  weights={k: v for k, v in weights.items() if not k.startswith("language_model.")},
                  image_mean=processor.image_processor.image_mean, image_std=processor.image_processor.image_std,
                  name=f"{family} tiny", **_projector(family, cfg, processor))
-    return family, folder, out
+    return folder, out
+
+
+@pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5"])
+def vision_gguf(tmp_path_factory, request):
+    """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
+    family = request.param
+    return (family, *build_vision_gguf(family, tmp_path_factory.mktemp("gguf-vision")))
 
 
 def test_a_gguf_with_its_mmproj_beside_it_gives_mlx_vlm_tokens(vision_gguf, tmp_path):
