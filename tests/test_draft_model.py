@@ -216,6 +216,8 @@ def test_one_budget_buys_the_target_and_draft_pools(tmp_path_factory, draft):
     assert plain.kv_cache.nbytes <= gb * 2**30 < plain.kv_cache.nbytes + spec.kv_cache.groups[0].bytes_per_block
     assert t_blocks < plain.kv_cache.groups[0].num_blocks
     assert spec.memory_bytes() == weight_bytes(spec.model) + total + weight_bytes(spec.drafter.model)
+    assert spec.drafter_pool() == {"blocks_total": t_blocks + 8, "blocks_used": 0, "bytes": d_pool.nbytes}  # (/status)
+    assert plain.drafter_pool() is None
     # A memory limit the target's weights fit but not both models': refused, the weights named.
     limit = weight_bytes(plain.model) + weight_bytes(spec.drafter.model) // 2
     LLMEngine(plain.loaded, EngineConfig(memory_limit_bytes=limit, max_num_seqs=8, kv_cache_gb=None))

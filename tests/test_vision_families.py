@@ -378,8 +378,9 @@ def test_unlimited_ocr_reads_the_prompt_and_a_window_of_its_output(vlm_dirs):
     """Unlimited-OCR's decoder (R-SWA): each output position reads the whole prompt and the last
     8 positions (the tiny config's window) after it. 24 greedy tokens are mlx-vlm's (its ring
     cache), also when the pool is so small that rows are preempted and recomputed (the prompt
-    length stays the request's); scored again as one prompt (causal over all of it), the
-    output's later tokens get other logprobs: the window is applied."""
+    length stays the request's) and with prompt-lookup drafts verified; scored again as one
+    prompt (causal over all of it), the output's later tokens get other logprobs: the window
+    is applied."""
     from macinfer.kv.spec import PromptAndWindow
 
     path = vlm_dirs["unlimited_ocr"]
@@ -402,6 +403,12 @@ def test_unlimited_ocr_reads_the_prompt_and_a_window_of_its_output(vlm_dirs):
         assert np.abs(causal[8:] - windowed[8:]).max() > 1e-3
     finally:
         llm.close()
+    spec = LLM(path, kv_cache_gb=0.05, max_model_len=2048, num_speculative_tokens=3, prompt_lookup_min=1)
+    try:  # drafts verified as decode rows, each row with the hole
+        assert spec.chat(conv, params).token_ids == tokens
+        assert spec.engine.stats["spec_draft_tokens"] > 0
+    finally:
+        spec.close()
     tight = LLM(path, kv_cache_gb=None, num_kv_blocks=40, max_num_seqs=4, max_model_len=2048,
                 enable_prefix_caching=False)  # (301 prompt tokens: two fit, and grow into each other)
     try:

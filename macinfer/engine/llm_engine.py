@@ -193,6 +193,15 @@ class LLMEngine(RequestIntake):
             st["bytes"] = self.kv_cache.group_nbytes(g)
         return stats
 
+    def drafter_pool(self) -> dict | None:
+        """The drafter's own KV pool (bought from the same budget): blocks total/used and
+        bytes; None without one."""
+        kv = getattr(self.drafter, "kv_cache", None)
+        if kv is None:
+            return None
+        bm = self.drafter.block_manager
+        return {"blocks_total": bm.num_blocks, "blocks_used": bm.num_used_blocks, "bytes": kv.nbytes}
+
     def memory_bytes(self) -> int:
         """What this engine holds: weights (a vision tower's too) plus the KV pools (and recurrent state)."""
         from mlx.utils import tree_flatten

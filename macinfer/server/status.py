@@ -49,6 +49,8 @@ def add_routes(app: Any, routing: Routing) -> None:
               "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
               "prefix_queried_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits,
               "groups": engine.cache_groups()}
+        if engine.drafter_pool() is not None:  # a drafter's own pool, in the same budget
+            kv["drafter"] = engine.drafter_pool()
         if engine.block_manager.disk is not None:  # the prefix cache's disk tier
             kv["disk"] = engine.block_manager.disk.stats()
         out = {"model": served.name, "max_model_len": engine.max_model_len, "kv": kv,
