@@ -72,7 +72,8 @@ def _kv_layout(model: Any, cfg: Any, kv_dtype: mx.Dtype):
         layer_specs, groups, first_of = split_first_tokens(layer_specs, groups, cfg.kv_quant_start)
         if not first_of:  # never a flag that silently does nothing
             raise ValueError("--kv-quant-start keeps the first tokens of full-attention caches, and this model has "
-                             "none (its layers read sliding windows, local chunks or recurrent state); leave it out")
+                             "none (its layers read sliding windows, local chunks, a prompt and a window after it, or "
+                             "recurrent state); leave it out")
     for g in groups:
         dtype = "auto" if isinstance(g.kind, FirstTokens) else cfg.kv_cache_dtype
         g.bytes_per_block = sum(layer_bytes_per_block(layer_specs[i], kv_dtype, bs, dtype, cfg.kv_group_size)
