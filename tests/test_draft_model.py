@@ -218,6 +218,10 @@ def test_one_budget_buys_the_target_and_draft_pools(tmp_path_factory, draft):
     assert spec.memory_bytes() == weight_bytes(spec.model) + total + weight_bytes(spec.drafter.model)
     assert spec.drafter_pool() == {"blocks_total": t_blocks + 8, "blocks_used": 0, "bytes": d_pool.nbytes}  # (/status)
     assert plain.drafter_pool() is None
+    # A budget below one block of both pools names the drafter's share.
+    with pytest.raises(ValueError, match="below one block .*with the drafter's pool"):
+        LLMEngine(plain.loaded, EngineConfig(kv_cache_gb=per_block * 4 / 2**30, max_num_seqs=8, draft_model=draft,
+                                             num_speculative_tokens=3))
     # A memory limit the target's weights fit but not both models': refused, the weights named.
     limit = weight_bytes(plain.model) + weight_bytes(spec.drafter.model) // 2
     LLMEngine(plain.loaded, EngineConfig(memory_limit_bytes=limit, max_num_seqs=8, kv_cache_gb=None))

@@ -144,8 +144,11 @@ def plan_caches(model: Any, cfg: Any, kv_dtype: mx.Dtype, max_model_len: int, ba
                          f"{cfg.max_num_seqs} sequences ({pool_bytes(1) / 2**20:.1f} MiB); raise --kv-cache-gb "
                          "or lower --max-num-seqs")
     if groups and num_blocks < 1:
+        with_draft = "" if companion is None else (
+            f", with the drafter's pool for it: {drafted(1) / 2**20:.2f} MiB of it, a block per running sequence")
         raise ValueError(f"KV cache budget {budget / 2**30:.3f} GiB is below one block "
-                         f"({pool_bytes(1) / 2**20:.2f} MiB); raise --kv-cache-gb")
+                         f"({pool_bytes(1) / 2**20:.2f} MiB{with_draft}); raise --kv-cache-gb"
+                         + (" or lower --max-num-seqs" if companion is not None else ""))
     for g, cap in zip(groups, caps):
         g.num_blocks = g.blocks_for(num_blocks, cap)
     states = None
