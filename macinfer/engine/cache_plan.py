@@ -58,7 +58,8 @@ class Companion:
     kv_bytes: Callable[[int], int]
 
 
-def _kv_layout(model: Any, cfg: Any, kv_dtype: mx.Dtype):
+def _kv_layout(model: Any, cfg: Any, kv_dtype: mx.Dtype
+               ) -> tuple[list[LayerKV], list[CacheGroup], list[int], dict[int, int]]:
     """`model`'s caches and groups under `cfg` (bytes per block set), each group's cap
     (bounded kinds), and each full-attention cache's store of its first tokens."""
     bs = cfg.block_size
