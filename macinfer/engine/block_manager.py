@@ -42,10 +42,9 @@ class BlockManager:
         # a cache can never be matched across weights.
         self.root_hash = hashlib.blake2b(b"macinfer:" + cache_key.encode(), digest_size=16).digest()
         self.kv_groups = [GroupBlocks(g, block_size) for g in groups]
-        # A kind that reads the prompt and a window after it (`PromptAndWindow`): K/V past
-        # the prompt + window depend on where the prompt ended, so they are never shared.
-        self.prompt_window = min((g.kind.recent for g in groups if getattr(g.kind, "keeps_prompt", False)),
-                                 default=None)
+        # Kinds whose K/V past some position depend on where a sequence's prompt ended
+        # (`PromptAndWindow`): blocks past it are never shared.
+        self.shared_limits = [g.kind.shared_positions for g in groups if hasattr(g.kind, "shared_positions")]
         # Recurrent state (hybrid and recurrent models): a slot per sequence, snapshots for hits.
         self.state = state
         self.groups: list[GroupBlocks | StateGroup] = [*self.kv_groups, *([state] if state is not None else [])]
@@ -136,11 +135,9 @@ class BlockManager:
         return hits * self.block_size
 
     def _shareable(self, seq: Sequence) -> int:
-        """The blocks of `seq` another sequence may share: all, or under a prompt-and-window
-        kind those below its prompt + window (what a causal prompt computes alike)."""
-        if self.prompt_window is None:
-            return 1 << 62
-        return (seq.num_prompt_tokens + self.prompt_window) // self.block_size
+        """The blocks of `seq` another sequence may share: all, or those below where its
+        groups' kinds say its K/V stop being what any sequence computes alike."""
+        return min((limit(seq.num_prompt_tokens) for limit in self.shared_limits), default=1 << 62) // self.block_size
 
     def _agree(self, hashes: list[bytes], limit: int, disk) -> int:
         """The longest hit (at most `limit` blocks) every group can serve."""

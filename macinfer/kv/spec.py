@@ -124,7 +124,7 @@ class PromptAndWindow:
     (`keeps_prompt`: the masks ask `window_floor`); none is released (the prompt is read to
     the end), so for blocks and prefix hits it is full attention. Only the K/V below
     prompt + `recent` are what a causal prompt would compute: later blocks are never
-    shared (`BlockManager`)."""
+    shared (`shared_positions`)."""
     recent: int
     bounded = False
     keeps_prompt = True
@@ -135,6 +135,11 @@ class PromptAndWindow:
     def window_floor(self, qpos):
         """The first key after the prompt a query at `qpos` reads."""
         return np.maximum(qpos - self.recent + 1, 0)
+
+    def shared_positions(self, prompt_len: int) -> int:
+        """Positions of a sequence with this prompt whose K/V any sequence computes alike
+        (a causal prompt's): the blocks below may be shared, the rest never are."""
+        return prompt_len + self.recent
 
     def live_blocks(self, block_size: int) -> int | None:
         return None
