@@ -94,12 +94,20 @@ def make_mlx_lm_model(config: dict, seed: int = 0, quantize: dict | None = None)
     # mlx-lm initialises norms to 1; jitter them so a norm mix-up shows in logits.
     params = dict(tree_flatten(model.parameters()))
     params = {k: (v + 0.1 * mx.random.normal(v.shape) if "norm" in k else v) for k, v in params.items()}
+    if config.get("model_type") in ZERO_INITIALISED:  # learned scalars at 0 would leave its attention unused
+        params = {k: (0.5 + 0.2 * mx.random.normal(v.shape) if not mx.any(v).item() else v) for k, v in params.items()}
     randomize_packs(params)
     model.load_weights(list(params.items()))
     if quantize:
         nn.quantize(model, **quantize)
     mx.eval(model.parameters())
     return model
+
+
+# Families whose checkpoints start learned scales and residual mixes at zero (Limite's
+# `qkv_scale`, `o_scale`, `*_lambda_*`, gates): a random model keeps them off zero, or its
+# layers add nothing and any attention rule would pass its tests.
+ZERO_INITIALISED = {"limite"}
 
 
 def save_model_dir(path: str, config: dict, model: nn.Module, quantize: dict | None = None) -> str:

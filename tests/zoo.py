@@ -166,7 +166,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                         index_block=4, index_keep=2, num_hash_layers=1, num_hidden_layers=4),
     "kolibri1": dict(shared_expert_intermediate_size=32),
     "limite": dict(rope_n_pairs=4, attn_gate_channels=8, ve_dim=8, ve_gate_channels=4, ve_stored_heads=2, ve_layers=[1],
-                   xsa_layers=[0], global_layers=[1], mudd_inter=8),
+                   xsa_layers=[0], global_layers=[1], mudd_inter=8,
+                   softcap_logits=dict(kind="sigmoid", a=30.0, b=0.0, c=4.0)),  # (its head's sigmoid cap: a 0 would zero every logit)
     "longcat_flash_sparse": dict(zero_expert_type="identity", zero_expert_num=1, attention_method="LSA",
                                  index_n_heads=2, index_head_dim=16, index_topk=WINDOW),
     "qwen3_5_text": dict(num_experts=0, num_experts_per_tok=0, linear_num_value_heads=2, linear_num_key_heads=2,

@@ -261,6 +261,28 @@ def _moondream3(self: nn.Module, x: mx.array, mask: Any, cache: PagedLayerCache)
     return self.proj(out[:, :, 0, :].reshape(T, L, -1))
 
 
+def _patch_limite(mod: Any) -> None:
+    """Limite (mlx-vlm's) numbers its RoPE positions and builds its window mask from
+    `cache.offset` as one number: inside our forward the positions are each row's and the
+    window is the cache kind's (`mlx_lm_classes.CONFIG_WINDOWS`), so the mask is left to the
+    paged attention its SDPA call reaches."""
+    if mod.__name__ + ":limite" in _patched:
+        return
+    model_call, window_mask = mod.LimiteModel.__call__, mod._causal_window_mask
+
+    def model(self, inputs, cache=None, positions=None):
+        if positions is None and cache and isinstance(cache[0], PagedLayerCache):
+            positions = cache[0].offset[:, None] + mx.arange(inputs.shape[1])
+        return model_call(self, inputs, cache, positions)
+
+    def mask(q_len, offset, window, dtype):
+        return None if isinstance(offset, mx.array) else window_mask(q_len, offset, window, dtype)
+
+    mod.LimiteModel.__call__, mod._causal_window_mask = model, mask
+    _patch_sdpa(mod)
+    _patched.add(mod.__name__ + ":limite")
+
+
 # model modules whose attention does not (only) go through SDPA, and how to route it
 _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [lambda mod: _route_attention(mod, "softcap", _softcapped)],
                       "mlx_lm.models.llama4": [_patch_sdpa, _patch_llama4],
@@ -273,7 +295,8 @@ _ATTENTION_PATCHES = {"mlx_lm.models.gemma2": [lambda mod: _route_attention(mod,
                       "mlx_lm.models.mla": [_patch_multilinear],
                       "mlx_lm.models.deepseek_v32": [_patch_sdpa, patch_indexer],
                       "mlx_lm.models.bitlinear_layers": [patch_bitlinear],  # (not attention: a portable path)
-                      "mlx_vlm.models.moondream3.language": [lambda mod: _route_attention(mod, "tau", _moondream3)]}
+                      "mlx_vlm.models.moondream3.language": [lambda mod: _route_attention(mod, "tau", _moondream3)],
+                      "mlx_vlm.models.limite.language": [_patch_limite]}
 
 
 def patch_modules() -> None:

@@ -31,6 +31,10 @@ CONFIG_WINDOWS = {
     # Mistral 7B v0.1 (sliding_window 4096 of 32768 positions): the paper's and transformers'
     # and vLLM's semantics; mlx-lm and llama.cpp attend to everything (docs/architectures.md).
     "mistral": lambda cfg, i: cfg.get("sliding_window"),
+    # Limite (mlx-vlm's): a query reads its last `window` keys and itself; global layers
+    # their own window, -1 none.
+    "limite": lambda cfg, i: (lambda w: w + 1 if w is not None and w >= 0 else None)(
+        cfg.get("global_window") if i in (cfg.get("global_layers") or ()) else cfg["sliding_window"]),
 }
 
 
