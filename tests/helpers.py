@@ -94,8 +94,8 @@ def make_mlx_lm_model(config: dict, seed: int = 0, quantize: dict | None = None)
     # mlx-lm initialises norms to 1; jitter them so a norm mix-up shows in logits.
     params = dict(tree_flatten(model.parameters()))
     params = {k: (v + 0.1 * mx.random.normal(v.shape) if "norm" in k else v) for k, v in params.items()}
-    if config.get("model_type") in ZERO_INITIALISED:  # learned scalars at 0 would leave its attention unused
-        params = {k: (0.5 + 0.2 * mx.random.normal(v.shape) if not mx.any(v).item() else v) for k, v in params.items()}
+    if config.get("model_type") in ZERO_INITIALISED:  # parameters left at 0 would leave layers unused
+        params = {k: (v if mx.any(v).item() else _off_zero(v.shape)) for k, v in params.items()}
     randomize_packs(params)
     model.load_weights(list(params.items()))
     if quantize:
@@ -104,10 +104,18 @@ def make_mlx_lm_model(config: dict, seed: int = 0, quantize: dict | None = None)
     return model
 
 
-# Families whose checkpoints start learned scales and residual mixes at zero (Limite's
-# `qkv_scale`, `o_scale`, `*_lambda_*`, gates): a random model keeps them off zero, or its
-# layers add nothing and any attention rule would pass its tests.
-ZERO_INITIALISED = {"limite"}
+# Families whose classes start parameters at zero (Limite's `qkv_scale`, `o_scale`,
+# `*_lambda_*`, gates; Talkie's output head and embedding skips): a random model keeps them
+# off zero, or its layers add nothing (Talkie's logits were all 0) and any attention rule
+# would pass its tests.
+ZERO_INITIALISED = {"limite", "talkie"}
+
+
+def _off_zero(shape: tuple) -> mx.array:
+    """Scales and mixes near 0.5; a matrix like a Linear layer's initialisation."""
+    if len(shape) < 2:
+        return 0.5 + 0.2 * mx.random.normal(shape)
+    return mx.random.normal(shape) * shape[-1] ** -0.5
 
 
 def save_model_dir(path: str, config: dict, model: nn.Module, quantize: dict | None = None) -> str:
