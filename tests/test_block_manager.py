@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from macinfer.engine.block_manager import BlockManager
+from macinfer.engine.kv_groups import NULL_BLOCK
 from macinfer.engine.sequence import Sequence
 from macinfer.sampling_params import SamplingParams
 
@@ -15,16 +16,18 @@ def _seq(tokens, name="s", salt=None) -> Sequence:
 
 
 def _check(bm: BlockManager, live: list[Sequence]) -> None:
+    null = bm.groups[0].kind.holds_null  # (block 0 then stands for given-back blocks: nobody's)
     owners: dict[int, int] = {}
     for s in live:
-        assert len(set(s.block_table)) == len(s.block_table)
-        for b in s.block_table:
+        table = [b for b in s.block_table if not (null and b == NULL_BLOCK)]
+        assert len(set(table)) == len(table)
+        for b in table:
             owners[b] = owners.get(b, 0) + 1
-    for b in range(bm.num_blocks):
+    for b in range(null, bm.num_blocks):
         assert bm.blocks[b].ref_count == owners.get(b, 0)
     free = set(bm.free_block_ids)
     assert free.isdisjoint(owners), "a block is both free and owned"
-    assert len(free) + len(owners) == bm.num_blocks
+    assert len(free) + len(owners) == bm.num_blocks - null
     for h, b in bm.cached.items():
         assert bm.blocks[b].block_hash == h
 
@@ -159,3 +162,31 @@ def test_blocks_past_the_prompt_and_its_window_are_never_shared():
     c.output_token_ids = list(range(6, 21))
     assert bm.match_prefix(c) == 8
     _check(bm, [a, b, c])
+
+
+def test_blocks_behind_the_window_after_the_prompt_are_given_back():
+    """The prompt-and-window kind releases its output's blocks once every later query's
+    window has passed them (the hole between prompt and window); the prompt's blocks and
+    the window's stay, so a long output holds prompt + window blocks, not all of them."""
+    from macinfer.kv.spec import CacheGroup, PromptAndWindow
+
+    bm = BlockManager([CacheGroup(0, PromptAndWindow(4), (0,), num_blocks=32)], 4)
+    a = _seq(list(range(6)), "a")  # prompt of 6: blocks 0-1 hold it
+    _admit(bm, a)
+    most = 0
+    for n in range(7, 41):  # decode: the next query at n - 1 reads keys >= n - 4 after the prompt
+        a.output_token_ids.append(n)
+        a.num_computed_tokens = n - 1
+        assert bm.can_allocate(a, n)
+        bm.allocate(a, n)
+        table = a.block_tables[0]
+        hole = range(2, (n - 1 - 4 + 1) // 4)
+        assert [i for i, b in enumerate(table) if b == NULL_BLOCK] == list(hole)
+        assert bm.num_used_blocks == len(table) - len(hole)
+        most = max(most, bm.num_used_blocks)
+        _check(bm, [a])
+    assert most == 2 + 2  # the prompt's two; the window's 4 keys and the next token straddle two
+    assert len(a.block_tables[0]) == 10
+    bm.free(a)
+    _check(bm, [])
+    assert bm.num_used_blocks == 0

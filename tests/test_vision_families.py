@@ -376,25 +376,31 @@ def test_llama4_tiles_a_wide_picture_with_its_global_tile(vlm_dirs):
 
 def test_unlimited_ocr_reads_the_prompt_and_a_window_of_its_output(vlm_dirs):
     """Unlimited-OCR's decoder (R-SWA): each output position reads the whole prompt and the last
-    8 positions (the tiny config's window) after it. 24 greedy tokens are mlx-vlm's (its ring
+    8 positions (the tiny config's window) after it. 40 greedy tokens are mlx-vlm's (its ring
     cache), also when the pool is so small that rows are preempted and recomputed (the prompt
     length stays the request's) and with prompt-lookup drafts verified; scored again as one
     prompt (causal over all of it), the output's later tokens get other logprobs: the window
-    is applied."""
+    is applied. The output's blocks behind the window are given back as it runs: a sequence
+    holds its prompt's blocks and the window's, not all of its own."""
     from macinfer.kv.spec import PromptAndWindow
 
     path = vlm_dirs["unlimited_ocr"]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
     conv = ask("what is it", picture(0))
     llm = LLM(path, kv_cache_gb=0.05, max_model_len=2048)
     try:
         assert {s.kind for s in llm.engine.layer_specs} == {PromptAndWindow(8)}
         rendered = REFERENCE_TEXT["unlimited_ocr"](llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]}]))
+        pool, most = llm.engine.block_manager.kv_groups[0].pool, []
+        take = pool.take
+        pool.take = lambda: (take(), most.append(pool.num_used))[0]
         out = llm.chat(conv, params)
-        tokens, _ = mlx_vlm_greedy(path, rendered, [picture(0)], 24)
+        tokens, _ = mlx_vlm_greedy(path, rendered, [picture(0)], 40)
         assert out.token_ids == tokens
         ids, images = llm._chat_prompt(conv)
+        bs = llm.engine.config.block_size  # (a 301-token prompt: 19 blocks; its output ends in a 22nd)
+        assert max(most) == -(-len(ids) // bs) + 2 < -(-(len(ids) + 40) // bs)
         scored = llm.generate([(ids + out.token_ids, images)],
                               SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
         causal = np.array([p.logprob for p in scored.prompt_logprobs[len(ids) + 1:]])

@@ -97,12 +97,13 @@ class BlockPool:
 
 class GroupBlocks:
     """One cache group's blocks and its rules (vLLM v1's single-type managers, in one class:
-    the kinds differ only in `key_floor`, the lowest key a query reads).
+    the kinds differ in `key_floor`, the lowest key a query reads, and `unread_blocks`).
 
     A bounded kind (sliding window, chunked local) never reads a key below the floor
     of the step's first query, so its blocks that end before it are released while the
     sequence runs (the table keeps `NULL_BLOCK` in their place, so a position's block
-    index is the same in every group). Released blocks keep their hash in the LRU
+    index is the same in every group); the prompt-and-window kind releases its output's
+    blocks behind the window, a hole between the prompt and the window. Released blocks keep their hash in the LRU
     queue, as in vLLM: a later request with the same prefix can still hit them. A
     prefix hit of m blocks needs, in this group, the blocks from the floor of the
     position after the hit up to m (for full attention: all m)."""
@@ -110,7 +111,7 @@ class GroupBlocks:
     def __init__(self, group: CacheGroup, block_size: int):
         self.group, self.kind, self.block_size = group, group.kind, block_size
         self.index = group.index  # its block tables in `seq.block_tables`, its records' key on the disk
-        self.pool = BlockPool(group.num_blocks, reserve_null=group.kind.bounded)
+        self.pool = BlockPool(group.num_blocks, reserve_null=group.kind.holds_null)
         if self.pool.num_usable < 1:
             raise ValueError(f"the KV cache group of {group.kind.describe()} needs at least one block")
 
@@ -119,17 +120,18 @@ class GroupBlocks:
         return int(self.kind.key_floor(position)) // self.block_size
 
     def release_unreachable(self, seq: Sequence) -> None:
-        """Give back the blocks no query of `seq` will read again (bounded kinds)."""
-        if not self.kind.bounded:
+        """Give back the blocks no query of `seq` will read again (the kind's `unread_blocks`)."""
+        if not self.kind.holds_null:
             return
         g = self.group.index
         table = seq.block_tables[g]
-        first = min(self.first_block(seq.num_computed_tokens), len(table))
-        for i in range(seq.num_released_blocks[g], first):
+        span = self.kind.unread_blocks(seq.num_prompt_tokens, seq.num_computed_tokens, self.block_size)
+        stop = min(span.stop, len(table))
+        for i in range(max(span.start, seq.num_released_blocks[g]), stop):
             if table[i] != NULL_BLOCK:
                 self.pool.release(table[i])
                 table[i] = NULL_BLOCK
-        seq.num_released_blocks[g] = max(seq.num_released_blocks[g], first)
+        seq.num_released_blocks[g] = max(seq.num_released_blocks[g], stop)
 
     def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
         """Whether `num_tokens` tokens of `seq` fit leaving `reserve` blocks free; first
@@ -217,14 +219,14 @@ class GroupBlocks:
     def publish(self, seq: Sequence, start: int, end: int) -> None:
         table = seq.block_tables[self.group.index]
         for i in range(start, min(end, len(table))):
-            if table[i] != NULL_BLOCK or not self.kind.bounded:
+            if table[i] != NULL_BLOCK or not self.kind.holds_null:
                 self.pool.publish(table[i], seq.block_hashes[i])
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so they are evicted before the shared-prefix heads.
         tables = seq.block_tables
         for bid in reversed(tables[self.group.index] if self.group.index < len(tables) else []):
-            if bid != NULL_BLOCK or not self.kind.bounded:
+            if bid != NULL_BLOCK or not self.kind.holds_null:
                 self.pool.release(bid)
 
     def drop_cache(self) -> None:

@@ -32,8 +32,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class _Kind:
+    """What every kind answers the block manager (the kinds below set `bounded`, whether a
+    sequence's live blocks stop growing, and `holds_null`, whether its tables may hold the
+    null block in place of a released or never stored one)."""
+    bounded = False
+    holds_null = False
+
+    def unread_blocks(self, prompt_len: int, position: int, block_size: int) -> range:
+        """Block indices no query at `position` or later reads (released as it runs)."""
+        return range(0, int(self.key_floor(position)) // block_size)
+
+
 @dataclass(frozen=True)
-class FullAttention:
+class FullAttention(_Kind):
     """Every earlier key."""
     bounded = False  # a sequence's live blocks grow with its length
 
@@ -53,10 +65,10 @@ class FullAttention:
 
 
 @dataclass(frozen=True)
-class SlidingWindow:
+class SlidingWindow(_Kind):
     """The last `window` keys, the query's own included (transformers' and mlx-lm's rule)."""
     window: int
-    bounded = True
+    bounded = holds_null = True
 
     def key_floor(self, qpos):
         return np.maximum(qpos - self.window + 1, 0)
@@ -74,10 +86,10 @@ class SlidingWindow:
 
 
 @dataclass(frozen=True)
-class ChunkedLocal:
+class ChunkedLocal(_Kind):
     """Keys of the query's own chunk of `chunk` positions (Llama 4's local layers)."""
     chunk: int
-    bounded = True
+    bounded = holds_null = True
 
     def key_floor(self, qpos):
         return qpos // self.chunk * self.chunk
@@ -94,14 +106,14 @@ class ChunkedLocal:
 
 
 @dataclass(frozen=True)
-class FirstTokens:
+class FirstTokens(_Kind):
     """Not a visibility rule: a store of the first `count` positions of a full-attention
     cache apart from it, at full precision while the cache itself is quantized
     (`--kv-quant-start`). Its blocks end at `count` (`stored_keys`); nothing is released
     before the sequence ends. The attention reads keys below `count` from here and the
     rest from the layer's own cache (`kv/attention.py`)."""
     count: int
-    bounded = True  # a sequence's blocks stop growing (and its pool keeps a null block: beyond-count rows)
+    bounded = holds_null = True  # a sequence's blocks stop growing; beyond-count rows go to the null block
 
     def key_floor(self, qpos):
         return qpos * 0
@@ -117,16 +129,18 @@ class FirstTokens:
 
 
 @dataclass(frozen=True)
-class PromptAndWindow:
+class PromptAndWindow(_Kind):
     """Every key of the sequence's prompt and the last `recent` keys after it, the query's
     own included (Unlimited-OCR's decoder, R-SWA: the whole prompt and a window of its own
     output). The keys between are not read, per row from the sequence's prompt length
     (`keeps_prompt`: the masks ask `window_floor`); none is released (the prompt is read to
-    the end), so for blocks and prefix hits it is full attention. Only the K/V below
-    prompt + `recent` are what a causal prompt would compute: later blocks are never
-    shared (`shared_positions`)."""
+    the end), so a sequence's blocks grow with it (`live_blocks`: full attention's), but
+    its output's blocks behind the window are given back as it runs (`unread_blocks`).
+    Only the K/V below prompt + `recent` are what a causal prompt would compute: later
+    blocks are never shared (`shared_positions`)."""
     recent: int
     bounded = False
+    holds_null = True
     keeps_prompt = True
 
     def key_floor(self, qpos):
@@ -135,6 +149,10 @@ class PromptAndWindow:
     def window_floor(self, qpos):
         """The first key after the prompt a query at `qpos` reads."""
         return np.maximum(qpos - self.recent + 1, 0)
+
+    def unread_blocks(self, prompt_len: int, position: int, block_size: int) -> range:
+        """The output's blocks wholly behind the window (the hole between prompt and window)."""
+        return range(cdiv(prompt_len, block_size), int(self.window_floor(position)) // block_size)
 
     def shared_positions(self, prompt_len: int) -> int:
         """Positions of a sequence with this prompt whose K/V any sequence computes alike
@@ -198,12 +216,12 @@ class CacheGroup:
     kind: AttentionKind
     caches: tuple[int, ...]  # the model's caches in this group
     layers: tuple[int, ...] = ()  # the decoder layers attending over them (sharing layers too)
-    num_blocks: int = 0  # set when the pools are planned (bounded kinds: + 1 null block)
+    num_blocks: int = 0  # set when the pools are planned (+ 1 null block where the kind holds one)
     bytes_per_block: int = 0
 
     def blocks_for(self, num_full_blocks: int, cap: int) -> int:
         """Blocks this group needs when the unbounded groups hold `num_full_blocks`."""
-        return min(num_full_blocks, cap) + 1 if self.kind.bounded else num_full_blocks
+        return (min(num_full_blocks, cap) if self.kind.bounded else num_full_blocks) + self.kind.holds_null
 
 
 def group_caches(caches: list[LayerKV], layer_caches: list[int] | None = None) -> tuple[list[CacheGroup], list[int]]:
