@@ -28,7 +28,8 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
                  image_std: list, scale_factor: int | None = None, name: str | None = None,
                  preproc_image_size: int | None = None, quant: Q | None = None, extra: dict | None = None,
                  split_qkv: bool = True, renamed: dict | None = None, permute_heads: int | None = None,
-                 qkv_form: tuple[str, str] = (".qkv.", ".{p}."), bare_weights: tuple[str, ...] = ()) -> None:
+                 qkv_form: tuple[str, str] = (".qkv.", ".{p}."), bare_weights: tuple[str, ...] = (),
+                 linear_patches: int | None = None) -> None:
     """A vision projector file as llama.cpp's converter writes one (`general.architecture` clip):
     `weights` in mlx-vlm's names and layout, named by llama.cpp's tensor map under the
     checkpoint's names (a bare `*_weight` parameter as `*.weight`; Idefics3's under `model.`,
@@ -41,7 +42,8 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
     Q and K rows permuted as llama.cpp does Llama's, over this many heads (Pixtral); `qkv_form`:
     how a split qkv is named (InternViT's `.attn.qkv.` -> `.self_attn.{p}_proj.`); `bare_weights`:
     parameters without a suffix that the converter names `.weight` (InternViT's layer scales and
-    position embedding)."""
+    position embedding); `linear_patches`: a linear patch embedding over patches of this size,
+    stored as a convolution's [out, 3, p, p] (LFM2-VL's)."""
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision["num_hidden_layers"], 8))
     w = gguf.GGUFWriter(path, "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
@@ -72,7 +74,8 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
             return renamed[key]
         hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
         for cand in (hf, "model." + hf, hf.replace("vision_tower.", "visual.", 1),
-                     hf.replace("vision_tower.vision_model.", "vision_tower.", 1), "vision_tower." + hf):
+                     hf.replace("vision_tower.vision_model.", "vision_tower.", 1), "vision_tower." + hf,
+                     hf.replace("vision_tower.", "vision_tower.vision_model.", 1)):
             if (found := tmap.get_name(cand, try_suffixes=(".weight", ".bias"))) is not None:
                 bare = not found.endswith((".weight", ".bias")) and any(b in found for b in bare_weights)
                 return found + ".weight" if bare else found
@@ -88,6 +91,8 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
                 tensors[gguf_name(key.replace(qkv_form[0], qkv_form[1].format(p=part)))] = rows
             continue
         name = gguf_name(key)
+        if linear_patches and name == "v.patch_embd.weight":  # (the converter's view(out, p, p, 3).permute)
+            x = x.reshape(x.shape[0], linear_patches, linear_patches, 3).transpose(0, 3, 1, 2)
         if name.endswith("soft_emb_norm.weight"):
             x = x + 1
         if permute_heads and name.endswith(("attn_q.weight", "attn_k.weight")):

@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
 (`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Mistral 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE) or Qwen3.5 built with mlx-vlm's classes, take
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5 or LFM2-VL built with mlx-vlm's classes, take
 images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         write_hybrid_gguf(path, "qwen35", flat, hybrid_tensors("qwen35", flat, lm),
                           tokenizer=hf_tokenizer_meta(tokenizer),
                           extra_meta={"qwen35.rope.dimension_sections": sections + [0] * (4 - len(sections))})
+    elif family == "lfm2_vl":  # llama.cpp's lfm2: the hybrid's tensors
+        write_hybrid_gguf(path, "lfm2", text, hybrid_tensors("lfm2", text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
     elif text["model_type"] == "qwen2":  # (InternVL 3's language model)
         write_gguf(path, text, arch_tensors("qwen2", text, lm), arch="qwen2", tokenizer=hf_tokenizer_meta(tokenizer))
     else:
@@ -108,6 +110,10 @@ def _projector(family: str, cfg: dict, processor) -> dict:
                 "scale_factor": int(1 / cfg["downsample_ratio"]), "qkv_form": (".attn.qkv.", ".self_attn.{p}_proj."),
                 "bare_weights": ("ls1", "ls2", "position_embd"),
                 "extra": {"preproc_max_tiles": cfg["max_dynamic_patch"]}}
+    if family == "lfm2_vl":  # its converter: image_size fixed at 256, the linear patch embedding as a conv
+        return {"projector": "lfm2", "text_hidden": cfg["text_config"]["hidden_size"],
+                "vision": {**vision, "image_size": 256}, "scale_factor": cfg["downsample_factor"],
+                "linear_patches": vision["patch_size"]}
     if family == "mistral3":
         return {"projector": "pixtral", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
                 "permute_heads": vision["num_attention_heads"],
@@ -117,6 +123,25 @@ def _projector(family: str, cfg: dict, processor) -> dict:
 
 
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+def _published_lfm2_preprocessing(folder: str) -> None:
+    """The tiny LFM2-VL folder's processor at LFM2-VL's published settings (what the projector
+    file's loader uses), so the folder's mlx-vlm answer is the reference for the GGUF pair."""
+    from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import Lfm2VlNumpyImageProcessor
+    from mlx_vlm.utils import load_processor
+    from transformers import Lfm2VlProcessor
+
+    from macinfer.gguf.mmproj_families import LFM2_PREPROCESSOR
+
+    tiny = load_processor(folder, add_detokenizer=False)
+    images = Lfm2VlNumpyImageProcessor(downsample_factor=2, encoder_patch_size=16, **LFM2_PREPROCESSOR)
+    Lfm2VlProcessor(image_processor=images, tokenizer=tiny.tokenizer,
+                    chat_template=tiny.tokenizer.chat_template).save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**cfg, **LFM2_PREPROCESSOR, "max_num_patches": images.max_num_patches}, f)
 
 
 def build_vision_gguf(family: str, base) -> tuple[str, object]:
@@ -130,6 +155,8 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
     # reads layer 6's cache.
     folder = tiny_vlm_dir(base, family, text={"num_hidden_layers": 6, "sliding_window_pattern": 6}
                           if family == "gemma3" else None)
+    if family == "lfm2_vl":  # the published preprocessing, which a projector file does not carry
+        _published_lfm2_preprocessing(folder)
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     weights = mx.load(os.path.join(folder, "model.safetensors"))
@@ -144,7 +171,8 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
     return folder, out
 
 
-@pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5"])
+@pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5",
+                                        "lfm2_vl"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     family = request.param

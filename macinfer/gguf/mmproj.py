@@ -93,9 +93,10 @@ def _lookup(f: GGUFFile, names: Any, key: str, fix: Callable[[str, np.ndarray, d
     suffixes = (".weight", ".bias")
     hf = key[: -len("_weight")] + ".weight" if key.endswith("_weight") else key
     candidates = [hf, "model." + hf]
-    if hf.startswith("vision_tower."):  # Qwen-VL's `visual.`; Pixtral's tower without `vision_model.`
-        candidates += [hf.replace("vision_tower.", "visual.", 1),
-                       hf.replace("vision_tower.vision_model.", "vision_tower.", 1)]
+    if hf.startswith("vision_tower."):  # Qwen-VL's `visual.`; Pixtral's tower without `vision_model.`,
+        candidates += [hf.replace("vision_tower.", "visual.", 1),  # LFM2-VL's with it (mlx-vlm drops it)
+                       hf.replace("vision_tower.vision_model.", "vision_tower.", 1),
+                       hf.replace("vision_tower.", "vision_tower.vision_model.", 1)]
     elif hf.startswith("vision_model."):  # InternViT's, which the converter puts under `vision_tower.`
         candidates.append("vision_tower." + hf)
 

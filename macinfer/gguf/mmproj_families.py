@@ -334,6 +334,52 @@ def _internvl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> 
                                            "downsample_ratio": config["downsample_ratio"]})
 
 
+def _lfm2_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """LFM2-VL's: a SigLIP2 NaFlex tower (its position table resized to each image's patch
+    grid), a pixel unshuffle by the file's scale factor and a two-layer projector, layer-normed
+    where the file holds the norm. The converter writes a fixed `image_size` (256) and drops
+    the tower layers past the feature layer from its block count, so the tower kept is the
+    file's blocks and its features the last one's."""
+    patch = int(meta_value(f, "clip.vision.patch_size"))
+    vision = {"model_type": "siglip2_vision_model", "patch_size": patch,
+              "hidden_size": int(meta_value(f, "clip.vision.embedding_length")),
+              "intermediate_size": int(meta_value(f, "clip.vision.feed_forward_length")),
+              "num_hidden_layers": int(meta_value(f, "clip.vision.block_count")),
+              "num_attention_heads": int(meta_value(f, "clip.vision.attention.head_count")),
+              "num_patches": int(f.dequantize("v.position_embd.weight").shape[0]),
+              "layer_norm_eps": float(f.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-6))}
+    return {"model_type": "lfm2_vl", "text_config": text, "vision_config": vision,
+            "image_token_id": _token_id(tokenizer, "<image>"),
+            "downsample_factor": int(f.metadata.get("clip.vision.projector.scale_factor", 2)),
+            "encoder_patch_size": patch, "vision_feature_layer": -1,
+            "projector_hidden_size": int(f.dequantize("mm.1.weight").shape[0]),
+            "projector_bias": "mm.1.bias" in f.tensors, "projector_use_layernorm": "mm.input_norm.weight" in f.tensors,
+            **LFM2_PREPROCESSOR, "vocab_size": text["vocab_size"], "eos_token_id": text.get("eos_token_id")}
+
+
+# LFM2-VL's published preprocessor (its checkpoints' `preprocessor_config.json`, which a projector
+# file does not carry; llama.cpp's runtime tiles by the same rule).
+LFM2_PREPROCESSOR = {"min_image_tokens": 64, "max_image_tokens": 256, "tile_size": 512, "do_image_splitting": True,
+                     "min_tiles": 2, "max_tiles": 10, "use_thumbnail": True, "max_pixels_tolerance": 2.0}
+
+
+def _lfm2_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+    from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import Lfm2VlNumpyImageProcessor
+    from transformers import Lfm2VlProcessor
+
+    images = Lfm2VlNumpyImageProcessor(
+        downsample_factor=config["downsample_factor"], encoder_patch_size=config["encoder_patch_size"],
+        image_mean=[float(x) for x in meta_value(f, "clip.vision.image_mean")],
+        image_std=[float(x) for x in meta_value(f, "clip.vision.image_std")], **LFM2_PREPROCESSOR)
+    return Lfm2VlProcessor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+
+
+def _lfm2_fix(name: str, x: np.ndarray, meta: dict[str, Any]) -> np.ndarray:
+    # The converter stores the linear patch embedding as a convolution, [out, 3, p, p]; the
+    # checkpoint's rows are each patch's pixels in (row, column, channel) order.
+    return x.transpose(0, 2, 3, 1).reshape(x.shape[0], -1) if name == "v.patch_embd.weight" else x
+
+
 PROJECTORS: dict[str, Projector] = {
     "gemma3": Projector(_gemma3_config, _gemma3_processor, _gemma3_fix),
     "pixtral": Projector(_pixtral_config, _pixtral_processor, _pixtral_fix),  # (and Mistral 3)
@@ -342,6 +388,7 @@ PROJECTORS: dict[str, Projector] = {
     "qwen2vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
     "qwen2.5vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
     "qwen3vl_merger": Projector(_qwen3vl_config, _qwen3vl_processor, rename=_qwen3vl_rename),
+    "lfm2": Projector(_lfm2_config, _lfm2_processor, _lfm2_fix),  # (LFM2-VL, LFM2.5-VL)
 }
 NAMED_TOKENS = {"gemma3": GEMMA3_TOKENS}  # the tokens a family's processor finds by name on its tokenizer
 
