@@ -29,7 +29,7 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
                  preproc_image_size: int | None = None, quant: Q | None = None, extra: dict | None = None,
                  split_qkv: bool = True, renamed: dict | None = None, permute_heads: int | None = None,
                  qkv_form: tuple[str, str] = (".qkv.", ".{p}."), bare_weights: tuple[str, ...] = (),
-                 linear_patches: int | None = None) -> None:
+                 linear_patches: int | None = None, checkpoint=None, converted=None) -> None:
     """A vision projector file as llama.cpp's converter writes one (`general.architecture` clip):
     `weights` in mlx-vlm's names and layout, named by llama.cpp's tensor map under the
     checkpoint's names (a bare `*_weight` parameter as `*.weight`; Idefics3's under `model.`,
@@ -43,7 +43,9 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
     how a split qkv is named (InternViT's `.attn.qkv.` -> `.self_attn.{p}_proj.`); `bare_weights`:
     parameters without a suffix that the converter names `.weight` (InternViT's layer scales and
     position embedding); `linear_patches`: a linear patch embedding over patches of this size,
-    stored as a convolution's [out, 3, p, p] (LFM2-VL's)."""
+    stored as a convolution's [out, 3, p, p] (LFM2-VL's); `checkpoint`: mlx-vlm's parameter ->
+    the checkpoint's, where mlx-vlm's sanitize moved it; `converted`: (the file's name, tensor) ->
+    the tensor as the converter changes it beyond the rules above."""
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision["num_hidden_layers"], 8))
     w = gguf.GGUFWriter(path, "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
@@ -83,6 +85,7 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
 
     tensors = {}
     for key, value in weights.items():
+        key = checkpoint(key) if checkpoint else key
         x = np.array(value.astype(mx.float32), dtype=np.float32)
         if x.ndim in (4, 5):  # MLX's [out, ..., in] -> PyTorch's [out, in, ...]
             x = np.moveaxis(x, -1, 1)
@@ -93,6 +96,8 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
         name = gguf_name(key)
         if linear_patches and name == "v.patch_embd.weight":  # (the converter's view(out, p, p, 3).permute)
             x = x.reshape(x.shape[0], linear_patches, linear_patches, 3).transpose(0, 3, 1, 2)
+        if converted:
+            x = converted(name, x)
         if name.endswith("soft_emb_norm.weight"):
             x = x + 1
         if permute_heads and name.endswith(("attn_q.weight", "attn_k.weight")):

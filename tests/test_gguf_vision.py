@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
 (`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Mistral 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5 or LFM2-VL built with mlx-vlm's classes, take
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL or Kimi-VL built with mlx-vlm's classes, take
 images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
@@ -61,6 +61,12 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         write_hybrid_gguf(path, "qwen35", flat, hybrid_tensors("qwen35", flat, lm),
                           tokenizer=hf_tokenizer_meta(tokenizer),
                           extra_meta={"qwen35.rope.dimension_sections": sections + [0] * (4 - len(sections))})
+    elif family == "kimi_vl":  # llama.cpp's deepseek2: MLA's kv_b split, the experts stacked
+        import dataclasses
+
+        full = {**dataclasses.asdict(lm.args), **text}  # (mlx-lm's defaults for what the tiny config leaves out)
+        write_hybrid_gguf(path, "deepseek2", full, hybrid_tensors("deepseek2", full, lm),
+                          tokenizer=hf_tokenizer_meta(tokenizer))
     elif family == "lfm2_vl":  # llama.cpp's lfm2: the hybrid's tensors
         write_hybrid_gguf(path, "lfm2", text, hybrid_tensors("lfm2", text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
     elif text["model_type"] == "qwen2":  # (InternVL 3's language model)
@@ -114,6 +120,16 @@ def _projector(family: str, cfg: dict, processor) -> dict:
         return {"projector": "lfm2", "text_hidden": cfg["text_config"]["hidden_size"],
                 "vision": {**vision, "image_size": 256}, "scale_factor": cfg["downsample_factor"],
                 "linear_patches": vision["patch_size"]}
+    if family == "kimi_vl":  # its converter: the fused qkv split as wq/wk/wv, the position table flattened
+        from macinfer.gguf.mmproj_native import _kimivl_checkpoint
+
+        return {"projector": "kimivl", "text_hidden": cfg["text_config"]["hidden_size"], "scale_factor": 2,
+                "vision": {"image_size": 64 * 14, "patch_size": vision["patch_size"],
+                           "hidden_size": vision["hidden_size"], "intermediate_size": vision["intermediate_size"],
+                           "num_hidden_layers": vision["depth"], "num_attention_heads": vision["num_heads"],
+                           "layer_norm_eps": 1e-5},
+                "checkpoint": _kimivl_checkpoint, "qkv_form": (".wqkv.", ".w{p}."),
+                "converted": lambda name, x: x.reshape(-1, x.shape[-1]) if name == "v.position_embd.weight" else x}
     if family == "mistral3":
         return {"projector": "pixtral", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
                 "permute_heads": vision["num_attention_heads"],
@@ -132,7 +148,7 @@ def _published_lfm2_preprocessing(folder: str) -> None:
     from mlx_vlm.utils import load_processor
     from transformers import Lfm2VlProcessor
 
-    from macinfer.gguf.mmproj_families import LFM2_PREPROCESSOR
+    from macinfer.gguf.mmproj_native import LFM2_PREPROCESSOR
 
     tiny = load_processor(folder, add_detokenizer=False)
     images = Lfm2VlNumpyImageProcessor(downsample_factor=2, encoder_patch_size=16, **LFM2_PREPROCESSOR)
@@ -142,6 +158,17 @@ def _published_lfm2_preprocessing(folder: str) -> None:
         cfg = json.load(f)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({**cfg, **LFM2_PREPROCESSOR, "max_num_patches": images.max_num_patches}, f)
+
+
+def _published_kimi_preprocessing(folder: str) -> None:
+    """The tiny Kimi-VL folder's processor at the published token limit (the class default)."""
+    from mlx_vlm.models.kimi_vl.processing_kimi_vl import KimiVLImageProcessor, KimiVLProcessor
+    from mlx_vlm.utils import load_processor
+
+    tiny = load_processor(folder, add_detokenizer=False)
+    images = KimiVLImageProcessor(patch_size=14, merge_kernel_size=[2, 2])
+    KimiVLProcessor(image_processor=images, tokenizer=tiny.tokenizer,
+                    chat_template=tiny.tokenizer.chat_template).save_pretrained(folder)
 
 
 def build_vision_gguf(family: str, base) -> tuple[str, object]:
@@ -157,6 +184,8 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
                           if family == "gemma3" else None)
     if family == "lfm2_vl":  # the published preprocessing, which a projector file does not carry
         _published_lfm2_preprocessing(folder)
+    if family == "kimi_vl":  # (the same: its published token limit)
+        _published_kimi_preprocessing(folder)
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     weights = mx.load(os.path.join(folder, "model.safetensors"))
@@ -172,7 +201,7 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
 
 
 @pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5",
-                                        "lfm2_vl"])
+                                        "lfm2_vl", "kimi_vl"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     family = request.param

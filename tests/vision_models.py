@@ -51,6 +51,10 @@ def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None
     # break ties differently: random rows instead.
     params = {k: (0.5 * mx.random.normal(v.shape) if k.endswith("gate.weight") and not mx.any(v).item() else v)
               for k, v in params.items()}
+    # MoonViT's position tables start as ones: every patch would get the same position, and a
+    # table read transposed (or not at all) would pass.
+    params = {k: (v + 0.5 * mx.random.normal(v.shape) if "pos_emb" in k and mx.all(v == v.reshape(-1)[0]).item()
+                  else v) for k, v in params.items()}
     randomize_packs(params)
     if (variant or family) in WEIGHT_LAYOUTS:
         params = WEIGHT_LAYOUTS[variant or family](params, seed)

@@ -12,7 +12,7 @@ family's own processor class, and the tokenizer read from the model's GGUF (its 
 written into a temporary directory at load, where the processor loading reads them, and
 removed after). The weights go straight into the family's mlx-vlm model.
 
-Projector types that run: `mmproj_families.PROJECTORS` (others are refused with the type named).
+Projector types that run: `PROJECTORS` (others are refused with the type named).
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.gguf.file import GGUFFile
-from macinfer.gguf.mmproj_families import NAMED_TOKENS, PROJECTORS, MmprojError, Projector, meta_value, projector_kind
+from macinfer.gguf.mmproj_families import FIXED_SIZE, GEMMA3_TOKENS, MmprojError, Projector, meta_value, projector_kind
+from macinfer.gguf.mmproj_native import NATIVE_SIZE
+
+# llama.cpp's projector type -> how it maps back onto its mlx-vlm family
+PROJECTORS: dict[str, Projector] = {**FIXED_SIZE, **NATIVE_SIZE}
+NAMED_TOKENS = {"gemma3": GEMMA3_TOKENS}  # the tokens a family's processor finds by name on its tokenizer
 
 
 def is_projector_file(name: str) -> bool:
@@ -117,9 +122,10 @@ def _lookup(f: GGUFFile, names: Any, key: str, fix: Callable[[str, np.ndarray, d
             if f"{name}.1" in f.tensors:  # a Conv3D's temporal slices: [out, in, kh, kw] each
                 x = np.stack([x, read(f"{name}.1")], axis=2)
             return found(name), x
-        if ".qkv." in cand:  # split as q, k, v (Qwen-VL's) or as self_attn.{q,k,v}_proj (InternViT's)
+        if "qkv." in cand:  # split as q, k, v (Qwen-VL's), self_attn.{q,k,v}_proj (InternViT's), wq, wk, wv (MoonViT's)
             for form in (lambda p: cand.replace(".qkv.", f".{p}."),
-                         lambda p: cand.replace(".attn.qkv.", f".self_attn.{p}_proj.")):
+                         lambda p: cand.replace(".attn.qkv.", f".self_attn.{p}_proj."),
+                         lambda p: cand.replace(".wqkv.", f".w{p}.")):
                 parts = [names.get_name(form(p), try_suffixes=suffixes) for p in "qkv"]
                 if all(p in f.tensors for p in parts):
                     return parts[0], np.concatenate([read(p) for p in parts], axis=0)
@@ -143,7 +149,7 @@ def vision_model(f: GGUFFile, config: dict[str, Any], recipe: Projector, dtype: 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(int(meta_value(f, "clip.vision.block_count")), 8))
     out, missing = {}, []
     for key, shape in wanted.items():
-        name, x = _lookup(f, names, key, recipe.fix, recipe.rename(key, config))
+        name, x = _lookup(f, names, recipe.checkpoint(key), recipe.fix, recipe.rename(key, config))
         if x is None:
             missing.append(f"{key} ({name or 'no llama.cpp name'})")
             continue
