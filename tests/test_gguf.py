@@ -258,6 +258,9 @@ GGUF_ARCHS = {
                 "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0},
                {"gemma3.attention.sliding_window": 8}),
     "phi3": ({"model_type": "phi3", "partial_rotary_factor": 0.5}, {"phi3.rope.dimension_count": 8}),
+    # GLM-4-0414: sandwich norms, fused gate/up, Q/K/V biases, pairwise RoPE on half of each head
+    "glm4": ({"model_type": "glm4", "partial_rotary_factor": 0.5, "attention_bias": True},
+             {"glm4.rope.dimension_count": 8}),
 }
 
 

@@ -28,6 +28,9 @@ _GEMMA = {**_COMMON, "post_attention_norm": "post_attention_layernorm", "ffn_nor
 _MOE = {**_COMMON, "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
         "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj"}
 _PHI3 = {**_COMMON, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# GLM-4-0414: a norm after attention and after the MLP (sandwich), gate and up fused
+_GLM4 = {**_COMMON, "ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
+         "post_ffw_norm": "post_mlp_layernorm"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -48,14 +51,14 @@ def _base(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _qwen3moe(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+def _qwen3moe(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     moe = int(get("expert_feed_forward_length"))
     return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
             "moe_intermediate_size": moe, "intermediate_size": int(get("feed_forward_length", 0)) or moe,
             "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
 
 
-def _gemma2(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+def _gemma2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # GGUF does not store query_pre_attn_scalar; llama.cpp scales by 1/sqrt(head_dim) as this does.
     # Even layers slide, as in llama.cpp and transformers (the adapter's `config_windows`).
     return {"query_pre_attn_scalar": float(int(get("attention.key_length"))),
@@ -64,26 +67,35 @@ def _gemma2(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
             "sliding_window": int(get("attention.sliding_window", 4096))}
 
 
-def _gemma3(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+def _gemma3(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # llama.cpp fixes Gemma 3's pattern (every 6th layer global) and local RoPE base (10k).
     return {"query_pre_attn_scalar": float(int(get("attention.key_length"))),
             "sliding_window": int(get("attention.sliding_window", 512)), "sliding_window_pattern": 6,
             "rope_local_base_freq": 10000.0}
 
 
-def _phi3(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+def _phi3(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     head_dim = int(get("attention.key_length", int(get("embedding_length")) // int(get("attention.head_count"))))
     rot = int(get("rope.dimension_count", head_dim))
     window = int(get("attention.sliding_window", 0))  # llama.cpp windows every layer when set
     return {"partial_rotary_factor": rot / head_dim, **({"sliding_window": window} if window else {})}
 
 
-def _qwen2vl(get: Callable, meta: dict[str, Any]) -> dict[str, Any]:
+def _qwen2vl(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # Qwen2/2.5/3-VL's language model: Qwen2's (Qwen3's) whose RoPE turns by (time, height, width)
     # sections over an image's positions (installed with a vision projector file, `gguf/mmproj.py`,
     # `engine/images.py`); over text the three positions are equal and it is plain RoPE.
     sections = [int(x) for x in get("rope.dimension_sections", [])]
     return {"mrope_section": [s for s in sections if s]} if any(sections) else {}
+
+
+def _glm4(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
+    # GLM-4-0414 (`glm4`): RoPE on the first `rope.dimension_count` of each head, in pairs
+    # (llama.cpp's "norm" rope, mlx-lm's traditional; the converter keeps Q/K rows as they are);
+    # Q/K/V biases where the file holds them.
+    head_dim = int(get("attention.key_length", int(get("embedding_length")) // int(get("attention.head_count"))))
+    return {"partial_rotary_factor": int(get("rope.dimension_count", head_dim // 2)) / head_dim,
+            "rope_traditional": True, "attention_bias": "blk.0.attn_q.bias" in names}
 
 
 # arch -> (model_type, tensor names, extra config, norms stored as 1 + w, Q/K rows permuted)
@@ -95,10 +107,12 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "qwen3": ("qwen3", _COMMON, None, False, False),
     "qwen3vl": ("qwen3", _COMMON, _qwen2vl, False, False),  # (Qwen3-VL's: Qwen3 with M-RoPE sections too)
     "qwen3moe": ("qwen3_moe", _MOE, _qwen3moe, False, False),
-    "qwen3vlmoe": ("qwen3_moe", _MOE, lambda get, meta: {**_qwen3moe(get, meta), **_qwen2vl(get, meta)}, False, False),
+    "qwen3vlmoe": ("qwen3_moe", _MOE, lambda get, meta, names: {**_qwen3moe(get, meta), **_qwen2vl(get, meta)},
+                   False, False),
     "gemma2": ("gemma2", _GEMMA, _gemma2, True, False),
     "gemma3": ("gemma3_text", _GEMMA, _gemma3, True, False),
     "phi3": ("phi3", _PHI3, _phi3, False, False),
+    "glm4": ("glm4", _GLM4, _glm4, False, False),
 }
 
 
@@ -116,8 +130,10 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     )
 
 
-def config_for(arch: str, meta: dict[str, Any], scalar: Callable[[Any], Any]) -> dict[str, Any]:
-    """The HF-style config of one of these architectures from GGUF metadata."""
+def config_for(arch: str, meta: dict[str, Any], scalar: Callable[[Any], Any],
+               names: frozenset = frozenset()) -> dict[str, Any]:
+    """The HF-style config of one of these architectures from GGUF metadata (and the file's
+    tensor names, where a config field is told by which tensors it holds)."""
 
     def get(key: str, default: Any = None) -> Any:
         value = scalar(meta.get(f"{arch}.{key}", default))
@@ -128,7 +144,7 @@ def config_for(arch: str, meta: dict[str, Any], scalar: Callable[[Any], Any]) ->
     model_type, _, extra, _, _ = ARCHS[arch]
     config = {"model_type": model_type, **_base(get, meta)}
     if extra is not None:
-        config.update(extra(get, meta))
+        config.update(extra(get, meta, frozenset(names)))
     return config
 
 

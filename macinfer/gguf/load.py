@@ -96,7 +96,7 @@ def gguf_config(meta: dict[str, Any], names: set[str] = frozenset()) -> dict[str
 
         config = hybrid_config_for(arch, need, meta, names)
     else:
-        config = gguf_arch.config_for(arch, meta, _scalar)
+        config = gguf_arch.config_for(arch, meta, _scalar, names)
 
     def get(key: str, default: Any = None) -> Any:
         return _scalar(meta.get(f"{arch}.{key}", default))
