@@ -22,6 +22,13 @@ from tests.vision_families.gemma import PALIGEMMA_2  # noqa: F401
 from tests.vision_families.qwen import MINICPMV_MOE  # noqa: F401
 
 
+def _off_constant(v: mx.array) -> mx.array:
+    """A scale or norm jittered about its value; a matrix or table random, as a Linear's start."""
+    if v.ndim < 2:
+        return v + 0.1 * mx.random.normal(v.shape)
+    return mx.random.normal(v.shape) * v.shape[-1] ** -0.5
+
+
 def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None, vision: dict | None = None,
                  max_pixels: int | None = None, variant: str | None = None) -> str:
     """A checkpoint folder as mlx-community publishes one: config, weights, tokenizer, processor.
@@ -51,10 +58,13 @@ def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None
     # break ties differently: random rows instead.
     params = {k: (0.5 * mx.random.normal(v.shape) if k.endswith("gate.weight") and not mx.any(v).item() else v)
               for k, v in params.items()}
-    # MoonViT's position tables start as ones: every patch would get the same position, and a
-    # table read transposed (or not at all) would pass.
-    params = {k: (v + 0.5 * mx.random.normal(v.shape) if "pos_emb" in k and mx.all(v == v.reshape(-1)[0]).item()
-                  else v) for k, v in params.items()}
+    # Towers' parameters that start constant (position tables, layer scales, norms not named
+    # "norm", class tokens, Gemma 3's projection of ones, MoonViT's position table of ones) set
+    # off it too: else a table read transposed, or a scale or norm left out, would pass
+    # (MoonViT's transposed did). (Biases keep their zeros: a bias left out reads as zero anyway.)
+    params = {k: (_off_constant(v) if not k.startswith("language_model.") and v.size > 1
+                  and not k.endswith(".bias") and mx.all(v == v.reshape(-1)[0]).item() else v)
+              for k, v in params.items()}
     randomize_packs(params)
     if (variant or family) in WEIGHT_LAYOUTS:
         params = WEIGHT_LAYOUTS[variant or family](params, seed)
