@@ -336,7 +336,7 @@ def test_auto_tools_without_template_support_through_anthropic_and_responses(ser
     blocks = [b for b in msg.content if b.type in ("tool_use", "text")]
     assert blocks and all(b.type == "text" or (b.name == "get_weather" and jsonschema.validate(b.input, WEATHER) is None)
                           for b in blocks)
-    r = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+    r = httpx.post(f"{server.url}/v1/responses", timeout=300, json={
         "model": "smollm2", "input": "What is the weather in Paris?", "max_output_tokens": 80,
         "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER}]})
     assert r.status_code == 200, r.text
@@ -354,17 +354,17 @@ def test_responses_namespace_tools_are_flattened_and_calls_split_back(server, st
                       {"type": "function", "name": "get_time", "parameters": TIME}],
             "tool_choice": {"type": "function", "name": "mcp__weather__get_weather"}}
     if stream:
-        with httpx.stream("POST", f"{server.url}/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        with httpx.stream("POST", f"{server.url}/v1/responses", json={**body, "stream": True}, timeout=300) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
         call = next(e["item"] for e in events if e["type"] == "response.output_item.done"
                     and e["item"]["type"] == "function_call")
     else:
-        r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+        r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=300)
         assert r.status_code == 200, r.text
         call = next(o for o in r.json()["output"] if o["type"] == "function_call")
     assert (call["namespace"], call["name"]) == ("mcp__weather", "get_weather")
     jsonschema.validate(json.loads(call["arguments"]), WEATHER)
-    follow = httpx.post(f"{server.url}/v1/responses", timeout=60, json={**body, "tool_choice": "none", "input": [
+    follow = httpx.post(f"{server.url}/v1/responses", timeout=300, json={**body, "tool_choice": "none", "input": [
         {"type": "message", "role": "user", "content": "What is the weather in Paris?"}, call,
         {"type": "function_call_output", "call_id": call["call_id"], "output": "21 C"}]})
     assert follow.status_code == 200, follow.text
@@ -372,11 +372,11 @@ def test_responses_namespace_tools_are_flattened_and_calls_split_back(server, st
     # outputs as text parts: the first becomes a tool message named as namespace tools are
     # flattened, the second a text.
     base = {**body, "tool_choice": "none", "max_output_tokens": 1}
-    extra = httpx.post(f"{server.url}/v1/responses", timeout=60, json={**base, "input": [
+    extra = httpx.post(f"{server.url}/v1/responses", timeout=300, json={**base, "input": [
         {"type": "message", "role": "user", "content": "Hi"}, call,
         {"type": "function_call_output", "call_id": call["call_id"], "output": [{"type": "input_text", "text": "21 C"}]},
         {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "say hi"}]})
     assert extra.status_code == 200, extra.text
-    bad = httpx.post(f"{server.url}/v1/responses", timeout=60, json={**base, "input": [
+    bad = httpx.post(f"{server.url}/v1/responses", timeout=300, json={**base, "input": [
         {"type": "function_call_output", "output": "x"}]})
     assert bad.status_code == 400 and "call_id" in bad.json()["error"]["message"]
