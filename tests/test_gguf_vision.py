@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
 (`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Mistral 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL or Kimi-VL built with mlx-vlm's classes, take
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL, Kimi-VL or GLM-4.1V built with mlx-vlm's classes, take
 images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
     text = {k: v for k, v in text.items() if k != "vision_config"}
     lm = make_mlx_lm_model({**text, "model_type": "qwen2"} if family in QWEN_VL[:2] else
                            {**text, "model_type": "qwen3_moe"} if family == "qwen3_vl_moe" else
+                           {"rms_norm_eps": 1e-5, **text, "model_type": "glm4"} if family == "glm4v" else
                            {"model_type": "qwen3_5", "text_config": text} if family == "qwen3_5" else text)
     if family == "qwen3_5":  # mlx-lm's class holds its language model under the same name
         own = {k: v for k, v in weights.items() if k.startswith("language_model.")}
@@ -36,7 +37,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         own = {k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")}
         # (Idefics3's language model holds its layers at its top; Gemma's head is its embedding)
         own = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in own.items()}
-    lm.load_weights(list(lm.sanitize(own).items()))
+    lm.load_weights(list(getattr(lm, "sanitize", lambda w: w)(own).items()))  # (GLM-4 has none)
     if family != "qwen3_5":  # (its RoPE is under rope_parameters)
         text = {**text, "rope_theta": lm.args.rope_theta}
     if family == "gemma3":
@@ -61,6 +62,26 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         write_hybrid_gguf(path, "qwen35", flat, hybrid_tensors("qwen35", flat, lm),
                           tokenizer=hf_tokenizer_meta(tokenizer),
                           extra_meta={"qwen35.rope.dimension_sections": sections + [0] * (4 - len(sections))})
+    elif family == "glm4v":  # llama.cpp's glm4 with M-RoPE: each head's rotated rows turned NeoX-wise
+        import dataclasses
+
+        import numpy as np
+
+        full = {**dataclasses.asdict(lm.args), **text}
+        heads, dim = full["num_attention_heads"], full["head_dim"]
+        rot = int(dim * full["partial_rotary_factor"])
+        tensors = arch_tensors("glm4", full, lm)
+        for name, x in tensors.items():  # (the converter's normal_to_neox)
+            n = heads if ".attn_q." in name else full["num_key_value_heads"] if ".attn_k." in name else 0
+            if n:
+                h = x.reshape(n, dim, -1)
+                tensors[name] = np.concatenate([h[:, :rot:2], h[:, 1:rot:2], h[:, rot:]], axis=1).reshape(x.shape)
+        sections = text["rope_scaling"]["mrope_section"]
+        meta = hf_tokenizer_meta(tokenizer)  # (the model's rows only: the processor adds two box tokens past them)
+        meta["vocab"] = tuple(part[: full["vocab_size"]] for part in meta["vocab"])
+        write_gguf(path, full, tensors, arch="glm4", tokenizer=meta,
+                   extra_meta={"glm4.rope.dimension_count": rot,
+                               "glm4.rope.dimension_sections": sections + [0] * (4 - len(sections))})
     elif family == "kimi_vl":  # llama.cpp's deepseek2: MLA's kv_b split, the experts stacked
         import dataclasses
 
@@ -120,6 +141,12 @@ def _projector(family: str, cfg: dict, processor) -> dict:
         return {"projector": "lfm2", "text_hidden": cfg["text_config"]["hidden_size"],
                 "vision": {**vision, "image_size": 256}, "scale_factor": cfg["downsample_factor"],
                 "linear_patches": vision["patch_size"]}
+    if family == "glm4v":  # its converter: Qwen3-VL's rules (a fused qkv kept, the Conv3D in two), the map's names
+        return {"projector": "glm4v", "text_hidden": cfg["text_config"]["hidden_size"], "split_qkv": False,
+                "vision": {"image_size": vision["image_size"], "patch_size": vision["patch_size"],
+                           "hidden_size": vision["hidden_size"], "intermediate_size": vision["intermediate_size"],
+                           "num_hidden_layers": vision["depth"], "num_attention_heads": vision["num_heads"],
+                           "layer_norm_eps": 1e-5}}
     if family == "kimi_vl":  # its converter: the fused qkv split as wq/wk/wv, the position table flattened
         from macinfer.gguf.mmproj_native import _kimivl_checkpoint
 
@@ -171,6 +198,19 @@ def _published_kimi_preprocessing(folder: str) -> None:
                     chat_template=tiny.tokenizer.chat_template).save_pretrained(folder)
 
 
+def _published_glm4v_preprocessing(folder: str) -> None:
+    """The tiny GLM-4.1V folder's image processor at the published pixel range (the class
+    default; its tokenizer files left as they are)."""
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    path = os.path.join(folder, "processor_config.json")
+    with open(path) as fh:
+        saved = json.load(fh)
+    saved["image_processor"]["size"] = dict(Glm4vImageProcessorPil.size)
+    with open(path, "w") as fh:
+        json.dump(saved, fh)
+
+
 def build_vision_gguf(family: str, base) -> tuple[str, object]:
     """(the checkpoint folder, a folder holding its text GGUF and mmproj GGUF) of a tiny `family`."""
     from pathlib import Path
@@ -186,6 +226,8 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
         _published_lfm2_preprocessing(folder)
     if family == "kimi_vl":  # (the same: its published token limit)
         _published_kimi_preprocessing(folder)
+    if family == "glm4v":  # (the same: its published pixel range)
+        _published_glm4v_preprocessing(folder)
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     weights = mx.load(os.path.join(folder, "model.safetensors"))
@@ -201,7 +243,7 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
 
 
 @pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5",
-                                        "lfm2_vl", "kimi_vl"])
+                                        "lfm2_vl", "kimi_vl", "glm4v"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     family = request.param

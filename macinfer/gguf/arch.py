@@ -92,10 +92,21 @@ def _qwen2vl(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()
 def _glm4(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # GLM-4-0414 (`glm4`): RoPE on the first `rope.dimension_count` of each head, in pairs
     # (llama.cpp's "norm" rope, mlx-lm's traditional; the converter keeps Q/K rows as they are);
-    # Q/K/V biases where the file holds them.
+    # Q/K/V biases where the file holds them. GLM-4.1V's language model (the same arch with
+    # M-RoPE sections): its Q/K rows were turned NeoX-wise by the converter (`pairs_from_neox`).
     head_dim = int(get("attention.key_length", int(get("embedding_length")) // int(get("attention.head_count"))))
     return {"partial_rotary_factor": int(get("rope.dimension_count", head_dim // 2)) / head_dim,
-            "rope_traditional": True, "attention_bias": "blk.0.attn_q.bias" in names}
+            "rope_traditional": True, "attention_bias": "blk.0.attn_q.bias" in names, **_qwen2vl(get, meta)}
+
+
+def pairs_from_neox(w: mx.array, n_heads: int, rotated: int) -> mx.array:
+    """Undo llama.cpp's GLM-4.1V Q/K permutation: each head's first `rotated` rows put in
+    NeoX order (the even rows, then the odd ones) back into pairs (rows only, as for
+    `unpermute_rows`: weights, scales, biases alike)."""
+    head = w.reshape(n_heads, w.shape[0] // n_heads, *w.shape[1:])
+    half = rotated // 2
+    pairs = mx.stack([head[:, :half], head[:, half:rotated]], axis=2).reshape(n_heads, rotated, *w.shape[1:])
+    return mx.concatenate([pairs, head[:, rotated:]], axis=1).reshape(w.shape)
 
 
 # arch -> (model_type, tensor names, extra config, norms stored as 1 + w, Q/K rows permuted)

@@ -265,6 +265,14 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
                 if f"self_attn.{proj}." in name:
                     weights[name] = gguf_arch.unpermute_rows(weights[name], n)
 
+    if arch == "glm4" and config.get("mrope_section"):  # (GLM-4.1V's: its rotated rows NeoX-wise)
+        rotated = int(config["head_dim"] * config["partial_rotary_factor"])
+        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+        for name in list(weights):
+            for proj, n in heads.items():
+                if f"self_attn.{proj}." in name:
+                    weights[name] = gguf_arch.pairs_from_neox(weights[name], n, rotated)
+
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)  # (hybrids: set from the file)
     quant: dict[str, Any] = {}
     for name in weights:

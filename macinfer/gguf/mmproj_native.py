@@ -217,10 +217,54 @@ def _kimivl_checkpoint(key: str) -> str:
     return key
 
 
+def _glm4v_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """GLM-4.1V's / GLM-4.6V-Flash's (over the `glm4` text GGUF with M-RoPE sections) or
+    GLM-4.5V's (over `glm4moe`): Qwen-style patches through a tower with its own position
+    table, a strided convolution merging 2 x 2 patches (the converter writes no merge size:
+    2, its checkpoints'), a gated MLP merger."""
+    if "mrope_section" not in text:
+        raise MmprojError("its language model's GGUF names no multimodal RoPE sections (rope.dimension_sections): "
+                          "it is not GLM-4V's")
+    moe = text.get("model_type") == "glm4_moe"
+    model_type = "glm4v_moe" if moe else "glm4v"
+    vision = {"model_type": model_type, "depth": int(meta_value(f, "clip.vision.block_count")),
+              "hidden_size": int(meta_value(f, "clip.vision.embedding_length")),
+              "intermediate_size": int(meta_value(f, "clip.vision.feed_forward_length")),
+              "num_heads": int(meta_value(f, "clip.vision.attention.head_count")),
+              "patch_size": int(meta_value(f, "clip.vision.patch_size")),
+              "image_size": int(meta_value(f, "clip.vision.image_size")),
+              "out_hidden_size": int(meta_value(f, "clip.vision.projection_dim")), "spatial_merge_size": 2,
+              "temporal_patch_size": 2,
+              "rms_norm_eps": float(f.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-5))}
+    flat = {k: v for k, v in text.items() if k != "mrope_section"}
+    eos = text.get("eos_token_id", tokenizer.eos_token_id)  # (mlx-vlm's config reads it from the text's)
+    text_config = {**flat, "model_type": f"{model_type}_text", "eos_token_id": eos,
+                   "rope_scaling": {"rope_type": "default", "mrope_section": text["mrope_section"]}}
+    ids = {k: _token_id(tokenizer, t) for k, t in (("image_token_id", "<|image|>"), ("video_token_id", "<|video|>"),
+                                                    ("vision_start_token_id", "<|begin_of_image|>"),
+                                                    ("vision_end_token_id", "<|end_of_image|>"))}
+    return {"model_type": model_type, "text_config": text_config, "vision_config": vision, **ids,
+            "image_token_index": ids["image_token_id"], "video_token_index": ids["video_token_id"],
+            "hidden_size": text["hidden_size"], "vocab_size": text["vocab_size"], "eos_token_id": eos}
+
+
+def _glm4v_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+    from mlx_vlm.models.glm4v.processing import Glm46VProcessor
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    vision = config["vision_config"]
+    # (the published preprocessor's pixel range, the class default: the file names none)
+    images = Glm4vImageProcessorPil(patch_size=vision["patch_size"], temporal_patch_size=2, merge_size=2,
+                                    image_mean=[float(x) for x in meta_value(f, "clip.vision.image_mean")],
+                                    image_std=[float(x) for x in meta_value(f, "clip.vision.image_std")])
+    return Glm46VProcessor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+
+
 NATIVE_SIZE: dict[str, Projector] = {
     "qwen2vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
     "qwen2.5vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
     "qwen3vl_merger": Projector(_qwen3vl_config, _qwen3vl_processor, rename=_qwen3vl_rename),
     "lfm2": Projector(_lfm2_config, _lfm2_processor, _lfm2_fix),  # (LFM2-VL, LFM2.5-VL)
     "kimivl": Projector(_kimivl_config, _kimivl_processor, _kimivl_fix, checkpoint=_kimivl_checkpoint),
+    "glm4v": Projector(_glm4v_config, _glm4v_processor),  # (GLM-4.1V, GLM-4.5V, GLM-4.6V)
 }
