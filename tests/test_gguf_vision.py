@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
 (`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Mistral 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL, Kimi-VL or GLM-4.1V built with mlx-vlm's classes, take
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL, Kimi-VL, GLM-4.1V or GLM-4.5V built with mlx-vlm's classes, take
 images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
     lm = make_mlx_lm_model({**text, "model_type": "qwen2"} if family in QWEN_VL[:2] else
                            {**text, "model_type": "qwen3_moe"} if family == "qwen3_vl_moe" else
                            {"rms_norm_eps": 1e-5, **text, "model_type": "glm4"} if family == "glm4v" else
+                           {"tie_word_embeddings": False, **text, "model_type": "glm4_moe"} if family == "glm4v_moe" else
                            {"model_type": "qwen3_5", "text_config": text} if family == "qwen3_5" else text)
     if family == "qwen3_5":  # mlx-lm's class holds its language model under the same name
         own = {k: v for k, v in weights.items() if k.startswith("language_model.")}
@@ -82,6 +83,15 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         write_gguf(path, full, tensors, arch="glm4", tokenizer=meta,
                    extra_meta={"glm4.rope.dimension_count": rot,
                                "glm4.rope.dimension_sections": sections + [0] * (4 - len(sections))})
+    elif family == "glm4v_moe":  # llama.cpp's glm4moe, the sections beside (its rows NeoX-wise already)
+        import dataclasses
+
+        full = {**dataclasses.asdict(lm.args), **text}
+        sections = text["rope_scaling"]["mrope_section"]
+        meta = hf_tokenizer_meta(tokenizer)  # (the model's rows only, as for GLM-4.1V)
+        meta["vocab"] = tuple(part[: full["vocab_size"]] for part in meta["vocab"])
+        write_hybrid_gguf(path, "glm4moe", full, hybrid_tensors("glm4moe", full, lm), tokenizer=meta,
+                          extra_meta={"glm4moe.rope.dimension_sections": sections + [0] * (4 - len(sections))})
     elif family == "kimi_vl":  # llama.cpp's deepseek2: MLA's kv_b split, the experts stacked
         import dataclasses
 
@@ -141,7 +151,7 @@ def _projector(family: str, cfg: dict, processor) -> dict:
         return {"projector": "lfm2", "text_hidden": cfg["text_config"]["hidden_size"],
                 "vision": {**vision, "image_size": 256}, "scale_factor": cfg["downsample_factor"],
                 "linear_patches": vision["patch_size"]}
-    if family == "glm4v":  # its converter: Qwen3-VL's rules (a fused qkv kept, the Conv3D in two), the map's names
+    if family in ("glm4v", "glm4v_moe"):  # its converter: Qwen3-VL's rules (a fused qkv kept, the Conv3D in two)
         return {"projector": "glm4v", "text_hidden": cfg["text_config"]["hidden_size"], "split_qkv": False,
                 "vision": {"image_size": vision["image_size"], "patch_size": vision["patch_size"],
                            "hidden_size": vision["hidden_size"], "intermediate_size": vision["intermediate_size"],
@@ -226,7 +236,7 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
         _published_lfm2_preprocessing(folder)
     if family == "kimi_vl":  # (the same: its published token limit)
         _published_kimi_preprocessing(folder)
-    if family == "glm4v":  # (the same: its published pixel range)
+    if family in ("glm4v", "glm4v_moe"):  # (the same: its published pixel range)
         _published_glm4v_preprocessing(folder)
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
@@ -243,7 +253,7 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
 
 
 @pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5",
-                                        "lfm2_vl", "kimi_vl", "glm4v"])
+                                        "lfm2_vl", "kimi_vl", "glm4v", "glm4v_moe"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     family = request.param

@@ -164,10 +164,13 @@ def _gpt_oss(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, 
 
 def _glm4moe(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     """GLM-4.5/4.6/4.7 (`glm4moe`): sigmoid-routed experts after dense leading layers, partial
-    rotary (the converter writes the rotated width), q/k norms and biases when stored."""
+    rotary (the converter writes the rotated width), q/k norms and biases when stored; GLM-4.5V's
+    M-RoPE sections, where the file has them, kept for its image path (its rows NeoX-wise as
+    the checkpoint's: nothing to turn back)."""
     heads = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", int(get("embedding_length")) // heads))
-    return {"num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+    sections = [int(x) for x in get("rope.dimension_sections", [])]
+    return {**({"mrope_section": [x for x in sections if x]} if any(sections) else {}), "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
             "head_dim": head_dim, "partial_rotary_factor": int(get("rope.dimension_count", head_dim // 2)) / head_dim,
             "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
             "rope_scaling": None, "intermediate_size": int(get("feed_forward_length")),
