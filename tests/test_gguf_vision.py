@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
 (`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Mistral 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL, Kimi-VL, GLM-4.1V or GLM-4.5V built with mlx-vlm's classes, take
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL, Kimi-VL, GLM-4.1V, GLM-4.5V or dots.ocr built with mlx-vlm's classes, take
 images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
                            {**text, "model_type": "qwen3_moe"} if family == "qwen3_vl_moe" else
                            {"rms_norm_eps": 1e-5, **text, "model_type": "glm4"} if family == "glm4v" else
                            {"tie_word_embeddings": False, **text, "model_type": "glm4_moe"} if family == "glm4v_moe" else
+                           {**text, "model_type": "qwen2"} if family == "dots_ocr" else
                            {"model_type": "qwen3_5", "text_config": text} if family == "qwen3_5" else text)
     if family == "qwen3_5":  # mlx-lm's class holds its language model under the same name
         own = {k: v for k, v in weights.items() if k.startswith("language_model.")}
@@ -38,6 +39,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         own = {k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")}
         # (Idefics3's language model holds its layers at its top; Gemma's head is its embedding)
         own = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in own.items()}
+        own = {k.replace("model.lm_head.", "lm_head.", 1): v for k, v in own.items()}  # (dots.ocr's mlx-vlm names)
     lm.load_weights(list(getattr(lm, "sanitize", lambda w: w)(own).items()))  # (GLM-4 has none)
     if family != "qwen3_5":  # (its RoPE is under rope_parameters)
         text = {**text, "rope_theta": lm.args.rope_theta}
@@ -92,6 +94,9 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         meta["vocab"] = tuple(part[: full["vocab_size"]] for part in meta["vocab"])
         write_hybrid_gguf(path, "glm4moe", full, hybrid_tensors("glm4moe", full, lm), tokenizer=meta,
                           extra_meta={"glm4moe.rope.dimension_sections": sections + [0] * (4 - len(sections))})
+    elif family == "dots_ocr":  # llama.cpp's qwen2 (its config at the checkpoint's root)
+        write_gguf(path, {**text, "model_type": "qwen2"}, arch_tensors("qwen2", text, lm), arch="qwen2",
+                   tokenizer=hf_tokenizer_meta(tokenizer))
     elif family == "kimi_vl":  # llama.cpp's deepseek2: MLA's kv_b split, the experts stacked
         import dataclasses
 
@@ -157,15 +162,34 @@ def _projector(family: str, cfg: dict, processor) -> dict:
                            "hidden_size": vision["hidden_size"], "intermediate_size": vision["intermediate_size"],
                            "num_hidden_layers": vision["depth"], "num_attention_heads": vision["num_heads"],
                            "layer_norm_eps": 1e-5}}
+    if family == "dots_ocr":  # its converter: the SwiGLU named as Qwen2.5-VL's, the pixel range written
+        def swiglu_as_qwen(key: str) -> str:  # (the converter's filter_tensors: fc1 gate, fc2 down, fc3 up)
+            if key.startswith("vision_tower.blocks.") and ".mlp." in key:
+                key = key.replace("vision_tower.blocks.", "visual.blocks.")
+                return key.replace(".fc1", ".gate_proj").replace(".fc2", ".down_proj").replace(".fc3", ".up_proj")
+            return key
+
+        return {"projector": "dotsocr", "text_hidden": cfg["hidden_size"], "split_qkv": False,
+                "scale_factor": vision["spatial_merge_size"], "checkpoint": swiglu_as_qwen,
+                "vision": {"image_size": 0, "patch_size": vision["patch_size"], "hidden_size": vision["embed_dim"],
+                           "intermediate_size": vision["intermediate_size"],
+                           "num_hidden_layers": vision["num_hidden_layers"],
+                           "num_attention_heads": vision["num_attention_heads"], "layer_norm_eps": 1e-5},
+                "extra": {"min_pixels": processor.image_processor.size["shortest_edge"],
+                          "max_pixels": processor.image_processor.size["longest_edge"]}}
     if family == "kimi_vl":  # its converter: the fused qkv split as wq/wk/wv, the position table flattened
-        from macinfer.gguf.mmproj_native import _kimivl_checkpoint
+        def hf_name(key: str) -> str:  # (mlx-vlm's sanitize undone: blocks under encoder., wqkv/wo on the block)
+            if key.startswith(("vision_tower.blocks.", "vision_tower.final_layernorm")):
+                key = "vision_tower.encoder." + key[len("vision_tower."):]
+                return key.replace(".attn.wqkv.", ".wqkv.").replace(".attn.wo.", ".wo.")
+            return key
 
         return {"projector": "kimivl", "text_hidden": cfg["text_config"]["hidden_size"], "scale_factor": 2,
                 "vision": {"image_size": 64 * 14, "patch_size": vision["patch_size"],
                            "hidden_size": vision["hidden_size"], "intermediate_size": vision["intermediate_size"],
                            "num_hidden_layers": vision["depth"], "num_attention_heads": vision["num_heads"],
                            "layer_norm_eps": 1e-5},
-                "checkpoint": _kimivl_checkpoint, "qkv_form": (".wqkv.", ".w{p}."),
+                "checkpoint": hf_name, "qkv_form": (".wqkv.", ".w{p}."),
                 "converted": lambda name, x: x.reshape(-1, x.shape[-1]) if name == "v.position_embd.weight" else x}
     if family == "mistral3":
         return {"projector": "pixtral", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
@@ -253,7 +277,7 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
 
 
 @pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5",
-                                        "lfm2_vl", "kimi_vl", "glm4v", "glm4v_moe"])
+                                        "lfm2_vl", "kimi_vl", "glm4v", "glm4v_moe", "dots_ocr"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     family = request.param

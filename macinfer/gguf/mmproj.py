@@ -31,7 +31,8 @@ from macinfer.gguf.mmproj_native import NATIVE_SIZE
 # llama.cpp's projector type -> how it maps back onto its mlx-vlm family
 PROJECTORS: dict[str, Projector] = {**FIXED_SIZE, **NATIVE_SIZE}
 # the tokens a family's processor finds by name on its tokenizer
-NAMED_TOKENS = {"gemma3": GEMMA3_TOKENS, "glm4v": {"image_token": "<|image|>", "video_token": "<|video|>"}}
+NAMED_TOKENS = {"gemma3": GEMMA3_TOKENS, "glm4v": {"image_token": "<|image|>", "video_token": "<|video|>"},
+               "dotsocr": {"image_token": "<|imgpad|>", "video_token": "<|video_pad|>"}}
 
 
 def is_projector_file(name: str) -> bool:

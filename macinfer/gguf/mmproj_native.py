@@ -260,6 +260,45 @@ def _glm4v_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any
     return Glm46VProcessor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
 
 
+def _dots_ocr_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """dots.ocr's (over the `qwen2` text GGUF, plain positions): a NaViT tower (2D RoPE,
+    RMSNorm, SwiGLU), patches merged by the file's scale factor through a normed MLP."""
+    vision = {"model_type": "dots_vit", "embed_dim": int(meta_value(f, "clip.vision.embedding_length")),
+              "hidden_size": int(meta_value(f, "clip.vision.projection_dim")),
+              "intermediate_size": int(meta_value(f, "clip.vision.feed_forward_length")),
+              "num_hidden_layers": int(meta_value(f, "clip.vision.block_count")),
+              "num_attention_heads": int(meta_value(f, "clip.vision.attention.head_count")),
+              "patch_size": int(meta_value(f, "clip.vision.patch_size")), "temporal_patch_size": 1,
+              "spatial_merge_size": int(f.metadata.get("clip.vision.projector.scale_factor", 2)),
+              "rms_norm_eps": float(f.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-5)),
+              "post_norm": "mm.post_norm.weight" in f.tensors, "use_bias": "v.blk.0.attn_qkv.bias" in f.tensors}
+    return {**text, "model_type": "dots_ocr", "vision_config": vision,
+            "image_token_id": _token_id(tokenizer, "<|imgpad|>"), "video_token_id": _token_id(tokenizer, "<|video_pad|>")}
+
+
+def _dots_ocr_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+    from mlx_vlm.models.dots_ocr.processing_dots_ocr import DotsVLProcessor
+    from transformers import Qwen2VLImageProcessor
+
+    vision = config["vision_config"]
+    images = Qwen2VLImageProcessor(min_pixels=int(meta_value(f, "clip.vision.image_min_pixels")),
+                                   max_pixels=int(meta_value(f, "clip.vision.image_max_pixels")),
+                                   patch_size=vision["patch_size"], temporal_patch_size=1,
+                                   merge_size=vision["spatial_merge_size"],
+                                   image_mean=[float(x) for x in meta_value(f, "clip.vision.image_mean")],
+                                   image_std=[float(x) for x in meta_value(f, "clip.vision.image_std")])
+    return DotsVLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+
+
+def _dots_ocr_checkpoint(key: str) -> str:
+    """The converter names the tower's SwiGLU as Qwen2.5-VL's (fc1 gate, fc2 down, fc3 up)."""
+    if key.startswith("vision_tower.blocks.") and ".mlp.fc" in key:
+        for old, new in ((".fc1.", ".gate_proj."), (".fc2.", ".down_proj."), (".fc3.", ".up_proj.")):
+            key = key.replace(old, new)
+        return key.replace("vision_tower.blocks.", "visual.blocks.", 1)
+    return key
+
+
 NATIVE_SIZE: dict[str, Projector] = {
     "qwen2vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
     "qwen2.5vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
@@ -267,4 +306,5 @@ NATIVE_SIZE: dict[str, Projector] = {
     "lfm2": Projector(_lfm2_config, _lfm2_processor, _lfm2_fix),  # (LFM2-VL, LFM2.5-VL)
     "kimivl": Projector(_kimivl_config, _kimivl_processor, _kimivl_fix, checkpoint=_kimivl_checkpoint),
     "glm4v": Projector(_glm4v_config, _glm4v_processor),  # (GLM-4.1V, GLM-4.5V, GLM-4.6V)
+    "dotsocr": Projector(_dots_ocr_config, _dots_ocr_processor, checkpoint=_dots_ocr_checkpoint),
 }
