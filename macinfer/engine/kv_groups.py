@@ -103,10 +103,10 @@ class GroupBlocks:
     of the step's first query, so its blocks that end before it are released while the
     sequence runs (the table keeps `NULL_BLOCK` in their place, so a position's block
     index is the same in every group); the prompt-and-window kind releases its output's
-    blocks behind the window, a hole between the prompt and the window. Released blocks keep their hash in the LRU
-    queue, as in vLLM: a later request with the same prefix can still hit them. A
-    prefix hit of m blocks needs, in this group, the blocks from the floor of the
-    position after the hit up to m (for full attention: all m)."""
+    blocks behind the window, a hole between the prompt and the window. Released blocks
+    keep their hash in the LRU queue, as in vLLM: a later request with the same prefix can
+    still hit them. A prefix hit of m blocks needs, in this group, the blocks from the floor
+    of the position after the hit up to m (for full attention: all m)."""
 
     def __init__(self, group: CacheGroup, block_size: int):
         self.group, self.kind, self.block_size = group, group.kind, block_size

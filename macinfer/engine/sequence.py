@@ -47,7 +47,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_committed_blocks: int = 0  # leading blocks of block_table already published to the prefix cache
-    num_released_blocks: list[int] = field(default_factory=list)  # per group: entries below were given back where unread
+    num_released_blocks: list[int] = field(default_factory=list)  # per group: unread entries below given back
     matcher: Any = None  # llguidance matcher of a request with a grammar (state: the output so far)
     state_slot: int | None = None  # recurrent-state slot while running (hybrid models)
     state_mark: int = 0  # position of the state kept in its mark slot (`engine/state_group.py`)

@@ -178,3 +178,15 @@ def norms_stored_plus_one(arch: str) -> bool:
 
 def qk_permuted(arch: str) -> bool:
     return arch in ARCHS and ARCHS[arch][4]
+
+
+def qk_rows_undone(arch: str, config: dict[str, Any]) -> Callable[[mx.array, int], mx.array] | None:
+    """How to put back the Q/K rows llama.cpp's converter reordered for this architecture
+    ((rows, heads) -> rows), or None where it stored them as they are: Llama's interleaved
+    RoPE rows, GLM-4.1V's rotated rows turned NeoX-wise for its M-RoPE."""
+    if qk_permuted(arch):
+        return unpermute_rows
+    if arch == "glm4" and config.get("mrope_section"):
+        rotated = int(config["head_dim"] * config["partial_rotary_factor"])
+        return lambda w, n: pairs_from_neox(w, n, rotated)
+    return None

@@ -170,7 +170,8 @@ def _glm4moe(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, 
     heads = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", int(get("embedding_length")) // heads))
     sections = [int(x) for x in get("rope.dimension_sections", [])]
-    return {**({"mrope_section": [x for x in sections if x]} if any(sections) else {}), "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+    mrope = {"mrope_section": [x for x in sections if x]} if any(sections) else {}
+    return {**mrope, "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
             "head_dim": head_dim, "partial_rotary_factor": int(get("rope.dimension_count", head_dim // 2)) / head_dim,
             "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
             "rope_scaling": None, "intermediate_size": int(get("feed_forward_length")),

@@ -258,20 +258,13 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
     if gguf_arch.norms_stored_plus_one(arch):  # llama.cpp stores Gemma's RMSNorm weights as 1 + w
         for name in [n for n in weights if n.endswith("norm.weight")]:
             weights[name] = weights[name] - 1
-    if gguf_arch.qk_permuted(arch):  # llama.cpp permutes Q/K rows for interleaved RoPE
+    rows = gguf_arch.qk_rows_undone(arch, config)  # (how the converter reordered Q/K rows, undone)
+    if rows is not None:
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
         for name in list(weights):
             for proj, n in heads.items():
                 if f"self_attn.{proj}." in name:
-                    weights[name] = gguf_arch.unpermute_rows(weights[name], n)
-
-    if arch == "glm4" and config.get("mrope_section"):  # (GLM-4.1V's: its rotated rows NeoX-wise)
-        rotated = int(config["head_dim"] * config["partial_rotary_factor"])
-        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-        for name in list(weights):
-            for proj, n in heads.items():
-                if f"self_attn.{proj}." in name:
-                    weights[name] = gguf_arch.pairs_from_neox(weights[name], n, rotated)
+                    weights[name] = rows(weights[name], n)
 
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)  # (hybrids: set from the file)
     quant: dict[str, Any] = {}
