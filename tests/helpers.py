@@ -113,8 +113,11 @@ ZERO_INITIALISED = {"limite", "talkie"}
 
 def _off_zero(shape: tuple) -> mx.array:
     """Scales and mixes near 0.5; a matrix like a Linear layer's initialisation."""
-    if len(shape) < 2:
-        return 0.5 + 0.2 * mx.random.normal(shape)
+    return 0.5 + 0.2 * mx.random.normal(shape) if len(shape) < 2 else linear_start(shape)
+
+
+def linear_start(shape: tuple) -> mx.array:
+    """Random weights of a Linear layer's scale (its inputs along the last axis)."""
     return mx.random.normal(shape) * shape[-1] ** -0.5
 
 

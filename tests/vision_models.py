@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from macinfer.sampling_params import SamplingParams
 from macinfer.vision.processor_fixes import mend
-from tests.helpers import randomize_packs
+from tests.helpers import linear_start, randomize_packs
 from tests.vision_families import (ANYRES, BOTH_WAYS, BUILDERS, LEAD_FIRST, PROMPT_ONLY, REFERENCE_TEXT,  # noqa: F401
                                    TEXT_FIXED, TIED, VARIANTS, WEIGHT_LAYOUTS)
 from tests.vision_families.gemma import PALIGEMMA_2  # noqa: F401
@@ -24,9 +24,7 @@ from tests.vision_families.qwen import MINICPMV_MOE  # noqa: F401
 
 def _off_constant(v: mx.array) -> mx.array:
     """A scale or norm jittered about its value; a matrix or table random, as a Linear's start."""
-    if v.ndim < 2:
-        return v + 0.1 * mx.random.normal(v.shape)
-    return mx.random.normal(v.shape) * v.shape[-1] ** -0.5
+    return v + 0.1 * mx.random.normal(v.shape) if v.ndim < 2 else linear_start(v.shape)
 
 
 def tiny_vlm_dir(base: str, family: str, seed: int = 0, text: dict | None = None, vision: dict | None = None,
