@@ -261,6 +261,10 @@ GGUF_ARCHS = {
     # GLM-4-0414: sandwich norms, fused gate/up, Q/K/V biases, pairwise RoPE on half of each head
     "glm4": ({"model_type": "glm4", "partial_rotary_factor": 0.5, "attention_bias": True},
              {"glm4.rope.dimension_count": 8}),
+    "gemma": ({"model_type": "gemma", "tie_word_embeddings": True}, {}),  # (Gemma 1: norms stored as 1 + w)
+    "olmo2": ({"model_type": "olmo2"}, {}),  # (norms after attention and MLP, query/key norms over all heads)
+    "starcoder2": ({"model_type": "starcoder2", "norm_epsilon": 1e-5},  # (LayerNorms, biases, a GELU MLP)
+                   {"starcoder2.attention.layer_norm_epsilon": 1e-5}),
 }
 
 

@@ -206,8 +206,8 @@ def test_multi_token_prediction_blocks_are_left_out(tmp_path):
 def test_pre_tokenizers_these_families_name():
     """`tokenizer.ggml.pre` of these families' files, split as llama.cpp's llama-vocab.cpp
     does: Qwen3.5 keeps combining marks with their letter, DeepSeek V3 splits digits in
-    threes and CJK runs apart first, LFM2 / Falcon-H1 / GLM-4 split as Llama 3, MiniMax M2 as
-    GPT-4o."""
+    threes and CJK runs apart first, LFM2 / Falcon-H1 / GLM-4 / OLMo 2 (`dbrx`) split as Llama 3,
+    MiniMax M2 as GPT-4o, OLMo as GPT-2."""
     from macinfer.gguf.tokenizer import PRE_TOKENIZERS
 
     def pieces(name: str) -> list[str]:
@@ -218,8 +218,10 @@ def test_pre_tokenizers_these_families_name():
     assert pieces("deepseek-v3") == ["cafe\u0301", " ", "123", "45", " ", "日本語", "abc", ",", " x", "!"]
     # MiniMax M2: GPT-4o's split (cased words, digits in threes, CJK with the letters)
     assert pieces("minimax-m2") == ["cafe\u0301", " ", "123", "45", " 日本語abc", ",", " x", "!"]
-    for name in ("lfm2", "falcon-h1", "glm4"):
+    for name in ("lfm2", "falcon-h1", "glm4", "dbrx"):
         assert pieces(name) == ["cafe", "\u0301", " ", "123", "45", " 日本語abc", ",", " x", "!"]
+    # OLMo's: GPT-2's (digits kept together, the space before a word with it)
+    assert pieces("olmo") == ["cafe", "\u0301", " 12345", " 日本語abc", ",", " x", "!"]
 
 
 # GPT-2's byte-to-character table, reversed: a pre-tokenized piece back to its UTF-8 bytes.

@@ -31,6 +31,10 @@ _PHI3 = {**_COMMON, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_pro
 # GLM-4-0414: a norm after attention and after the MLP (sandwich), gate and up fused
 _GLM4 = {**_COMMON, "ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
          "post_ffw_norm": "post_mlp_layernorm"}
+# OLMo 2: norms after attention and after the MLP only, query/key norms over all heads
+_OLMO2 = {**_COMMON, "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# StarCoder2: LayerNorms with biases, a plain GELU MLP
+_STARCODER2 = {**_COMMON, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -109,6 +113,11 @@ def pairs_from_neox(w: mx.array, n_heads: int, rotated: int) -> mx.array:
     return mx.concatenate([pairs, head[:, rotated:]], axis=1).reshape(w.shape)
 
 
+def _starcoder2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
+    # LayerNorm's epsilon (llama.cpp keeps no sliding window for it, as mlx-lm applies none)
+    return {"norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5))}
+
+
 # arch -> (model_type, tensor names, extra config, norms stored as 1 + w, Q/K rows permuted)
 ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "llama": ("llama", _COMMON, None, False, True),
@@ -124,6 +133,9 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "gemma3": ("gemma3_text", _GEMMA, _gemma3, True, False),
     "phi3": ("phi3", _PHI3, _phi3, False, False),
     "glm4": ("glm4", _GLM4, _glm4, False, False),
+    "gemma": ("gemma", _COMMON, None, True, False),  # (Gemma 1)
+    "olmo2": ("olmo2", _OLMO2, None, False, False),
+    "starcoder2": ("starcoder2", _STARCODER2, _starcoder2, False, False),
 }
 
 

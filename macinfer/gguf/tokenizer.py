@@ -65,6 +65,7 @@ PRE_TOKENIZERS = {
     "default": _gpt2,
     "gpt-2": _gpt2,
     "gpt2": _gpt2,
+    "olmo": _gpt2,  # (OLMo's: GPT-2's split, as llama.cpp's vocab reads it)
     "llama-bpe": _split_then_bytes(_LLAMA3_REGEX),
     "llama3": _split_then_bytes(_LLAMA3_REGEX),
     "llama-v3": _split_then_bytes(_LLAMA3_REGEX),
@@ -79,6 +80,7 @@ PRE_TOKENIZERS = {
     "gpt-4o": _split_then_bytes(_O200K_REGEX),
     "minimax-m2": _split_then_bytes(_O200K_REGEX),
     "smaug-bpe": _split_then_bytes(_LLAMA3_REGEX),
+    "dbrx": _split_then_bytes(_LLAMA3_REGEX),  # (OLMo 2's and DBRX's: Llama 3's split in llama.cpp)
     "qwen2": _split_then_bytes(_QWEN2_REGEX),
     "deepseek-r1-qwen": _split_then_bytes(_QWEN2_REGEX),
     "smollm": _digits_then_gpt2,
