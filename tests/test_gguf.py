@@ -265,6 +265,11 @@ GGUF_ARCHS = {
     "olmo2": ({"model_type": "olmo2"}, {}),  # (norms after attention and MLP, query/key norms over all heads)
     "starcoder2": ({"model_type": "starcoder2", "norm_epsilon": 1e-5},  # (LayerNorms, biases, a GELU MLP)
                    {"starcoder2.attention.layer_norm_epsilon": 1e-5}),
+    # Granite 3.x: Llama's layers (Q/K rows permuted by its converter) with four scales
+    "granite": ({"model_type": "granite", "attention_multiplier": 0.2, "embedding_multiplier": 3.0,
+                 "residual_multiplier": 0.5, "logits_scaling": 4.0, "attention_bias": False, "mlp_bias": False},
+                {"granite.attention.scale": 0.2, "granite.embedding_scale": 3.0, "granite.residual_scale": 0.5,
+                 "granite.logit_scale": 4.0}),
 }
 
 
@@ -278,7 +283,13 @@ def test_gguf_architectures_match_mlx_lm(tmp_path, arch):
     config = {**BASE, **overrides}
     ref = make_mlx_lm_model(config, seed=11)
     path = str(tmp_path / f"{arch}.gguf")
-    write_gguf(path, config, arch_tensors(arch, config, ref), extra_meta=meta, arch=arch)
+    tensors = arch_tensors(arch, config, ref)
+    if arch == "granite":  # (its converter is Llama's: Q/K rows permuted)
+        from tests.gguf_writer import permute_qk
+
+        heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
+        tensors = {k: next((permute_qk(x, n) for p, n in heads.items() if p in k), x) for k, x in tensors.items()}
+    write_gguf(path, config, tensors, extra_meta=meta, arch=arch)
     loaded = load(path)
     assert loaded.config["model_type"] == overrides["model_type"]
     _assert_logits_match(path, ref, atol=2e-4)

@@ -113,6 +113,13 @@ def pairs_from_neox(w: mx.array, n_heads: int, rotated: int) -> mx.array:
     return mx.concatenate([pairs, head[:, rotated:]], axis=1).reshape(w.shape)
 
 
+def _granite(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
+    # Granite 3.x: Llama's layers (its converter is Llama's: Q/K rows permuted) with four scales
+    return {"attention_multiplier": float(get("attention.scale")), "embedding_multiplier": float(get("embedding_scale")),
+            "residual_multiplier": float(get("residual_scale")), "logits_scaling": float(get("logit_scale")),
+            "attention_bias": "blk.0.attn_q.bias" in names, "mlp_bias": "blk.0.ffn_up.bias" in names}
+
+
 def _starcoder2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # LayerNorm's epsilon (llama.cpp keeps no sliding window for it, as mlx-lm applies none)
     return {"norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5))}
@@ -136,6 +143,7 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "gemma": ("gemma", _COMMON, None, True, False),  # (Gemma 1)
     "olmo2": ("olmo2", _OLMO2, None, False, False),
     "starcoder2": ("starcoder2", _STARCODER2, _starcoder2, False, False),
+    "granite": ("granite", _COMMON, _granite, False, True),
 }
 
 
