@@ -65,7 +65,8 @@ def llama_tensors(config: dict, model) -> dict[str, np.ndarray]:
 def arch_tensors(arch: str, config: dict, model) -> dict[str, np.ndarray]:
     """GGUF-named float32 tensors of an mlx-lm model, named by llama.cpp's own
     tensor map (gguf.get_tensor_name_map), with Gemma norms stored as 1 + w."""
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)  # (llama.cpp's name: "command-r")
+    tmap = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
     out = {}
     for name, w in tree_flatten(model.parameters()):
         base, kind = name.rsplit(".", 1)

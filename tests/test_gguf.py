@@ -270,6 +270,9 @@ GGUF_ARCHS = {
                  "residual_multiplier": 0.5, "logits_scaling": 4.0, "attention_bias": False, "mlp_bias": False},
                 {"granite.attention.scale": 0.2, "granite.embedding_scale": 3.0, "granite.residual_scale": 0.5,
                  "granite.logit_scale": 4.0}),
+    # Command R: a LayerNorm before attention and MLP in parallel, pairwise RoPE, a logit scale
+    "command-r": ({"model_type": "cohere", "logit_scale": 0.25, "layer_norm_eps": 1e-5, "tie_word_embeddings": True},
+                  {"command-r.logit_scale": 0.25, "command-r.attention.layer_norm_epsilon": 1e-5}),
 }
 
 

@@ -120,6 +120,14 @@ def _granite(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()
             "attention_bias": "blk.0.attn_q.bias" in names, "mlp_bias": "blk.0.ffn_up.bias" in names}
 
 
+def _command_r(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
+    # Command R: one LayerNorm before attention and MLP in parallel, pairwise RoPE (llama.cpp's
+    # "norm" rope, no row permutation), its logit scale; query/key norms where held (R+)
+    return {"layer_norm_eps": float(get("attention.layer_norm_epsilon", 1e-5)),
+            "logit_scale": float(get("logit_scale", 0.0625)), "attention_bias": "blk.0.attn_q.bias" in names,
+            "layer_norm_bias": "blk.0.attn_norm.bias" in names, "use_qk_norm": "blk.0.attn_q_norm.weight" in names}
+
+
 def _starcoder2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # LayerNorm's epsilon (llama.cpp keeps no sliding window for it, as mlx-lm applies none)
     return {"norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5))}
@@ -144,6 +152,7 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "olmo2": ("olmo2", _OLMO2, None, False, False),
     "starcoder2": ("starcoder2", _STARCODER2, _starcoder2, False, False),
     "granite": ("granite", _COMMON, _granite, False, True),
+    "command-r": ("cohere", _COMMON, _command_r, False, False),
 }
 
 

@@ -86,6 +86,7 @@ PRE_TOKENIZERS = {
     "smollm": _digits_then_gpt2,
     "starcoder": _digits_then_gpt2,
     "refact": _digits_then_gpt2,
+    "command-r": _digits_then_gpt2,  # (llama.cpp splits Command R's digits one by one, then GPT-2's rule)
 }
 
 # GGUF token types (llama.cpp's llama_token_type).
