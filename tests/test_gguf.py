@@ -273,6 +273,11 @@ GGUF_ARCHS = {
     # Command R: a LayerNorm before attention and MLP in parallel, pairwise RoPE, a logit scale
     "command-r": ({"model_type": "cohere", "logit_scale": 0.25, "layer_norm_eps": 1e-5, "tie_word_embeddings": True},
                   {"command-r.logit_scale": 0.25, "command-r.attention.layer_norm_epsilon": 1e-5}),
+    # Command R7B / A: three sliding layers (window 8 here: the prompts cross it) to one global
+    "cohere2": ({"model_type": "cohere2", "num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 4,
+                 "logit_scale": 0.25, "layer_norm_eps": 1e-5, "tie_word_embeddings": True},
+                {"cohere2.logit_scale": 0.25, "cohere2.attention.layer_norm_epsilon": 1e-5,
+                 "cohere2.attention.sliding_window": 8}),
 }
 
 

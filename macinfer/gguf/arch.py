@@ -128,6 +128,13 @@ def _command_r(get: Callable, meta: dict[str, Any], names: frozenset = frozenset
             "layer_norm_bias": "blk.0.attn_norm.bias" in names, "use_qk_norm": "blk.0.attn_q_norm.weight" in names}
 
 
+def _cohere2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
+    # Command R7B / Command A: Command R's layers, three sliding layers (RoPE) to one global
+    # (no positions); llama.cpp fixes the pattern at 4
+    return {**_command_r(get, meta, names), "sliding_window": int(get("attention.sliding_window")),
+            "sliding_window_pattern": 4}
+
+
 def _starcoder2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # LayerNorm's epsilon (llama.cpp keeps no sliding window for it, as mlx-lm applies none)
     return {"norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5))}
@@ -153,6 +160,7 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "starcoder2": ("starcoder2", _STARCODER2, _starcoder2, False, False),
     "granite": ("granite", _COMMON, _granite, False, True),
     "command-r": ("cohere", _COMMON, _command_r, False, False),
+    "cohere2": ("cohere2", _COMMON, _cohere2, False, False),
 }
 
 
