@@ -158,6 +158,10 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
     mamba2 = arch in ("mamba2", "nemotron_h", "nemotron_h_moe")  # Mamba2Model's conversion
     out = {}
     params = dict(tree_flatten(model.parameters()))
+    if arch == "gemma4":
+        from tests.gguf_gemma4 import gemma4_tensors
+
+        return gemma4_tensors(model, params, tmap)
     for name, w in params.items():
         w = np.array(w.astype(mx.float32), dtype=np.float32)
         name = name.removeprefix("language_model.")  # Qwen3.5's text model
@@ -375,6 +379,10 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_expert_used_count(config["num_experts_per_tok"])
         w.add_sliding_window(config["sliding_window"])
         w.add_expert_feed_forward_length(config["intermediate_size"])
+    elif arch == "gemma4":
+        from tests.gguf_gemma4 import gemma4_meta
+
+        gemma4_meta(w, config)
     elif arch == "minimax-m2":  # MiniMaxM2Model's (the base TextModel's, then its own)
         _attention_meta(w, config)
         w.add_expert_count(config["num_local_experts"])

@@ -2,7 +2,8 @@
 LFM2, Qwen3-Next, Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE), DeepSeek V2/V3
 (`deepseek2`: also Kimi K2 and GLM-4.7-Flash files), GLM-5 (`glm-dsa`: the same MLA with
 DeepSeek Sparse Attention's indexer), GLM-4.5/4.6/4.7 and Solar Open (`glm4moe`), MiniMax M2
-(`minimax-m2`), gpt-oss (`gpt-oss`; its MXFP4 experts packed in MLX's mxfp4 mode, `load.py`).
+(`minimax-m2`), gpt-oss (`gpt-oss`; its MXFP4 experts packed in MLX's mxfp4 mode, `load.py`),
+Gemma 4 (`gemma4`).
 
 The config comes from the `{arch}.ssm.*` / `shortconv.*` metadata llama.cpp's
 converter writes (`hybrid_config.py`); tensors are renamed onto mlx-lm's parameters with llama.cpp's own
@@ -20,6 +21,8 @@ way), and the converter's value changes are undone:
 - Qwen3.5's value heads were reordered from grouped by key head to tiled (for ggml's
   broadcast) wherever they appear: V rows of `attn_qkv`, `attn_gate`, alpha/beta, A,
   dt, the convolution's V channels and `ssm_out`'s columns; put back in mlx-lm's order;
+- Gemma 4's experts keep the checkpoint's fused gate_up (split here), its router's scales
+  and layer scalar are named by hand (`_DIRECT`);
 - DeepSeek's `kv_b_proj` is stored split as `attn_k_b` (transposed) and `attn_v_b`, which
   are exactly mlx-lm's absorbed-MLA `embed_q` and `unembed_out`; older files keep one
   `attn_kv_b`, split here as mlx-lm splits it.
@@ -107,7 +110,37 @@ def _kv_b_as_the_model_takes_it(config: dict[str, Any], out: dict[str, mx.array]
     return out
 
 
+def _gemma4_experts(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Gemma 4's experts: llama.cpp keeps the checkpoint's fused gate_up (gate rows first),
+    split here into mlx-lm's gate and up (rows: weights, scales and biases alike)."""
+    out = dict(tensors)
+    for name in [n for n in tensors if ".ffn_gate_up_exps." in n]:
+        gate, up = mx.split(out.pop(name), 2, axis=-2)
+        out[name.replace("ffn_gate_up_exps", "ffn_gate_exps")] = mx.contiguous(gate)
+        out[name.replace("ffn_gate_up_exps", "ffn_up_exps")] = mx.contiguous(up)
+    return out
+
+
+# Parameters the tensor map has no name for, by architecture: (layer's parameter -> the file's tensor)
+_DIRECT = {"gemma4": {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+                      "layer_scalar": "layer_output_scale.weight",
+                      "experts.switch_glu.gate_proj.weight": "ffn_gate_exps.weight",
+                      "experts.switch_glu.up_proj.weight": "ffn_up_exps.weight",
+                      "experts.switch_glu.down_proj.weight": "ffn_down_exps.weight"}}
+
+
+def _direct(arch: str, param: str) -> tuple[str, str] | None:
+    """(tensor base, tensor name) of a layer parameter `_DIRECT` names, else None."""
+    layer, _, rest = param.partition(".layers.")[2].partition(".")
+    name = _DIRECT.get(arch, {}).get(rest)
+    if name is None or not layer.isdigit():
+        return None
+    return f"blk.{layer}.{name.rsplit('.', 1)[0]}", f"blk.{layer}.{name}"
+
+
 def _undo_conversion(arch: str, config: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    if arch == "gemma4":
+        tensors = _gemma4_experts(tensors)
     if arch.startswith("qwen35"):
         tensors = _untile_qwen35(config, tensors)
     out = dict(tensors)
@@ -175,6 +208,8 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
             full = param
         gname = tmap.get_name(full) if kind in ("A_log", "D") else tmap.get_name(base)
         key = gname if kind in ("A_log", "D") else f"{gname}.{kind}"
+        if (direct := _direct(arch, param)) is not None:
+            gname, key = direct
         if gname is None or key not in tensors:
             raise ModelLoadError(f"GGUF ({arch}) has no tensor for {param}" + (f" ({key})" if gname else ""))
         out[param] = tensors[key]

@@ -14,7 +14,7 @@ from macinfer.gguf.file import ModelLoadError
 ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
          "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
          "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax",
-         "gpt-oss": "gpt_oss"}
+         "gpt-oss": "gpt_oss", "gemma4": "gemma4_text"}
 
 
 def _layers(get: Callable) -> int:
@@ -221,9 +221,75 @@ def _nemotron_h(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[st
     return config
 
 
+def _gemma4(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """Gemma 4 (`gemma4`): sliding and global layers as `attention.sliding_window_pattern` marks
+    them, each kind with its own head width, K/V heads and RoPE base; the last
+    `attention.shared_kv_layers` layers reading the K/V of the last earlier layer of their kind;
+    per-layer token embeddings where `embedding_length_per_layer_input` is set (E2B, E4B); a
+    double-wide MLP in the shared layers where `feed_forward_length` lists it; experts beside the
+    MLP where the file holds a router (26B-A4B); keys as values in the global layers where they
+    hold no `attn_v` (31B). Norms are stored as they are (no 1 + w). The global layers' partial
+    rotation is in the `rope_freqs` tensor (`from_tensors`)."""
+    n = _layers(get)
+    pattern = get("attention.sliding_window_pattern", None)
+    pattern = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern or [])]
+    if len(pattern) < n:
+        raise ModelLoadError("gemma4 GGUF: attention.sliding_window_pattern must mark every layer")
+    types = ["sliding_attention" if s else "full_attention" for s in pattern[:n]]
+    if "full_attention" not in types or "sliding_attention" not in types:
+        raise ModelLoadError("gemma4 GGUF: a model of one layer kind only is not Gemma 4's layout")
+    sw, full = types.index("sliding_attention"), types.index("full_attention")
+    kv, ff = _per_layer(get, "attention.head_count_kv", n), _per_layer(get, "feed_forward_length", n)
+    head_full = int(get("attention.key_length"))
+    head_swa = int(get("attention.key_length_swa", head_full))
+    if int(get("rope.dimension_count_swa", head_swa)) != head_swa:
+        raise ModelLoadError("gemma4 GGUF: a partial rotation in the sliding layers is not Gemma 4's (mlx-lm's class "
+                             "turns the whole head)")
+    shared = int(get("attention.shared_kv_layers", 0))
+    k_eq_v = f"blk.{full}.attn_v.weight" not in names
+    if kv[full] != kv[sw] and not k_eq_v:
+        raise ModelLoadError("gemma4 GGUF: other K/V heads in the global layers are Gemma 4's only where keys are "
+                             "values (no attn_v)")
+    moe = any(n.endswith(".ffn_gate_inp.weight") for n in names)
+    softcap = float(get("final_logit_softcapping", 0.0))
+    return {"num_attention_heads": int(get("attention.head_count")), "num_key_value_heads": kv[sw],
+            "num_global_key_value_heads": kv[full], "head_dim": head_swa, "global_head_dim": head_full,
+            "intermediate_size": ff[0], "use_double_wide_mlp": shared > 0 and ff[n - shared] == 2 * ff[0],
+            "num_kv_shared_layers": shared, "layer_types": types, "sliding_window": int(get("attention.sliding_window")),
+            "hidden_size_per_layer_input": int(get("embedding_length_per_layer_input", 0)),
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "attention_k_eq_v": k_eq_v,
+            "final_logit_softcapping": softcap or None,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "proportional", "rope_theta": float(get("rope.freq_base")),
+                                   "partial_rotary_factor": 1.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0)),
+                                      "partial_rotary_factor": 1.0}},
+            "enable_moe_block": moe,
+            **({"num_experts": int(get("expert_count")), "top_k_experts": int(get("expert_used_count")),
+                "moe_intermediate_size": int(get("expert_feed_forward_length"))} if moe else {})}
+
+
+def from_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple], read: Callable) -> None:
+    """What the config takes from tensors rather than metadata (`read(name)`: its values):
+    Gemma 4's per-layer embedding rows (the converter does not trim them to the vocabulary)
+    and its global layers' rotated share, which the converter wrote as `rope_freqs` factors
+    (1 for a turned pair, 1e30 for a still one: ggml's NeoX RoPE with its pairs in order)."""
+    if arch != "gemma4":
+        return
+    if "per_layer_token_embd.weight" in shapes:
+        config["vocab_size_per_layer_input"] = int(shapes["per_layer_token_embd.weight"][0])
+    if "rope_freqs.weight" in shapes:
+        factors = read("rope_freqs.weight").ravel()
+        turned = int((factors < 1e10).sum())
+        if (factors[:turned] != 1).any():
+            raise ModelLoadError("gemma4 GGUF: rope_freqs other than Gemma 4's proportional rotation (1 then 1e30)")
+        config["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 2 * turned / config["global_head_dim"]
+
+
 _CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
             "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2,
-            "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss}
+            "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss,
+            "gemma4": _gemma4}
 
 
 def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.gguf import arch as gguf_arch, hybrid as gguf_hybrid
-from macinfer.gguf.hybrid_config import ARCHS as HYBRID_ARCHS, config_for as hybrid_config_for
+from macinfer.gguf.hybrid_config import ARCHS as HYBRID_ARCHS, config_for as hybrid_config_for, from_tensors
 from macinfer.gguf.file import GGUFFile, ModelLoadError
 
 log = logging.getLogger("macinfer")
@@ -231,6 +231,7 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
     f = GGUFFile(path)
     meta = f.metadata
     config = gguf_config(meta, set(f.tensors))
+    from_tensors(meta.get("general.architecture"), config, {n: t.shape for n, t in f.tensors.items()}, f.dequantize)
     if any(n.startswith("rope_factors_") for n in f.tensors):
         raise ModelLoadError(f"{os.path.basename(path)}: LongRoPE factors (rope_factors_long/short) are not supported")
     unknown = f.types() - set(_FLOAT_TYPES) - set(_REQUANT_BITS) - _EXACT_TYPES
@@ -252,7 +253,7 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
         weights = gguf_hybrid.to_model_names(arch, instantiate(config), raw, config)
     else:
         weights = {hf: value for name, value in raw.items() if (hf := gguf_arch.hf_name(arch, name)) is not None}
-    if "rope_freqs.weight" in f.tensors:
+    if "rope_freqs.weight" in f.tensors and arch != "gemma4":  # (Gemma 4's: its partial rotation, read above)
         # llama3-style scaling baked into per-pair period factors (Llama 3.1+ files).
         config["rope_freq_factors"] = f.dequantize("rope_freqs.weight").astype(np.float32).ravel().tolist()
     if gguf_arch.norms_stored_plus_one(arch):  # llama.cpp stores Gemma's RMSNorm weights as 1 + w

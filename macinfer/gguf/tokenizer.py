@@ -170,6 +170,21 @@ def _sentencepiece_bpe(meta: dict[str, Any]) -> Tokenizer:
     return tok
 
 
+def _gemma4_bpe(meta: dict[str, Any]) -> Tokenizer:
+    """Gemma 4's (`gemma4` kind): BPE by the file's merges over the text's own UTF-8 (no GPT-2
+    byte mapping), spaces as "▁" with none prepended, bytes the vocabulary lacks as <0xXX>."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    if not merges:
+        raise UnsupportedTokenizerError("a gemma4 GGUF tokenizer without merges (tokenizer.ggml.merges)")
+    unk_id = _as_int(meta.get("tokenizer.ggml.unknown_token_id"))
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, byte_fallback=True,
+                               unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=False))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
 def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:
     """The tokenizer plus its special-token facts: bos/eos/unk/pad texts, EOS ids."""
     kind = meta.get("tokenizer.ggml.model")
@@ -177,9 +192,11 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]
         tok = _byte_level_bpe(meta)
     elif kind == "llama":
         tok = _sentencepiece_bpe(meta)
+    elif kind == "gemma4":
+        tok = _gemma4_bpe(meta)
     else:
         raise UnsupportedTokenizerError(
-            f"unsupported GGUF tokenizer kind {kind!r} (tokenizer.ggml.model); supported: gpt2, llama"
+            f"unsupported GGUF tokenizer kind {kind!r} (tokenizer.ggml.model); supported: gpt2, llama, gemma4"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type")
