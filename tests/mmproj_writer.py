@@ -10,6 +10,8 @@ from gguf import GGMLQuantizationType as Q
 
 from tests.gguf_writer import _write_tensors, permute_qk
 
+CLIP_BOUNDS = (".input_min", ".input_max", ".output_min", ".output_max")  # (Gemma 4's clippable linears)
+
 
 def hf_tokenizer_meta(hf) -> dict:
     """`write_gguf`'s tokenizer for a byte-level BPE `PreTrainedTokenizerFast` (the tests' byte
@@ -78,7 +80,7 @@ def write_mmproj(path: str, projector: str, vision: dict, weights: dict, text_hi
         for cand in (hf, "model." + hf, hf.replace("vision_tower.", "visual.", 1),
                      hf.replace("vision_tower.vision_model.", "vision_tower.", 1), "vision_tower." + hf,
                      hf.replace("vision_tower.", "vision_tower.vision_model.", 1)):
-            if (found := tmap.get_name(cand, try_suffixes=(".weight", ".bias"))) is not None:
+            if (found := tmap.get_name(cand, try_suffixes=(".weight", ".bias", *CLIP_BOUNDS))) is not None:
                 bare = not found.endswith((".weight", ".bias")) and any(b in found for b in bare_weights)
                 return found + ".weight" if bare else found
         raise AssertionError(f"no llama.cpp name for {key}")

@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
 (`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Mistral 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL, Kimi-VL, GLM-4.1V, GLM-4.5V or dots.ocr built with mlx-vlm's classes, take
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL, Kimi-VL, GLM-4.1V, GLM-4.5V, dots.ocr or Gemma 4 built with mlx-vlm's classes, take
 images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         own = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in own.items()}
         own = {k.replace("model.lm_head.", "lm_head.", 1): v for k, v in own.items()}  # (dots.ocr's mlx-vlm names)
     lm.load_weights(list(getattr(lm, "sanitize", lambda w: w)(own).items()))  # (GLM-4 has none)
-    if family != "qwen3_5":  # (its RoPE is under rope_parameters)
+    if family not in ("qwen3_5", "gemma4"):  # (theirs is under rope_parameters)
         text = {**text, "rope_theta": lm.args.rope_theta}
     if family == "gemma3":
         tensors = {k: v for k, v in arch_tensors("gemma3", text, lm).items() if k != "output.weight"}  # (tied)
@@ -105,6 +105,8 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
                           tokenizer=hf_tokenizer_meta(tokenizer))
     elif family == "lfm2_vl":  # llama.cpp's lfm2: the hybrid's tensors
         write_hybrid_gguf(path, "lfm2", text, hybrid_tensors("lfm2", text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
+    elif family == "gemma4":  # llama.cpp's gemma4 (its writer: tests/gguf_gemma4.py)
+        write_hybrid_gguf(path, "gemma4", text, hybrid_tensors("gemma4", text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
     elif text["model_type"] == "qwen2":  # (InternVL 3's language model)
         write_gguf(path, text, arch_tensors("qwen2", text, lm), arch="qwen2", tokenizer=hf_tokenizer_meta(tokenizer))
     else:
@@ -191,6 +193,16 @@ def _projector(family: str, cfg: dict, processor) -> dict:
                            "layer_norm_eps": 1e-5},
                 "checkpoint": hf_name, "qkv_form": (".wqkv.", ".w{p}."),
                 "converted": lambda name, x: x.reshape(-1, x.shape[-1]) if name == "v.position_embd.weight" else x}
+    if family == "gemma4":  # its converter: the tower under vision_model.model., the linear patches as a conv
+        def hf_name(key: str) -> str:
+            if key.startswith("vision_tower.encoder."):
+                key = "vision_model.model." + key[len("vision_tower.encoder."):]
+            return key.replace(".linear.weight", ".weight")
+
+        return {"projector": "gemma4v", "text_hidden": cfg["text_config"]["hidden_size"],
+                "vision": {**vision, "image_size": 224}, "scale_factor": vision["pooling_kernel_size"],
+                "linear_patches": vision["patch_size"], "checkpoint": hf_name, "bare_weights": ("position_embd",),
+                "converted": lambda name, x: x.reshape(1) if x.ndim == 0 else x}  # (scalars stored as [1])
     if family == "mistral3":
         return {"projector": "pixtral", "vision": vision, "text_hidden": cfg["text_config"]["hidden_size"],
                 "permute_heads": vision["num_attention_heads"],
@@ -245,6 +257,44 @@ def _published_glm4v_preprocessing(folder: str) -> None:
         json.dump(saved, fh)
 
 
+def _published_gemma4_preprocessing(folder: str) -> None:
+    """The tiny Gemma 4 folder at the published 280 soft tokens a picture (processor and tower)."""
+    from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor, Gemma4Processor
+    from mlx_vlm.utils import load_processor
+
+    tiny = load_processor(folder, add_detokenizer=False)
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    vision = cfg["vision_config"]
+    images = Gemma4ImageProcessor(patch_size=vision["patch_size"], max_soft_tokens=280,
+                                  pooling_kernel_size=vision["pooling_kernel_size"])
+    Gemma4Processor(image_processor=images, tokenizer=tiny.tokenizer, image_seq_length=280,
+                    chat_template=tiny.tokenizer.chat_template).save_pretrained(folder)
+    cfg["vision_config"]["default_output_length"] = cfg["vision_soft_tokens_per_image"] = 280
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def _clipped_standardized_gemma4(folder: str) -> None:
+    """The tiny Gemma 4 tower with clipped linears (bounds that clip: ±1.5 in, ±1 out) and output
+    standardization (a random bias and scale), as its published towers are built."""
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["vision_config"].update(use_clipped_linears=True, standardize=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    path = os.path.join(folder, "model.safetensors")
+    weights = dict(mx.load(path))
+    for key in [k for k in weights if k.startswith("vision_tower.encoder.") and k.endswith(".linear.weight")]:
+        base = key[: -len(".linear.weight")]
+        weights.update({f"{base}.input_min": mx.array(-1.5), f"{base}.input_max": mx.array(1.5),
+                        f"{base}.output_min": mx.array(-1.0), f"{base}.output_max": mx.array(1.0)})
+    width = cfg["vision_config"]["hidden_size"]
+    weights["vision_tower.std_bias"] = 0.1 * mx.random.normal((width,), key=mx.random.key(1))
+    weights["vision_tower.std_scale"] = 1 + 0.2 * mx.random.normal((width,), key=mx.random.key(2))
+    mx.save_safetensors(path, weights)
+
+
 def build_vision_gguf(family: str, base) -> tuple[str, object]:
     """(the checkpoint folder, a folder holding its text GGUF and mmproj GGUF) of a tiny `family`."""
     from pathlib import Path
@@ -262,6 +312,9 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
         _published_kimi_preprocessing(folder)
     if family in ("glm4v", "glm4v_moe"):  # (the same: its published pixel range)
         _published_glm4v_preprocessing(folder)
+    if family == "gemma4":  # (the same: its published 280 tokens a picture; clipped, standardized)
+        _published_gemma4_preprocessing(folder)
+        _clipped_standardized_gemma4(folder)
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     weights = mx.load(os.path.join(folder, "model.safetensors"))
@@ -277,7 +330,7 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
 
 
 @pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5",
-                                        "lfm2_vl", "kimi_vl", "glm4v", "glm4v_moe", "dots_ocr"])
+                                        "lfm2_vl", "kimi_vl", "glm4v", "glm4v_moe", "dots_ocr", "gemma4"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     family = request.param

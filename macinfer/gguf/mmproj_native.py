@@ -299,6 +299,79 @@ def _dots_ocr_checkpoint(key: str) -> str:
     return key
 
 
+GEMMA4_TOKENS = {"image_token_id": "<|image|>", "boi_token_id": "<|image>", "eoi_token_id": "<image|>"}
+GEMMA4_AUDIO_TOKENS = {"audio_token_id": "<|audio|>", "boa_token_id": "<|audio>", "eoa_token_id": "<audio|>"}
+_CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
+# The published processor's and tower's tokens a picture at most (llama.cpp's limit too; it also
+# enlarges a small picture to 40 tokens at least, where the published processor keeps its size).
+GEMMA4_SOFT_TOKENS = 280
+
+
+def _gemma4v_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """Gemma 4's: a native-resolution tower (each patch placed by a learned table of columns and
+    rows, 2D RoPE in its attention), average-pooled by the file's scale factor (3 when unset,
+    as llama.cpp reads it), standardized where the file holds the statistics, an RMS-normed
+    linear projection; its image tokens attend each other both ways (the published config)."""
+    table = f.tensors["v.position_embd.weight"].shape  # [2, positions, width]
+    heads = int(meta_value(f, "clip.vision.attention.head_count"))
+    width = int(meta_value(f, "clip.vision.embedding_length"))
+    vision = {"model_type": "gemma4_vision", "hidden_size": width,
+              "intermediate_size": int(meta_value(f, "clip.vision.feed_forward_length")),
+              "num_hidden_layers": int(meta_value(f, "clip.vision.block_count")),
+              "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": width // heads,
+              "global_head_dim": width // heads, "patch_size": int(meta_value(f, "clip.vision.patch_size")),
+              "pooling_kernel_size": int(f.metadata.get("clip.vision.projector.scale_factor", 3)),
+              "position_embedding_size": int(table[1]), "default_output_length": GEMMA4_SOFT_TOKENS,
+              "rms_norm_eps": float(f.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
+              "standardize": "v.std_bias" in f.tensors,
+              "use_clipped_linears": any(n.endswith(_CLIP_BOUNDS) for n in f.tensors)}
+    ids = {k: _token_id(tokenizer, t) for k, t in GEMMA4_TOKENS.items()}
+    vocab = tokenizer.get_vocab()
+    ids.update({k: vocab[t] for k, t in GEMMA4_AUDIO_TOKENS.items() if t in vocab})
+    return {"model_type": "gemma4", "text_config": {**text, "use_bidirectional_attention": "vision"},
+            "vision_config": vision, **ids, "vision_soft_tokens_per_image": GEMMA4_SOFT_TOKENS,
+            "hidden_size": text["hidden_size"], "vocab_size": text["vocab_size"], "eos_token_id": text.get("eos_token_id")}
+
+
+def _gemma4v_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+    # The published processor: pixels rescaled to [0, 1], not normalized (the tower maps them to
+    # [-1, 1] itself), resized to at most 280 pooled tokens.
+    from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor, Gemma4Processor
+
+    vision = config["vision_config"]
+    images = Gemma4ImageProcessor(patch_size=vision["patch_size"], max_soft_tokens=GEMMA4_SOFT_TOKENS,
+                                  pooling_kernel_size=vision["pooling_kernel_size"])
+    return Gemma4Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=GEMMA4_SOFT_TOKENS,
+                           chat_template=tokenizer.chat_template)
+
+
+def _gemma4v_checkpoint(key: str) -> str:
+    """The converter's names before its map: the tower's layers under `vision_model.model.`, the
+    clippable linears' `.linear` dropped, the position table given a `.weight`."""
+    if key.startswith("vision_tower.encoder."):
+        key = "vision_model.model." + key[len("vision_tower.encoder."):]
+    return key.replace(".linear.weight", ".weight")
+
+
+def _gemma4v_rename(key: str, config: dict[str, Any]) -> str | None:
+    # A clippable linear's bounds: the linear's llama.cpp name and the bound's own suffix.
+    if not key.endswith(_CLIP_BOUNDS):
+        return None
+    import gguf
+
+    base, bound = _gemma4v_checkpoint(key).rsplit(".", 1)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(config["vision_config"]["num_hidden_layers"], 8))
+    name = names.get_name(base.removesuffix(".linear"))
+    return f"{name}.{bound}" if name else None
+
+
+def _gemma4v_fix(name: str, x: np.ndarray, meta: dict[str, Any]) -> np.ndarray:
+    # The patch embedding as a convolution [out, 3, p, p] (LFM2-VL's rule); scalar bounds stored as [1].
+    if name.endswith(_CLIP_BOUNDS):
+        return x.reshape(())
+    return _lfm2_fix(name, x, meta)
+
+
 NATIVE_SIZE: dict[str, Projector] = {
     "qwen2vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
     "qwen2.5vl_merger": Projector(_qwen_vl_config, _qwen_vl_processor),
@@ -307,4 +380,5 @@ NATIVE_SIZE: dict[str, Projector] = {
     "kimivl": Projector(_kimivl_config, _kimivl_processor, _kimivl_fix, checkpoint=_kimivl_checkpoint),
     "glm4v": Projector(_glm4v_config, _glm4v_processor),  # (GLM-4.1V, GLM-4.5V, GLM-4.6V)
     "dotsocr": Projector(_dots_ocr_config, _dots_ocr_processor, checkpoint=_dots_ocr_checkpoint),
+    "gemma4v": Projector(_gemma4v_config, _gemma4v_processor, _gemma4v_fix, _gemma4v_rename, _gemma4v_checkpoint),
 }
