@@ -76,6 +76,11 @@ def arch_tensors(arch: str, config: dict, model) -> dict[str, np.ndarray]:
         if arch.startswith("gemma") and base.endswith("norm"):
             w = w + 1
         out[f"{gname}.{kind}"] = w
+    if arch == "llama4" and config.get("rope_scaling"):  # LlamaModel's generate_extra_tensors
+        from macinfer.loading.convert import llama3_factors
+
+        out["rope_freqs.weight"] = np.array(llama3_factors(config["head_dim"], config["rope_theta"],
+                                                           config["rope_scaling"]), dtype=np.float32)
     return out
 
 
@@ -221,6 +226,11 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
             out[gname.replace("ssm_in", "attn_gate") + ".weight"] = z.reshape(-1, w.shape[1])
             continue
         out[f"{gname}.{kind}"] = w
+    if arch == "llama4" and config.get("rope_scaling"):  # LlamaModel's generate_extra_tensors
+        from macinfer.loading.convert import llama3_factors
+
+        out["rope_freqs.weight"] = np.array(llama3_factors(config["head_dim"], config["rope_theta"],
+                                                           config["rope_scaling"]), dtype=np.float32)
     return out
 
 
@@ -378,6 +388,13 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_expert_count(config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
         w.add_sliding_window(config["sliding_window"])
+        w.add_expert_feed_forward_length(config["intermediate_size"])
+    elif arch == "llama4":  # Llama4Model's (LlamaModel's, then its own)
+        _attention_meta(w, {**config, "intermediate_size": config["intermediate_size_mlp"]})
+        w.add_rope_dimension_count(config["head_dim"])
+        w.add_expert_count(config["num_local_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
         w.add_expert_feed_forward_length(config["intermediate_size"])
     elif arch == "gemma4":
         from tests.gguf_gemma4 import gemma4_meta

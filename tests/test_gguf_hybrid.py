@@ -249,3 +249,19 @@ def test_deepseek2_gguf_with_q8_0_tensors(tmp_path):
     # linear layers are expanded), and MLX's CPU quantized matmul with float16 scales is good
     # to ~1e-3 (a single 64x64 layer: 7.6e-4 against the same values in float32).
     _check_quantized_file(tmp_path, "deepseek2", config, model, tensors, quant, atol=5e-3)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}])
+def test_llama4_gguf_runs_like_mlx_lm(tmp_path, scaling):
+    """Llama 4 (`llama4`): MoE and dense layers interleaved, a routed and a shared expert, query/key
+    norms, every fourth layer without RoPE, Q/K rows as the checkpoint's; Scout's Llama 3 RoPE
+    scaling read back from `rope_freqs`; 128 experts (Maverick) turn the query/key norms off."""
+    config = tiny_config("llama4")
+    config["text_config"].update(attention_chunk_size=8192, rope_scaling=scaling)  # (llama.cpp's fixed chunk)
+    model = make_mlx_lm_model(config)
+    path = str(tmp_path / "llama4.gguf")
+    write_hybrid_gguf(path, "llama4", config, hybrid_tensors("llama4", config, model))
+    engine = _runs_like_mlx_lm(path, model)
+    read = engine.loaded.config["text_config"]
+    assert read["rope_scaling"] == scaling and read["use_qk_norm"] and read["interleave_moe_layer_step"] == 2

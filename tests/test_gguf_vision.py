@@ -1,6 +1,6 @@
 """A GGUF vision model: the language model's GGUF and llama.cpp's vision projector file
 (`mmproj-*.gguf`) beside it, both written here from a tiny Gemma 3, SmolVLM, Mistral 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL, Kimi-VL, GLM-4.1V, GLM-4.5V, dots.ocr or Gemma 4 built with mlx-vlm's classes, take
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5, LFM2-VL, Kimi-VL, GLM-4.1V, GLM-4.5V, dots.ocr, Gemma 4 or Llama 4 built with mlx-vlm's classes, take
 images and give mlx-vlm's tokens on the original checkpoint."""
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
                            {"rms_norm_eps": 1e-5, **text, "model_type": "glm4"} if family == "glm4v" else
                            {"tie_word_embeddings": False, **text, "model_type": "glm4_moe"} if family == "glm4v_moe" else
                            {**text, "model_type": "qwen2"} if family == "dots_ocr" else
-                           {"model_type": "qwen3_5", "text_config": text} if family == "qwen3_5" else text)
-    if family == "qwen3_5":  # mlx-lm's class holds its language model under the same name
+                           {"model_type": "qwen3_5", "text_config": text} if family == "qwen3_5" else
+                           {"model_type": "llama4", "text_config": text} if family == "llama4" else text)
+    if family in ("qwen3_5", "llama4"):  # mlx-lm's class holds its language model under the same name
         own = {k: v for k, v in weights.items() if k.startswith("language_model.")}
     else:
         own = {k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")}
@@ -41,7 +42,7 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
         own = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in own.items()}
         own = {k.replace("model.lm_head.", "lm_head.", 1): v for k, v in own.items()}  # (dots.ocr's mlx-vlm names)
     lm.load_weights(list(getattr(lm, "sanitize", lambda w: w)(own).items()))  # (GLM-4 has none)
-    if family not in ("qwen3_5", "gemma4"):  # (theirs is under rope_parameters)
+    if family not in ("qwen3_5", "gemma4", "llama4"):  # (theirs is under rope_parameters or text_config)
         text = {**text, "rope_theta": lm.args.rope_theta}
     if family == "gemma3":
         tensors = {k: v for k, v in arch_tensors("gemma3", text, lm).items() if k != "output.weight"}  # (tied)
@@ -105,6 +106,9 @@ def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, to
                           tokenizer=hf_tokenizer_meta(tokenizer))
     elif family == "lfm2_vl":  # llama.cpp's lfm2: the hybrid's tensors
         write_hybrid_gguf(path, "lfm2", text, hybrid_tensors("lfm2", text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
+    elif family == "llama4":  # llama.cpp's llama4 (mlx-lm's class holds it under text_config)
+        write_hybrid_gguf(path, "llama4", {"text_config": text}, hybrid_tensors("llama4", {"text_config": text}, lm),
+                          tokenizer=hf_tokenizer_meta(tokenizer))
     elif family == "gemma4":  # llama.cpp's gemma4 (its writer: tests/gguf_gemma4.py)
         write_hybrid_gguf(path, "gemma4", text, hybrid_tensors("gemma4", text, lm), tokenizer=hf_tokenizer_meta(tokenizer))
     elif text["model_type"] == "qwen2":  # (InternVL 3's language model)
@@ -193,6 +197,10 @@ def _projector(family: str, cfg: dict, processor) -> dict:
                            "layer_norm_eps": 1e-5},
                 "checkpoint": hf_name, "qkv_form": (".wqkv.", ".w{p}."),
                 "converted": lambda name, x: x.reshape(-1, x.shape[-1]) if name == "v.position_embd.weight" else x}
+    if family == "llama4":  # its converter: the position table given a .weight, the projection named by hand
+        return {"projector": "llama4", "text_hidden": cfg["text_config"]["hidden_size"],
+                "vision": {**vision, "layer_norm_eps": vision["norm_eps"]}, "scale_factor": 2,
+                "bare_weights": ("position_embd",), "renamed": {"multi_modal_projector.linear_1.weight": "mm.model.fc.weight"}}
     if family == "gemma4":  # its converter: the tower under vision_model.model., the linear patches as a conv
         def hf_name(key: str) -> str:
             if key.startswith("vision_tower.encoder."):
@@ -257,6 +265,15 @@ def _published_glm4v_preprocessing(folder: str) -> None:
         json.dump(saved, fh)
 
 
+def _published_llama4_preprocessing(folder: str) -> None:
+    """The tiny Llama 4 folder at the published 16 tiles at most (its tile size the tiny tower's)."""
+    path = os.path.join(folder, "preprocessor_config.json")
+    with open(path) as f:
+        saved = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**saved, "max_patches": 16}, f)
+
+
 def _published_gemma4_preprocessing(folder: str) -> None:
     """The tiny Gemma 4 folder at the published 280 soft tokens a picture (processor and tower)."""
     from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor, Gemma4Processor
@@ -312,6 +329,8 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
         _published_kimi_preprocessing(folder)
     if family in ("glm4v", "glm4v_moe"):  # (the same: its published pixel range)
         _published_glm4v_preprocessing(folder)
+    if family == "llama4":  # (the same: its published tile count)
+        _published_llama4_preprocessing(folder)
     if family == "gemma4":  # (the same: its published 280 tokens a picture; clipped, standardized)
         _published_gemma4_preprocessing(folder)
         _clipped_standardized_gemma4(folder)
@@ -324,13 +343,14 @@ def build_vision_gguf(family: str, base) -> tuple[str, object]:
     _text_gguf(str(out / f"{family}-tiny-F32.gguf"), family, folder, cfg, weights, processor.tokenizer)
     write_mmproj(str(out / f"mmproj-{family}-tiny-F32.gguf"),
                  weights={k: v for k, v in weights.items() if not k.startswith("language_model.")},
-                 image_mean=processor.image_processor.image_mean, image_std=processor.image_processor.image_std,
+                 image_mean=[float(x) for x in processor.image_processor.image_mean],
+                 image_std=[float(x) for x in processor.image_processor.image_std],
                  name=f"{family} tiny", **_projector(family, cfg, processor))
     return folder, out
 
 
 @pytest.fixture(scope="module", params=["gemma3", "smolvlm", "mistral3", "internvl_chat", *QWEN_VL, "qwen3_5",
-                                        "lfm2_vl", "kimi_vl", "glm4v", "glm4v_moe", "dots_ocr", "gemma4"])
+                                        "lfm2_vl", "kimi_vl", "glm4v", "glm4v_moe", "dots_ocr", "gemma4", "llama4"])
 def vision_gguf(tmp_path_factory, request):
     """(family, the checkpoint folder, a folder holding its text GGUF and mmproj GGUF)."""
     family = request.param
@@ -381,7 +401,7 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
     f = GGUFFile(mmproj)
     w = gguf.GGUFWriter(str(other / "mmproj-m.gguf"), "clip")
     w.add_clip_has_vision_encoder(True)
-    w.add_clip_projector_type("llama4")
+    w.add_clip_projector_type("minicpmv")
     w.add_tensor("v.post_ln.weight", f.dequantize("v.post_ln.weight").copy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -389,13 +409,13 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
     w.close()
     llm = LLM(str(other / "m.gguf"), kv_cache_gb=0.01, max_model_len=512)
     try:
-        assert "llama4" in llm.engine.vision_refusal
-        with pytest.raises(ValueError, match="llama4"):
+        assert "minicpmv" in llm.engine.vision_refusal
+        with pytest.raises(ValueError, match="minicpmv"):
             llm.chat(ask("what is it", picture(0)), GREEDY)
         assert llm.generate("hello", GREEDY)[0].token_ids  # the text still runs
     finally:
         llm.close()
-    with pytest.raises(ValueError, match="--mmproj .*llama4"):
+    with pytest.raises(ValueError, match="--mmproj .*minicpmv"):
         LLM(model, kv_cache_gb=0.01, max_model_len=512, mmproj=str(other / "mmproj-m.gguf"))
     from click.testing import CliRunner
 
@@ -403,7 +423,7 @@ def test_mmproj_problems_are_load_errors_or_reasons(vision_gguf, tmp_path):
 
     r = CliRunner().invoke(main, ["generate", model, "--mmproj", str(other / "mmproj-m.gguf"), "-p", "hi", "-n", "2",
                                   "--kv-cache-gb", "0.01", "--max-model-len", "512"])
-    assert r.exit_code == 1 and "llama4" in r.output and "Traceback" not in r.output, r.output
+    assert r.exit_code == 1 and "minicpmv" in r.output and "Traceback" not in r.output, r.output
     # --mmproj beside a checkpoint folder (its tower is its own): refused, not ignored.
     with pytest.raises(ValueError, match="--mmproj is a GGUF model's vision projector"):
         LLM(folder, kv_cache_gb=0.01, max_model_len=512, mmproj=mmproj)

@@ -14,7 +14,9 @@ from macinfer.gguf.file import ModelLoadError
 ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
          "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
          "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax",
-         "gpt-oss": "gpt_oss", "gemma4": "gemma4_text"}
+         "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "llama4": "llama4"}
+NESTED = {"llama4"}  # mlx-lm's class takes these under `text_config`
+ROPE_FREQS_READ = {"gemma4", "llama4"}  # their `rope_freqs` are read into the config (`from_tensors`)
 
 
 def _layers(get: Callable) -> int:
@@ -269,11 +271,51 @@ def _gemma4(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, A
                 "moe_intermediate_size": int(get("expert_feed_forward_length"))} if moe else {})}
 
 
+def _llama4(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """Llama 4 (`llama4`): every fourth layer global without RoPE (temperature-tuned queries),
+    the others RoPE in pairs over chunks of 8192 tokens (llama.cpp's fixed size); MoE layers every `interleave_moe_layer_step` (one routed expert
+    and a shared one, experts `expert_feed_forward_length` wide), dense ones
+    `feed_forward_length` wide; query/key RMS norms in the RoPE layers except for 128 experts
+    (Maverick), as llama.cpp decides. Q/K rows as the checkpoint's (its converter does not
+    permute them). Llama 3 RoPE scaling from `rope_freqs` (`from_tensors`)."""
+    heads = int(get("attention.head_count"))
+    experts = int(get("expert_count"))
+    if get("attention.sliding_window", None) == 0:
+        raise ModelLoadError("llama4 GGUF with every layer full attention (MobileLLM-R1): mlx-lm's Llama 4 class "
+                             "chunks three layers in four")
+    return {"num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+            "head_dim": int(get("attention.key_length", int(get("embedding_length")) // heads)),
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
+            "rope_scaling": None, "attention_bias": "blk.0.attn_q.bias" in names,
+            "attention_chunk_size": 8192,
+            "interleave_moe_layer_step": int(get("interleave_moe_layer_step", 1)),
+            "intermediate_size": int(get("expert_feed_forward_length")),
+            "intermediate_size_mlp": int(get("feed_forward_length")), "num_local_experts": experts,
+            "num_experts_per_tok": int(get("expert_used_count")), "use_qk_norm": experts != 128}
+
+
+def _llama3_scaling(factors: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The llama3 rope_scaling whose factors are the file's (Meta's published low/high pairs)."""
+    from macinfer.loading.convert import llama3_factors
+
+    for low, high in ((1.0, 4.0), (1.0, 1.0)):
+        guess = {"rope_type": "llama3", "factor": float(max(factors)), "low_freq_factor": low,
+                 "high_freq_factor": high, "original_max_position_embeddings": 8192}
+        ref = llama3_factors(config["head_dim"], config["rope_theta"], guess)
+        if len(ref) == len(factors) and all(abs(a - b) < 1e-3 * max(1.0, b) for a, b in zip(factors, ref)):
+            return guess
+    raise ModelLoadError("llama4 GGUF: rope_freqs that are no Llama 3 scaling of Meta's published form")
+
+
 def from_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple], read: Callable) -> None:
     """What the config takes from tensors rather than metadata (`read(name)`: its values):
     Gemma 4's per-layer embedding rows (the converter does not trim them to the vocabulary)
     and its global layers' rotated share, which the converter wrote as `rope_freqs` factors
-    (1 for a turned pair, 1e30 for a still one: ggml's NeoX RoPE with its pairs in order)."""
+    (1 for a turned pair, 1e30 for a still one: ggml's NeoX RoPE with its pairs in order);
+    Llama 4's RoPE scaling, written as Llama 3's factors."""
+    if arch == "llama4" and "rope_freqs.weight" in shapes:
+        text = config["text_config"]
+        text["rope_scaling"] = _llama3_scaling(read("rope_freqs.weight").ravel().tolist(), text)
     if arch != "gemma4":
         return
     if "per_layer_token_embd.weight" in shapes:
@@ -289,7 +331,7 @@ def from_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple], re
 _CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
             "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2,
             "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss,
-            "gemma4": _gemma4}
+            "gemma4": _gemma4, "llama4": _llama4}
 
 
 def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -300,4 +342,7 @@ def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) 
     config.update(_CONFIGS[arch](get, meta, names))
     if nextn := int(get("nextn_predict_layers", 0)):  # the MTP blocks kept after the layers (`models/mtp.py`)
         config["num_nextn_predict_layers"] = nextn
+    if arch in NESTED:
+        config = {"model_type": ARCHS[arch], "text_config": config,
+                  **{k: config[k] for k in ("vocab_size", "hidden_size", "tie_word_embeddings")}}
     return config

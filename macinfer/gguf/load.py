@@ -19,7 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.gguf import arch as gguf_arch, hybrid as gguf_hybrid
-from macinfer.gguf.hybrid_config import ARCHS as HYBRID_ARCHS, config_for as hybrid_config_for, from_tensors
+from macinfer.gguf.hybrid_config import (ARCHS as HYBRID_ARCHS, ROPE_FREQS_READ, config_for as hybrid_config_for,
+                                         from_tensors)
 from macinfer.gguf.file import GGUFFile, ModelLoadError
 
 log = logging.getLogger("macinfer")
@@ -250,10 +251,10 @@ def load_gguf(path: str, progress: Progress | None = None) -> tuple[dict[str, An
     if arch in HYBRID_ARCHS:  # named by the model class's own parameters (lazy: nothing allocated)
         from macinfer.models.mlx_lm_classes import instantiate
 
-        weights = gguf_hybrid.to_model_names(arch, instantiate(config), raw, config)
+        weights = gguf_hybrid.to_model_names(arch, instantiate(config), raw, config.get("text_config", config))
     else:
         weights = {hf: value for name, value in raw.items() if (hf := gguf_arch.hf_name(arch, name)) is not None}
-    if "rope_freqs.weight" in f.tensors and arch != "gemma4":  # (Gemma 4's: its partial rotation, read above)
+    if "rope_freqs.weight" in f.tensors and arch not in ROPE_FREQS_READ:  # (theirs are read above)
         # llama3-style scaling baked into per-pair period factors (Llama 3.1+ files).
         config["rope_freq_factors"] = f.dequantize("rope_freqs.weight").astype(np.float32).ravel().tolist()
     if gguf_arch.norms_stored_plus_one(arch):  # llama.cpp stores Gemma's RMSNorm weights as 1 + w

@@ -173,17 +173,17 @@ def _pixtral_fix(name: str, x: np.ndarray, meta: dict[str, Any]) -> np.ndarray:
 
 
 class _TokenizerAndConfig:
-    """What a processor that saves nothing itself (InternVL's) loads from: the tokenizer's files
-    and a `processor_config.json`; its sizes come from the checkpoint's config.json."""
+    """What a processor whose own saving its loading does not read (InternVL's, Llama 4's) loads
+    from: the tokenizer's files and a config file (`name`) with its sizes."""
 
-    def __init__(self, tokenizer: Any, processor_config: dict[str, Any]):
-        self.tokenizer, self.processor_config = tokenizer, processor_config
+    def __init__(self, tokenizer: Any, processor_config: dict[str, Any], name: str = "processor_config.json"):
+        self.tokenizer, self.processor_config, self.name = tokenizer, processor_config, name
 
     def save_pretrained(self, folder: str) -> None:
         import json
 
         self.tokenizer.save_pretrained(folder)
-        with open(os.path.join(folder, "processor_config.json"), "w") as out:
+        with open(os.path.join(folder, self.name), "w") as out:
             json.dump(self.processor_config, out)
 
 
@@ -222,11 +222,55 @@ def _internvl_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> 
                                            "downsample_ratio": config["downsample_ratio"]})
 
 
+LLAMA4_MAX_TILES = 16  # (the published preprocessor's `max_patches`, which a projector file does not carry)
+
+
+def _llama4_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """Llama 4's: a ViT over tiles of the file's image size (a class token, a learned position
+    table, 2D RoPE), pixel shuffle by the file's scale factor, an MLP adapter, one linear
+    projection (which the converter names `mm.model.fc`); tiles chosen as the published
+    processor does, at most 16 and a global view."""
+    def rows(name: str, axis: int = 0) -> int:
+        return int(f.tensors[name].shape[axis])
+
+    vision = {"model_type": "llama4_vision_model", "hidden_size": int(meta_value(f, "clip.vision.embedding_length")),
+              "image_size": int(meta_value(f, "clip.vision.image_size")),
+              "intermediate_size": int(meta_value(f, "clip.vision.feed_forward_length")),
+              "norm_eps": float(f.metadata.get("clip.vision.attention.layer_norm_epsilon", 1e-5)),
+              "num_attention_heads": int(meta_value(f, "clip.vision.attention.head_count")), "num_channels": 3,
+              "num_hidden_layers": int(meta_value(f, "clip.vision.block_count")),
+              "patch_size": int(meta_value(f, "clip.vision.patch_size")),
+              "pixel_shuffle_ratio": 1 / int(f.metadata.get("clip.vision.projector.scale_factor", 2)),
+              "projector_input_dim": rows("mm.model.mlp.1.weight"), "projector_output_dim": rows("mm.model.mlp.2.weight"),
+              "vision_output_dim": rows("mm.model.fc.weight", 1), "rope_theta": 10000, "initializer_range": 0.02,
+              "projector_dropout": 0.0,
+              "vision_feature_layer": -1, "vision_feature_select_strategy": "default"}
+    text = {**text.get("text_config", text), "model_type": "llama4_text"}
+    return {"model_type": "llama4", "text_config": text, "vision_config": vision,
+            "image_token_index": _token_id(tokenizer, "<|patch|>"), "vocab_size": text["vocab_size"],
+            "eos_token_id": text.get("eos_token_id")}
+
+
+def _llama4_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
+    # mlx-vlm's Llama 4 processor reads its sizes from preprocessor_config.json alone.
+    size = config["vision_config"]["image_size"]
+    return _TokenizerAndConfig(tokenizer, {"size": {"height": size, "width": size}, "max_patches": LLAMA4_MAX_TILES,
+                                           "image_mean": [float(x) for x in meta_value(f, "clip.vision.image_mean")],
+                                           "image_std": [float(x) for x in meta_value(f, "clip.vision.image_std")]},
+                               "preprocessor_config.json")
+
+
+def _llama4_rename(key: str, config: dict[str, Any]) -> str | None:
+    # The converter names the projection by hand (the map would say mm.1)
+    return "mm.model.fc.weight" if key == "multi_modal_projector.linear_1.weight" else None
+
+
 FIXED_SIZE: dict[str, Projector] = {  # (towers of a fixed input size, tiled or not)
     "gemma3": Projector(_gemma3_config, _gemma3_processor, _gemma3_fix),
     "pixtral": Projector(_pixtral_config, _pixtral_processor, _pixtral_fix),  # (and Mistral 3)
     "internvl": Projector(_internvl_config, _internvl_processor),
     "idefics3": Projector(_idefics3_config, _idefics3_processor),  # (and SmolVLM)
+    "llama4": Projector(_llama4_config, _llama4_processor, rename=_llama4_rename),
 }
 
 
