@@ -175,7 +175,7 @@ def _projector(family: str, cfg: dict, processor) -> dict:
                 return key.replace(".fc1", ".gate_proj").replace(".fc2", ".down_proj").replace(".fc3", ".up_proj")
             return key
 
-        return {"projector": "dotsocr", "text_hidden": cfg["hidden_size"], "split_qkv": False,
+        return {"projector": "dots_ocr", "text_hidden": cfg["hidden_size"], "split_qkv": False,
                 "scale_factor": vision["spatial_merge_size"], "checkpoint": swiglu_as_qwen,
                 "vision": {"image_size": 0, "patch_size": vision["patch_size"], "hidden_size": vision["embed_dim"],
                            "intermediate_size": vision["intermediate_size"],

@@ -32,7 +32,7 @@ from macinfer.gguf.mmproj_native import NATIVE_SIZE
 PROJECTORS: dict[str, Projector] = {**FIXED_SIZE, **NATIVE_SIZE}
 # the tokens a family's processor finds by name on its tokenizer
 NAMED_TOKENS = {"gemma3": GEMMA3_TOKENS, "glm4v": {"image_token": "<|image|>", "video_token": "<|video|>"},
-               "dotsocr": {"image_token": "<|imgpad|>", "video_token": "<|video_pad|>"},
+               "dots_ocr": {"image_token": "<|imgpad|>", "video_token": "<|video_pad|>"},
                "gemma4v": {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>"}}
 
 

@@ -379,6 +379,6 @@ NATIVE_SIZE: dict[str, Projector] = {
     "lfm2": Projector(_lfm2_config, _lfm2_processor, _lfm2_fix),  # (LFM2-VL, LFM2.5-VL)
     "kimivl": Projector(_kimivl_config, _kimivl_processor, _kimivl_fix, checkpoint=_kimivl_checkpoint),
     "glm4v": Projector(_glm4v_config, _glm4v_processor),  # (GLM-4.1V, GLM-4.5V, GLM-4.6V)
-    "dotsocr": Projector(_dots_ocr_config, _dots_ocr_processor, checkpoint=_dots_ocr_checkpoint),
+    "dots_ocr": Projector(_dots_ocr_config, _dots_ocr_processor, checkpoint=_dots_ocr_checkpoint),
     "gemma4v": Projector(_gemma4v_config, _gemma4v_processor, _gemma4v_fix, _gemma4v_rename, _gemma4v_checkpoint),
 }
