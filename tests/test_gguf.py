@@ -273,6 +273,10 @@ GGUF_ARCHS = {
     # Command R: a LayerNorm before attention and MLP in parallel, pairwise RoPE, a logit scale
     "command-r": ({"model_type": "cohere", "logit_scale": 0.25, "layer_norm_eps": 1e-5, "tie_word_embeddings": True},
                   {"command-r.logit_scale": 0.25, "command-r.attention.layer_norm_epsilon": 1e-5}),
+    # SmolLM3: Llama's converter (Q/K rows permuted), no RoPE in every fourth layer (llama.cpp's fixed step)
+    "smollm3": ({"model_type": "smollm3", "num_hidden_layers": 4, "tie_word_embeddings": True}, {}),
+    # Seed-OSS: Q/K/V biases, Q/K rows as they are
+    "seed_oss": ({"model_type": "seed_oss", "attention_bias": True}, {}),
     # Command R7B / A: three sliding layers (window 8 here: the prompts cross it) to one global
     "cohere2": ({"model_type": "cohere2", "num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 4,
                  "logit_scale": 0.25, "layer_norm_eps": 1e-5, "tie_word_embeddings": True},
@@ -292,7 +296,7 @@ def test_gguf_architectures_match_mlx_lm(tmp_path, arch):
     ref = make_mlx_lm_model(config, seed=11)
     path = str(tmp_path / f"{arch}.gguf")
     tensors = arch_tensors(arch, config, ref)
-    if arch == "granite":  # (its converter is Llama's: Q/K rows permuted)
+    if arch in ("granite", "smollm3"):  # (their converter is Llama's: Q/K rows permuted)
         from tests.gguf_writer import permute_qk
 
         heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
@@ -316,6 +320,25 @@ def test_gguf_sliding_windows_follow_llama_cpp(tmp_path, arch, windows):
     write_gguf(path, config, arch_tensors(arch, config, make_mlx_lm_model(config, seed=11)),
                extra_meta={**meta, f"{arch}.attention.sliding_window": 8}, arch=arch)
     assert [getattr(s.kind, "window", None) for s in load(path).model.layer_specs] == windows
+
+
+@pytest.mark.parametrize("pattern", [None, [True, False, True, True]])
+def test_olmo3_gguf_is_olmo2_with_a_window(tmp_path, pattern):
+    """OLMo 3 files are llama.cpp's `olmo2` with `attention.sliding_window` and (from its
+    `layer_types`) a pattern; without one, three sliding layers in four (the converter's
+    default). They run on mlx-lm's `olmo3` class: the window (8 here: the prompts cross it) applied."""
+    from tests.gguf_writer import arch_tensors
+    from tests.test_architectures import BASE
+
+    types = ["sliding_attention" if s else "full_attention" for s in pattern or [True, True, True, False]]
+    config = {**BASE, "model_type": "olmo3", "num_hidden_layers": 4, "sliding_window": 8, "layer_types": types}
+    ref = make_mlx_lm_model(config, seed=11)
+    path = str(tmp_path / "olmo3.gguf")
+    meta = {"olmo2.attention.sliding_window": 8, **({"olmo2.attention.sliding_window_pattern": pattern} if pattern else {})}
+    write_gguf(path, config, arch_tensors("olmo2", config, ref), extra_meta=meta, arch="olmo2")
+    loaded = load(path)
+    assert loaded.config["model_type"] == "olmo3" and loaded.config["layer_types"] == types
+    _assert_logits_match(path, ref, atol=2e-4)
 
 
 def test_unknown_tensor_type_and_corrupt_header_are_one_line_errors(tmp_path):

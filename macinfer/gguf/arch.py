@@ -35,6 +35,8 @@ _GLM4 = {**_COMMON, "ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_s
 _OLMO2 = {**_COMMON, "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # StarCoder2: LayerNorms with biases, a plain GELU MLP
 _STARCODER2 = {**_COMMON, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+# Seed-OSS: llama.cpp names its pre-MLP norm `post_attention_norm`
+_SEED_OSS = {**_COMMON, "post_attention_norm": "post_attention_layernorm"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -135,6 +137,25 @@ def _cohere2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()
             "sliding_window_pattern": 4}
 
 
+def _olmo2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
+    # OLMo 3 is converted as `olmo2` with a window: sliding layers as its pattern marks them (three
+    # in four, the converter's default), which mlx-lm's `olmo3` class runs (RoPE scaling, where the
+    # file has it, on the global layers only, as transformers' Olmo 3)
+    window = get("attention.sliding_window", 0)
+    if not window:
+        return {}
+    n = int(get("block_count"))
+    pattern = get("attention.sliding_window_pattern", [(i + 1) % 4 != 0 for i in range(n)])
+    pattern = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern)]
+    return {"model_type": "olmo3", "sliding_window": int(window),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in pattern[:n]]}
+
+
+def _seed_oss(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
+    # Seed-OSS: Q/K/V biases (and an output bias) where the file holds them; Q/K rows as they are
+    return {"attention_bias": "blk.0.attn_q.bias" in names, "attention_out_bias": "blk.0.attn_output.bias" in names}
+
+
 def _starcoder2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # LayerNorm's epsilon (llama.cpp keeps no sliding window for it, as mlx-lm applies none)
     return {"norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5))}
@@ -156,7 +177,9 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "phi3": ("phi3", _PHI3, _phi3, False, False),
     "glm4": ("glm4", _GLM4, _glm4, False, False),
     "gemma": ("gemma", _COMMON, None, True, False),  # (Gemma 1)
-    "olmo2": ("olmo2", _OLMO2, None, False, False),
+    "olmo2": ("olmo2", _OLMO2, _olmo2, False, False),  # (and OLMo 3: `olmo3` where the file has a window)
+    "smollm3": ("smollm3", _COMMON, None, False, True),  # (llama.cpp's fixed NoPE every fourth layer: mlx-lm's too)
+    "seed_oss": ("seed_oss", _SEED_OSS, _seed_oss, False, False),
     "starcoder2": ("starcoder2", _STARCODER2, _starcoder2, False, False),
     "granite": ("granite", _COMMON, _granite, False, True),
     "command-r": ("cohere", _COMMON, _command_r, False, False),
