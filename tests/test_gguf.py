@@ -277,6 +277,11 @@ GGUF_ARCHS = {
     "smollm3": ({"model_type": "smollm3", "num_hidden_layers": 4, "tie_word_embeddings": True}, {}),
     # Seed-OSS: Q/K/V biases, Q/K rows as they are
     "seed_oss": ({"model_type": "seed_oss", "attention_bias": True}, {}),
+    # EXAONE 4.0: post-norms, query/key norms, sliding layers with RoPE and global ones without
+    "exaone4": ({"model_type": "exaone4", "num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": "LLLG",
+                 "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192}},
+                {"exaone4.attention.sliding_window": 8, "exaone4.attention.sliding_window_pattern": [True, True, True, False]}),
     # Command R7B / A: three sliding layers (window 8 here: the prompts cross it) to one global
     "cohere2": ({"model_type": "cohere2", "num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 4,
                  "logit_scale": 0.25, "layer_norm_eps": 1e-5, "tie_word_embeddings": True},
@@ -301,9 +306,15 @@ def test_gguf_architectures_match_mlx_lm(tmp_path, arch):
 
         heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
         tensors = {k: next((permute_qk(x, n) for p, n in heads.items() if p in k), x) for k, x in tensors.items()}
+    if (scaling := config.get("rope_scaling")) is not None:  # (the converter's llama3 factors)
+        from macinfer.loading.convert import llama3_factors
+
+        tensors["rope_freqs.weight"] = np.array(llama3_factors(config["head_dim"], config["rope_theta"], scaling),
+                                                dtype=np.float32)
     write_gguf(path, config, tensors, extra_meta=meta, arch=arch)
     loaded = load(path)
     assert loaded.config["model_type"] == overrides["model_type"]
+    assert loaded.config.get("rope_scaling") == config.get("rope_scaling")
     _assert_logits_match(path, ref, atol=2e-4)
 
 

@@ -151,6 +151,20 @@ def _olmo2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) 
             "layer_types": ["sliding_attention" if s else "full_attention" for s in pattern[:n]]}
 
 
+def _exaone4(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
+    # EXAONE 4.0: norms after attention and after the MLP, query/key norms; where the file has a
+    # window, its sliding layers (RoPE) as the pattern marks them, the others global without RoPE.
+    # Llama 3 RoPE scaling, where held, comes back from `rope_freqs` (`hybrid_config.from_tensors`).
+    window = get("attention.sliding_window", 0)
+    n = int(get("block_count"))
+    pattern = get("attention.sliding_window_pattern", [])
+    pattern = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern)][:n]
+    if window and len(pattern) != n:
+        raise ModelLoadError("exaone4 GGUF: a window without attention.sliding_window_pattern marking every layer")
+    return {"sliding_window": int(window) or None, "rope_scaling": None,
+            "sliding_window_pattern": "".join("L" if s else "G" for s in pattern) if window else None}
+
+
 def _seed_oss(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # Seed-OSS: Q/K/V biases (and an output bias) where the file holds them; Q/K rows as they are
     return {"attention_bias": "blk.0.attn_q.bias" in names, "attention_out_bias": "blk.0.attn_output.bias" in names}
@@ -180,6 +194,7 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "olmo2": ("olmo2", _OLMO2, _olmo2, False, False),  # (and OLMo 3: `olmo3` where the file has a window)
     "smollm3": ("smollm3", _COMMON, None, False, True),  # (llama.cpp's fixed NoPE every fourth layer: mlx-lm's too)
     "seed_oss": ("seed_oss", _SEED_OSS, _seed_oss, False, False),
+    "exaone4": ("exaone4", _OLMO2, _exaone4, False, False),
     "starcoder2": ("starcoder2", _STARCODER2, _starcoder2, False, False),
     "granite": ("granite", _COMMON, _granite, False, True),
     "command-r": ("cohere", _COMMON, _command_r, False, False),

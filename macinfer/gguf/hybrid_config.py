@@ -16,7 +16,7 @@ ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotro
          "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax",
          "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "llama4": "llama4"}
 NESTED = {"llama4"}  # mlx-lm's class takes these under `text_config`
-ROPE_FREQS_READ = {"gemma4", "llama4"}  # their `rope_freqs` are read into the config (`from_tensors`)
+ROPE_FREQS_READ = {"gemma4", "llama4", "exaone4"}  # their `rope_freqs` are read into the config (`from_tensors`)
 
 
 def _layers(get: Callable) -> int:
@@ -294,7 +294,7 @@ def _llama4(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, A
             "num_experts_per_tok": int(get("expert_used_count")), "use_qk_norm": experts != 128}
 
 
-def _llama3_scaling(factors: Any, config: dict[str, Any]) -> dict[str, Any]:
+def _llama3_scaling(factors: Any, config: dict[str, Any], arch: str) -> dict[str, Any]:
     """The llama3 rope_scaling whose factors are the file's (Meta's published low/high pairs)."""
     from macinfer.loading.convert import llama3_factors
 
@@ -304,7 +304,7 @@ def _llama3_scaling(factors: Any, config: dict[str, Any]) -> dict[str, Any]:
         ref = llama3_factors(config["head_dim"], config["rope_theta"], guess)
         if len(ref) == len(factors) and all(abs(a - b) < 1e-3 * max(1.0, b) for a, b in zip(factors, ref)):
             return guess
-    raise ModelLoadError("llama4 GGUF: rope_freqs that are no Llama 3 scaling of Meta's published form")
+    raise ModelLoadError(f"{arch} GGUF: rope_freqs that are no Llama 3 scaling of Meta's published form")
 
 
 def from_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple], read: Callable) -> None:
@@ -312,10 +312,10 @@ def from_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple], re
     Gemma 4's per-layer embedding rows (the converter does not trim them to the vocabulary)
     and its global layers' rotated share, which the converter wrote as `rope_freqs` factors
     (1 for a turned pair, 1e30 for a still one: ggml's NeoX RoPE with its pairs in order);
-    Llama 4's RoPE scaling, written as Llama 3's factors."""
-    if arch == "llama4" and "rope_freqs.weight" in shapes:
-        text = config["text_config"]
-        text["rope_scaling"] = _llama3_scaling(read("rope_freqs.weight").ravel().tolist(), text)
+    Llama 4's and EXAONE 4's RoPE scaling, written as Llama 3's factors."""
+    if arch in ("llama4", "exaone4") and "rope_freqs.weight" in shapes:
+        text = config.get("text_config", config)
+        text["rope_scaling"] = _llama3_scaling(read("rope_freqs.weight").ravel().tolist(), text, arch)
     if arch != "gemma4":
         return
     if "per_layer_token_embd.weight" in shapes:
