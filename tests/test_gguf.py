@@ -282,6 +282,13 @@ GGUF_ARCHS = {
                  "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 8192}},
                 {"exaone4.attention.sliding_window": 8, "exaone4.attention.sliding_window_pattern": [True, True, True, False]}),
+    # Ministral 3: Llama's converter (Q/K rows permuted), YaRN, Llama 4's temperature past 16 positions (the prompts cross it)
+    "mistral3": ({"model_type": "ministral3", "tie_word_embeddings": True, "rope_parameters": {
+                  "rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 16,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}},
+                 {"mistral3.rope.scaling.type": "yarn", "mistral3.rope.scaling.factor": 16.0,
+                  "mistral3.rope.scaling.original_context_length": 16, "mistral3.rope.scaling.yarn_log_multiplier": 1.0,
+                  "mistral3.attention.temperature_scale": 0.1}),
     # Command R7B / A: three sliding layers (window 8 here: the prompts cross it) to one global
     "cohere2": ({"model_type": "cohere2", "num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 4,
                  "logit_scale": 0.25, "layer_norm_eps": 1e-5, "tie_word_embeddings": True},
@@ -301,7 +308,7 @@ def test_gguf_architectures_match_mlx_lm(tmp_path, arch):
     ref = make_mlx_lm_model(config, seed=11)
     path = str(tmp_path / f"{arch}.gguf")
     tensors = arch_tensors(arch, config, ref)
-    if arch in ("granite", "smollm3"):  # (their converter is Llama's: Q/K rows permuted)
+    if arch in ("granite", "smollm3", "mistral3"):  # (their converter is Llama's: Q/K rows permuted)
         from tests.gguf_writer import permute_qk
 
         heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
@@ -314,7 +321,8 @@ def test_gguf_architectures_match_mlx_lm(tmp_path, arch):
     write_gguf(path, config, tensors, extra_meta=meta, arch=arch)
     loaded = load(path)
     assert loaded.config["model_type"] == overrides["model_type"]
-    assert loaded.config.get("rope_scaling") == config.get("rope_scaling")
+    if "rope_scaling" in config:  # (read back from rope_freqs)
+        assert loaded.config["rope_scaling"] == config["rope_scaling"]
     _assert_logits_match(path, ref, atol=2e-4)
 
 

@@ -165,6 +165,21 @@ def _exaone4(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()
             "sliding_window_pattern": "".join("L" if s else "G" for s in pattern) if window else None}
 
 
+def _mistral3(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
+    # Ministral 3 (`mistral3`): Llama's layers (Q/K rows permuted by its converter) under YaRN, whose
+    # mscale the converter writes as the log multiplier (the attention's taken as equal, as its
+    # configs set both), and Llama 4's query temperature past the original context
+    if get("rope.scaling.type", "none") != "yarn":
+        raise ModelLoadError("mistral3 GGUF without YaRN RoPE scaling: not Ministral 3's form")
+    mscale = float(get("rope.scaling.yarn_log_multiplier", 1.0))
+    return {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": float(get("rope.freq_base")), "factor": float(get("rope.scaling.factor")),
+        "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+        "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale,
+        "llama_4_scaling_beta": float(get("attention.temperature_scale", 0.0))}}
+
+
 def _seed_oss(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # Seed-OSS: Q/K/V biases (and an output bias) where the file holds them; Q/K rows as they are
     return {"attention_bias": "blk.0.attn_q.bias" in names, "attention_out_bias": "blk.0.attn_output.bias" in names}
@@ -195,6 +210,7 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "smollm3": ("smollm3", _COMMON, None, False, True),  # (llama.cpp's fixed NoPE every fourth layer: mlx-lm's too)
     "seed_oss": ("seed_oss", _SEED_OSS, _seed_oss, False, False),
     "exaone4": ("exaone4", _OLMO2, _exaone4, False, False),
+    "mistral3": ("ministral3", _COMMON, _mistral3, False, True),  # (Ministral 3)
     "starcoder2": ("starcoder2", _STARCODER2, _starcoder2, False, False),
     "granite": ("granite", _COMMON, _granite, False, True),
     "command-r": ("cohere", _COMMON, _command_r, False, False),
