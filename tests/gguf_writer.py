@@ -160,7 +160,7 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
     config = config.get("text_config", config)
     layers = len(config["hybrid_override_pattern"]) if "hybrid_override_pattern" in config else config["num_hidden_layers"]
     tmap = gguf.get_tensor_name_map(model_arch(arch), layers)
-    mamba2 = arch in ("mamba2", "nemotron_h", "nemotron_h_moe")  # Mamba2Model's conversion
+    mamba2 = arch in ("mamba2", "nemotron_h", "nemotron_h_moe", "granitehybrid")  # Mamba2Model's conversion
     out = {}
     params = dict(tree_flatten(model.parameters()))
     if arch == "gemma4":
@@ -202,6 +202,14 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
                 base = base.replace("embed_q", "kv_b_proj")
             else:
                 continue
+        if arch == "granitehybrid" and (part := _GRANITE_HYBRID.get(base.split(".", 3)[-1])):
+            layer = base.split(".")[2]
+            if part == "shared":  # GraniteMoeModel's split of the fused shared MLP (gate rows first)
+                gate, up = np.split(w, 2, axis=0)
+                out[f"blk.{layer}.ffn_gate_shexp.weight"], out[f"blk.{layer}.ffn_up_shexp.weight"] = gate, up
+            else:
+                out[f"blk.{layer}.{part}.weight"] = w
+            continue
         for mine, theirs in (("mixer.switch_mlp.fc1", "mlp.experts.up_proj"), ("mixer.switch_mlp.fc2", "mlp.experts.down_proj"),
                              ("block_sparse_moe.switch_mlp.gate_proj", "block_sparse_moe.experts.w1"),
                              ("block_sparse_moe.switch_mlp.down_proj", "block_sparse_moe.experts.w2"),
@@ -212,9 +220,9 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
         assert gname is not None, f"no GGUF name for {name}"
         if base.endswith(("conv1d", "conv.conv")) and kind == "weight":
             w = w[..., 0]
-        if mamba2 and base.endswith("mixer.norm"):
-            w = w.reshape(config["n_groups"], -1)
-        if arch.startswith("nemotron_h") and base.endswith(("mixer.q_proj", "mixer.k_proj")):
+        if mamba2 and base.endswith(("mixer.norm", "mamba.norm")):
+            w = w.reshape(config.get("n_groups", config.get("mamba_n_groups")), -1)
+        if (arch.startswith("nemotron_h") or arch == "granitehybrid") and base.endswith(("q_proj", "k_proj")):
             w = permute_qk(w, config["num_attention_heads" if base.endswith("q_proj") else "num_key_value_heads"])
         if base.endswith("in_proj_qkvz"):
             nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
@@ -232,6 +240,12 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
         out["rope_freqs.weight"] = np.array(llama3_factors(config["head_dim"], config["rope_theta"],
                                                            config["rope_scaling"]), dtype=np.float32)
     return out
+
+
+# Granite 4.0 H's MoE parts, as GraniteMoeModel's converter names them
+_GRANITE_HYBRID = {"shared_mlp.input_linear": "shared", "block_sparse_moe.switch_mlp.gate_proj": "ffn_gate_exps",
+                   "block_sparse_moe.switch_mlp.up_proj": "ffn_up_exps",
+                   "block_sparse_moe.switch_mlp.down_proj": "ffn_down_exps"}
 
 
 def tile_v_heads(name: str, w: np.ndarray, config: dict) -> np.ndarray:
@@ -324,6 +338,21 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
             w.add_expert_weights_norm(config["norm_topk_prob"])
             w.add_expert_weights_scale(config["routed_scaling_factor"])
             w.add_expert_group_count(config["n_group"])
+    elif arch == "granitehybrid":  # GraniteHybridModel's: GraniteMoeModel's, then the Mamba and attention ones
+        kinds = config["layer_types"]
+        w.add_head_count(config["num_attention_heads"])
+        w.add_head_count_kv([config["num_key_value_heads"] if k == "attention" else 0 for k in kinds])
+        w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        w.add_feed_forward_length(config["intermediate_size"])
+        for key, value in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                           ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+            w.add_float32(f"granitehybrid.{key}", config[value])
+        if config.get("num_local_experts"):
+            _moe_meta(w, config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"],
+                      config["shared_intermediate_size"])
+        _ssm_meta(w, config["mamba_d_conv"], config["mamba_d_state"], config["mamba_n_groups"],
+                  config["mamba_n_heads"] * config["mamba_d_head"], config["mamba_n_heads"])
+        w.add_rope_scaling_finetuned(config.get("position_embedding_type", "rope") != "nope")
     elif arch == "mamba2":
         w.add_feed_forward_length(0)
         w.add_head_count(0)

@@ -27,7 +27,11 @@ CASES = [("mamba2", "mamba2", {}), ("lfm2", "lfm2", {}), ("qwen3next", "qwen3_ne
          ("nemotron_h", "nemotron_h", dict(hybrid_override_pattern="M*-M", intermediate_size=96, n_groups=2)),
          ("nemotron_h_moe", "nemotron_h", NEMOTRON_MOE),
          ("qwen35", "qwen3_5", dict(linear_num_value_heads=4)),  # Qwen3.5's 2-4 value heads a key head
-         ("qwen35moe", "qwen3_5_moe", dict(linear_num_value_heads=6))]
+         ("qwen35moe", "qwen3_5_moe", dict(linear_num_value_heads=6)),
+         # Granite 4.0 H: Mamba-2 and attention layers, routed and shared experts, no RoPE; and its dense form
+         ("granitehybrid", "granitemoehybrid", dict(position_embedding_type="nope", mamba_n_groups=2)),
+         ("granitehybrid", "granitemoehybrid", dict(num_local_experts=0, num_experts_per_tok=0,
+                                                    layer_types=["attention", "mamba"]))]
 
 
 def _mlx_lm_prompt_logprobs(model, prompt: list[int]) -> np.ndarray:

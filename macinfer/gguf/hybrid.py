@@ -3,7 +3,7 @@ LFM2, Qwen3-Next, Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE), DeepS
 (`deepseek2`: also Kimi K2 and GLM-4.7-Flash files), GLM-5 (`glm-dsa`: the same MLA with
 DeepSeek Sparse Attention's indexer), GLM-4.5/4.6/4.7 and Solar Open (`glm4moe`), MiniMax M2
 (`minimax-m2`), gpt-oss (`gpt-oss`; its MXFP4 experts packed in MLX's mxfp4 mode, `load.py`),
-Gemma 4 (`gemma4`), Llama 4 (`llama4`).
+Gemma 4 (`gemma4`), Llama 4 (`llama4`), Granite 4.0 H (`granitehybrid`).
 
 The config comes from the `{arch}.ssm.*` / `shortconv.*` metadata llama.cpp's
 converter writes (`hybrid_config.py`); tensors are renamed onto mlx-lm's parameters with llama.cpp's own
@@ -14,8 +14,8 @@ way), and the converter's value changes are undone:
   [channels, width, 1];
 - Mamba-2's `ssm_d` / `ssm_a` were given a trailing 1 and its gated norm split per group
   (Nemotron-H's Mamba layers too);
-- Nemotron-H's attention Q/K rows were permuted as for Llama (undone; it has no RoPE, so
-  the scores would not change, but the weights are the model's);
+- Nemotron-H's and Granite 4.0 H's attention Q/K rows were permuted as for Llama (undone);
+  Granite's shared MLP split into gate and up (fused back as mlx-lm's class holds it);
 - Qwen3-Next's `in_proj_qkvz` was split into `attn_qkv` (all q, all k, all v) and
   `attn_gate` (z): the per-key-head [q, k, v, z] rows are put back together;
 - Qwen3.5's value heads were reordered from grouped by key head to tiled (for ggml's
@@ -122,7 +122,12 @@ def _gemma4_experts(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 # Parameters the tensor map has no name for, by architecture: (layer's parameter -> the file's tensor)
-_DIRECT = {"gemma4": {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+_DIRECT = {"granitehybrid": {"shared_mlp.input_linear.weight": "ffn_gate_up_shexp.weight",
+                             "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
+                             "block_sparse_moe.switch_mlp.gate_proj.weight": "ffn_gate_exps.weight",
+                             "block_sparse_moe.switch_mlp.up_proj.weight": "ffn_up_exps.weight",
+                             "block_sparse_moe.switch_mlp.down_proj.weight": "ffn_down_exps.weight"},
+           "gemma4": {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
                       "layer_scalar": "layer_output_scale.weight",
                       "experts.switch_glu.gate_proj.weight": "ffn_gate_exps.weight",
                       "experts.switch_glu.up_proj.weight": "ffn_up_exps.weight",
@@ -157,7 +162,11 @@ def _undo_conversion(arch: str, config: dict[str, Any], tensors: dict[str, mx.ar
             out[name] = w.reshape(*w.shape, 1)
         elif name.endswith(".ssm_norm.weight") and arch != "qwen3next":
             out[name] = w.reshape(-1)
-    if arch.startswith("nemotron_h"):  # Q/K rows permuted as llama.cpp's converter does for Llama
+    if arch == "granitehybrid":  # its MLPs: the shared one fused (gate rows first), as mlx-lm's class holds it
+        for name in [n for n in tensors if ".ffn_gate_shexp." in n]:
+            out[name.replace(".ffn_gate_shexp.", ".ffn_gate_up_shexp.")] = mx.concatenate(
+                [out.pop(name), out.pop(name.replace(".ffn_gate_shexp.", ".ffn_up_shexp."))])
+    if arch.startswith("nemotron_h") or arch == "granitehybrid":  # Q/K rows permuted as for Llama
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         for name in tensors:
             part = name.split(".")[2] if name.startswith("blk.") else None

@@ -14,7 +14,8 @@ from macinfer.gguf.file import ModelLoadError
 ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
          "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
          "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax",
-         "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "llama4": "llama4"}
+         "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "llama4": "llama4",
+         "granitehybrid": "granitemoehybrid"}
 NESTED = {"llama4"}  # mlx-lm's class takes these under `text_config`
 ROPE_FREQS_READ = {"gemma4", "llama4", "exaone4"}  # their `rope_freqs` are read into the config (`from_tensors`)
 
@@ -328,10 +329,39 @@ def from_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple], re
         config["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 2 * turned / config["global_head_dim"]
 
 
+def _granitehybrid(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """Granite 4.0 H (`granitehybrid`): Mamba-2 layers and attention layers (those with K/V heads),
+    each followed by a shared MLP and, where the file holds routers, routed experts; Granite's four
+    scales; RoPE only where the file marks it (`rope.scaling.finetuned`, as llama.cpp reads it),
+    else none. The time step unclamped, as llama.cpp runs it."""
+    n = _layers(get)
+    kv = _per_layer(get, "attention.head_count_kv", n)
+    heads, inner = int(get("ssm.time_step_rank")), int(get("ssm.inner_size"))
+    moe = any(x.endswith(".ffn_gate_inp.weight") for x in names)
+    first_m = next((i for i in range(n) if not kv[i]), 0)
+    first_a = next((i for i in range(n) if kv[i]), 0)
+    ff = int(get("feed_forward_length"))
+    return {"layer_types": ["attention" if kv[i] else "mamba" for i in range(n)],
+            "num_attention_heads": int(get("attention.head_count")), "num_key_value_heads": max(kv) or 1,
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+            "embedding_multiplier": float(get("embedding_scale")), "attention_multiplier": float(get("attention.scale")),
+            "residual_multiplier": float(get("residual_scale")), "logits_scaling": float(get("logit_scale")),
+            "intermediate_size": ff, "shared_intermediate_size": int(get("expert_shared_feed_forward_length", ff)),
+            "num_local_experts": int(get("expert_count")) if moe else 0,
+            "num_experts_per_tok": int(get("expert_used_count")) if moe else 0,
+            "mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_d_state": int(get("ssm.state_size")),
+            "mamba_n_groups": int(get("ssm.group_count", 1)), "mamba_d_conv": int(get("ssm.conv_kernel")),
+            "mamba_proj_bias": f"blk.{first_m}.ssm_in.bias" in names,
+            "mamba_conv_bias": f"blk.{first_m}.ssm_conv1d.bias" in names,
+            "attention_bias": f"blk.{first_a}.attn_q.bias" in names, "mlp_bias": False,
+            "position_embedding_type": "rope" if bool(get("rope.scaling.finetuned", False)) else "nope",
+            "rope_theta": float(get("rope.freq_base", 10000.0)), "time_step_limit": (0.0, math.inf)}
+
+
 _CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
             "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2,
             "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss,
-            "gemma4": _gemma4, "llama4": _llama4}
+            "gemma4": _gemma4, "llama4": _llama4, "granitehybrid": _granitehybrid}
 
 
 def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
