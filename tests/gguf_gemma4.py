@@ -1,5 +1,5 @@
 """Gemma 4 written as llama.cpp's Gemma4Model converter writes it (its tensors and metadata;
-`tests/gguf_writer.py` calls these for the `gemma4` architecture)."""
+`tests/gguf_hybrid_writer.py` calls these for the `gemma4` architecture)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from mlx.utils import tree_flatten
 
 from macinfer.gguf.tokenizer import tokenizer_from_gguf
-from tests.gguf_writer import hybrid_tensors, write_hybrid_gguf
+from tests.gguf_hybrid_writer import hybrid_tensors, write_hybrid_gguf
 from tests.helpers import make_mlx_lm_model
 from tests.test_gguf_hybrid import _check_quantized_file, _runs_like_mlx_lm
 from tests.zoo import tiny_config

@@ -1,6 +1,6 @@
 """Recurrent and hybrid GGUF files (Mamba-2, LFM2, Qwen3-Next), written the way
 llama.cpp's converter writes them (its tensor map's names, A as -exp(A_log), squeezed
-convolution kernels, Qwen3-Next's split in_proj_qkvz...; `tests/gguf_writer.py`), load
+convolution kernels, Qwen3-Next's split in_proj_qkvz...; `tests/gguf_hybrid_writer.py`), load
 onto mlx-lm's classes and give mlx-lm's logits on the model they were written from."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.gguf.load import load_gguf
 from macinfer.gguf.hybrid import to_model_names
 from macinfer.sampling_params import SamplingParams
-from tests.gguf_writer import hybrid_tensors, write_hybrid_gguf
+from tests.gguf_hybrid_writer import hybrid_tensors, write_hybrid_gguf
 from tests.helpers import generate, make_mlx_lm_model
 from tests.zoo import tiny_config
 

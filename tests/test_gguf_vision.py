@@ -22,7 +22,8 @@ from tests.vision_models import BOTH_WAYS, FIRST, GREEDY, ask, both_ways_greedy,
 def _text_gguf(path: str, family: str, folder: str, cfg: dict, weights: dict, tokenizer) -> None:
     """The checkpoint's language model as llama.cpp's converter writes it (Gemma 3: tied, its
     norms + 1; Llama: Q/K rows permuted), with the checkpoint's tokenizer and template."""
-    from tests.gguf_writer import hybrid_tensors, llama_tensors, write_hybrid_gguf
+    from tests.gguf_hybrid_writer import hybrid_tensors, write_hybrid_gguf
+    from tests.gguf_writer import llama_tensors
     from tests.helpers import make_mlx_lm_model
 
     text = {**cfg.get("text_config", cfg), **({"tie_word_embeddings": True} if family == "gemma3" else {})}

@@ -3,7 +3,6 @@ tensors are the checkpoint's, read from transformers' layout, an MLX conversion'
 file's `nextn` block, and each family's own rule (Step 3.5's zero-centred norms, LongCat's
 block, Bailing's first position)."""
 
-import json
 import os
 
 import mlx.core as mx
@@ -98,7 +97,7 @@ def test_a_gguf_files_nextn_block_is_the_same_head(tmp_path_factory, model_type,
     tokens of decoding without speculation."""
     from macinfer.loading.loader import load
     from macinfer.models.mtp import load_mtp
-    from tests.gguf_writer import hybrid_tensors, write_hybrid_gguf
+    from tests.gguf_hybrid_writer import hybrid_tensors, write_hybrid_gguf
 
     root = tmp_path_factory.mktemp("gguf-mtp")
     config = declare(tiny_config(model_type))
