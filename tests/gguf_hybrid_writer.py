@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from mlx.utils import tree_flatten
 
 from macinfer.gguf.hybrid import model_arch
-from tests.gguf_writer import _write_tensors, permute_qk, spm_vocab
+from tests.gguf_writer import _write_tensors, permute_qk, write_vocab
 
 
 def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> dict[str, np.ndarray]:
@@ -301,18 +301,5 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_rope_dimension_count(config["rotary_dim"])
     for key, value in (extra_meta or {}).items():
         w.add_array(key, value) if isinstance(value, list) else w.add_uint32(key, value)
-    tok = tokenizer or {}
-    tokens, scores, types = tok.get("vocab") or spm_vocab(config["vocab_size"])
-    w.add_tokenizer_model(tok.get("model", "llama"))
-    if "pre" in tok:
-        w.add_string("tokenizer.ggml.pre", tok["pre"])
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    if "merges" in tok:
-        w.add_token_merges(tok["merges"])
-    if tok.get("chat_template"):
-        w.add_string("tokenizer.chat_template", tok["chat_template"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    write_vocab(w, tokenizer, config["vocab_size"])
     _write_tensors(w, tensors, quant, encode=True)

@@ -114,9 +114,17 @@ def write_gguf(path: str, config: dict, tensors: dict[str, np.ndarray], quant: d
             w.add_float32(key, value)
         else:
             w.add_uint32(key, value)
+    write_vocab(w, tokenizer, config["vocab_size"],
+                "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    _write_tensors(w, tensors, quant)
+
+
+def write_vocab(w, tokenizer: dict | None, vocab_size: int, template: str | None = None) -> None:
+    """`tokenizer` (model, pre, vocab (tokens, scores, types), merges, chat_template), or a byte
+    SentencePiece vocabulary of `vocab_size`; BOS 1, EOS 2; `template` where it gives none."""
     tok = tokenizer or {}
-    tokens, scores, types = tok.get("vocab") or spm_vocab(config["vocab_size"])
-    w.add_string("tokenizer.ggml.model", tok.get("model", "llama"))
+    tokens, scores, types = tok.get("vocab") or spm_vocab(vocab_size)
+    w.add_tokenizer_model(tok.get("model", "llama"))
     if "pre" in tok:
         w.add_string("tokenizer.ggml.pre", tok["pre"])
     w.add_token_list(tokens)
@@ -124,11 +132,10 @@ def write_gguf(path: str, config: dict, tensors: dict[str, np.ndarray], quant: d
     w.add_token_types(types)
     if "merges" in tok:
         w.add_token_merges(tok["merges"])
-    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    w.add_string("tokenizer.chat_template", tok.get("chat_template") or
-                 "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
-    _write_tensors(w, tensors, quant)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if tok.get("chat_template") or template:
+        w.add_string("tokenizer.chat_template", tok.get("chat_template") or template)
 
 
 def _write_tensors(w, tensors: dict[str, np.ndarray], quant: dict[str, Q] | None, encode: bool = False) -> None:
