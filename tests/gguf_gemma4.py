@@ -8,7 +8,8 @@ import numpy as np
 
 # Gemma 4 parameters Gemma4Model's converter names by hand (under blk.N)
 _GEMMA4_NAMES = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
-                 "layer_scalar": "layer_output_scale.weight", "experts.switch_glu.down_proj.weight": "ffn_down_exps.weight"}
+                 "layer_scalar": "layer_output_scale.weight",
+                 "experts.switch_glu.down_proj.weight": "ffn_down_exps.weight"}
 
 
 def gemma4_tensors(model, params: dict, tmap) -> dict[str, np.ndarray]:
@@ -59,8 +60,8 @@ def gemma4_meta(w, config: dict) -> None:
     w.add_key_length_swa(args.head_dim)
     w.add_value_length_swa(args.head_dim)
     ff = args.intermediate_size
-    w.add_feed_forward_length([ff if i < n - shared else 2 * ff for i in range(n)] if args.use_double_wide_mlp and shared
-                              else ff)
+    wide = args.use_double_wide_mlp and shared
+    w.add_feed_forward_length([ff if i < n - shared else 2 * ff for i in range(n)] if wide else ff)
     w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
     w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     w.add_rope_dimension_count(args.global_head_dim)

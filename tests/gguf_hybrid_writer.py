@@ -98,7 +98,7 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
             continue
         out[f"{gname}.{kind}"] = w
     if arch == "llama4" and config.get("rope_scaling"):  # LlamaModel's generate_extra_tensors
-        from macinfer.loading.convert import llama3_factors
+        from macinfer.gguf.tensor_config import llama3_factors
 
         out["rope_freqs.weight"] = np.array(llama3_factors(config["head_dim"], config["rope_theta"],
                                                            config["rope_scaling"]), dtype=np.float32)

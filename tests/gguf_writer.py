@@ -74,11 +74,6 @@ def arch_tensors(arch: str, config: dict, model) -> dict[str, np.ndarray]:
         if arch.startswith("gemma") and base.endswith("norm"):
             w = w + 1
         out[f"{gname}.{kind}"] = w
-    if arch == "llama4" and config.get("rope_scaling"):  # LlamaModel's generate_extra_tensors
-        from macinfer.loading.convert import llama3_factors
-
-        out["rope_freqs.weight"] = np.array(llama3_factors(config["head_dim"], config["rope_theta"],
-                                                           config["rope_scaling"]), dtype=np.float32)
     return out
 
 

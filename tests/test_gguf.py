@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from mlx.utils import tree_flatten
 
 from macinfer.cli.main import main
-from macinfer.loading.convert import llama3_factors
+from macinfer.gguf.tensor_config import llama3_factors
 from macinfer.engine.llm_engine import EngineConfig, LLMEngine
 from macinfer.loading.loader import ModelLoadError, ModelNotFoundError, load, resolve
 from macinfer.models import UnsupportedArchitectureError
@@ -289,6 +289,8 @@ GGUF_ARCHS = {
                  {"mistral3.rope.scaling.type": "yarn", "mistral3.rope.scaling.factor": 16.0,
                   "mistral3.rope.scaling.original_context_length": 16, "mistral3.rope.scaling.yarn_log_multiplier": 1.0,
                   "mistral3.attention.temperature_scale": 0.1}),
+    # Hunyuan dense: query/key norms after RoPE (its NTK alpha folded into the file's base by the converter)
+    "hunyuan-dense": ({"model_type": "hunyuan_v1_dense", "use_qk_norm": True}, {}),
     # Command R7B / A: three sliding layers (window 8 here: the prompts cross it) to one global
     "cohere2": ({"model_type": "cohere2", "num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 4,
                  "logit_scale": 0.25, "layer_norm_eps": 1e-5, "tie_word_embeddings": True},
@@ -314,7 +316,7 @@ def test_gguf_architectures_match_mlx_lm(tmp_path, arch):
         heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
         tensors = {k: next((permute_qk(x, n) for p, n in heads.items() if p in k), x) for k, x in tensors.items()}
     if (scaling := config.get("rope_scaling")) is not None:  # (the converter's llama3 factors)
-        from macinfer.loading.convert import llama3_factors
+        from macinfer.gguf.tensor_config import llama3_factors
 
         tensors["rope_freqs.weight"] = np.array(llama3_factors(config["head_dim"], config["rope_theta"], scaling),
                                                 dtype=np.float32)

@@ -35,6 +35,8 @@ _GLM4 = {**_COMMON, "ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_s
 _OLMO2 = {**_COMMON, "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # StarCoder2: LayerNorms with biases, a plain GELU MLP
 _STARCODER2 = {**_COMMON, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+# Hunyuan: query/key norms under their own names
+_HUNYUAN = {**_COMMON, "attn_q_norm": "self_attn.query_layernorm", "attn_k_norm": "self_attn.key_layernorm"}
 # Seed-OSS: llama.cpp names its pre-MLP norm `post_attention_norm`
 _SEED_OSS = {**_COMMON, "post_attention_norm": "post_attention_layernorm"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -154,7 +156,7 @@ def _olmo2(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) 
 def _exaone4(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
     # EXAONE 4.0: norms after attention and after the MLP, query/key norms; where the file has a
     # window, its sliding layers (RoPE) as the pattern marks them, the others global without RoPE.
-    # Llama 3 RoPE scaling, where held, comes back from `rope_freqs` (`hybrid_config.from_tensors`).
+    # Llama 3 RoPE scaling, where held, comes back from `rope_freqs` (`tensor_config.from_tensors`).
     window = get("attention.sliding_window", 0)
     n = int(get("block_count"))
     pattern = get("attention.sliding_window_pattern", [])
@@ -178,6 +180,13 @@ def _mistral3(get: Callable, meta: dict[str, Any], names: frozenset = frozenset(
         "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
         "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale,
         "llama_4_scaling_beta": float(get("attention.temperature_scale", 0.0))}}
+
+
+def _hunyuan_dense(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
+    # Hunyuan dense (`hunyuan-dense`): NeoX RoPE whose NTK alpha the converter folds into the base
+    # (so the file's base is the one to turn by), query/key norms after it, biases where held
+    return {"use_qk_norm": "blk.0.attn_q_norm.weight" in names, "attention_bias": "blk.0.attn_q.bias" in names,
+            "rope_scaling": None}
 
 
 def _seed_oss(get: Callable, meta: dict[str, Any], names: frozenset = frozenset()) -> dict[str, Any]:
@@ -211,6 +220,7 @@ ARCHS: dict[str, tuple[str, dict[str, str], Callable | None, bool, bool]] = {
     "seed_oss": ("seed_oss", _SEED_OSS, _seed_oss, False, False),
     "exaone4": ("exaone4", _OLMO2, _exaone4, False, False),
     "mistral3": ("ministral3", _COMMON, _mistral3, False, True),  # (Ministral 3)
+    "hunyuan-dense": ("hunyuan_v1_dense", _HUNYUAN, _hunyuan_dense, False, False),
     "starcoder2": ("starcoder2", _STARCODER2, _starcoder2, False, False),
     "granite": ("granite", _COMMON, _granite, False, True),
     "command-r": ("cohere", _COMMON, _command_r, False, False),

@@ -17,7 +17,6 @@ ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotro
          "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "llama4": "llama4",
          "granitehybrid": "granitemoehybrid"}
 NESTED = {"llama4"}  # mlx-lm's class takes these under `text_config`
-ROPE_FREQS_READ = {"gemma4", "llama4", "exaone4"}  # their `rope_freqs` are read into the config (`from_tensors`)
 
 
 def _layers(get: Callable) -> int:
@@ -232,7 +231,7 @@ def _gemma4(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, A
     double-wide MLP in the shared layers where `feed_forward_length` lists it; experts beside the
     MLP where the file holds a router (26B-A4B); keys as values in the global layers where they
     hold no `attn_v` (31B). Norms are stored as they are (no 1 + w). The global layers' partial
-    rotation is in the `rope_freqs` tensor (`from_tensors`)."""
+    rotation is in the `rope_freqs` tensor (`tensor_config.from_tensors`)."""
     n = _layers(get)
     pattern = get("attention.sliding_window_pattern", None)
     pattern = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern or [])]
@@ -258,7 +257,8 @@ def _gemma4(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, A
     return {"num_attention_heads": int(get("attention.head_count")), "num_key_value_heads": kv[sw],
             "num_global_key_value_heads": kv[full], "head_dim": head_swa, "global_head_dim": head_full,
             "intermediate_size": ff[0], "use_double_wide_mlp": shared > 0 and ff[n - shared] == 2 * ff[0],
-            "num_kv_shared_layers": shared, "layer_types": types, "sliding_window": int(get("attention.sliding_window")),
+            "num_kv_shared_layers": shared, "layer_types": types,
+            "sliding_window": int(get("attention.sliding_window")),
             "hidden_size_per_layer_input": int(get("embedding_length_per_layer_input", 0)),
             "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "attention_k_eq_v": k_eq_v,
             "final_logit_softcapping": softcap or None,
@@ -274,11 +274,12 @@ def _gemma4(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, A
 
 def _llama4(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     """Llama 4 (`llama4`): every fourth layer global without RoPE (temperature-tuned queries),
-    the others RoPE in pairs over chunks of 8192 tokens (llama.cpp's fixed size); MoE layers every `interleave_moe_layer_step` (one routed expert
-    and a shared one, experts `expert_feed_forward_length` wide), dense ones
-    `feed_forward_length` wide; query/key RMS norms in the RoPE layers except for 128 experts
-    (Maverick), as llama.cpp decides. Q/K rows as the checkpoint's (its converter does not
-    permute them). Llama 3 RoPE scaling from `rope_freqs` (`from_tensors`)."""
+    the others RoPE in pairs over chunks of 8192 tokens (llama.cpp's fixed size); MoE layers
+    every `interleave_moe_layer_step` (one routed expert and a shared one, experts
+    `expert_feed_forward_length` wide), dense ones `feed_forward_length` wide; query/key RMS
+    norms in the RoPE layers except for 128 experts (Maverick), as llama.cpp decides. Q/K rows
+    as the checkpoint's (its converter does not permute them). Llama 3 RoPE scaling from
+    `rope_freqs` (`tensor_config.from_tensors`)."""
     heads = int(get("attention.head_count"))
     experts = int(get("expert_count"))
     if get("attention.sliding_window", None) == 0:
@@ -293,40 +294,6 @@ def _llama4(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, A
             "intermediate_size": int(get("expert_feed_forward_length")),
             "intermediate_size_mlp": int(get("feed_forward_length")), "num_local_experts": experts,
             "num_experts_per_tok": int(get("expert_used_count")), "use_qk_norm": experts != 128}
-
-
-def _llama3_scaling(factors: Any, config: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The llama3 rope_scaling whose factors are the file's (Meta's published low/high pairs)."""
-    from macinfer.loading.convert import llama3_factors
-
-    for low, high in ((1.0, 4.0), (1.0, 1.0)):
-        guess = {"rope_type": "llama3", "factor": float(max(factors)), "low_freq_factor": low,
-                 "high_freq_factor": high, "original_max_position_embeddings": 8192}
-        ref = llama3_factors(config["head_dim"], config["rope_theta"], guess)
-        if len(ref) == len(factors) and all(abs(a - b) < 1e-3 * max(1.0, b) for a, b in zip(factors, ref)):
-            return guess
-    raise ModelLoadError(f"{arch} GGUF: rope_freqs that are no Llama 3 scaling of Meta's published form")
-
-
-def from_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple], read: Callable) -> None:
-    """What the config takes from tensors rather than metadata (`read(name)`: its values):
-    Gemma 4's per-layer embedding rows (the converter does not trim them to the vocabulary)
-    and its global layers' rotated share, which the converter wrote as `rope_freqs` factors
-    (1 for a turned pair, 1e30 for a still one: ggml's NeoX RoPE with its pairs in order);
-    Llama 4's and EXAONE 4's RoPE scaling, written as Llama 3's factors."""
-    if arch in ("llama4", "exaone4") and "rope_freqs.weight" in shapes:
-        text = config.get("text_config", config)
-        text["rope_scaling"] = _llama3_scaling(read("rope_freqs.weight").ravel().tolist(), text, arch)
-    if arch != "gemma4":
-        return
-    if "per_layer_token_embd.weight" in shapes:
-        config["vocab_size_per_layer_input"] = int(shapes["per_layer_token_embd.weight"][0])
-    if "rope_freqs.weight" in shapes:
-        factors = read("rope_freqs.weight").ravel()
-        turned = int((factors < 1e10).sum())
-        if (factors[:turned] != 1).any():
-            raise ModelLoadError("gemma4 GGUF: rope_freqs other than Gemma 4's proportional rotation (1 then 1e30)")
-        config["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 2 * turned / config["global_head_dim"]
 
 
 def _granitehybrid(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -344,7 +311,8 @@ def _granitehybrid(get: Callable, meta: dict[str, Any], names: set[str]) -> dict
     return {"layer_types": ["attention" if kv[i] else "mamba" for i in range(n)],
             "num_attention_heads": int(get("attention.head_count")), "num_key_value_heads": max(kv) or 1,
             "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
-            "embedding_multiplier": float(get("embedding_scale")), "attention_multiplier": float(get("attention.scale")),
+            "embedding_multiplier": float(get("embedding_scale")),
+            "attention_multiplier": float(get("attention.scale")),
             "residual_multiplier": float(get("residual_scale")), "logits_scaling": float(get("logit_scale")),
             "intermediate_size": ff, "shared_intermediate_size": int(get("expert_shared_feed_forward_length", ff)),
             "num_local_experts": int(get("expert_count")) if moe else 0,

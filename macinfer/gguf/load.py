@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from macinfer.gguf import arch as gguf_arch, hybrid as gguf_hybrid
-from macinfer.gguf.hybrid_config import (ARCHS as HYBRID_ARCHS, ROPE_FREQS_READ, config_for as hybrid_config_for,
-                                         from_tensors)
+from macinfer.gguf.hybrid_config import ARCHS as HYBRID_ARCHS, config_for as hybrid_config_for
+from macinfer.gguf.tensor_config import ROPE_FREQS_READ, from_tensors
 from macinfer.gguf.file import GGUFFile, ModelLoadError
 
 log = logging.getLogger("macinfer")

@@ -241,7 +241,8 @@ def _llama4_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[st
               "num_hidden_layers": int(meta_value(f, "clip.vision.block_count")),
               "patch_size": int(meta_value(f, "clip.vision.patch_size")),
               "pixel_shuffle_ratio": 1 / int(f.metadata.get("clip.vision.projector.scale_factor", 2)),
-              "projector_input_dim": rows("mm.model.mlp.1.weight"), "projector_output_dim": rows("mm.model.mlp.2.weight"),
+              "projector_input_dim": rows("mm.model.mlp.1.weight"),
+              "projector_output_dim": rows("mm.model.mlp.2.weight"),
               "vision_output_dim": rows("mm.model.fc.weight", 1), "rope_theta": 10000, "initializer_range": 0.02,
               "projector_dropout": 0.0,
               "vision_feature_layer": -1, "vision_feature_select_strategy": "default"}

@@ -330,7 +330,8 @@ def _gemma4v_config(f: GGUFFile, text: dict[str, Any], tokenizer: Any) -> dict[s
     ids.update({k: vocab[t] for k, t in GEMMA4_AUDIO_TOKENS.items() if t in vocab})
     return {"model_type": "gemma4", "text_config": {**text, "use_bidirectional_attention": "vision"},
             "vision_config": vision, **ids, "vision_soft_tokens_per_image": GEMMA4_SOFT_TOKENS,
-            "hidden_size": text["hidden_size"], "vocab_size": text["vocab_size"], "eos_token_id": text.get("eos_token_id")}
+            "hidden_size": text["hidden_size"], "vocab_size": text["vocab_size"],
+            "eos_token_id": text.get("eos_token_id")}
 
 
 def _gemma4v_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> Any:
@@ -347,7 +348,8 @@ def _gemma4v_processor(f: GGUFFile, config: dict[str, Any], tokenizer: Any) -> A
 
 def _gemma4v_checkpoint(key: str) -> str:
     """The converter's names before its map: the tower's layers under `vision_model.model.`, the
-    clippable linears' `.linear` dropped, the position table given a `.weight`."""
+    clippable linears' `.linear` dropped (the `.weight` it gives the position table is found by
+    the lookup, as InternViT's bare parameters are)."""
     if key.startswith("vision_tower.encoder."):
         key = "vision_model.model." + key[len("vision_tower.encoder."):]
     return key.replace(".linear.weight", ".weight")
