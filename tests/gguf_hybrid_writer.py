@@ -49,6 +49,8 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
             base, kind = f"{base}.dt_proj", "bias"
         if kind == "e_score_correction_bias":
             base, kind = f"{base}.e_score_correction", "bias"
+        if kind == "expert_bias":  # (LFM2-MoE's, which the converter names expert_bias.bias)
+            base, kind = f"{base}.expert_bias", "bias"
         if base.endswith("self_attn.kv_b_proj") and kv_b_split:  # mlx-lm's DeepSeek V2 file keeps it whole
             per_head = w.reshape(config["num_attention_heads"], -1, w.shape[-1])
             k_b, v_b = np.split(per_head, [config["qk_nope_head_dim"]], axis=1)
@@ -222,7 +224,7 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         _ssm_meta(w, config["conv_kernel"], config["state_size"], config["n_groups"],
                   config["num_heads"] * config["head_dim"], config["num_heads"])
         w.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
-    elif arch == "lfm2":
+    elif arch in ("lfm2", "lfm2moe"):  # (LFM2MoeModel's: LFM2's, with its experts')
         full = set(config["full_attn_idxs"])
         w.add_head_count(config["num_attention_heads"])
         w.add_head_count_kv([config["num_key_value_heads"] if i in full else 0
@@ -231,6 +233,12 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_shortconv_l_cache(config["conv_L_cache"])
         w.add_layer_norm_rms_eps(config["norm_eps"])
         w.add_feed_forward_length(config.get("block_ff_dim") or config["intermediate_size"])
+        if arch == "lfm2moe":
+            w.add_expert_count(config["num_experts"])
+            w.add_expert_used_count(config["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+            w.add_leading_dense_block_count(config["num_dense_layers"])
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     elif arch in ("deepseek2", "glm-dsa"):  # GlmMoeDsaModel: DeepseekV2Model's, and the indexer's
         rope, kv_lora = config["qk_rope_head_dim"], config["kv_lora_rank"]
         w.add_head_count(config["num_attention_heads"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gguf
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -23,7 +24,10 @@ from tests.zoo import tiny_config
 NEMOTRON_MOE = dict(hybrid_override_pattern="M*EM", moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
                     n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
                     norm_topk_prob=True, routed_scaling_factor=1.5)
-CASES = [("mamba2", "mamba2", {}), ("lfm2", "lfm2", {}), ("qwen3next", "qwen3_next", {}),
+CASES = [("mamba2", "mamba2", {}), ("lfm2", "lfm2", {}),
+         # LFM2-8B-A1B: a dense first layer, sigmoid-routed experts with their selection bias
+         ("lfm2moe", "lfm2_moe", dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2,
+                                      full_attn_idxs=[1, 3], use_expert_bias=True)), ("qwen3next", "qwen3_next", {}),
          ("nemotron_h", "nemotron_h", dict(hybrid_override_pattern="M*-M", intermediate_size=96, n_groups=2)),
          ("nemotron_h_moe", "nemotron_h", NEMOTRON_MOE),
          ("qwen35", "qwen3_5", dict(linear_num_value_heads=4)),  # Qwen3.5's 2-4 value heads a key head
@@ -61,6 +65,9 @@ def test_hybrid_gguf_runs_like_mlx_lm(tmp_path, arch, model_type, extra):
     config = tiny_config(model_type)
     config.get("text_config", config).update(extra)
     model = make_mlx_lm_model(config)
+    if arch == "lfm2moe":  # its experts' selection bias starts at zero: set it off, so it counts
+        model.load_weights([(k, 0.5 * mx.random.normal(v.shape, key=mx.random.key(1)))
+                            for k, v in tree_flatten(model.parameters()) if k.endswith("expert_bias")], strict=False)
     path = str(tmp_path / f"{arch}.gguf")
     write_hybrid_gguf(path, arch, config, hybrid_tensors(arch, config, model))
     _runs_like_mlx_lm(path, model)

@@ -207,6 +207,8 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
             base, kind = param, "weight"
         elif kind == "e_score_correction_bias":
             base, kind = f"{base}.e_score_correction", "bias"
+        elif kind == "expert_bias":  # LFM2-MoE's: the converter named it expert_bias.bias
+            base, kind = f"{base}.expert_bias", "bias"
         rest = base.partition(".layers.")[2]
         if rest and (alias := _ALIASES.get(rest.split(".", 1)[-1])):
             base = f"model.layers.{rest.split('.', 1)[0]}.{alias}"

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from macinfer.gguf.file import ModelLoadError
 
 # GGUF architecture -> mlx-lm model_type
-ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
+ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "lfm2moe": "lfm2_moe", "qwen3next": "qwen3_next", "nemotron_h": "nemotron_h",
          "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
          "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax",
          "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "llama4": "llama4",
@@ -50,6 +50,20 @@ def _lfm2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any
             "block_multiple_of": 1, "block_ffn_dim_multiplier": 1.0, "rope_theta": float(get("rope.freq_base")),
             "full_attn_idxs": full,
             "layer_types": ["full_attention" if i in full else "conv" for i in range(len(kv))]}
+
+
+def _lfm2moe(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """LFM2-MoE (`lfm2moe`, LFM2-8B-A1B): LFM2's convolution and attention layers, dense MLPs in
+    the first `leading_dense_block_count` layers and sigmoid-routed experts after them, their
+    selection bias where the file holds it."""
+    config = _lfm2(get, meta, names)
+    dense = int(get("leading_dense_block_count", 0))
+    return {**config, "intermediate_size": int(get("feed_forward_length")), "conv_bias": config["conv_bias"],
+            "moe_intermediate_size": int(get("expert_feed_forward_length")), "num_experts": int(get("expert_count")),
+            "num_experts_per_tok": int(get("expert_used_count")), "num_dense_layers": dense,
+            "norm_topk_prob": bool(get("expert_weights_norm", True)),
+            "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+            "use_expert_bias": any(n.endswith(".exp_probs_b.bias") for n in names)}
 
 
 def _gated_deltanet(get: Callable) -> dict[str, Any]:
@@ -326,7 +340,7 @@ def _granitehybrid(get: Callable, meta: dict[str, Any], names: set[str]) -> dict
             "rope_theta": float(get("rope.freq_base", 10000.0)), "time_step_limit": (0.0, math.inf)}
 
 
-_CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
+_CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "lfm2moe": _lfm2moe, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
             "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2,
             "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss,
             "gemma4": _gemma4, "llama4": _llama4, "granitehybrid": _granitehybrid}
