@@ -67,6 +67,10 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
                 base = base.replace("embed_q", "kv_b_proj")
             else:
                 continue
+        if arch == "bailingmoe2" and (base.endswith("mlp.gate.gate_proj") or kind == "expert_bias"):  # (HF's mlp.gate)
+            layer = base.split(".")[2]
+            out[f"blk.{layer}.exp_probs_b.bias" if kind == "expert_bias" else f"blk.{layer}.ffn_gate_inp.weight"] = w
+            continue
         if arch == "granitehybrid" and (part := _GRANITE_HYBRID.get(base.split(".", 3)[-1])):
             layer = base.split(".")[2]
             if part == "shared":  # GraniteMoeModel's split of the fused shared MLP (gate rows first)
@@ -203,6 +207,21 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
             w.add_expert_weights_norm(config["norm_topk_prob"])
             w.add_expert_weights_scale(config["routed_scaling_factor"])
             w.add_expert_group_count(config["n_group"])
+    elif arch == "bailingmoe2":  # BailingMoeV2Model's (the base TextModel's, then its own)
+        _attention_meta(w, config)
+        w.add_rope_dimension_count(config["rotary_dim"])
+        w.add_leading_dense_block_count(config["first_k_dense_replace"])
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(config["moe_intermediate_size"] * config["num_shared_experts"])
+        w.add_expert_shared_count(config["num_shared_experts"])
+        w.add_expert_weights_scale(config["routed_scaling_factor"])
+        w.add_expert_weights_norm(config["norm_topk_prob"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if config.get("score_function") == "sigmoid"
+                                 else gguf.ExpertGatingFuncType.SOFTMAX)
+        w.add_expert_group_count(config["n_group"])
+        w.add_expert_group_used_count(config["topk_group"])
     elif arch == "granitehybrid":  # GraniteHybridModel's: GraniteMoeModel's, then the Mamba and attention ones
         kinds = config["layer_types"]
         w.add_head_count(config["num_attention_heads"])

@@ -32,6 +32,9 @@ CASES = [("mamba2", "mamba2", {}), ("lfm2", "lfm2", {}),
          ("nemotron_h_moe", "nemotron_h", NEMOTRON_MOE),
          ("qwen35", "qwen3_5", dict(linear_num_value_heads=4)),  # Qwen3.5's 2-4 value heads a key head
          ("qwen35moe", "qwen3_5_moe", dict(linear_num_value_heads=6)),
+         # Ling/Ring 2.0: fused QKV, query/key norms, partial rotary, sigmoid grouped routing with a selection bias
+         ("bailingmoe2", "bailing_moe", dict(head_dim=16, use_qk_norm=True, score_function="sigmoid", n_group=2, topk_group=1,
+                                              moe_router_enable_expert_bias=True, routed_scaling_factor=2.5)),
          # Granite 4.0 H: Mamba-2 and attention layers, routed and shared experts, no RoPE; and its dense form
          ("granitehybrid", "granitemoehybrid", dict(position_embedding_type="nope", mamba_n_groups=2)),
          ("granitehybrid", "granitemoehybrid", dict(num_local_experts=0, num_experts_per_tok=0,
@@ -65,7 +68,7 @@ def test_hybrid_gguf_runs_like_mlx_lm(tmp_path, arch, model_type, extra):
     config = tiny_config(model_type)
     config.get("text_config", config).update(extra)
     model = make_mlx_lm_model(config)
-    if arch == "lfm2moe":  # its experts' selection bias starts at zero: set it off, so it counts
+    if arch in ("lfm2moe", "bailingmoe2"):  # their experts' selection bias starts at zero: set it off, so it counts
         model.load_weights([(k, 0.5 * mx.random.normal(v.shape, key=mx.random.key(1)))
                             for k, v in tree_flatten(model.parameters()) if k.endswith("expert_bias")], strict=False)
     path = str(tmp_path / f"{arch}.gguf")

@@ -3,7 +3,8 @@ LFM2, Qwen3-Next, Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE), DeepS
 (`deepseek2`: also Kimi K2 and GLM-4.7-Flash files), GLM-5 (`glm-dsa`: the same MLA with
 DeepSeek Sparse Attention's indexer), GLM-4.5/4.6/4.7 and Solar Open (`glm4moe`), MiniMax M2
 (`minimax-m2`), gpt-oss (`gpt-oss`; its MXFP4 experts packed in MLX's mxfp4 mode, `load.py`),
-Gemma 4 (`gemma4`), Llama 4 (`llama4`), Granite 4.0 H (`granitehybrid`).
+Gemma 4 (`gemma4`), Llama 4 (`llama4`), Granite 4.0 H (`granitehybrid`), Ling/Ring 2.0
+(`bailingmoe2`).
 
 The config comes from the `{arch}.ssm.*` / `shortconv.*` metadata llama.cpp's
 converter writes (`hybrid_config.py`); tensors are renamed onto mlx-lm's parameters with llama.cpp's own
@@ -122,7 +123,8 @@ def _gemma4_experts(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 # Parameters the tensor map has no name for, by architecture: (layer's parameter -> the file's tensor)
-_DIRECT = {"granitehybrid": {"shared_mlp.input_linear.weight": "ffn_gate_up_shexp.weight",
+_DIRECT = {"bailingmoe2": {"mlp.gate.gate_proj.weight": "ffn_gate_inp.weight", "mlp.gate.expert_bias": "exp_probs_b.bias"},
+           "granitehybrid": {"shared_mlp.input_linear.weight": "ffn_gate_up_shexp.weight",
                              "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
                              "block_sparse_moe.switch_mlp.gate_proj.weight": "ffn_gate_exps.weight",
                              "block_sparse_moe.switch_mlp.up_proj.weight": "ffn_up_exps.weight",

@@ -15,7 +15,7 @@ ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "lfm2moe": "lfm2_moe", "qwen3next":
          "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
          "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax",
          "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "llama4": "llama4",
-         "granitehybrid": "granitemoehybrid"}
+         "granitehybrid": "granitemoehybrid", "bailingmoe2": "bailing_moe"}
 NESTED = {"llama4"}  # mlx-lm's class takes these under `text_config`
 
 
@@ -340,10 +340,37 @@ def _granitehybrid(get: Callable, meta: dict[str, Any], names: set[str]) -> dict
             "rope_theta": float(get("rope.freq_base", 10000.0)), "time_step_limit": (0.0, math.inf)}
 
 
+def _bailingmoe2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """Ling / Ring 2.0 (`bailingmoe2`): fused QKV, query/key norms where held, partial rotary (the
+    converter writes the rotated width), dense leading layers, routed experts (softmax or sigmoid,
+    grouped, with their selection bias where held) beside shared ones. An output head the
+    converter L2-normalized (`norm_head`) is stored normalized, so none is applied again."""
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", int(get("embedding_length")) // heads))
+    rotary = int(get("rope.dimension_count", head_dim))
+    return {"num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+            "head_dim": head_dim, "partial_rotary_factor": rotary / head_dim, "rotary_dim": rotary,
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
+            "intermediate_size": int(get("feed_forward_length")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "num_shared_experts": int(get("expert_shared_count", 1)),
+            "moe_shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0)) or None,
+            "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(get("expert_weights_norm", True)),
+            "score_function": "sigmoid" if int(get("expert_gating_func", 1)) == 2 else "softmax",
+            "n_group": int(get("expert_group_count", 1)), "topk_group": int(get("expert_group_used_count", 1)),
+            "moe_router_enable_expert_bias": any(n.endswith(".exp_probs_b.bias") for n in names),
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in names, "use_qkv_bias": "blk.0.attn_qkv.bias" in names,
+            "use_bias": "blk.0.attn_output.bias" in names, "norm_head": False}
+
+
 _CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "lfm2moe": _lfm2moe, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
             "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2,
             "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss,
-            "gemma4": _gemma4, "llama4": _llama4, "granitehybrid": _granitehybrid}
+            "gemma4": _gemma4, "llama4": _llama4, "granitehybrid": _granitehybrid,
+            "bailingmoe2": _bailingmoe2}
 
 
 def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
