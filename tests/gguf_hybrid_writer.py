@@ -207,6 +207,13 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
             w.add_expert_weights_norm(config["norm_topk_prob"])
             w.add_expert_weights_scale(config["routed_scaling_factor"])
             w.add_expert_group_count(config["n_group"])
+    elif arch in ("olmoe", "qwen2moe"):  # OlmoeModel's / Qwen2MoeModel's (the base TextModel's)
+        _attention_meta(w, config)
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        if arch == "qwen2moe":
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     elif arch == "bailingmoe2":  # BailingMoeV2Model's (the base TextModel's, then its own)
         _attention_meta(w, config)
         w.add_rope_dimension_count(config["rotary_dim"])

@@ -32,6 +32,8 @@ CASES = [("mamba2", "mamba2", {}), ("lfm2", "lfm2", {}),
          ("nemotron_h_moe", "nemotron_h", NEMOTRON_MOE),
          ("qwen35", "qwen3_5", dict(linear_num_value_heads=4)),  # Qwen3.5's 2-4 value heads a key head
          ("qwen35moe", "qwen3_5_moe", dict(linear_num_value_heads=6)),
+         ("olmoe", "olmoe", dict(norm_topk_prob=False)),  # (query/key norms over all heads)
+         ("qwen2moe", "qwen2_moe", dict(head_dim=16)),  # (biases, a gated shared expert)
          # Ling/Ring 2.0: fused QKV, query/key norms, partial rotary, sigmoid grouped routing with a selection bias
          ("bailingmoe2", "bailing_moe", dict(head_dim=16, use_qk_norm=True, score_function="sigmoid", n_group=2, topk_group=1,
                                               moe_router_enable_expert_bias=True, routed_scaling_factor=2.5)),

@@ -15,7 +15,8 @@ ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "lfm2moe": "lfm2_moe", "qwen3next":
          "nemotron_h_moe": "nemotron_h", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
          "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax",
          "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "llama4": "llama4",
-         "granitehybrid": "granitemoehybrid", "bailingmoe2": "bailing_moe"}
+         "granitehybrid": "granitemoehybrid", "bailingmoe2": "bailing_moe", "olmoe": "olmoe",
+         "qwen2moe": "qwen2_moe"}
 NESTED = {"llama4"}  # mlx-lm's class takes these under `text_config`
 
 
@@ -294,16 +295,11 @@ def _llama4(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, A
     norms in the RoPE layers except for 128 experts (Maverick), as llama.cpp decides. Q/K rows
     as the checkpoint's (its converter does not permute them). Llama 3 RoPE scaling from
     `rope_freqs` (`tensor_config.from_tensors`)."""
-    heads = int(get("attention.head_count"))
     experts = int(get("expert_count"))
     if get("attention.sliding_window", None) == 0:
         raise ModelLoadError("llama4 GGUF with every layer full attention (MobileLLM-R1): mlx-lm's Llama 4 class "
                              "chunks three layers in four")
-    return {"num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-            "head_dim": int(get("attention.key_length", int(get("embedding_length")) // heads)),
-            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
-            "rope_scaling": None, "attention_bias": "blk.0.attn_q.bias" in names,
-            "attention_chunk_size": 8192,
+    return {**_attention(get, names), "rope_scaling": None, "attention_chunk_size": 8192,
             "interleave_moe_layer_step": int(get("interleave_moe_layer_step", 1)),
             "intermediate_size": int(get("expert_feed_forward_length")),
             "intermediate_size_mlp": int(get("feed_forward_length")), "num_local_experts": experts,
@@ -345,12 +341,9 @@ def _bailingmoe2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[s
     converter writes the rotated width), dense leading layers, routed experts (softmax or sigmoid,
     grouped, with their selection bias where held) beside shared ones. An output head the
     converter L2-normalized (`norm_head`) is stored normalized, so none is applied again."""
-    heads = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", int(get("embedding_length")) // heads))
-    rotary = int(get("rope.dimension_count", head_dim))
-    return {"num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-            "head_dim": head_dim, "partial_rotary_factor": rotary / head_dim, "rotary_dim": rotary,
-            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
+    attention = _attention(get, names)
+    rotary = int(get("rope.dimension_count", attention["head_dim"]))
+    return {**attention, "partial_rotary_factor": rotary / attention["head_dim"], "rotary_dim": rotary,
             "intermediate_size": int(get("feed_forward_length")),
             "moe_intermediate_size": int(get("expert_feed_forward_length")),
             "num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
@@ -366,11 +359,36 @@ def _bailingmoe2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[s
             "use_bias": "blk.0.attn_output.bias" in names, "norm_head": False}
 
 
+def _attention(get: Callable, names: set[str]) -> dict[str, Any]:
+    """The plain attention fields most files carry alike."""
+    heads = int(get("attention.head_count"))
+    return {"num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+            "head_dim": int(get("attention.key_length", int(get("embedding_length")) // heads)),
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")), "rope_theta": float(get("rope.freq_base")),
+            "attention_bias": "blk.0.attn_q.bias" in names}
+
+
+def _olmoe(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """OLMoE (`olmoe`): query/key norms over all heads, experts `feed_forward_length` wide, their
+    weights not renormalized (as llama.cpp runs it)."""
+    return {**_attention(get, names), "intermediate_size": int(get("feed_forward_length")),
+            "num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "norm_topk_prob": bool(get("expert_weights_norm", False))}
+
+
+def _qwen2moe(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """Qwen1.5-MoE / Qwen2-MoE (`qwen2moe`): Q/K/V biases, routed experts beside a gated shared one."""
+    return {**_attention(get, names), "intermediate_size": int(get("feed_forward_length", 0)),
+            "num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length"))}
+
+
 _CONFIGS = {"mamba2": _mamba2, "lfm2": _lfm2, "lfm2moe": _lfm2moe, "qwen3next": _qwen3next, "nemotron_h": _nemotron_h,
             "nemotron_h_moe": _nemotron_h, "qwen35": _qwen35, "qwen35moe": _qwen35, "deepseek2": _deepseek2,
             "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss,
             "gemma4": _gemma4, "llama4": _llama4, "granitehybrid": _granitehybrid,
-            "bailingmoe2": _bailingmoe2}
+            "bailingmoe2": _bailingmoe2, "olmoe": _olmoe, "qwen2moe": _qwen2moe}
 
 
 def config_for(arch: str, get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
