@@ -2,7 +2,8 @@
 (`tests/gguf_gemma4.py`), load onto mlx-lm's `gemma4_text` class and give its logits: sliding
 and global layers of two head widths, KV shared across layers, per-layer token embeddings,
 the double-wide MLP, experts beside the MLP, keys as values, the global layers' partial
-rotation read from `rope_freqs`; and its tokenizer kind (BPE over raw UTF-8 with "▁" spaces)."""
+rotation read from `rope_freqs`; and its tokenizer kind (BPE over raw UTF-8 with "▁" spaces);
+and the load-time refusals of forms the new architectures' classes cannot run."""
 
 from __future__ import annotations
 
@@ -108,3 +109,43 @@ def test_gemma4_tokenizer_kind(tmp_path):
     assert enc.tokens == ["<bos>", "hello", "▁world", "▁", "<0xC3>", "<0xA9>"]
     assert tok.decode(enc.ids, skip_special_tokens=True) == "hello world é"
     assert facts["bos_token"] == "<bos>" and 1 in facts["eos_token_ids"]
+
+
+def test_forms_the_loader_cannot_run_are_one_line_load_errors(tmp_path):
+    """Files of the new architectures in forms mlx-lm's classes cannot run are refused at load
+    with the reason: a Gemma 4 without its layer pattern, a Llama 4 with every layer full
+    attention (MobileLLM-R1), a Ministral 3 without YaRN, an EXAONE 4 window without a pattern;
+    the CLI prints one line and exits 1."""
+    from click.testing import CliRunner
+
+    from macinfer.cli.main import main
+    from macinfer.loading.loader import ModelLoadError, load
+    from tests.gguf_writer import arch_tensors, write_gguf
+    from tests.test_architectures import BASE
+
+    config, model = _model({})
+    tensors = hybrid_tensors("gemma4", config, model)
+    path = str(tmp_path / "g4.gguf")
+    write_hybrid_gguf(path, "gemma4", config, tensors)
+    raw = open(path, "rb").read()  # the pattern's key renamed: the file then lacks it
+    open(path, "wb").write(raw.replace(b"gemma4.attention.sliding_window_pattern",
+                                       b"gemma4.attention.sliding_window_pattexx"))
+    cases = [(path, "sliding_window_pattern must mark every layer")]
+    l4 = tiny_config("llama4")
+    l4["text_config"]["attention_chunk_size"] = 8192
+    l4_model = make_mlx_lm_model(l4)
+    write_hybrid_gguf(str(tmp_path / "l4.gguf"), "llama4", l4, hybrid_tensors("llama4", l4, l4_model),
+                      extra_meta={"llama4.attention.sliding_window": 0})
+    cases.append((str(tmp_path / "l4.gguf"), "MobileLLM-R1"))
+    m3 = {**BASE, "model_type": "llama"}
+    write_gguf(str(tmp_path / "m3.gguf"), m3, arch_tensors("mistral3", m3, make_mlx_lm_model(m3)), arch="mistral3")
+    cases.append((str(tmp_path / "m3.gguf"), "without YaRN"))
+    ex = {**BASE, "model_type": "exaone4", "sliding_window": 8, "sliding_window_pattern": "LG", "rope_scaling": None}
+    write_gguf(str(tmp_path / "ex.gguf"), ex, arch_tensors("exaone4", ex, make_mlx_lm_model(ex)), arch="exaone4",
+               extra_meta={"exaone4.attention.sliding_window": 8})
+    cases.append((str(tmp_path / "ex.gguf"), "window without attention.sliding_window_pattern"))
+    for file, reason in cases:
+        with pytest.raises(ModelLoadError, match=reason):
+            load(file)
+        r = CliRunner().invoke(main, ["generate", file, "-p", "hi", "-n", "1", "--kv-cache-gb", "0.01"])
+        assert r.exit_code == 1 and reason.split()[0] in r.output and "Traceback" not in r.output, r.output
