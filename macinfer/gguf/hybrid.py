@@ -123,7 +123,8 @@ def _gemma4_experts(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 # Parameters the tensor map has no name for, by architecture: (layer's parameter -> the file's tensor)
-_DIRECT = {"bailingmoe2": {"mlp.gate.gate_proj.weight": "ffn_gate_inp.weight", "mlp.gate.expert_bias": "exp_probs_b.bias"},
+_DIRECT = {"bailingmoe2": {"mlp.gate.gate_proj.weight": "ffn_gate_inp.weight",
+                           "mlp.gate.expert_bias": "exp_probs_b.bias"},
            "granitehybrid": {"shared_mlp.input_linear.weight": "ffn_gate_up_shexp.weight",
                              "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
                              "block_sparse_moe.switch_mlp.gate_proj.weight": "ffn_gate_exps.weight",
