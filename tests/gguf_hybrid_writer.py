@@ -30,6 +30,8 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
         from tests.gguf_gemma4 import gemma4_tensors
 
         return gemma4_tensors(model, params, tmap)
+    if arch == "gemma3n":
+        return _gemma3n_tensors(params, tmap)
     for name, w in params.items():
         w = np.array(w.astype(mx.float32), dtype=np.float32)
         name = name.removeprefix("language_model.")  # Qwen3.5's text model
@@ -108,6 +110,28 @@ def hybrid_tensors(arch: str, config: dict, model, kv_b_split: bool = True) -> d
 
         out["rope_freqs.weight"] = np.array(llama3_factors(config["head_dim"], config["rope_theta"],
                                                            config["rope_scaling"]), dtype=np.float32)
+    return out
+
+
+def _gemma3n_tensors(params: dict, tmap) -> dict[str, np.ndarray]:
+    """Gemma 3n as Gemma3NModel's converter writes it: names under `model.` (no `language_model.`),
+    norms as they are, the AltUp projections stacked into one tensor each, `*_scale` parameters
+    given a `.weight`."""
+    out, stacks = {}, {}
+    for name, w in params.items():
+        w = np.array(w.astype(mx.float32), dtype=np.float32)
+        name = name.replace("model.language_model.", "model.", 1)
+        if name.startswith(("model.altup_projections.", "model.altup_unembed_projections.")):
+            group, i = name.split(".")[1], int(name.split(".")[2])
+            stacks.setdefault(group, {})[i] = w
+            continue
+        base, kind = name.rsplit(".", 1)
+        if kind == "correct_output_scale":
+            out[f"{tmap.get_name(name)}.weight"] = w
+            continue
+        out[f"{tmap.get_name(base)}.{kind}"] = w
+    for group, ws in stacks.items():
+        out[f"{tmap.get_name('model.' + group)}.weight"] = np.stack([ws[i] for i in sorted(ws)])
     return out
 
 
@@ -214,6 +238,24 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         if arch == "qwen2moe":
             w.add_expert_feed_forward_length(config["moe_intermediate_size"])
             w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    elif arch == "gemma3n":  # Gemma3NModel's (Gemma3Model's, then its own)
+        import math
+
+        from mlx_lm.models.gemma3n import TextConfig
+
+        t = TextConfig.from_dict(config)
+        _attention_meta(w, {**config, "rope_theta": t.rope_theta, "intermediate_size": list(t.intermediate_size)})
+        w.add_rope_freq_base_swa(t.rope_local_base_freq)
+        w.add_final_logit_softcapping(t.final_logit_softcapping)
+        w.add_sliding_window(t.sliding_window)
+        w.add_sliding_window_pattern([k == "sliding_attention" for k in t.layer_types])
+        w.add_shared_kv_layers(t.num_kv_shared_layers)
+        w.add_embedding_length_per_layer_input(t.hidden_size_per_layer_input)
+        w.add_altup_active_idx(t.altup_active_idx)
+        w.add_altup_num_inputs(t.altup_num_inputs)
+        # the converter's torch Normal(0, 1).icdf(p): -inf for 0
+        w.add_activation_sparsity_scale([math.sqrt(2) * _erfinv(2 * p - 1) if p > 0 else -math.inf
+                                         for p in t.activation_sparsity_pattern])
     elif arch == "bailingmoe2":  # BailingMoeV2Model's (the base TextModel's, then its own)
         _attention_meta(w, config)
         w.add_rope_dimension_count(config["rotary_dim"])
@@ -337,3 +379,13 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         w.add_array(key, value) if isinstance(value, list) else w.add_uint32(key, value)
     write_vocab(w, tokenizer, config["vocab_size"])
     _write_tensors(w, tensors, quant, encode=True)
+
+
+def _erfinv(y: float) -> float:
+    """erf's inverse by Newton's method (the standard library has none)."""
+    import math
+
+    x = 0.0
+    for _ in range(60):
+        x -= (math.erf(x) - y) / (2 / math.sqrt(math.pi) * math.exp(-x * x))
+    return x

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gguf
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -32,6 +33,10 @@ CASES = [("mamba2", "mamba2", {}), ("lfm2", "lfm2", {}),
          ("nemotron_h_moe", "nemotron_h", NEMOTRON_MOE),
          ("qwen35", "qwen3_5", dict(linear_num_value_heads=4)),  # Qwen3.5's 2-4 value heads a key head
          ("qwen35moe", "qwen3_5_moe", dict(linear_num_value_heads=6)),
+         # Gemma 3n: AltUp streams, LAuReL, per-layer embeddings, shared KV, the first layers' activation sparsity
+         # (a window past the prompts: mlx-lm's forward without a cache applies none; the engine does, as its
+         # folder path, which the architecture tests check)
+         ("gemma3n", "gemma3n", dict(activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0], altup_num_inputs=4)),
          ("olmoe", "olmoe", dict(norm_topk_prob=False)),  # (query/key norms over all heads)
          ("qwen2moe", "qwen2_moe", dict(head_dim=16)),  # (biases, a gated shared expert)
          # Ling/Ring 2.0: fused QKV, query/key norms, partial rotary, sigmoid grouped routing with a selection bias
@@ -44,7 +49,8 @@ CASES = [("mamba2", "mamba2", {}), ("lfm2", "lfm2", {}),
 
 
 def _mlx_lm_prompt_logprobs(model, prompt: list[int]) -> np.ndarray:
-    logits = model(mx.array(prompt)[None])[0].astype(mx.float32)
+    # (with mlx-lm's own cache, as it generates: Gemma 3n's KV-sharing layers read it)
+    logits = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[0].astype(mx.float32)
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return np.array(lp[mx.arange(len(prompt) - 1), mx.array(prompt[1:])])
 

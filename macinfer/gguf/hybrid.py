@@ -3,8 +3,8 @@ LFM2, Qwen3-Next, Qwen3.5/3.6 (dense and MoE), Nemotron-H (dense and MoE), DeepS
 (`deepseek2`: also Kimi K2 and GLM-4.7-Flash files), GLM-5 (`glm-dsa`: the same MLA with
 DeepSeek Sparse Attention's indexer), GLM-4.5/4.6/4.7 and Solar Open (`glm4moe`), MiniMax M2
 (`minimax-m2`), gpt-oss (`gpt-oss`; its MXFP4 experts packed in MLX's mxfp4 mode, `load.py`),
-Gemma 4 (`gemma4`), Llama 4 (`llama4`), Granite 4.0 H (`granitehybrid`), Ling/Ring 2.0
-(`bailingmoe2`).
+Gemma 4 (`gemma4`), Gemma 3n (`gemma3n`), Llama 4 (`llama4`), Granite 4.0 H (`granitehybrid`),
+Ling/Ring 2.0 (`bailingmoe2`), OLMoE, Qwen2-MoE.
 
 The config comes from the `{arch}.ssm.*` / `shortconv.*` metadata llama.cpp's
 converter writes (`hybrid_config.py`); tensors are renamed onto mlx-lm's parameters with llama.cpp's own
@@ -23,7 +23,8 @@ way), and the converter's value changes are undone:
   broadcast) wherever they appear: V rows of `attn_qkv`, `attn_gate`, alpha/beta, A,
   dt, the convolution's V channels and `ssm_out`'s columns; put back in mlx-lm's order;
 - Gemma 4's experts keep the checkpoint's fused gate_up (split here), its router's scales
-  and layer scalar are named by hand (`_DIRECT`);
+  and layer scalar are named by hand (`_DIRECT`); Gemma 3n's AltUp projections are stacked
+  into one tensor each (split back a stream each);
 - DeepSeek's `kv_b_proj` is stored split as `attn_k_b` (transposed) and `attn_v_b`, which
   are exactly mlx-lm's absorbed-MLA `embed_q` and `unembed_out`; older files keep one
   `attn_kv_b`, split here as mlx-lm splits it.
@@ -33,6 +34,7 @@ mlx-lm's class holds once its own `sanitize` has run on a Hugging Face checkpoin
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import mlx.core as mx
@@ -123,7 +125,8 @@ def _gemma4_experts(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 # Parameters the tensor map has no name for, by architecture: (layer's parameter -> the file's tensor)
-_DIRECT = {"bailingmoe2": {"mlp.gate.gate_proj.weight": "ffn_gate_inp.weight",
+_DIRECT = {"gemma3n": {"altup.correct_output_scale": "altup_correct_scale.weight"},
+           "bailingmoe2": {"mlp.gate.gate_proj.weight": "ffn_gate_inp.weight",
                            "mlp.gate.expert_bias": "exp_probs_b.bias"},
            "granitehybrid": {"shared_mlp.input_linear.weight": "ffn_gate_up_shexp.weight",
                              "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
@@ -146,9 +149,27 @@ def _direct(arch: str, param: str) -> tuple[str, str] | None:
     return f"blk.{layer}.{name.rsplit('.', 1)[0]}", f"blk.{layer}.{name}"
 
 
+_ALTUP = re.compile(r"model\.(altup_(?:unembed_)?projections)\.(\d+)")
+_ALTUP_NAMES = {"altup_projections": "altup_proj", "altup_unembed_projections": "altup_unembd_proj"}
+
+
+def _gemma3n_altup(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Gemma 3n's AltUp projections: stacked into one tensor each by the converter (a block format's
+    scales and biases alike), one a stream here."""
+    out = dict(tensors)
+    for name in _ALTUP_NAMES.values():
+        for kind in ("weight", "scales", "biases"):
+            if f"{name}.{kind}" in out:
+                for i, w in enumerate(out.pop(f"{name}.{kind}")):
+                    out[f"{name}.{i}.{kind}"] = w
+    return out
+
+
 def _undo_conversion(arch: str, config: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str, mx.array]:
     if arch == "gemma4":
         tensors = _gemma4_experts(tensors)
+    if arch == "gemma3n":
+        tensors = _gemma3n_altup(tensors)
     if arch.startswith("qwen35"):
         tensors = _untile_qwen35(config, tensors)
     out = dict(tensors)
@@ -216,6 +237,8 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
         if rest and (alias := _ALIASES.get(rest.split(".", 1)[-1])):
             base = f"model.layers.{rest.split('.', 1)[0]}.{alias}"
         base = base.replace(".switch_mlp.", ".experts.")
+        if base.startswith("model.language_model."):  # Gemma 3n's text model under its wrapper
+            base = "model." + base[len("model.language_model."):]
         if base.startswith("language_model."):  # Qwen3.5's text model (the converter drops the prefix)
             base, full = base[len("language_model."):], param[len("language_model."):]
         else:
@@ -224,6 +247,9 @@ def to_model_names(arch: str, model, tensors: dict[str, mx.array], config: dict[
         key = gname if kind in ("A_log", "D") else f"{gname}.{kind}"
         if (direct := _direct(arch, param)) is not None:
             gname, key = direct
+        elif m := _ALTUP.fullmatch(base):  # Gemma 3n's AltUp projections, one a stream (`_gemma3n_altup`)
+            gname = f"{_ALTUP_NAMES[m.group(1)]}.{m.group(2)}"
+            key = f"{gname}.{kind}"
         if gname is None or key not in tensors:
             raise ModelLoadError(f"GGUF ({arch}) has no tensor for {param}" + (f" ({key})" if gname else ""))
         out[param] = tensors[key]

@@ -19,8 +19,8 @@ ARCHS = {"mamba2": "mamba2", "lfm2": "lfm2", "lfm2moe": "lfm2_moe", "qwen3next":
          "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "glm-dsa": "glm_moe_dsa", "minimax-m2": "minimax",
          "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "llama4": "llama4",
          "granitehybrid": "granitemoehybrid", "bailingmoe2": "bailing_moe", "olmoe": "olmoe",
-         "qwen2moe": "qwen2_moe"}
-NESTED = {"llama4"}  # mlx-lm's class takes these under `text_config`
+         "qwen2moe": "qwen2_moe", "gemma3n": "gemma3n"}
+NESTED = {"llama4", "gemma3n"}  # mlx-lm's class takes these under `text_config`
 
 
 def _mamba2(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:

@@ -234,6 +234,33 @@ def _qwen2moe(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str,
             "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length"))}
 
 
+def _gemma3n(get: Callable, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """Gemma 3n (`gemma3n`): AltUp's parallel streams and LAuReL beside each layer, per-layer token
+    embeddings, KV shared across the last layers, sliding layers as the file's pattern marks them,
+    the first layers' activation sparsity, which the converter writes as the Gaussian quantile
+    (turned back into the fraction here). The LAuReL rank and the per-layer embedding rows come
+    from the tensors (`tensor_config.from_tensors`). AltUp's coefficients are not clipped, as
+    llama.cpp runs them (mlx-lm clips at the training bound, 120, which trained weights stay
+    inside)."""
+    n = decoder_layers(get)
+    pattern = get("attention.sliding_window_pattern", None)
+    pattern = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern or [])]
+    if len(pattern) < n:
+        raise ModelLoadError("gemma3n GGUF: attention.sliding_window_pattern must mark every layer")
+    scales = get("activation_sparsity_scale", None)
+    scales = [float(x) for x in (scales.tolist() if hasattr(scales, "tolist") else scales or [-math.inf] * n)]
+    return {**_attention(get, names), "intermediate_size": per_layer(get, "feed_forward_length", n),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in pattern[:n]],
+            "sliding_window": int(get("attention.sliding_window")),
+            "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
+            "final_logit_softcapping": float(get("final_logit_softcapping", 30.0)),
+            "num_kv_shared_layers": int(get("attention.shared_kv_layers", 0)),
+            "hidden_size_per_layer_input": int(get("embedding_length_per_layer_input")),
+            "activation_sparsity_pattern": [0.5 * (1 + math.erf(x / math.sqrt(2))) for x in scales[:n]],
+            "altup_num_inputs": int(get("altup.num_inputs")), "altup_active_idx": int(get("altup.active_idx")),
+            "altup_correct_scale": True, "altup_coef_clip": None, "rope_scaling": None}
+
+
 MAPPED_CONFIGS = {"deepseek2": _deepseek2, "glm4moe": _glm4moe, "glm-dsa": _glm_dsa, "minimax-m2": _minimax_m2,
                   "gpt-oss": _gpt_oss, "gemma4": _gemma4, "llama4": _llama4, "bailingmoe2": _bailingmoe2,
-                  "olmoe": _olmoe, "qwen2moe": _qwen2moe}
+                  "olmoe": _olmoe, "qwen2moe": _qwen2moe, "gemma3n": _gemma3n}

@@ -54,6 +54,10 @@ def from_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple], re
                                               text["rope_theta"])
         if text["rope_scaling"] is None:
             raise ModelLoadError(f"{arch} GGUF: rope_freqs that are no Llama 3 scaling of Meta's published form")
+    if arch == "gemma3n":  # (rows padded to the whole vocabulary by the converter: the padding reads as zeros)
+        text = config["text_config"]
+        text["vocab_size_per_layer_input"] = int(shapes["per_layer_token_embd.weight"][0])
+        text["laurel_rank"] = int(shapes["blk.0.laurel_l.weight"][0])
     if arch != "gemma4":
         return
     if "per_layer_token_embd.weight" in shapes:
