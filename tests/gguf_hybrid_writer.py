@@ -233,11 +233,12 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
             w.add_expert_group_count(config["n_group"])
     elif arch in ("olmoe", "qwen2moe"):  # OlmoeModel's / Qwen2MoeModel's (the base TextModel's)
         _attention_meta(w, config)
-        w.add_expert_count(config["num_experts"])
-        w.add_expert_used_count(config["num_experts_per_tok"])
         if arch == "qwen2moe":
-            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+            _moe_meta(w, config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
+                      config["shared_expert_intermediate_size"])
+        else:
+            w.add_expert_count(config["num_experts"])
+            w.add_expert_used_count(config["num_experts_per_tok"])
     elif arch == "gemma3n":  # Gemma3NModel's (Gemma3Model's, then its own)
         import math
 
@@ -260,10 +261,8 @@ def write_hybrid_gguf(path: str, arch: str, config: dict, tensors: dict[str, np.
         _attention_meta(w, config)
         w.add_rope_dimension_count(config["rotary_dim"])
         w.add_leading_dense_block_count(config["first_k_dense_replace"])
-        w.add_expert_count(config["num_experts"])
-        w.add_expert_used_count(config["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-        w.add_expert_shared_feed_forward_length(config["moe_intermediate_size"] * config["num_shared_experts"])
+        _moe_meta(w, config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
+                  config["moe_intermediate_size"] * config["num_shared_experts"])
         w.add_expert_shared_count(config["num_shared_experts"])
         w.add_expert_weights_scale(config["routed_scaling_factor"])
         w.add_expert_weights_norm(config["norm_topk_prob"])
